@@ -1,0 +1,1 @@
+"""Offline feature preparation: Kaldi-style data directory + alignments -> sharded HDF5 archive."""

@@ -1,0 +1,1 @@
+"""Reading HDF5 feature archives and feeding minibatches to the trainer."""
