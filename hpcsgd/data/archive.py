@@ -1,0 +1,274 @@
+"""The HDF5 feature archive: one format, written by `hpcsgd prep`, read by the loader.
+
+An archive is a directory:
+
+    OUT/shard-00000.h5 ...   one file per shard (one Slurm array task each)
+    OUT/index.json           shard list with frame/utterance counts, so ranks plan their
+                             share of the data without opening every shard
+    OUT/labels.txt           the label inventory, `symbol id` per line
+
+A shard holds whole speakers (so its per-speaker CMVN statistics are complete):
+
+    feats        (F, D) float32   all utterances' frames concatenated, chunked along frames
+    labels       (F,)   int32     frame labels (zero-based ids into the inventory)
+    utt_offsets  (U+1,) int64     utterance u is frames [utt_offsets[u], utt_offsets[u+1])
+    utt_ids      (U,)   str
+    utt_spk      (U,)   int32     index into spk_ids
+    spk_ids      (S,)   str
+    cmvn_stats   (S, 2, D+1) float64   Kaldi layout: row 0 = sums and frame count, row 1 = sums of squares
+    label_counts (L,)   int64     frames per label (priors for hybrid decoding)
+    attrs: format_version, feature_type, feature_dim, num_labels, label_inventory_hash,
+           sample_rate, frame_shift_ms, frame_length_ms, extractor_config (JSON)
+
+Shards and the index are written under a temporary name and renamed, so a crash never leaves
+a half-written file with the final name.
+"""
+import hashlib
+import json
+import os
+
+import h5py
+import numpy as np
+
+from hpcsgd.errors import UserError
+
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+LABELS_NAME = "labels.txt"
+CHUNK_BYTES = 512 * 1024  # feats chunk ~0.5 MiB: large sequential reads, small enough for random blocks
+# Attributes that must agree across all shards of one archive.
+SHARED_ATTRS = ("format_version", "feature_type", "feature_dim", "num_labels",
+                "label_inventory_hash", "sample_rate", "frame_shift_ms", "frame_length_ms",
+                "extractor_config")
+
+
+def shard_name(index):
+    return f"shard-{index:05d}.h5"
+
+
+def inventory_text(symbols):
+    """The label inventory as Kaldi writes it: `symbol id` per line, ids 0..L-1."""
+    return "".join(f"{s} {i}\n" for i, s in enumerate(symbols))
+
+
+def inventory_hash(symbols):
+    return hashlib.sha256(inventory_text(symbols).encode()).hexdigest()[:16]
+
+
+def read_inventory(path):
+    """Read `symbol id` lines; ids must be exactly 0..L-1 (in any order)."""
+    by_id = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+                raise UserError(f"{path}:{lineno}: expected 'symbol id', got {line.strip()!r}")
+            sym, idx = parts[0], int(parts[1])
+            if idx in by_id:
+                raise UserError(f"{path}:{lineno}: id {idx} used twice ({by_id[idx]}, {sym})")
+            by_id[idx] = sym
+    if sorted(by_id) != list(range(len(by_id))):
+        raise UserError(f"{path}: label ids must be 0..{len(by_id) - 1} without gaps")
+    symbols = [by_id[i] for i in range(len(by_id))]
+    if len(set(symbols)) != len(symbols):
+        raise UserError(f"{path}: a symbol appears twice")
+    return symbols
+
+
+def atomic_write_text(path, text):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path, feats, labels, utt_offsets, utt_ids, utt_spk, spk_ids, cmvn_stats,
+                label_counts, attrs):
+    """Write one shard atomically (temp name + fsync + rename). `attrs` holds SHARED_ATTRS."""
+    feats = np.ascontiguousarray(feats, dtype=np.float32)
+    num_frames, dim = feats.shape
+    missing = [k for k in SHARED_ATTRS if k not in attrs]
+    if missing:
+        raise ValueError(f"write_shard: missing attributes {missing}")
+    if attrs["feature_dim"] != dim:
+        raise ValueError(f"write_shard: feature_dim attr {attrs['feature_dim']} != feats dim {dim}")
+    chunk_frames = max(1, min(num_frames, CHUNK_BYTES // (4 * max(dim, 1))))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("feats", data=feats, chunks=(chunk_frames, dim) if num_frames else None)
+            f.create_dataset("labels", data=np.asarray(labels, dtype=np.int32))
+            f.create_dataset("utt_offsets", data=np.asarray(utt_offsets, dtype=np.int64))
+            f.create_dataset("utt_ids", data=np.array(utt_ids, dtype=object),
+                             dtype=h5py.string_dtype())
+            f.create_dataset("utt_spk", data=np.asarray(utt_spk, dtype=np.int32))
+            f.create_dataset("spk_ids", data=np.array(spk_ids, dtype=object),
+                             dtype=h5py.string_dtype())
+            f.create_dataset("cmvn_stats", data=np.asarray(cmvn_stats, dtype=np.float64))
+            f.create_dataset("label_counts", data=np.asarray(label_counts, dtype=np.int64))
+            for key in SHARED_ATTRS:
+                f.attrs[key] = attrs[key]
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def shard_summary(path):
+    """The index entry of one shard (reads only small datasets and attributes)."""
+    with open_shard(path) as f:
+        return {
+            "file": os.path.basename(path),
+            "frames": int(f["feats"].shape[0]),
+            "utterances": int(f["utt_ids"].shape[0]),
+            "speakers": int(f["spk_ids"].shape[0]),
+            "attrs": {k: _plain(f.attrs[k]) for k in SHARED_ATTRS},
+        }
+
+
+def write_index(out_dir):
+    """Scan OUT/shard-*.h5 and write OUT/index.json atomically (the final step of prep)."""
+    files = sorted(n for n in os.listdir(out_dir) if n.startswith("shard-") and n.endswith(".h5"))
+    if not files:
+        raise UserError(f"{out_dir}: no shard-*.h5 files to index")
+    shards = [shard_summary(os.path.join(out_dir, n)) for n in files]
+    attrs = shards[0]["attrs"]
+    for s in shards[1:]:
+        for key in SHARED_ATTRS:
+            if s["attrs"][key] != attrs[key]:
+                raise UserError(f"{out_dir}/{s['file']}: attribute {key}={s['attrs'][key]!r} "
+                                f"differs from {shards[0]['file']} ({attrs[key]!r})")
+    for s in shards:
+        del s["attrs"]
+    total_frames = sum(s["frames"] for s in shards)
+    index = {
+        "format_version": FORMAT_VERSION,
+        **{k: attrs[k] for k in SHARED_ATTRS if k != "format_version"},
+        "shards": shards,
+        "total_frames": total_frames,
+        "total_utterances": sum(s["utterances"] for s in shards),
+        "total_speakers": sum(s["speakers"] for s in shards),
+        "hours": total_frames * attrs["frame_shift_ms"] / 3.6e6,
+    }
+    atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def read_index(archive_dir):
+    """Load OUT/index.json; every shard it names must exist."""
+    path = os.path.join(archive_dir, INDEX_NAME)
+    if not os.path.isfile(path):
+        raise UserError(f"{archive_dir}: no {INDEX_NAME} (not an hpcsgd archive, or prep's "
+                        f"index step did not run: `hpcsgd prep --write-index {archive_dir}`)")
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: unreadable index ({err})") from None
+    if index.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path}: format_version {index.get('format_version')} "
+                        f"(this hpcsgd reads {FORMAT_VERSION}); re-run hpcsgd prep")
+    for s in index["shards"]:
+        if not os.path.isfile(os.path.join(archive_dir, s["file"])):
+            raise UserError(f"{path}: names shard {s['file']}, which does not exist")
+    index["dir"] = os.path.abspath(archive_dir)
+    return index
+
+
+def open_shard(path):
+    """h5py.File opened read-only, with a clear error for missing, truncated or corrupt files."""
+    try:
+        return h5py.File(path, "r")
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: cannot open shard ({err}); truncated or corrupt? "
+                        f"re-run hpcsgd prep for it") from None
+
+
+def read_shard_meta(path):
+    """Everything but feats and labels: offsets, ids, CMVN stats, counts, attributes."""
+    with open_shard(path) as f:
+        try:
+            return {
+                "utt_offsets": f["utt_offsets"][()],
+                "utt_ids": [u.decode() if isinstance(u, bytes) else u for u in f["utt_ids"][()]],
+                "utt_spk": f["utt_spk"][()],
+                "spk_ids": [s.decode() if isinstance(s, bytes) else s for s in f["spk_ids"][()]],
+                "cmvn_stats": f["cmvn_stats"][()],
+                "label_counts": f["label_counts"][()],
+                "attrs": {k: _plain(f.attrs[k]) for k in SHARED_ATTRS},
+                "num_frames": int(f["feats"].shape[0]),
+            }
+        except (KeyError, OSError) as err:
+            raise UserError(f"{path}: incomplete shard ({err})") from None
+
+
+def validate_shard(path, check_values=True):
+    """Check one shard's internal consistency; return a list of problems (empty when valid)."""
+    problems = []
+    try:
+        f = open_shard(path)
+    except UserError as err:
+        return [str(err)]
+    with f:
+        needed = ("feats", "labels", "utt_offsets", "utt_ids", "utt_spk", "spk_ids",
+                  "cmvn_stats", "label_counts")
+        absent = [k for k in needed if k not in f]
+        if absent:
+            return [f"{path}: missing datasets {absent}"]
+        attrs_missing = [k for k in SHARED_ATTRS if k not in f.attrs]
+        if attrs_missing:
+            return [f"{path}: missing attributes {attrs_missing}"]
+        num_frames, dim = f["feats"].shape
+        num_labels = int(f.attrs["num_labels"])
+        offsets = f["utt_offsets"][()]
+        num_utts = f["utt_ids"].shape[0]
+        num_spk = f["spk_ids"].shape[0]
+        if dim != f.attrs["feature_dim"]:
+            problems.append(f"{path}: feats dim {dim} != feature_dim attribute {f.attrs['feature_dim']}")
+        if f["labels"].shape != (num_frames,):
+            problems.append(f"{path}: labels shape {f['labels'].shape} != ({num_frames},)")
+        if offsets.shape != (num_utts + 1,) or offsets[0] != 0 or offsets[-1] != num_frames \
+                or np.any(np.diff(offsets) <= 0):
+            problems.append(f"{path}: utt_offsets must rise strictly from 0 to {num_frames} "
+                            f"with {num_utts + 1} entries")
+        utt_spk = f["utt_spk"][()]
+        if utt_spk.shape != (num_utts,) or (num_utts and (utt_spk.min() < 0 or utt_spk.max() >= num_spk)):
+            problems.append(f"{path}: utt_spk must index the {num_spk} speakers")
+        if f["cmvn_stats"].shape != (num_spk, 2, dim + 1):
+            problems.append(f"{path}: cmvn_stats shape {f['cmvn_stats'].shape} != ({num_spk}, 2, {dim + 1})")
+        counts = f["label_counts"][()]
+        if counts.shape != (num_labels,):
+            problems.append(f"{path}: label_counts shape {counts.shape} != ({num_labels},)")
+        if check_values and not problems:
+            labels = f["labels"][()]
+            if num_frames and (labels.min() < 0 or labels.max() >= num_labels):
+                bad = int(np.flatnonzero((labels < 0) | (labels >= num_labels))[0])
+                problems.append(f"{path}: label {labels[bad]} at frame {bad} outside 0..{num_labels - 1}")
+            elif not np.array_equal(np.bincount(labels, minlength=num_labels), counts):
+                problems.append(f"{path}: label_counts do not match the labels")
+            step = max(1, (1 << 24) // max(dim, 1))  # 64 MiB of features at a time
+            for start in range(0, num_frames, step):
+                block = f["feats"][start:start + step]
+                if not np.isfinite(block).all():
+                    row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+                    utt = int(np.searchsorted(offsets, row, side="right") - 1)
+                    name = f["utt_ids"][utt]
+                    name = name.decode() if isinstance(name, bytes) else name
+                    problems.append(f"{path}: NaN/Inf feature in utterance {name} (frame {row})")
+                    break
+    return problems
+
+
+def _plain(value):
+    """HDF5 attribute -> plain Python (for JSON and comparisons)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
