@@ -1,0 +1,322 @@
+"""Minibatches for the trainer: rank-disjoint, shuffled, spliced and CMVN-normalised frames.
+
+The data path of one rank in one epoch:
+
+  index.json --plan--> blocks (fixed frame ranges inside shards, from the index alone)
+     --permute(seed, epoch), deal every K-th block to rank r--> this rank's blocks
+     --group into RAM buffers of <= buffer_frames--> read feats (+C context frames) and labels,
+       apply per-speaker CMVN, permute the buffer's frames (seed, epoch, rank, buffer)
+     --concatenate--> this rank's frame *stream* for the epoch
+     --splice +-C frames (Numba) on demand--> minibatch (x, y)
+
+Because the plan needs only index.json, every rank knows every rank's frame count without
+communicating (`rank_frames`), and a rank's position is one number: the frame offset into its
+stream. Resume = rebuild the same stream and start at the saved offset; a change of minibatch
+size mid-epoch (automatic minibatch-size selection) just reads a different count next time.
+
+A background thread loads the next buffer while the trainer computes; splicing happens in the
+caller's thread into one preallocated output, so a returned batch is valid until the next call.
+"""
+import os
+import queue
+import threading
+
+import numpy as np
+
+from hpcsgd.data import archive
+from hpcsgd.data.splice import apply_cmvn, cmvn_from_stats, splice_gather
+from hpcsgd.errors import UserError
+
+BLOCK_FRAMES = 8192        # unit dealt to ranks: ~80 s of speech at 10 ms
+BUFFER_FRAMES = 1 << 18    # frames shuffled together in RAM: 262k x 40 x 4 B = 42 MB
+
+
+def _rng(seed, *keys):
+    """One independent generator per (seed, epoch, rank, buffer ...) tuple."""
+    return np.random.default_rng([seed, *keys])
+
+
+def local_batch_size(global_batch, rank, world):
+    """This rank's share of a global minibatch: the first N mod K ranks take one more frame."""
+    return global_batch // world + (1 if rank < global_batch % world else 0)
+
+
+class Plan:
+    """Blocks of the archive and their assignment to ranks, computed from index.json only."""
+
+    def __init__(self, index, world, seed, block_frames=BLOCK_FRAMES, buffer_frames=BUFFER_FRAMES):
+        if block_frames < 1 or buffer_frames < block_frames:
+            raise UserError(f"loader: need 1 <= block_frames ({block_frames}) <= buffer_frames "
+                            f"({buffer_frames})")
+        self.index, self.world, self.seed = index, world, seed
+        self.buffer_frames = buffer_frames
+        blocks = []
+        for s, shard in enumerate(index["shards"]):
+            for start in range(0, shard["frames"], block_frames):
+                blocks.append((s, start, min(start + block_frames, shard["frames"])))
+        self.blocks = np.array(blocks, dtype=np.int64).reshape(-1, 3)
+        if len(self.blocks) < world:
+            raise UserError(f"{index['dir']}: {len(self.blocks)} blocks of {block_frames} frames "
+                            f"cannot feed {world} ranks; use a smaller loader block size")
+
+    def rank_blocks(self, epoch, rank):
+        """Block rows of `rank` in epoch order: the epoch's permutation, every world-th entry."""
+        order = _rng(self.seed, epoch).permutation(len(self.blocks))
+        return self.blocks[order[rank::self.world]]
+
+    def rank_frames(self, epoch):
+        """Frames each rank streams in `epoch` (identical on all ranks, no communication)."""
+        sizes = self.blocks[:, 2] - self.blocks[:, 1]
+        order = _rng(self.seed, epoch).permutation(len(self.blocks))
+        return np.array([int(sizes[order[r::self.world]].sum()) for r in range(self.world)])
+
+    def rank_buffers(self, epoch, rank):
+        """This rank's blocks grouped into consecutive buffers of <= buffer_frames frames."""
+        buffers, current, frames = [], [], 0
+        for block in self.rank_blocks(epoch, rank):
+            size = int(block[2] - block[1])
+            if current and frames + size > self.buffer_frames:
+                buffers.append(np.array(current))
+                current, frames = [], 0
+            current.append(block)
+            frames += size
+        if current:
+            buffers.append(np.array(current))
+        return buffers
+
+
+class Buffer:
+    """One RAM buffer: normalised frames with context, labels, and the shuffled frame order.
+
+    feats rows hold each block's frames plus up to C context frames each side (read from the
+    shard, so splicing at a block edge sees the real neighbours); src/lo/hi give, per block
+    frame, its row and its utterance's first and last row (splicing clamps there).
+    """
+
+    def __init__(self, feats, labels, src, lo, hi, order):
+        self.feats, self.labels, self.src, self.lo, self.hi, self.order = \
+            feats, labels, src, lo, hi, order
+
+    def __len__(self):
+        return len(self.order)
+
+
+class FrameLoader:
+    """Spliced, normalised, shuffled minibatches of one rank. See the module docstring."""
+
+    def __init__(self, archive_dir, rank=0, world=1, context=5, cmvn="meanvar", seed=0,
+                 max_batch=1024, block_frames=BLOCK_FRAMES, buffer_frames=BUFFER_FRAMES,
+                 prefetch=True):
+        if cmvn not in ("none", "mean", "meanvar"):
+            raise UserError(f"loader: cmvn must be none, mean or meanvar, not {cmvn!r}")
+        if not 0 <= rank < world:
+            raise UserError(f"loader: rank {rank} outside world of {world}")
+        self.index = archive.read_index(archive_dir)
+        self.dir = self.index["dir"]
+        self.rank, self.world, self.context, self.seed = rank, world, context, seed
+        self.cmvn, self.prefetch = cmvn, prefetch
+        self.plan = Plan(self.index, world, seed, block_frames, buffer_frames)
+        self.feature_dim = int(self.index["feature_dim"])
+        self.input_dim = (2 * context + 1) * self.feature_dim
+        self.num_labels = int(self.index["num_labels"])
+        self._meta = {}     # shard number -> (utt_offsets, row speaker ids, cmvn shift, scale)
+        self._out_x = np.empty((max_batch, self.input_dim), np.float32)
+        self._out_y = np.empty(max_batch, np.int32)
+        self._epoch = None
+        self._files = {}
+
+    # --- reading one buffer -------------------------------------------------------------
+    def _shard_meta(self, s):
+        if s not in self._meta:
+            path = os.path.join(self.dir, self.index["shards"][s]["file"])
+            meta = archive.read_shard_meta(path)
+            if meta["attrs"]["feature_dim"] != self.feature_dim:
+                raise UserError(f"{path}: feature dim {meta['attrs']['feature_dim']} differs "
+                                f"from the index ({self.feature_dim})")
+            frame_spk = np.repeat(meta["utt_spk"], np.diff(meta["utt_offsets"])).astype(np.int32)
+            if self.cmvn == "none":
+                shift = np.zeros((len(meta["spk_ids"]), self.feature_dim), np.float32)
+                scale = np.ones_like(shift)
+            else:
+                shift, scale = cmvn_from_stats(meta["cmvn_stats"], self.cmvn == "meanvar")
+            self._meta[s] = (meta["utt_offsets"], frame_spk, shift, scale, path)
+        return self._meta[s]
+
+    def _open(self, s, path):
+        """Shard files stay open for the epoch; only the loading thread touches them."""
+        if s not in self._files:
+            self._files[s] = archive.open_shard(path)
+        return self._files[s]
+
+    def _load_buffer(self, epoch, number, blocks):
+        """Read, normalise and shuffle one buffer (runs in the prefetch thread)."""
+        C = self.context
+        frames = int((blocks[:, 2] - blocks[:, 1]).sum())
+        rows = int(sum(min(self.index["shards"][s]["frames"], e + C) - max(0, b - C)
+                       for s, b, e in blocks))
+        feats = np.empty((rows, self.feature_dim), np.float32)
+        labels = np.empty(frames, np.int32)
+        src = np.empty(frames, np.int64)
+        lo = np.empty(frames, np.int64)
+        hi = np.empty(frames, np.int64)
+        row, pos = 0, 0
+        for s, begin, end in blocks:
+            offsets, frame_spk, shift, scale, path = self._shard_meta(int(s))
+            w0 = max(0, begin - C)
+            w1 = min(len(frame_spk), end + C)
+            f = self._open(int(s), path)
+            try:
+                f["feats"].read_direct(feats, np.s_[w0:w1], np.s_[row:row + w1 - w0])
+                labels[pos:pos + end - begin] = f["labels"][begin:end]
+            except (OSError, ValueError, KeyError) as err:
+                raise UserError(f"{path}: cannot read frames {w0}..{w1} ({err}); "
+                                f"truncated or corrupt shard?") from None
+            window = feats[row:row + w1 - w0]
+            apply_cmvn(window, frame_spk[w0:w1], shift, scale)
+            n = end - begin
+            frame = np.arange(begin, end)
+            utt = np.searchsorted(offsets, frame, side="right") - 1
+            src[pos:pos + n] = row + frame - w0
+            lo[pos:pos + n] = row + np.maximum(offsets[utt], w0) - w0
+            hi[pos:pos + n] = row + np.minimum(offsets[utt + 1], w1) - 1 - w0
+            row += w1 - w0
+            pos += n
+        order = _rng(self.seed, epoch, self.rank, number).permutation(frames)
+        return Buffer(feats, labels, src, lo, hi, order)
+
+    # --- the epoch stream ---------------------------------------------------------------
+    def start_epoch(self, epoch, offset=0):
+        """Begin streaming `epoch` at frame `offset` of this rank's stream (0, or a saved one)."""
+        self.close()
+        buffers = self.plan.rank_buffers(epoch, self.rank)
+        sizes = [int((b[:, 2] - b[:, 1]).sum()) for b in buffers]
+        total = sum(sizes)
+        if not 0 <= offset <= total:
+            raise UserError(f"loader: saved offset {offset} outside epoch {epoch} of rank "
+                            f"{self.rank} ({total} frames); was the archive or world size changed?")
+        first, skipped = 0, 0
+        while first < len(sizes) and skipped + sizes[first] <= offset:
+            skipped += sizes[first]
+            first += 1
+        self._epoch = epoch
+        self._total = total
+        self._offset = offset
+        self._in_buffer = offset - skipped
+        self._current = None
+        self._queue = queue.Queue(maxsize=1)   # one buffer ahead: memory stays at 2-3 buffers
+        self._stop = threading.Event()
+        jobs = [(i, buffers[i]) for i in range(first, len(buffers))]
+        if self.prefetch:
+            self._thread = threading.Thread(target=self._producer, args=(epoch, jobs), daemon=True)
+            self._thread.start()
+        else:
+            self._jobs = iter(jobs)
+            self._thread = None
+
+    def _producer(self, epoch, jobs):
+        try:
+            for number, blocks in jobs:
+                if not self._put(self._load_buffer(epoch, number, blocks)):
+                    return
+            self._put(None)  # end of this rank's stream
+        except BaseException as err:  # handed to the trainer's thread, raised there
+            self._put(err)
+
+    def _put(self, item):
+        """Queue put that gives up when close() asks the thread to stop (never deadlocks)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _next_buffer(self):
+        if self._thread is None:
+            number, blocks = next(self._jobs)
+            return self._load_buffer(self._epoch, number, blocks)
+        item = self._queue.get()   # waits only if the trainer outruns the prefetch thread
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            raise RuntimeError("loader: stream ended before `remaining` reached 0")
+        return item
+
+    @property
+    def position(self):
+        """What a checkpoint stores to resume this rank exactly."""
+        return {"epoch": self._epoch, "offset": self._offset}
+
+    @property
+    def remaining(self):
+        return self._total - self._offset
+
+    def next_batch(self, n):
+        """Up to n spliced frames: (x (m, input_dim) float32, y (m,) int32), m < n only at the
+        end of the epoch (0 when exhausted). Views into one output buffer: valid until the
+        next call."""
+        if n > len(self._out_y):
+            raise ValueError(f"batch of {n} frames exceeds the loader's max_batch {len(self._out_y)}")
+        n = min(n, self.remaining)
+        filled = 0
+        while filled < n:
+            if self._current is None:
+                self._current = self._next_buffer()  # _in_buffer is 0, or the resume point
+            buf = self._current
+            take = min(n - filled, len(buf) - self._in_buffer)
+            order = buf.order[self._in_buffer:self._in_buffer + take]
+            splice_gather(buf.feats, buf.src, buf.lo, buf.hi, order, self.context,
+                          self._out_x[filled:filled + take])
+            self._out_y[filled:filled + take] = buf.labels[order]
+            self._in_buffer += take
+            filled += take
+            if self._in_buffer == len(buf):
+                self._current, self._in_buffer = None, 0
+        self._offset += n
+        return self._out_x[:n], self._out_y[:n]
+
+    def close(self):
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+
+def iter_utterances(archive_dir, rank=0, world=1, epoch=0, seed=0, cmvn="meanvar",
+                    block_frames=BLOCK_FRAMES):
+    """Whole utterances for sequence models (LSTMs): (utt_id, feats (T, D), labels (T,)).
+
+    Rank-disjoint by the same block plan: an utterance belongs to the block holding its first
+    frame. Order: this rank's utterances shuffled with (seed, epoch, rank). CMVN applied.
+    """
+    index = archive.read_index(archive_dir)
+    plan = Plan(index, world, seed, block_frames, max(block_frames, BUFFER_FRAMES))
+    mine = []
+    for s, begin, end in plan.rank_blocks(epoch, rank):
+        path = os.path.join(index["dir"], index["shards"][s]["file"])
+        offsets = archive.read_shard_meta(path)["utt_offsets"]
+        first = np.searchsorted(offsets[:-1], begin, side="left")
+        last = np.searchsorted(offsets[:-1], end, side="left")
+        mine.extend((int(s), int(u)) for u in range(first, last))
+    order = _rng(seed, epoch, rank).permutation(len(mine))
+    metas = {}
+    for k in order:
+        s, u = mine[k]
+        if s not in metas:
+            path = os.path.join(index["dir"], index["shards"][s]["file"])
+            meta = archive.read_shard_meta(path)
+            shift, scale = cmvn_from_stats(meta["cmvn_stats"], cmvn == "meanvar")
+            if cmvn == "none":
+                shift, scale = np.zeros_like(shift), np.ones_like(scale)
+            metas[s] = (path, meta, shift, scale)
+        path, meta, shift, scale = metas[s]
+        b, e = meta["utt_offsets"][u], meta["utt_offsets"][u + 1]
+        with archive.open_shard(path) as f:
+            feats = f["feats"][b:e]
+            labels = f["labels"][b:e]
+        spk = meta["utt_spk"][u]
+        yield meta["utt_ids"][u], (feats + shift[spk]) * scale[spk], labels

@@ -1,0 +1,71 @@
+"""Shared test helpers: synthetic archives (exact, tiny) and a real `mpiexec` launcher."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcsgd.data import archive
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,
+                 speakers_per_shard=3, seed=0, min_len=20, max_len=300):
+    """A small archive whose feats[:, 0] is the frame's global id (shard * 1e6 + frame), so
+    tests can tell exactly which frames a loader produced. Returns the feats per shard."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(out_dir, exist_ok=True)
+    symbols = [f"L{i}" for i in range(num_labels)]
+    attrs = dict(format_version=archive.FORMAT_VERSION, feature_type="fbank", feature_dim=dim,
+                 num_labels=num_labels, label_inventory_hash=archive.inventory_hash(symbols),
+                 sample_rate=16000, frame_shift_ms=10.0, frame_length_ms=25.0,
+                 extractor_config="{}")
+    all_feats = []
+    for s in range(num_shards):
+        lengths = rng.integers(min_len, max_len, utts_per_shard)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        frames = int(offsets[-1])
+        feats = rng.normal(3.0, 2.0, (frames, dim)).astype(np.float32)
+        feats[:, 0] = s * 1_000_000 + np.arange(frames)
+        labels = rng.integers(0, num_labels, frames).astype(np.int32)
+        utt_spk = np.sort(rng.integers(0, speakers_per_shard, utts_per_shard)).astype(np.int32)
+        stats = np.zeros((speakers_per_shard, 2, dim + 1))
+        for u in range(utts_per_shard):
+            x = feats[offsets[u]:offsets[u + 1]].astype(np.float64)
+            stats[utt_spk[u], 0, :dim] += x.sum(0)
+            stats[utt_spk[u], 0, dim] += len(x)
+            stats[utt_spk[u], 1, :dim] += (x * x).sum(0)
+        stats[stats[:, 0, dim] == 0, 0, dim] = 1  # a speaker with no utterance: harmless count
+        archive.write_shard(os.path.join(out_dir, archive.shard_name(s)), feats, labels, offsets,
+                            [f"s{s}u{u}" for u in range(utts_per_shard)], utt_spk,
+                            [f"s{s}spk{k}" for k in range(speakers_per_shard)], stats,
+                            np.bincount(labels, minlength=num_labels), attrs)
+        all_feats.append((feats, labels, offsets, utt_spk, stats))
+    archive.atomic_write_text(os.path.join(out_dir, archive.LABELS_NAME),
+                              archive.inventory_text(symbols))
+    archive.write_index(out_dir)
+    return all_feats
+
+
+def run_mpi(num_ranks, args, timeout=120, env=None):
+    """Run `mpiexec -n K python ARGS` for real; a hang becomes a failure after `timeout` s."""
+    full_env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONUNBUFFERED="1",
+                    OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    full_env.update(env or {})
+    cmd = [MPIEXEC, "-n", str(num_ranks), sys.executable, *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                              cwd=REPO)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"mpiexec -n {num_ranks} hung for {timeout}s: {err.stdout}\n{err.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def small_archive(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("archive"))
+    return out, make_archive(out)
