@@ -1,0 +1,1 @@
+"""Acoustic models: flat parameter buffers (flat), element-wise kernels (kernels), the DNN (dnn)."""

@@ -1,0 +1,137 @@
+"""Fully connected DNN acoustic model (the paper's CD-DNN-HMM frame classifier): forward and
+backward with BLAS GEMMs (np.matmul into preallocated views) and the fused Numba kernels of
+hpcsgd.model.kernels for all element-wise work.
+
+Shape key: N = frames in the minibatch (<= max_batch), D = input dim (spliced features,
+e.g. 11*40 = 440), H_l = units of hidden layer l, V = num_labels (senones), L = hidden layers.
+
+Layout (see hpcsgd.model.flat): "W0", "b0", ..., "W{L}", "b{L}"; W_l is (n_in, n_out) and
+y = x @ W_l + b_l, b_l is (1, n_out). A codec column is a row W_l[j, :] (the fan-out of input
+unit j), contiguous in memory; a bias is one codec column.
+
+Conventions: the cross-entropy and the gradients are SUMMED over the minibatch, never averaged;
+learning rates are per sample (hpcsgd.optim). Costs per frame: 2 * sum(n_in * n_out) FLOP
+forward, the same for dW, and the same less the first layer for dX (~276 MFLOP for 46M).
+"""
+import numpy as np
+
+from hpcsgd.model import kernels as K
+from hpcsgd.model.flat import FlatParams
+
+
+def layout(input_dim, hidden, num_labels):
+    """[(name, shape), ...] of the DNN's parameters, in flat-buffer order."""
+    dims = [int(input_dim), *[int(h) for h in hidden], int(num_labels)]
+    out = []
+    for l, (n_in, n_out) in enumerate(zip(dims[:-1], dims[1:])):
+        out += [(f"W{l}", (n_in, n_out)), (f"b{l}", (1, n_out))]
+    return out
+
+
+def gemm_flop_per_frame(input_dim, hidden, num_labels):
+    """FLOP of the GEMMs of one training frame: forward, dW and dX (no dX for the input)."""
+    dims = [input_dim, *hidden, num_labels]
+    macs = [a * b for a, b in zip(dims[:-1], dims[1:])]
+    return 2 * (3 * sum(macs) - macs[0])
+
+
+class DNN:
+    """The model's shapes and its preallocated workspaces (activations, deltas, partial sums).
+
+    Parameters and gradients are FlatParams of `self.layout` (the caller owns them, so that the
+    optimizer, codecs and checkpoints see the same flat buffers). Any n <= max_batch works on
+    views of the workspaces; nothing is allocated per call except small result scalars.
+    """
+
+    def __init__(self, input_dim, hidden, num_labels, activation="sigmoid", max_batch=1024,
+                 dtype=np.float32):
+        if activation not in K.ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: expected one of {sorted(K.ACTIVATIONS)}")
+        self.dims = [int(input_dim), *[int(h) for h in hidden], int(num_labels)]
+        self.hidden = self.dims[1:-1]
+        self.activation = activation
+        self.kind = K.ACTIVATIONS[activation]
+        self.max_batch = int(max_batch)
+        self.dtype = np.dtype(dtype)
+        self.layout = layout(input_dim, hidden, num_labels)
+        self.n_layers = len(self.dims) - 1          # weight matrices, L + 1
+        # acts[l] (max_batch, dims[l+1]): output of layer l (h_l, or the logits for the last);
+        # backward overwrites it with dZ_l, the gradient w.r.t. the layer's pre-activation.
+        self.acts = [np.empty((self.max_batch, d), self.dtype) for d in self.dims[1:]]
+        # dH_l = dZ_{l+1} @ W_{l+1}.T before the activation derivative; one buffer, viewed
+        # (n, H_l) C-contiguous.
+        self.delta = np.empty(self.max_batch * max(self.hidden, default=1), self.dtype)
+        self.partial = np.empty((K.NCHUNK, max(self.dims[1:])), self.dtype)
+        self.ce_part = np.empty(K.NCHUNK, np.float64)
+        self.correct_part = np.empty(K.NCHUNK, np.int64)
+
+    def new_params(self):
+        """A zeroed FlatParams of this model's layout and dtype (params, grads, state)."""
+        return FlatParams(self.layout, self.dtype)
+
+    def init(self, params, rng):
+        """Uniform Glorot init, seeded by the numpy Generator `rng`; biases zero.
+        W ~ U(-a, a), a = sqrt(6 / (n_in + n_out)), times 4 for sigmoid hidden layers (Glorot
+        & Bengio 2010) and sqrt(2) for ReLU (He); the softmax layer gets plain Glorot."""
+        for l, (n_in, n_out) in enumerate(zip(self.dims[:-1], self.dims[1:])):
+            a = np.sqrt(6.0 / (n_in + n_out))
+            if l < self.n_layers - 1:
+                a *= 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0)
+            W = params.views[f"W{l}"]
+            W[...] = rng.uniform(-a, a, size=W.shape).astype(self.dtype)
+            params.views[f"b{l}"][...] = 0
+
+    def _check(self, x, n):
+        if not 0 < n <= self.max_batch:
+            raise ValueError(f"minibatch of {n} frames: expected 1..{self.max_batch} (max_batch)")
+        if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.dims[0] \
+                or not x.flags.c_contiguous or x.shape[0] < n:
+            raise ValueError(f"input {x.dtype}{x.shape}: expected C-contiguous {self.dtype} "
+                             f"(>= {n}, {self.dims[0]})")
+
+    def _forward(self, params, x, n):
+        """Hidden layers: acts[l][:n] = f(a @ W_l + b_l); the last gets only the GEMM."""
+        a = x[:n]
+        for l in range(self.n_layers):
+            out = self.acts[l][:n]
+            np.matmul(a, params.views[f"W{l}"], out=out)           # 2 n n_in n_out FLOP
+            if l < self.n_layers - 1:
+                K.bias_act_forward(out, params.views[f"b{l}"], self.kind)
+            a = out
+
+    def forward_backward(self, params, grads, x, y, n):
+        """One minibatch: x[:n] (n, D) frames, y[:n] (n,) integer labels in [0, V).
+        Overwrites every view of `grads` with the gradient of the cross-entropy SUMMED over
+        the n frames. Returns (ce_sum: float, nats summed over the frames; n_correct: int,
+        frames whose argmax posterior equals the label)."""
+        self._check(x, n)
+        self._forward(params, x, n)
+        top = self.n_layers - 1
+        K.softmax_xent_backward(self.acts[top][:n], params.views[f"b{top}"], y[:n],
+                                grads.views[f"b{top}"], self.partial, self.ce_part,
+                                self.correct_part)
+        for l in range(top, -1, -1):
+            dz = self.acts[l][:n]                                   # dZ_l (n, n_out)
+            a = self.acts[l - 1][:n] if l > 0 else x[:n]           # input of layer l
+            np.matmul(a.T, dz, out=grads.views[f"W{l}"])            # dW_l = a.T @ dZ_l
+            if l > 0:
+                h = self.acts[l - 1][:n]
+                dh = self.delta[:n * h.shape[1]].reshape(n, h.shape[1])
+                np.matmul(dz, params.views[f"W{l}"].T, out=dh)     # dH = dZ_l @ W_l.T
+                # dZ_{l-1} = dH * f'(.) written over h_{l-1}, which is not needed any more
+                K.act_backward(h, dh, h, grads.views[f"b{l - 1}"], self.partial, self.kind)
+        return float(self.ce_part.sum()), int(self.correct_part.sum())
+
+    def forward(self, params, x, n, out=None, log=True):
+        """Log-posteriors (log=True) or posteriors of x[:n], shape (n, V). Written into `out`
+        (a C-contiguous (>= n, V) array of the model's dtype) if given, else returned as a view
+        of the model's workspace, valid until the next call."""
+        self._check(x, n)
+        self._forward(params, x, n)
+        top = self.n_layers - 1
+        z = self.acts[top][:n]
+        K.log_softmax_forward(z, params.views[f"b{top}"], log)
+        if out is None:
+            return z
+        out[:n] = z
+        return out[:n]
