@@ -1,0 +1,108 @@
+"""Loader throughput: spliced + CMVN-normalised frames/s against the raw HDF5 read rate.
+
+The limit is reading the same feats from the same shards with h5py into a preallocated
+buffer, measured in the same run. The loader runs on one core (numba and BLAS threads 1),
+first synchronously (all work in the caller: the cost a trainer would see without prefetch),
+then with the prefetch thread (what the trainer waits for when it consumes batches at once).
+Without an ARCHIVE, the bundled demo corpus is prepared into a temporary directory.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from hpcsgd.data import archive
+from hpcsgd.data.loader import FrameLoader
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(REPO, "data_prep", "demo", "so762")
+TARGET_FPS = 200_000  # a GPU rank consumes > 100k frames/s; one core must feed twice that
+
+
+def add_arguments(parser):
+    parser.add_argument("archive", nargs="?", help="archive dir (default: prep the demo corpus)")
+    parser.add_argument("--context", type=int, default=5, help="splice +-C frames")
+    parser.add_argument("--batch", type=int, default=1024, help="minibatch frames")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measure at least this long")
+    parser.add_argument("--small", action="store_true", help="quick smoke test (CI)")
+    parser.add_argument("--json", help="write the results here")
+
+
+def _raw_read(index, seconds):
+    """Frames/s of reading every shard's feats in 8192-frame blocks into one buffer."""
+    dim = index["feature_dim"]
+    block = 8192
+    out = np.empty((block, dim), np.float32)
+    frames, start = 0, time.perf_counter()
+    while True:
+        for shard in index["shards"]:
+            with archive.open_shard(os.path.join(index["dir"], shard["file"])) as f:
+                feats = f["feats"]
+                for b in range(0, shard["frames"], block):
+                    e = min(b + block, shard["frames"])
+                    feats.read_direct(out, np.s_[b:e], np.s_[0:e - b])
+                    frames += e - b
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return frames / elapsed
+
+
+def _loader_rate(archive_dir, context, batch, seconds, prefetch):
+    loader = FrameLoader(archive_dir, context=context, max_batch=batch, prefetch=prefetch)
+    loader.start_epoch(0)
+    loader.next_batch(batch)  # compile the kernels outside the timing
+    frames, epoch, start = 0, 0, time.perf_counter()
+    while True:
+        x, _ = loader.next_batch(batch)
+        frames += len(x)
+        if loader.remaining == 0:
+            if time.perf_counter() - start >= seconds:
+                break
+            epoch += 1
+            loader.start_epoch(epoch)
+    elapsed = time.perf_counter() - start
+    loader.close()
+    return frames / elapsed
+
+
+def run(args):
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    seconds = 0.3 if args.small else args.seconds
+    tmp = None
+    archive_dir = args.archive
+    if archive_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="hpcsgd-bench-")
+        archive_dir = os.path.join(tmp.name, "demo")
+        subprocess.run([sys.executable, "-m", "hpcsgd.cli", "prep", DEMO, archive_dir,
+                        "--alignments", os.path.join(DEMO, "phones.ctm"),
+                        "--labels", os.path.join(DEMO, "labels.txt")],
+                       check=True, stdout=subprocess.DEVNULL)
+    index = archive.read_index(archive_dir)
+    raw = _raw_read(index, seconds)
+    sync = _loader_rate(archive_dir, args.context, args.batch, seconds, prefetch=False)
+    pre = _loader_rate(archive_dir, args.context, args.batch, seconds, prefetch=True)
+    dim = index["feature_dim"]
+    spliced = (2 * args.context + 1) * dim
+    rows = [
+        ("raw HDF5 read (limit)", raw, 1.0),
+        (f"loader, 1 core, no prefetch ({spliced}-dim)", sync, sync / raw),
+        (f"loader, prefetch thread ({spliced}-dim)", pre, pre / raw),
+    ]
+    print(f"archive {archive_dir}: {index['total_frames']} frames x {dim}, batch {args.batch}")
+    print(f"{'what':48s} {'frames/s':>12s} {'vs raw read':>12s}")
+    for name, fps, ratio in rows:
+        print(f"{name:48s} {fps:12,.0f} {ratio:12.2f}")
+    print(f"target: >= {TARGET_FPS:,} spliced frames/s from one core: "
+          f"{'met' if sync >= TARGET_FPS else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "loader", "archive": archive_dir, "context": args.context,
+                       "batch": args.batch, "raw_read_fps": raw, "loader_sync_fps": sync,
+                       "loader_prefetch_fps": pre, "target_fps": TARGET_FPS}, f, indent=1)
+    if tmp is not None:
+        tmp.cleanup()
+    return 0

@@ -1,0 +1,135 @@
+"""Every training option with its default and a one-line reason, validated once.
+
+A run's configuration = DEFAULTS <- YAML file <- `key=value` command-line overrides. Keys are
+dotted (`optim.lr`); an unknown key, a wrong type or a value out of range is fatal and the
+message names the dotted key. The resolved config is saved in the run directory.
+"""
+import yaml
+
+from hpcsgd.errors import UserError
+
+# key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, or a tuple
+# of allowed values. Types: int, float, str, bool, list (of ints).
+DEFAULTS = {
+    # --- data ---
+    "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
+    "data.cv": ("", str, None, "cross-validation archive of held-out speakers ('' = none)"),
+    "data.context": (5, int, (0, 50), "splice +-C frames around each frame (11 frames, as Kaldi DNNs)"),
+    "data.cmvn": ("meanvar", str, ("none", "mean", "meanvar"), "per-speaker normalisation at load time"),
+    "data.block_frames": (8192, int, (1, 1 << 24), "frames per block dealt to ranks"),
+    "data.buffer_frames": (1 << 18, int, (1, 1 << 28), "frames shuffled together in RAM"),
+    "data.prefetch": (True, bool, None, "load the next buffer in a background thread"),
+    # --- model ---
+    "model.hidden": ([512, 512, 512], list, (1, 1 << 16), "hidden layer sizes of the DNN"),
+    "model.activation": ("sigmoid", str, ("sigmoid", "relu"), "hidden nonlinearity (the paper: sigmoid)"),
+    # --- optimiser (learning rates are per sample: the summed gradient is scaled by lr) ---
+    "optim.lr": (0.002, float, (0.0, 10.0), "learning rate per sample"),
+    "optim.momentum_tc": (1024.0, float, (0.0, 1e9), "momentum time constant in samples (CNTK); 0 = none"),
+    "optim.adagrad": ("none", str, ("none", "local", "aggregate", "after_momentum"),
+                      "AdaGrad placement (paper Table 3)"),
+    "optim.adagrad_eps": (1e-6, float, (0.0, 1.0), "added to the AdaGrad denominator"),
+    "optim.weight_decay": (0.0, float, (0.0, 1.0), "L2 per sample, added to the gradient"),
+    # --- learning-rate schedule ---
+    "schedule.type": ("newbob", str, ("constant", "step", "newbob"), "how the learning rate decays"),
+    "schedule.step_frames": (1_000_000, int, (1, 1 << 50), "step: decay every this many frames"),
+    "schedule.factor": (0.5, float, (0.0, 1.0), "step/newbob: multiply the rate by this"),
+    "schedule.newbob_threshold": (0.5, float, (0.0, 100.0),
+                                  "newbob: decay when CV frame accuracy gains less (points)"),
+    # --- the run ---
+    "train.minibatch": (256, int, (1, 1 << 20), "global minibatch in frames, split over ranks"),
+    "train.epochs": (4, int, (1, 100000), "passes over the training data"),
+    "train.seed": (0, int, (0, 2**32 - 1), "seeds init, shuffling and everything random"),
+    "train.run_dir": ("runs/run", str, None, "logs, metrics, checkpoints and plots go here"),
+    "train.log_every_frames": (20000, int, (1, 1 << 50), "console/metrics line every this many frames"),
+    "train.checkpoint_every_frames": (0, int, (0, 1 << 50), "checkpoint mid-epoch (0 = epoch ends only)"),
+    "train.keep_checkpoints": (3, int, (1, 1000), "how many recent checkpoints to keep"),
+    "train.resume": ("auto", str, None, "auto = latest checkpoint in run_dir if any; none; or a path"),
+    "train.stop_after_frames": (0, int, (0, 1 << 50), "stop (with a checkpoint) after this many frames (0 = never; for tests)"),
+    "train.check_every_steps": (0, int, (0, 1 << 30), "cross-rank weight checksum every N steps (0 = epoch ends)"),
+}
+
+
+def _check(key, value):
+    default, kind, constraint, _ = DEFAULTS[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                  for v in value) or not value:
+            raise UserError(f"config key {key}: expected a non-empty list of integers, got {value!r}")
+        if constraint and not all(constraint[0] <= v <= constraint[1] for v in value):
+            raise UserError(f"config key {key}: values must be in {constraint[0]}..{constraint[1]}")
+        return value
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UserError(f"config key {key}: expected {kind.__name__}, got {value!r} "
+                        f"({type(value).__name__})")
+    if isinstance(constraint, tuple) and constraint and isinstance(constraint[0], str):
+        if value not in constraint:
+            raise UserError(f"config key {key}: {value!r} is not one of {', '.join(constraint)}")
+    elif constraint is not None and not constraint[0] <= value <= constraint[1]:
+        raise UserError(f"config key {key}: {value!r} outside {constraint[0]}..{constraint[1]}")
+    return value
+
+
+def _flatten(tree, prefix=""):
+    flat = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, key + "."))
+        else:
+            flat[key] = value
+    return flat
+
+
+def _set(config, key, value, origin):
+    if key not in DEFAULTS:
+        close = [k for k in DEFAULTS if k.split(".")[-1] == key.split(".")[-1]]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UserError(f"{origin}: unknown config key {key}{hint}")
+    config[key] = _check(key, value)
+
+
+def load(path=None, overrides=()):
+    """Resolve DEFAULTS <- YAML file <- ['key=value', ...]; returns a flat {dotted key: value}."""
+    config = {k: v[0] for k, v in DEFAULTS.items()}
+    if path:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except OSError as err:
+            raise UserError(f"config {path}: {err.strerror}") from None
+        except yaml.YAMLError as err:
+            raise UserError(f"config {path}: not valid YAML ({err})") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"config {path}: expected a mapping of sections")
+        for key, value in _flatten(tree).items():
+            _set(config, key, value, f"config {path}")
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r}: expected key=value")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        if DEFAULTS.get(key, (None, str))[1] is str and not isinstance(value, str):
+            value = text  # a path like 123 or a name like 'none' stays a string
+        _set(config, key, value, "command line")
+    if not config["data.train"]:
+        raise UserError("config key data.train: required (the training archive directory)")
+    return config
+
+
+def dump(config):
+    """The resolved config as nested YAML (what the run directory keeps)."""
+    tree = {}
+    for key, value in config.items():
+        section, name = key.split(".", 1)
+        tree.setdefault(section, {})[name] = value
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
+def describe():
+    """All options with defaults and comments (for `hpcsgd train --help-config`)."""
+    return "\n".join(f"  {k} = {v[0]!r}\n      {v[3]}" for k, v in DEFAULTS.items())
