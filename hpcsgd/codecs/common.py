@@ -1,0 +1,104 @@
+"""Pieces every codec shares: argument checks, the canonical 32-lane column sum, device helpers.
+
+Why a canonical sum: reference, CPU and CUDA must produce identical packed bytes, so the
+per-column statistics (sums, sums of squares) must be added in the same order everywhere.
+The order is fixed as: lane l (0..31) adds rows l, l+32, l+64, ... sequentially in float64,
+then the 32 lanes are combined by the tree off = 16, 8, 4, 2, 1 (a[l] += a[l + off]).
+A warp does exactly this on the GPU; the CPU loop vectorises over the 32 lanes (AVX-512).
+Products of two float32 values are exact in float64, so a GPU fused multiply-add gives the
+same bits as a separate multiply and add; every formula below keeps to such exact products.
+"""
+import numpy as np
+from numba import cuda, njit
+
+LANES = 32
+
+
+def lane_tree(acc):
+    """Combine 32 lane partial sums (float64 array, modified) in the canonical order."""
+    off = LANES // 2
+    while off >= 1:
+        for i in range(off):
+            acc[i] += acc[i + off]
+        off //= 2
+    return acc[0]
+
+
+lane_tree_cpu = njit(inline="always")(lane_tree)
+lane_tree_cuda = cuda.jit(device=True)(lane_tree)
+
+
+def ref_lane_sums(x64):
+    """NumPy reference of the canonical sum over axis 1 of a (n_cols, n_rows) float64 array."""
+    n_cols, n_rows = x64.shape
+    n_chunks = -(-n_rows // LANES)
+    pad = np.zeros((n_cols, n_chunks * LANES), np.float64)  # +0.0 padding never changes a lane
+    pad[:, :n_rows] = x64
+    pad = pad.reshape(n_cols, n_chunks, LANES)
+    acc = np.zeros((n_cols, LANES), np.float64)
+    for k in range(n_chunks):  # sequential per lane, as the kernels add
+        acc += pad[:, k, :]
+    off = LANES // 2
+    while off >= 1:
+        acc[:, :off] += acc[:, off:2 * off]
+        off //= 2
+    return acc[:, 0].copy()
+
+
+def check_matrix(name, a, shape=None):
+    """Codec inputs are C-contiguous float32 (n_cols, n_rows); say which argument is wrong."""
+    if a.dtype != np.float32 or a.ndim != 2:
+        raise ValueError(f"{name}: expected 2-D float32 (n_cols, n_rows), got {a.dtype} {a.shape}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(a.shape)} does not match {tuple(shape)}")
+    if hasattr(a, "flags") and not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{name}: must be C-contiguous (codec columns are array rows)")
+
+
+def check_packed(codec, packed, n_cols, n_rows):
+    need = codec.packed_nbytes(n_cols, n_rows)
+    if packed.dtype != np.uint8 or packed.ndim != 1 or packed.shape[0] != need:
+        raise ValueError(f"{codec.name}: packed buffer must be uint8[{need}] for shape "
+                         f"({n_cols}, {n_rows}), got {packed.dtype}{list(packed.shape)}")
+
+
+def nonfinite_error(codec_name, shape, col):
+    """Numeric fault in a gradient, not bad user input: ValueError naming matrix and column."""
+    return ValueError(f"{codec_name} encode: NaN or Inf in gradient+residual of matrix {tuple(shape)}, "
+                      f"column {col} (array row {col}); the packed buffer is invalid and training "
+                      f"must stop or resume from a checkpoint")
+
+
+def as_device(a):
+    """Numba view of any __cuda_array_interface__ array (Numba, CuPy) without a copy."""
+    if isinstance(a, np.ndarray):
+        raise TypeError("backend='cuda' takes device arrays (__cuda_array_interface__), got a "
+                        "NumPy array; copy it with numba.cuda.to_device first")
+    return a if hasattr(a, "copy_to_host") else cuda.as_cuda_array(a)  # Numba as is; CuPy wrapped
+
+
+class Codec:
+    """Shared argument handling; a subclass holds its options and implements the kernels."""
+    name = "?"
+    error_feedback = True
+
+    def __init__(self, backend="cpu"):
+        if backend not in ("cpu", "cuda", "reference"):
+            raise ValueError(f"backend must be cpu, cuda or reference, got {backend!r}")
+        self.backend = backend
+
+    def bits_per_value(self, n_cols, n_rows):
+        n = n_cols * n_rows
+        return 8.0 * self.packed_nbytes(n_cols, n_rows) / n if n else 0.0
+
+    def _check_encode(self, grad, residual, out):
+        check_matrix(f"{self.name} grad", grad)
+        if residual is not None:
+            check_matrix(f"{self.name} residual", residual, grad.shape)
+        elif self.error_feedback:
+            raise ValueError(f"{self.name}: error feedback is on, so encode needs a residual array")
+        check_packed(self, out, *grad.shape)
+
+    def _check_decode(self, packed, out):
+        check_matrix(f"{self.name} decode out", out)
+        check_packed(self, packed, *out.shape)

@@ -1,0 +1,345 @@
+"""k-bit (k = 2..8) uniform quantization per column with error feedback; reference + CPU + CUDA.
+
+Per column: v = grad + residual; a range [lower, upper] from the range rule; codes are bucket
+indices q = clip(floor((v - lower) / step), 0, 2^k - 1) with step = (upper - lower) / 2^k,
+decoded at bucket centres lower + (q + 0.5) * step (CNTK's formula, any k, not only powers of 2);
+residual <- v - decoded.
+
+Range rules (`range=`):
+  "rms"    lower/upper = -/+ clip * RMS(v) (mean forced to 0). CNTK uses clip = 4.
+  "minmax" lower/upper = min(v), max(v): nothing clipped, coarser buckets.
+The default (rms with a per-k clip) comes from experiments/codecs_range_rule.py on real
+gradients; see docs/codecs.md.
+
+Packed layout, per column, 32-bit little-endian words:
+    [float32 lower][float32 upper][ceil(n_rows * k / 32) uint32 words]
+row r's k-bit field starts at bit r * k of the column's word area, least significant bit first;
+fields may straddle two words (k = 3, 5, 6, 7).
+"""
+import numpy as np
+from numba import cuda, njit, prange
+
+from hpcsgd.codecs.common import (LANES, Codec, as_device, lane_tree_cpu, lane_tree_cuda,
+                                  nonfinite_error, ref_lane_sums)
+
+# MSE-optimal clip (multiples of RMS) per k, measured on real gradients with error feedback
+# (experiments/codecs_range_rule.py, docs/codecs.md); CNTK's 4.0 is worse at every k < 8.
+DEFAULT_CLIP = {2: 4.0, 3: 4.0, 4: 4.0, 5: 4.0, 6: 4.0, 7: 4.0, 8: 4.0}
+
+
+def _range(sumsq, mn, mx, n, use_minmax, clip):
+    """(lower, upper) as float32 from the column statistics; float64 math, one rounding each."""
+    if use_minmax:
+        return np.float32(mn), np.float32(mx)
+    rms = (sumsq / n) ** 0.5
+    hi = np.float32(clip * rms)
+    return -hi, hi
+
+
+def _step(lower, upper, levels):
+    return np.float32((np.float64(upper) - np.float64(lower)) / levels)
+
+
+def _inv(step):
+    return 1.0 / np.float64(step) if step > 0 else 0.0
+
+
+def _code(v, lower, inv, maxq):
+    t = (np.float64(v) - np.float64(lower)) * inv
+    if t <= 0.0:
+        return 0
+    if t >= maxq:
+        return maxq
+    return int(t)  # t > 0: truncation is floor
+
+
+def _value(q, lower, step):
+    # step * (q + 0.5) is exact in float64 (24 + 9 bits), so a GPU FMA gives the same bits
+    return np.float32(np.float64(lower) + np.float64(step) * (q + 0.5))
+
+
+_range_cpu, _step_cpu, _inv_cpu, _code_cpu, _value_cpu = (
+    njit(inline="always")(f) for f in (_range, _step, _inv, _code, _value))
+_range_cuda, _step_cuda, _inv_cuda, _code_cuda, _value_cuda = (
+    cuda.jit(device=True)(f) for f in (_range, _step, _inv, _code, _value))
+
+
+def words_per_column(n_rows, k):
+    return 2 + (n_rows * k + 31) // 32
+
+
+# ---------------------------------------------------------------- NumPy reference
+def encode_ref(g, r, packed, k, use_minmax, clip):
+    n_cols, n_rows = g.shape
+    W = words_per_column(n_rows, k)
+    v = g + r
+    v64 = v.astype(np.float64)
+    sumsq = ref_lane_sums(v64 * v64)
+    bad = ~np.isfinite(sumsq)
+    if bad.any():
+        return int(np.argmax(bad))
+    if use_minmax:
+        lower, upper = v.min(axis=1), v.max(axis=1)
+    else:
+        upper = (clip * np.sqrt(sumsq / n_rows)).astype(np.float32)
+        lower = -upper
+    levels = 1 << k
+    step = ((upper.astype(np.float64) - lower) / levels).astype(np.float32)
+    inv = np.divide(1.0, step.astype(np.float64), out=np.zeros(n_cols), where=step > 0)
+    t = (v64 - lower[:, None].astype(np.float64)) * inv[:, None]
+    q = np.clip(np.floor(t), 0, levels - 1).astype(np.int64)
+    dec = (lower[:, None].astype(np.float64) + step[:, None].astype(np.float64) * (q + 0.5))
+    r[:] = v - dec.astype(np.float32)
+    cols = packed.view(np.uint32).reshape(n_cols, W)
+    cols[:, 0] = lower.view(np.uint32)
+    cols[:, 1] = upper.view(np.uint32)
+    bits = ((q[:, :, None] >> np.arange(k)) & 1).astype(np.uint8).reshape(n_cols, n_rows * k)
+    stream = np.zeros((n_cols, (W - 2) * 32), np.uint8)
+    stream[:, :n_rows * k] = bits
+    cols[:, 2:] = np.packbits(stream, axis=1, bitorder="little").view(np.uint32)
+    return -1
+
+
+def decode_ref(packed, out, accumulate, k):
+    n_cols, n_rows = out.shape
+    cols = packed.view(np.uint32).reshape(n_cols, words_per_column(n_rows, k))
+    lower = cols[:, 0].view(np.float32)
+    upper = cols[:, 1].view(np.float32)
+    step = ((upper.astype(np.float64) - lower) / (1 << k)).astype(np.float32)
+    bits = np.unpackbits(cols[:, 2:].copy().view(np.uint8), axis=1, bitorder="little")
+    q = (bits[:, :n_rows * k].reshape(n_cols, n_rows, k).astype(np.int64) << np.arange(k)).sum(2)
+    dec = (lower[:, None].astype(np.float64) + step[:, None].astype(np.float64) * (q + 0.5))
+    if accumulate:
+        out += dec.astype(np.float32)
+    else:
+        out[:] = dec.astype(np.float32)
+
+
+# ---------------------------------------------------------------- Numba CPU
+@njit(parallel=True, cache=True)
+def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip):
+    n_cols, n_rows = g.shape
+    nfull = n_rows // LANES
+    maxq = (1 << k) - 1
+    for c in prange(n_cols):
+        sq = np.zeros(LANES, np.float64)
+        mn = np.float32(np.inf)
+        mx = np.float32(-np.inf)
+        for i in range(nfull):
+            for l in range(LANES):
+                v = g[c, i * LANES + l] + r[c, i * LANES + l]
+                x = np.float64(v)
+                sq[l] += x * x
+                mn = min(mn, v)
+                mx = max(mx, v)
+        for j in range(nfull * LANES, n_rows):
+            v = g[c, j] + r[c, j]
+            x = np.float64(v)
+            sq[j - nfull * LANES] += x * x
+            mn = min(mn, v)
+            mx = max(mx, v)
+        sumsq = lane_tree_cpu(sq)
+        if not sumsq - sumsq == 0.0:  # NaN or Inf somewhere in the column
+            bad[c] = 1
+            continue
+        lower, upper = _range_cpu(sumsq, mn, mx, n_rows, use_minmax, clip)
+        fcols[c, 0] = lower
+        fcols[c, 1] = upper
+        step = _step_cpu(lower, upper, maxq + 1)
+        inv = _inv_cpu(step)
+        acc = np.uint64(0)  # bit accumulator: fields enter at bit nb, words leave at 32
+        nb = 0
+        w = 2
+        for i in range(n_rows):
+            v = g[c, i] + r[c, i]
+            q = _code_cpu(v, lower, inv, maxq)
+            r[c, i] = v - _value_cpu(q, lower, step)
+            acc |= np.uint64(q) << np.uint64(nb)
+            nb += k
+            if nb >= 32:
+                cols[c, w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                acc >>= np.uint64(32)
+                nb -= 32
+                w += 1
+        if nb > 0:
+            cols[c, w] = np.uint32(acc)
+
+
+@njit(parallel=True, cache=True)
+def decode_cpu(cols, fcols, out, accumulate, k):
+    n_cols, n_rows = out.shape
+    mask = np.uint64((1 << k) - 1)
+    for c in prange(n_cols):
+        lower = fcols[c, 0]
+        step = _step_cpu(lower, fcols[c, 1], 1 << k)
+        acc = np.uint64(0)
+        nb = 0
+        w = 2
+        for i in range(n_rows):
+            if nb < k:
+                acc |= np.uint64(cols[c, w]) << np.uint64(nb)
+                nb += 32
+                w += 1
+            q = int(acc & mask)
+            acc >>= np.uint64(k)
+            nb -= k
+            val = _value_cpu(q, lower, step)
+            if accumulate:
+                out[c, i] += val
+            else:
+                out[c, i] = val
+
+
+# ---------------------------------------------------------------- Numba CUDA
+@cuda.jit
+def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
+    """One 32-thread block per column: canonical lane sums, then one thread per packed word
+    (a thread also computes the fields that straddle into its word from the previous one),
+    then one thread per row for the residual."""
+    c = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    n_rows = g.shape[1]
+    W = 2 + (n_rows * k + 31) // 32
+    sq = cuda.shared.array(LANES, np.float64)
+    mns = cuda.shared.array(LANES, np.float32)
+    mxs = cuda.shared.array(LANES, np.float32)
+    lu = cuda.shared.array(3, np.float32)
+    acc = 0.0
+    mn = np.float32(np.inf)
+    mx = np.float32(-np.inf)
+    for i in range(lane, n_rows, LANES):
+        v = g[c, i] + r[c, i]
+        x = np.float64(v)
+        acc += x * x
+        mn = min(mn, v)
+        mx = max(mx, v)
+    sq[lane] = acc
+    mns[lane] = mn
+    mxs[lane] = mx
+    cuda.syncthreads()
+    if lane == 0:
+        sumsq = lane_tree_cuda(sq)
+        for l in range(1, LANES):
+            mn = min(mn, mns[l])
+            mx = max(mx, mxs[l])
+        lu[2] = 0.0
+        if not sumsq - sumsq == 0.0:
+            lu[2] = 1.0
+            bad[0] = c + 1
+        else:
+            lower, upper = _range_cuda(sumsq, mn, mx, n_rows, use_minmax, clip)
+            lu[0] = lower
+            lu[1] = upper
+            fwords[c * W] = lower
+            fwords[c * W + 1] = upper
+    cuda.syncthreads()
+    if lu[2] != 0.0:
+        return
+    lower = lu[0]
+    maxq = (1 << k) - 1
+    step = _step_cuda(lower, lu[1], maxq + 1)
+    inv = _inv_cuda(step)
+    for w in range(lane, W - 2, LANES):
+        b0 = 32 * w
+        word = np.uint64(0)
+        for i in range(b0 // k, min(n_rows, (b0 + 31) // k + 1)):
+            v = g[c, i] + r[c, i]
+            q = np.uint64(_code_cuda(v, lower, inv, maxq))
+            off = i * k - b0
+            if off >= 0:
+                word |= q << np.uint64(off)
+            else:
+                word |= q >> np.uint64(-off)
+        words[c * W + 2 + w] = np.uint32(word & np.uint64(0xFFFFFFFF))
+    # residuals only after every thread has read v: straddling fields are read by two threads
+    cuda.syncthreads()
+    for i in range(lane, n_rows, LANES):
+        v = g[c, i] + r[c, i]
+        r[c, i] = v - _value_cuda(_code_cuda(v, lower, inv, maxq), lower, step)
+
+
+@cuda.jit
+def decode_cuda(words, fwords, out, accumulate, k):
+    """One block per column, one thread per row; a field may span two words."""
+    c = cuda.blockIdx.x
+    n_rows = out.shape[1]
+    W = 2 + (n_rows * k + 31) // 32
+    lower = fwords[c * W]
+    step = _step_cuda(lower, fwords[c * W + 1], 1 << k)
+    mask = np.uint64((1 << k) - 1)
+    for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
+        bit = i * k
+        w = c * W + 2 + bit // 32
+        off = bit % 32
+        x = np.uint64(words[w]) >> np.uint64(off)
+        if off + k > 32:
+            x |= np.uint64(words[w + 1]) << np.uint64(32 - off)
+        val = _value_cuda(int(x & mask), lower, step)
+        if accumulate:
+            out[c, i] += val
+        else:
+            out[c, i] = val
+
+
+# ---------------------------------------------------------------- the codec
+class KBit(Codec):
+    """k-bit codec; options: bits (2..8), range ("rms" | "minmax"), clip (RMS multiple)."""
+    name = "kbit"
+
+    def __init__(self, backend="cpu", bits=4, range="rms", clip=None):
+        super().__init__(backend)
+        if not (isinstance(bits, (int, np.integer)) and 2 <= bits <= 8):
+            raise ValueError(f"kbit: bits must be an integer in 2..8, got {bits!r}")
+        if range not in ("rms", "minmax"):
+            raise ValueError(f"kbit: range must be 'rms' or 'minmax', got {range!r}")
+        self.bits = int(bits)
+        self.range = range
+        self.clip = float(DEFAULT_CLIP[self.bits] if clip is None else clip)
+
+    def packed_nbytes(self, n_cols, n_rows):
+        return 4 * n_cols * words_per_column(n_rows, self.bits) if n_rows else 0
+
+    def encode(self, grad, residual, out):
+        self._check_encode(grad, residual, out)
+        n_cols, n_rows = grad.shape
+        if n_cols == 0 or n_rows == 0:
+            return
+        k, mm = self.bits, self.range == "minmax"
+        W = words_per_column(n_rows, k)
+        if self.backend == "reference":
+            bad = encode_ref(grad, residual, out, k, mm, self.clip)
+        elif self.backend == "cpu":
+            flags = np.zeros(n_cols, np.uint8)
+            encode_cpu(grad, residual, out.view(np.uint32).reshape(n_cols, W),
+                       out.view(np.float32).reshape(n_cols, W), flags, k, mm, self.clip)
+            bad = int(np.argmax(flags)) if flags.any() else -1
+        else:
+            flag = cuda.to_device(np.zeros(1, np.int32))
+            o = as_device(out)
+            encode_cuda[n_cols, LANES](as_device(grad), as_device(residual), o.view(np.uint32),
+                                       o.view(np.float32), flag, k, mm, self.clip)
+            bad = int(flag.copy_to_host()[0]) - 1  # device sync: the NaN check needs it
+        if bad >= 0:
+            raise nonfinite_error(self.name, grad.shape, bad)
+
+    def _decode(self, packed, out, accumulate):
+        self._check_decode(packed, out)
+        n_cols, n_rows = out.shape
+        if n_cols == 0 or n_rows == 0:
+            return
+        W = words_per_column(n_rows, self.bits)
+        if self.backend == "reference":
+            decode_ref(packed, out, accumulate, self.bits)
+        elif self.backend == "cpu":
+            decode_cpu(packed.view(np.uint32).reshape(n_cols, W),
+                       packed.view(np.float32).reshape(n_cols, W), out, accumulate, self.bits)
+        else:
+            p = as_device(packed)
+            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(out),
+                                     accumulate, self.bits)
+
+    def decode(self, packed, out):
+        self._decode(packed, out, False)
+
+    def decode_accumulate(self, packed, out):
+        self._decode(packed, out, True)

@@ -1,0 +1,278 @@
+"""1-bit SGD quantization with error feedback (Seide et al. 2014), reference + Numba CPU + CUDA.
+
+Per column c (array row c, n_rows values): v = grad + residual; bit = 1 where v >= 0
+(threshold 0); the two reconstruction values are the conditional means
+mean0 = mean(v[v < 0]), mean1 = mean(v[v >= 0]) (an empty side counts as one element, so an
+all-zero column decodes to 0), which minimise the squared error for that threshold;
+residual <- v - decoded.
+
+Packed layout, per column, in 32-bit little-endian words (4-byte aligned):
+    [float32 mean0][float32 mean1][W = ceil(n_rows/32) uint32 words]
+row r is bit (r % 32) of word r // 32 -- i.e. bit r % 8 of byte r // 8 of the bit area.
+This differs from CNTK (which stores lower/upper and interleaves rows across words): storing
+the two means makes decoding a select (no arithmetic, so exact on every backend), and the
+sequential bit order lets the CPU unpack a byte at a time (3x faster than per-word in Numba)
+while the GPU stays coalesced by reading one row per thread. See docs/codecs.md.
+"""
+import math
+
+import numpy as np
+from numba import cuda, njit, prange
+
+from hpcsgd.codecs.common import (LANES, Codec, as_device, lane_tree_cpu, lane_tree_cuda,
+                                  nonfinite_error, ref_lane_sums)
+
+
+def _means(s_neg, s_pos, n_pos, n):
+    """Conditional means from float64 sums; an empty side divides by 1 (CNTK's rule)."""
+    n_neg = n - n_pos
+    m0 = np.float32(s_neg / max(n_neg, 1))
+    m1 = np.float32(s_pos / max(n_pos, 1))
+    return m0, m1
+
+
+def _finite(x):
+    return x - x == 0.0  # False for NaN and +-Inf; works on every backend
+
+
+_means_cpu, _finite_cpu = njit(inline="always")(_means), njit(inline="always")(_finite)
+_means_cuda, _finite_cuda = cuda.jit(device=True)(_means), cuda.jit(device=True)(_finite)
+
+
+def words_per_column(n_rows):
+    return 2 + (n_rows + 31) // 32
+
+
+# ---------------------------------------------------------------- NumPy reference
+def encode_ref(g, r, packed):
+    n_cols, n_rows = g.shape
+    W = words_per_column(n_rows)
+    v = g + r
+    v64 = v.astype(np.float64)
+    pos = v >= 0
+    s_pos = ref_lane_sums(np.where(pos, v64, 0.0))
+    s_neg = ref_lane_sums(np.where(pos, 0.0, v64))
+    bad = ~np.isfinite(s_pos + s_neg)
+    if bad.any():
+        return int(np.argmax(bad))
+    n_pos = pos.sum(axis=1)
+    m0 = (s_neg / np.maximum(n_rows - n_pos, 1)).astype(np.float32)
+    m1 = (s_pos / np.maximum(n_pos, 1)).astype(np.float32)
+    cols = packed.view(np.uint32).reshape(n_cols, W)
+    cols[:, 0] = m0.view(np.uint32)
+    cols[:, 1] = m1.view(np.uint32)
+    bits = np.packbits(pos, axis=1, bitorder="little")  # byte r//8, bit r%8
+    area = cols[:, 2:].view(np.uint8).reshape(n_cols, -1)
+    area[:] = 0
+    area[:, :bits.shape[1]] = bits
+    r[:] = v - np.where(pos, m1[:, None], m0[:, None])
+    return -1
+
+
+def decode_ref(packed, out, accumulate):
+    n_cols, n_rows = out.shape
+    cols = packed.view(np.uint32).reshape(n_cols, words_per_column(n_rows))
+    m = cols[:, :2].view(np.float32)
+    bits = np.unpackbits(cols[:, 2:].view(np.uint8).reshape(n_cols, -1), axis=1,
+                         count=n_rows, bitorder="little").astype(bool)
+    dec = np.where(bits, m[:, 1:2], m[:, 0:1])
+    if accumulate:
+        out += dec
+    else:
+        out[:] = dec
+
+
+# ---------------------------------------------------------------- Numba CPU
+@njit(parallel=True, cache=True)
+def encode_cpu(g, r, cols, meancols, bad):
+    """cols: packed as uint32 (n_cols, W); meancols: the same bytes as float32 (n_cols, W)."""
+    n_cols, n_rows = g.shape
+    nfull = n_rows // LANES
+    for c in prange(n_cols):
+        # pass 1: canonical lane sums of each side (reads grad and residual from memory)
+        pos = np.zeros(LANES, np.float64)
+        neg = np.zeros(LANES, np.float64)
+        n_pos = 0
+        for i in range(nfull):
+            for l in range(LANES):
+                x = np.float64(g[c, i * LANES + l] + r[c, i * LANES + l])
+                p = x if x >= 0.0 else 0.0
+                pos[l] += p
+                neg[l] += x - p
+                n_pos += x >= 0.0
+        for j in range(nfull * LANES, n_rows):
+            x = np.float64(g[c, j] + r[c, j])
+            p = x if x >= 0.0 else 0.0
+            pos[j - nfull * LANES] += p
+            neg[j - nfull * LANES] += x - p
+            n_pos += x >= 0.0
+        s_pos = lane_tree_cpu(pos)
+        s_neg = lane_tree_cpu(neg)
+        if not _finite_cpu(s_pos + s_neg):
+            bad[c] = 1
+            continue
+        m0, m1 = _means_cpu(s_neg, s_pos, n_pos, n_rows)
+        meancols[c, 0] = m0
+        meancols[c, 1] = m1
+        # pass 2: bits and new residual (the column is still in L1/L2: ~8 KB per 2048 rows)
+        for w in range((n_rows + 31) // 32):
+            word = np.uint32(0)
+            base = w * 32
+            for b in range(min(32, n_rows - base)):
+                v = g[c, base + b] + r[c, base + b]
+                bit = v >= 0
+                word |= np.uint32(bit) << np.uint32(b)
+                r[c, base + b] = v - (m1 if bit else m0)
+            cols[c, 2 + w] = word
+
+
+@njit(parallel=True, cache=True)
+def decode_cpu(cols8, meancols, out, accumulate):
+    """Per-byte unpacking: byte b of a column's bit area holds rows 8b..8b+7."""
+    n_cols, n_rows = out.shape
+    nbytes = n_rows // 8
+    for c in prange(n_cols):
+        m0 = meancols[c, 0]
+        m1 = meancols[c, 1]
+        for b in range(nbytes):
+            byte = cols8[c, 8 + b]
+            for j in range(8):
+                val = m1 if (byte >> j) & 1 else m0
+                if accumulate:
+                    out[c, 8 * b + j] += val
+                else:
+                    out[c, 8 * b + j] = val
+        for i in range(nbytes * 8, n_rows):
+            val = m1 if (cols8[c, 8 + i // 8] >> (i % 8)) & 1 else m0
+            if accumulate:
+                out[c, i] += val
+            else:
+                out[c, i] = val
+
+
+# ---------------------------------------------------------------- Numba CUDA
+@cuda.jit
+def encode_cuda(g, r, words, means, bad):
+    """One 32-thread block per column: lane sums + tree (= the canonical order), then one
+    thread per packed word. words/means: the packed buffer viewed as 1-D uint32/float32."""
+    c = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    n_rows = g.shape[1]
+    W = 2 + (n_rows + 31) // 32
+    pos = cuda.shared.array(LANES, np.float64)
+    neg = cuda.shared.array(LANES, np.float64)
+    cnt = cuda.shared.array(LANES, np.int32)
+    mm = cuda.shared.array(3, np.float32)
+    p_acc = 0.0
+    n_acc = 0.0
+    k = 0
+    for i in range(lane, n_rows, LANES):  # coalesced: a warp reads 32 consecutive rows
+        x = np.float64(g[c, i] + r[c, i])
+        p = x if x >= 0.0 else 0.0
+        p_acc += p
+        n_acc += x - p
+        k += x >= 0.0
+    pos[lane] = p_acc
+    neg[lane] = n_acc
+    cnt[lane] = k
+    cuda.syncthreads()
+    if lane == 0:
+        s_pos = lane_tree_cuda(pos)
+        s_neg = lane_tree_cuda(neg)
+        n_pos = 0
+        for l in range(LANES):
+            n_pos += cnt[l]
+        mm[2] = 0.0
+        if not _finite_cuda(s_pos + s_neg):
+            mm[2] = 1.0
+            bad[0] = c + 1  # any bad column; the host reports it
+        else:
+            m0, m1 = _means_cuda(s_neg, s_pos, n_pos, n_rows)
+            mm[0] = m0
+            mm[1] = m1
+            means[c * W] = m0
+            means[c * W + 1] = m1
+    cuda.syncthreads()
+    if mm[2] != 0.0:
+        return
+    m0 = mm[0]
+    m1 = mm[1]
+    for w in range(lane, W - 2, LANES):
+        word = np.uint32(0)
+        base = w * 32
+        for b in range(min(32, n_rows - base)):
+            v = g[c, base + b] + r[c, base + b]
+            bit = v >= 0
+            word |= np.uint32(bit) << np.uint32(b)
+            r[c, base + b] = v - (m1 if bit else m0)
+        words[c * W + 2 + w] = word
+
+
+@cuda.jit
+def decode_cuda(words, means, out, accumulate):
+    """One block per column, one thread per row (coalesced writes)."""
+    c = cuda.blockIdx.x
+    n_rows = out.shape[1]
+    W = 2 + (n_rows + 31) // 32
+    m0 = means[c * W]
+    m1 = means[c * W + 1]
+    for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
+        bit = (words[c * W + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
+        val = m1 if bit else m0
+        if accumulate:
+            out[c, i] += val
+        else:
+            out[c, i] = val
+
+
+# ---------------------------------------------------------------- the codec
+class OneBit(Codec):
+    """Seide's 1-bit codec; always uses error feedback (it is what makes 1 bit work)."""
+    name = "onebit"
+
+    def packed_nbytes(self, n_cols, n_rows):
+        return 4 * n_cols * words_per_column(n_rows) if n_rows else 0
+
+    def encode(self, grad, residual, out):
+        self._check_encode(grad, residual, out)
+        n_cols, n_rows = grad.shape
+        if n_cols == 0 or n_rows == 0:
+            return
+        if self.backend == "reference":
+            bad = encode_ref(grad, residual, out)
+        elif self.backend == "cpu":
+            W = words_per_column(n_rows)
+            flags = np.zeros(n_cols, np.uint8)
+            encode_cpu(grad, residual, out.view(np.uint32).reshape(n_cols, W),
+                       out.view(np.float32).reshape(n_cols, W), flags)
+            bad = int(np.argmax(flags)) if flags.any() else -1
+        else:
+            flag = cuda.to_device(np.zeros(1, np.int32))
+            o = as_device(out)
+            encode_cuda[n_cols, LANES](as_device(grad), as_device(residual),
+                                       o.view(np.uint32), o.view(np.float32), flag)
+            bad = int(flag.copy_to_host()[0]) - 1  # device sync: the NaN check needs it
+        if bad >= 0:
+            raise nonfinite_error(self.name, grad.shape, bad)
+
+    def _decode(self, packed, out, accumulate):
+        self._check_decode(packed, out)
+        n_cols, n_rows = out.shape
+        if n_cols == 0 or n_rows == 0:
+            return
+        if self.backend == "reference":
+            decode_ref(packed, out, accumulate)
+        elif self.backend == "cpu":
+            W = words_per_column(n_rows)
+            decode_cpu(packed.reshape(n_cols, 4 * W), packed.view(np.float32).reshape(n_cols, W),
+                       out, accumulate)
+        else:
+            p = as_device(packed)
+            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(out),
+                                     accumulate)
+
+    def decode(self, packed, out):
+        self._decode(packed, out, False)
+
+    def decode_accumulate(self, packed, out):
+        self._decode(packed, out, True)
