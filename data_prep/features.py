@@ -103,8 +103,14 @@ def compute(config, samples, utt="utterance"):
         online = knf.OnlineFbank(_options(config))
     else:
         online = knf.OnlineMfcc(_options(config))
-    online.accept_waveform(float(config["sample_rate"]), samples)
-    online.input_finished()
+    if not np.isfinite(samples).all():  # float WAV/FLAC can hold NaN/Inf; knf would raise mid-way
+        raise BadUtterance("NaN/Inf features", f"{utt}: NaN/Inf audio samples (first at sample "
+                                               f"{int(np.flatnonzero(~np.isfinite(samples))[0])})")
+    try:
+        online.accept_waveform(float(config["sample_rate"]), samples)
+        online.input_finished()
+    except RuntimeError as err:  # kaldi-native-fbank: e.g. "mel energy is nan"
+        raise BadUtterance("NaN/Inf features", f"{utt}: feature extraction failed ({err})") from None
     feats = np.empty((online.num_frames_ready, feature_dim(config)), dtype=np.float32)
     for t in range(online.num_frames_ready):
         feats[t] = online.get_frame(t)

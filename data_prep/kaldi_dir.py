@@ -219,7 +219,9 @@ def _label_id(utt, token, label_ids):
 
 
 def _frame(seconds, shift_s):
-    return int(math.floor(seconds / shift_s + 0.5))  # round half up (Python's round() is half-even)
+    # Round half up (Python's round() is half-even); the 1e-6 frame slack makes decimal seconds
+    # such as 0.035 (3.4999999999999996 shifts in binary floating point) round as written.
+    return int(math.floor(seconds / shift_s + 0.5 + 1e-6))
 
 
 def _is_float(s):

@@ -99,7 +99,7 @@ def run(args):
     wall = time.time() - t0
     if totals["utterances"]:
         print(f"prep: {totals['ok']} utterances ({totals['audio_s'] / 3600:.2f} h audio) in {wall:.1f} s "
-              f"on {args.jobs} workers: {totals['utterances'] / wall:.1f} utterances/s, real-time factor "
+              f"on {args.jobs} workers: {totals['ok'] / wall:.1f} utterances/s, real-time factor "
               f"{wall / max(totals['audio_s'], 1e-9):.4f} ({totals['audio_s'] / wall:.0f}x real time)")
     if only is None or args.write_index:
         finish(args.out if only is None else args.write_index, args.max_bad_fraction)
