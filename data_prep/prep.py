@@ -13,6 +13,7 @@ segment [start, end) covers frames round(start/shift) .. round(end/shift)-1 (dat
 docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 1,
 no index.json) when more than --max-bad-fraction of all utterances were skipped.
 """
+import argparse
 import glob
 import json
 import os
@@ -33,6 +34,7 @@ MAX_LISTED = 10                  # skipped utterances printed per reason (the re
 
 
 def add_arguments(p):
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the usage examples' lines
     p.add_argument("data_dir", nargs="?", metavar="DATA_DIR",
                    help="Kaldi data directory: wav.scp, utt2spk, optional segments and text")
     p.add_argument("out", nargs="?", metavar="OUT", help="archive directory to write")
@@ -55,7 +57,7 @@ def add_arguments(p):
                    help="frames the alignment may differ from the features (and gap/overlap inside "
                         "it); beyond this the utterance is rejected")
     p.add_argument("--max-bad-fraction", type=float, default=0.05,
-                   help="fail (exit 1, no index) when more than this fraction of utterances is skipped")
+                   help="fail (exit 2, no index) when more than this fraction of utterances is skipped")
     p.add_argument("--num-shards", type=int, default=1, help="shards (whole speakers each)")
     p.add_argument("--shard-index", type=int, default=_env_int("SLURM_ARRAY_TASK_ID"),
                    help="write only this shard (default $SLURM_ARRAY_TASK_ID); run --write-index after")

@@ -358,8 +358,30 @@ def test_full_fsdd_six_missing_alignments(tmp_path, capsys):
     assert problems == [] and summary["utterances"] == 1994
 
 
-def test_prep_sbatch_syntax():
+def test_prep_sbatch_runs_array_tasks_then_index(tmp_path):
+    """bash -n, then the script itself with stand-ins for srun/sbatch: 2 array tasks + index step."""
     path = os.path.join(REPO, "jobs", "prep.sbatch")
     subprocess.run(["bash", "-n", path], check=True)
     text = open(path).read()
-    assert "#SBATCH --array=" in text and "SLURM_ARRAY_TASK_ID" in text and "--write-index" in text
+    assert "#SBATCH --array=" in text and "afterok" in text and "--write-index" in text
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/bash\nexec "$@"\n')
+    (fake / "sbatch").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/sbatch.log\necho 123\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "VENV": venv,
+           "DATA": os.path.join(DEMO, "fsdd"), "ALI": os.path.join(DEMO, "fsdd", "phn"),
+           "OUT": str(tmp_path / "out"), "NUM_SHARDS": "2", "SAMPLE_RATE": "8000",
+           "SLURM_CPUS_PER_TASK": "1"}
+    env.pop("SLURM_ARRAY_TASK_ID", None)
+    subprocess.run(["bash", path], env=env, check=True, cwd=tmp_path, capture_output=True)
+    log = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert "--array=0-1" in log[0] and "--dependency=afterok:123" in log[1] and "STEP=index" in log[1]
+    for i in ("0", "1"):
+        subprocess.run(["bash", path], env={**env, "SLURM_ARRAY_TASK_ID": i}, check=True, cwd=tmp_path)
+    assert not (tmp_path / "out" / "index.json").exists()
+    subprocess.run(["bash", path], env={**env, "STEP": "index", "SLURM_ARRAY_TASK_ID": "0"},
+                   check=True, cwd=tmp_path)
+    assert check_archive(str(tmp_path / "out"))[0] == []
