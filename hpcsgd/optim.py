@@ -1,0 +1,247 @@
+"""Optimizer: SGD with momentum, AdaGrad at the three points of Seide et al. 2014 (Table 3),
+weight decay, and learning-rate schedules; element-wise Numba kernels over flat slices.
+
+Conventions (CNTK's, which the paper uses):
+- A gradient g is SUMMED over the n frames of the minibatch (n = all ranks' frames together
+  after the exchange). The learning rate lr is PER SAMPLE: the step is lr * g, so doubling n
+  doubles the step, as n per-sample SGD steps would.
+- Momentum is a time constant T in samples (0 = off). Per minibatch of n frames the coefficient
+  is m = exp(-n / T), and the smoothing has unit gain:
+      v <- m * v + (1 - m) * g ;   W <- W - lr * v
+  so a constant gradient moves W by lr * g per minibatch whatever T is. This equals the classic
+  "v <- mu v + g; W <- W - eta v" with mu = m and eta = lr * (1 - m); T = -n / ln(mu), e.g.
+  mu = 0.9 at n = 1024 is T = 9719 samples. Changing n keeps T, so the smoothing spans the same
+  number of frames.
+- AdaGrad divides the gradient by the RMS of its per-sample average over time ("normalize
+  gradients by their standard deviation over time or recent samples", Sec. 4):
+      s <- rho * s + c * (x / n)^2 ;  q <- rho * q + c  (q a scalar, the total weight)
+      x <- x / (sqrt(s / q) + eps)
+  with rho = exp(-n / T_a) and c = 1 - rho for a time constant T_a in samples ("recent
+  samples"), or rho = 1 and c = n for T_a = inf (all history, weighted by frames). s / q is a
+  mean square of per-sample gradients, so the normalised x keeps the scale of n (x ~ n *
+  mean / rms) and lr stays per sample; eps (default 1e-8) is in per-sample gradient units and
+  only guards 0 / 0 for parameters that never get a gradient. The first step has s / q =
+  (x / n)^2, i.e. it moves every parameter by lr * n (sign SGD); q removes the start-up bias.
+- Weight decay wd is per sample (L2, CNTK's L2RegWeight): g <- g + wd * n * W, on the
+  aggregate gradient, before AdaGrad ("aggregate") and momentum.
+
+AdaGrad placement (`adagrad=`):
+  "local"          on each rank's raw local gradient before quantization/exchange (Table 3
+                   "partial gradients"); n is the rank's own frame count, s is per rank.
+  "aggregate"      on the summed gradient after the exchange, before momentum (Table 3's best).
+  "after_momentum" on the momentum-smoothed gradient v (v itself stays unnormalised).
+  "off"
+
+A step, distributed (slices [lo:hi) are flat ranges; all updates are element-wise):
+    opt.begin_step(n, n_local)            # every rank, once: per-step scalars
+    opt.pre_exchange(grad)                # every rank, its whole local gradient ("local" only)
+    ... exchange: the owner of a stripe gets the summed gradient agg[lo:hi) ...
+    opt.post_exchange(agg, params, lo, hi)  # owner only, per stripe range: agg -> update
+    ... gather the updates ...
+    opt.apply(params, update, lr)         # every rank: W -= lr * update
+Momentum and the AdaGrad state of the "aggregate"/"after_momentum" placements are then only
+touched on the owner's stripe (they are full-size buffers; other ranges stay unused).
+Single process: opt.step(params, grad, lr, n) does all of it in one fused pass.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
+_AGGREGATE, _AFTER = 1, 2   # kernel codes of the post-exchange AdaGrad placements
+
+
+def momentum_per_minibatch(time_constant, n):
+    """CNTK's momentum time constant (samples) -> per-minibatch coefficient exp(-n / T)."""
+    return 0.0 if time_constant <= 0 else math.exp(-n / time_constant)
+
+
+def momentum_time_constant(mu, n):
+    """The inverse: per-minibatch coefficient mu at minibatch size n -> T = -n / ln(mu)."""
+    return 0.0 if mu <= 0 else -n / math.log(mu)
+
+
+@njit(parallel=True, cache=True)
+def _adagrad_kernel(g, s, rho, c, inv_n, inv_q, eps):
+    """In place on g (a flat slice): s = rho s + c (g/n)^2; g /= sqrt(s / q) + eps."""
+    for i in prange(g.size):
+        x = g[i] * inv_n
+        si = rho * s[i] + c * (x * x)
+        s[i] = si
+        g[i] = g[i] / (math.sqrt(si * inv_q) + eps)
+
+
+@njit(parallel=True, cache=True)
+def _post_kernel(g, w, v, s, out, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m,
+                 write_out, apply, lr):
+    """One pass over a flat slice: decay -> [AdaGrad] -> momentum -> [AdaGrad] -> out / W.
+    g: summed gradient (read only); w: params (read for decay, written if apply); v: momentum;
+    s: AdaGrad mean squares; out: the update (if write_out; may alias g). Scalars in float64,
+    stored in the buffers' dtype. About 5-7 streams over memory: bandwidth-bound."""
+    for i in prange(g.size):
+        x = g[i] + wd_n * w[i]
+        if ada == _AGGREGATE:
+            y = x * inv_n
+            si = rho * s[i] + c * (y * y)
+            s[i] = si
+            x = x / (math.sqrt(si * inv_q) + eps)
+        if use_momentum:
+            x = m * v[i] + (1.0 - m) * x
+            v[i] = x
+        if ada == _AFTER:
+            y = x * inv_n
+            si = rho * s[i] + c * (y * y)
+            s[i] = si
+            x = x / (math.sqrt(si * inv_q) + eps)
+        if write_out:
+            out[i] = x
+        if apply:
+            w[i] = w[i] - lr * x
+
+
+@njit(parallel=True, cache=True)
+def _apply_kernel(w, u, lr):
+    """W -= lr * update over a flat slice."""
+    for i in prange(w.size):
+        w[i] = w[i] - lr * u[i]
+
+
+class Optimizer:
+    """Optimizer state (flat buffers + scalars) and its per-step update functions.
+
+    size: parameters (the flat buffer's length). momentum_time_constant: T in samples, 0 = off.
+    adagrad: one of ADAGRAD_PLACES; adagrad_time_constant: T_a in samples (math.inf = all
+    history); adagrad_eps; weight_decay: per sample. State for checkpoints: `velocity` and
+    `sqr` (flat, like the params), `sqr_weight` (scalar q); see state_dict/load_state_dict.
+    """
+
+    def __init__(self, size, momentum_time_constant=0.0, adagrad="off",
+                 adagrad_time_constant=math.inf, adagrad_eps=1e-8, weight_decay=0.0,
+                 dtype=np.float32):
+        if adagrad not in ADAGRAD_PLACES:
+            raise ValueError(f"adagrad={adagrad!r}: expected one of {ADAGRAD_PLACES}")
+        if momentum_time_constant < 0 or adagrad_time_constant <= 0 or adagrad_eps < 0 \
+                or weight_decay < 0:
+            raise ValueError("optimizer constants must be >= 0 (adagrad_time_constant > 0)")
+        self.momentum_time_constant = float(momentum_time_constant)
+        self.adagrad = adagrad
+        self.adagrad_time_constant = float(adagrad_time_constant)
+        self.adagrad_eps = float(adagrad_eps)
+        self.weight_decay = float(weight_decay)
+        self.use_momentum = self.momentum_time_constant > 0
+        self.velocity = np.zeros(size if self.use_momentum else 1, dtype)
+        self.sqr = np.zeros(size if adagrad != "off" else 1, dtype)
+        self.sqr_weight = 0.0
+        self._k = None   # per-step scalars from begin_step
+
+    # ---- per step --------------------------------------------------------------------------
+
+    def begin_step(self, n, n_local=None):
+        """Per-minibatch scalars, once per step on every rank before pre/post_exchange.
+        n: frames of the whole minibatch (all ranks); n_local: this rank's (for "local")."""
+        n_ada = (n if n_local is None else n_local) if self.adagrad == "local" else n
+        if self.adagrad != "off":
+            if math.isinf(self.adagrad_time_constant):
+                rho, c = 1.0, float(n_ada)
+            else:
+                rho = math.exp(-n_ada / self.adagrad_time_constant)
+                c = 1.0 - rho
+            self.sqr_weight = rho * self.sqr_weight + c
+        else:
+            rho, c = 1.0, 0.0
+        self._k = dict(
+            n=n, wd_n=self.weight_decay * n, rho=rho, c=c, inv_n=1.0 / n_ada,
+            inv_q=1.0 / self.sqr_weight if self.sqr_weight > 0 else 0.0,
+            m=momentum_per_minibatch(self.momentum_time_constant, n))
+        return self._k
+
+    def pre_exchange(self, grad, lo=0, hi=None):
+        """AdaGrad "local": normalise this rank's raw gradient grad[lo:hi] in place. No-op
+        for the other placements."""
+        if self.adagrad != "local":
+            return
+        k = self._k
+        sl = slice(lo, grad.size if hi is None else hi)
+        _adagrad_kernel(grad[sl], self.sqr[sl], k["rho"], k["c"], k["inv_n"], k["inv_q"],
+                        self.adagrad_eps)
+
+    def post_exchange(self, agg, params, lo=0, hi=None):
+        """Summed gradient agg[lo:hi] -> the update, in place (weight decay, AdaGrad
+        "aggregate"/"after_momentum", momentum); params[lo:hi] is read for weight decay.
+        Returns the view agg[lo:hi]. Only the owner of the range needs to call it."""
+        sl = slice(lo, agg.size if hi is None else hi)
+        self._post(agg, params, sl, write_out=True, apply=False, lr=0.0)
+        return agg[sl]
+
+    def apply(self, params, update, lr, lo=0, hi=None):
+        """params[lo:hi] -= lr * update[lo:hi] (lr per sample; update summed over frames)."""
+        sl = slice(lo, params.size if hi is None else hi)
+        _apply_kernel(params[sl], update[sl], float(lr))
+
+    def step(self, params, grad, lr, n):
+        """Single process: begin_step + pre_exchange + post_exchange + apply over the whole
+        flat buffers in one fused pass (grad is left unchanged unless AdaGrad is "local")."""
+        self.begin_step(n, n)
+        self.pre_exchange(grad)
+        self._post(grad, params, slice(0, grad.size), write_out=False, apply=True, lr=float(lr))
+
+    def _post(self, g, w, sl, write_out, apply, lr):
+        k = self._k
+        ada = {"aggregate": _AGGREGATE, "after_momentum": _AFTER}.get(self.adagrad, 0)
+        v = self.velocity[sl] if self.use_momentum else self.velocity
+        s = self.sqr[sl] if ada else self.sqr
+        _post_kernel(g[sl], w[sl], v, s, g[sl], k["wd_n"], ada, k["rho"], k["c"], k["inv_n"],
+                     k["inv_q"], self.adagrad_eps, self.use_momentum, k["m"], write_out,
+                     apply, lr)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self):
+        """Arrays (by reference) and scalars that make a resumed run bit-exact."""
+        return {"velocity": self.velocity, "sqr": self.sqr, "sqr_weight": self.sqr_weight}
+
+    def load_state_dict(self, state):
+        for name in ("velocity", "sqr"):
+            src = np.asarray(state[name])
+            if src.shape != getattr(self, name).shape:
+                raise ValueError(f"optimizer state {name}: shape {src.shape}, "
+                                 f"expected {getattr(self, name).shape}")
+            getattr(self, name)[...] = src
+        self.sqr_weight = float(state["sqr_weight"])
+
+
+# ---- learning-rate schedules (lr per sample) ---------------------------------------------------
+
+SCHEDULES = ("constant", "step", "newbob")
+
+
+def step_decay_lr(lr0, frames, decay_frames, factor):
+    """lr0 * factor ** (frames // decay_frames); frames = all ranks' frames trained so far."""
+    return lr0 * factor ** (int(frames) // int(decay_frames))
+
+
+def newbob_lr(lr0, cv_acc_history, threshold=0.005, factor=0.5):
+    """The "newbob" decision, replayed from the history of cross-validation frame accuracies
+    (fractions, one per epoch, oldest first; the first may be the untrained model's): keep lr0
+    until an epoch improves CV accuracy by less than `threshold` (absolute, 0.005 = half a
+    point), then multiply by `factor` at that and every later epoch (QuickNet/Kaldi ramping).
+    Returns the learning rate for the next epoch. Stateless: the history is the state."""
+    lr, ramping = lr0, False
+    for prev, acc in zip(cv_acc_history[:-1], cv_acc_history[1:]):
+        if ramping or acc - prev < threshold:
+            ramping = True
+            lr *= factor
+    return lr
+
+
+def learning_rate(schedule, lr0, frames=0, cv_acc_history=(), decay_frames=1, decay_factor=0.5,
+                  newbob_threshold=0.005):
+    """The per-sample learning rate now, for schedule "constant", "step" or "newbob"."""
+    if schedule == "constant":
+        return lr0
+    if schedule == "step":
+        return step_decay_lr(lr0, frames, decay_frames, decay_factor)
+    if schedule == "newbob":
+        return newbob_lr(lr0, list(cv_acc_history), newbob_threshold, decay_factor)
+    raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
