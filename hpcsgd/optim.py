@@ -94,7 +94,8 @@ def _post_kernel(g, w, v, s, out, wd_n, ada, rho, c, inv_n, inv_q, eps, use_mome
             si = rho * s[i] + c * (y * y)
             s[i] = si
             x = x / (math.sqrt(si * inv_q) + eps)
-        if write_out:
+        x = w.dtype.type(x)          # the update rounded as post_exchange stores it, so that
+        if write_out:                # step() and post_exchange + apply give the same bits
             out[i] = x
         if apply:
             w[i] = w[i] - lr * x

@@ -1,0 +1,227 @@
+"""hpcsgd.optim: momentum convention, each AdaGrad placement against a plain NumPy
+implementation of the update equations, the distributed (striped) composition, per-sample
+learning rates, schedules, and state round trips."""
+import math
+
+import numpy as np
+import pytest
+
+from hpcsgd.model.dnn import DNN
+from hpcsgd.model.flat import FlatParams, stripe_ranges
+from hpcsgd.optim import (Optimizer, learning_rate, momentum_per_minibatch,
+                          momentum_time_constant, newbob_lr, step_decay_lr)
+
+
+class RefOptimizer:
+    """The docstring's equations, line by line, in float64 NumPy. Local gradients come per
+    rank; with one rank "local" is AdaGrad on the whole gradient before the exchange."""
+
+    def __init__(self, size, ranks, T, place, Ta, eps, wd):
+        self.T, self.place, self.Ta, self.eps, self.wd = T, place, Ta, eps, wd
+        self.v = np.zeros(size)
+        self.s = np.zeros(size) if place != "local" else np.zeros((ranks, size))
+        self.q = 0.0 if place != "local" else np.zeros(ranks)
+
+    def _ada(self, x, s, q, n):
+        rho, c = (1.0, n) if math.isinf(self.Ta) else (math.exp(-n / self.Ta),
+                                                       1 - math.exp(-n / self.Ta))
+        s[...] = rho * s + c * (x / n) ** 2
+        q = rho * q + c
+        return x / (np.sqrt(s / q) + self.eps), q
+
+    def step(self, W, local_grads, lr):
+        ns = [n for _, n in local_grads]
+        n = sum(ns)
+        parts = []
+        for r, (g, nr) in enumerate(local_grads):
+            g = g.astype(np.float64)
+            if self.place == "local":
+                g, self.q[r] = self._ada(g, self.s[r], self.q[r], nr)
+            parts.append(g)
+        g = sum(parts) + self.wd * n * W
+        if self.place == "aggregate":
+            g, self.q = self._ada(g, self.s, self.q, n)
+        if self.T > 0:
+            m = math.exp(-n / self.T)
+            self.v = m * self.v + (1 - m) * g
+            g = self.v
+        if self.place == "after_momentum":
+            g, self.q = self._ada(g, self.s, self.q, n)
+        return W - lr * g
+
+
+PLACES = ["off", "local", "aggregate", "after_momentum"]
+
+
+def _grads(rng, size, ns):
+    # per-rank summed gradients: scale ~ n, some parameters never see a gradient
+    out = []
+    for n in ns:
+        g = rng.standard_normal(size) * 0.01 * n
+        g[:7] = 0
+        out.append((g, n))
+    return out
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("Ta", [math.inf, 5000.0])
+def test_single_process_step_matches_reference(place, Ta):
+    rng = np.random.default_rng(0)
+    size = 1003
+    W0 = rng.standard_normal(size)
+    ref = RefOptimizer(size, 1, 3000.0, place, Ta, 1e-8, 1e-4)
+    opt = Optimizer(size, 3000.0, place, Ta, 1e-8, 1e-4, dtype=np.float64)
+    W_ref, W = W0.copy(), W0.copy()
+    for step, n in enumerate([256, 512, 128, 1024, 256]):      # varying minibatch sizes
+        (g, _), = _grads(rng, size, [n])
+        lr = 1e-4 / (step + 1)
+        W_ref = ref.step(W_ref, [(g, n)], lr)
+        opt.step(W, g.copy(), lr, n)
+        np.testing.assert_allclose(W, W_ref, rtol=1e-12, atol=1e-14)
+    # float32 buffers follow the same equations to float32 accuracy
+    opt32 = Optimizer(size, 3000.0, place, Ta, 1e-8, 1e-4, dtype=np.float32)
+    ref = RefOptimizer(size, 1, 3000.0, place, Ta, 1e-8, 1e-4)
+    W32, W_ref = W0.astype(np.float32), W0.astype(np.float32).astype(np.float64)
+    for n in [256, 512, 1024]:
+        (g, _), = _grads(rng, size, [n])
+        W_ref = ref.step(W_ref, [(g.astype(np.float32), n)], 1e-4)
+        opt32.step(W32, g.astype(np.float32), 1e-4, n)
+    np.testing.assert_allclose(W32, W_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_striped_distributed_composition_matches_reference(place):
+    """K = 3 ranks: begin_step/pre_exchange everywhere, post_exchange by the owner of each
+    stripe range only, apply everywhere; replicas stay bit-identical and follow the reference."""
+    K = 3
+    lay = [("W0", (5, 7)), ("b0", (1, 7)), ("W1", (7, 4)), ("b1", (1, 4))]
+    mats = FlatParams(lay, np.float64).matrices
+    size = sum(m.size for m in mats)
+    rng = np.random.default_rng(1)
+    W0 = rng.standard_normal(size)
+    opts = [Optimizer(size, 2000.0, place, 4000.0, 1e-8, 1e-4, np.float64) for _ in range(K)]
+    Ws = [W0.copy() for _ in range(K)]
+    ref = RefOptimizer(size, K, 2000.0, place, 4000.0, 1e-8, 1e-4)
+    W_ref = W0.copy()
+    for _ in range(4):
+        local = _grads(rng, size, [100, 60, 90])        # unequal local minibatches
+        n = sum(nr for _, nr in local)
+        lr = 3e-4
+        W_ref = ref.step(W_ref, local, lr)
+        sent = []
+        for r in range(K):
+            opts[r].begin_step(n, local[r][1])
+            g = local[r][0].copy()
+            opts[r].pre_exchange(g)
+            sent.append(g)
+        agg = sum(sent)                                  # the exchange (exact here)
+        update = np.full(size, np.nan)
+        for r in range(K):
+            for lo, hi in stripe_ranges(mats, r, K):
+                piece = agg.copy()
+                update[lo:hi] = opts[r].post_exchange(piece, Ws[r], lo, hi)
+        assert not np.isnan(update).any()
+        for r in range(K):
+            opts[r].apply(Ws[r], update, lr)
+        for r in range(1, K):
+            np.testing.assert_array_equal(Ws[r], Ws[0])
+        np.testing.assert_allclose(Ws[0], W_ref, rtol=1e-12, atol=1e-14)
+
+
+def test_momentum_time_constant_convention():
+    assert momentum_per_minibatch(0, 1024) == 0.0
+    m = momentum_per_minibatch(9719.0, 1024)
+    assert abs(m - 0.9) < 1e-4 and abs(momentum_time_constant(0.9, 1024) - 9719.0) < 0.1
+    # unit gain: a constant gradient moves W by lr * g per step in the steady state, any T
+    for T in (500.0, 5000.0):
+        opt = Optimizer(1, T, dtype=np.float64)
+        W = np.zeros(1)
+        for _ in range(1500):                       # m^1500 = exp(-30) at T = 5000
+            before = W.copy()
+            opt.step(W, np.array([2.0]), 0.1, 100)
+        assert abs((before - W)[0] - 0.2) < 1e-9
+    # equal to classic momentum mu = m, eta = lr (1 - m)
+    rng = np.random.default_rng(2)
+    opt = Optimizer(3, 800.0, dtype=np.float64)
+    W, Wc, vc = np.zeros(3), np.zeros(3), np.zeros(3)
+    mu = math.exp(-64 / 800.0)
+    for _ in range(10):
+        g = rng.standard_normal(3)
+        opt.step(W, g.copy(), 0.01, 64)
+        vc = mu * vc + g
+        Wc -= 0.01 * (1 - mu) * vc
+    np.testing.assert_allclose(W, Wc, rtol=1e-12)
+
+
+def test_per_sample_learning_rate_with_a_real_model():
+    """The gradient of a minibatch is the sum of its frames' gradients, and lr is per sample:
+    one step on n frames equals lr times the sum of the per-frame gradients, so a step on 2n
+    frames of the same kind is twice as long as one on n."""
+    model = DNN(5, [4], 3, "sigmoid", max_batch=8, dtype=np.float64)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(3))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 5))
+    y = rng.integers(0, 3, 8)
+    total = np.zeros(params.size)
+    g1 = model.new_params()
+    for i in range(8):
+        model.forward_backward(params, g1, x[i:i + 1].copy(), y[i:i + 1], 1)
+        total += g1.flat
+    g = model.new_params()
+    model.forward_backward(params, g, x, y, 8)
+    W = params.flat.copy()
+    Optimizer(params.size, dtype=np.float64).step(W, g.flat, 0.05, 8)
+    np.testing.assert_allclose(W, params.flat - 0.05 * total, rtol=1e-12, atol=1e-15)
+    # same frames twice: twice the step
+    x2, y2 = np.concatenate([x[:4], x[:4]]), np.concatenate([y[:4], y[:4]])
+    model.forward_backward(params, g, x[:4].copy(), y[:4], 4)
+    step4 = g.flat.copy()
+    model.forward_backward(params, g, x2, y2, 8)
+    np.testing.assert_allclose(g.flat, 2 * step4, rtol=1e-12, atol=1e-15)
+
+
+def test_slices_compose_and_state_round_trip():
+    rng = np.random.default_rng(5)
+    size = 1000
+    W0 = rng.standard_normal(size).astype(np.float32)
+    gs = [rng.standard_normal(size).astype(np.float32) * 50 for _ in range(6)]
+    a = Optimizer(size, 3000.0, "aggregate", 8000.0, 1e-8, 1e-5)
+    W_a = W0.copy()
+    for g in gs:
+        a.step(W_a, g.copy(), 1e-3, 512)
+    # same via post_exchange over uneven slices + apply, with a checkpoint in the middle
+    b = Optimizer(size, 3000.0, "aggregate", 8000.0, 1e-8, 1e-5)
+    W_b = W0.copy()
+    for k, g in enumerate(gs):
+        if k == 3:
+            state = {key: (v.copy() if isinstance(v, np.ndarray) else v)
+                     for key, v in b.state_dict().items()}
+            b = Optimizer(size, 3000.0, "aggregate", 8000.0, 1e-8, 1e-5)
+            b.load_state_dict(state)
+        b.begin_step(512)
+        u = g.copy()
+        for lo, hi in [(0, 1), (1, 333), (333, 1000)]:
+            b.post_exchange(u, W_b, lo, hi)
+        b.apply(W_b, u, 1e-3)
+    np.testing.assert_array_equal(W_b, W_a)     # same kernels, same order: the same bits
+    with pytest.raises(ValueError, match="velocity"):
+        Optimizer(10, 100.0).load_state_dict({"velocity": np.zeros(9), "sqr": np.zeros(1),
+                                              "sqr_weight": 0.0})
+    with pytest.raises(ValueError, match="adagrad"):
+        Optimizer(10, adagrad="everywhere")
+
+
+def test_schedules():
+    assert learning_rate("constant", 0.01, frames=10 ** 9) == 0.01
+    assert step_decay_lr(0.01, 2_999_999, 1_000_000, 0.5) == 0.01 * 0.25
+    assert learning_rate("step", 0.01, frames=3_000_000, decay_frames=10 ** 6,
+                         decay_factor=0.1) == pytest.approx(1e-5)
+    assert newbob_lr(1.0, []) == 1.0 and newbob_lr(1.0, [0.30]) == 1.0
+    assert newbob_lr(1.0, [0.30, 0.40, 0.45]) == 1.0          # still improving by >= 0.005
+    assert newbob_lr(1.0, [0.30, 0.40, 0.402]) == 0.5         # stalled: halve
+    assert newbob_lr(1.0, [0.30, 0.40, 0.402, 0.43]) == 0.25  # and keep halving (ramping)
+    assert newbob_lr(1.0, [0.30, 0.29], factor=0.7) == pytest.approx(0.7)
+    assert learning_rate("newbob", 0.1, cv_acc_history=[0.3, 0.3001]) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="schedule"):
+        learning_rate("cosine", 0.1)
