@@ -1,0 +1,341 @@
+"""Dettmers' (2016) 8-bit data types as a codec: linear, mantissa, static tree, dynamic tree.
+
+Every type is a sorted table of 256 float32 values times a scale per block:
+  linear        k/127, k = -128..127                          scale = abs-max (default)
+  mantissa      +-m * 10^-e / 10, m = 0..15, e = 0..7 (4-bit    scale = exponent offset
+                mantissa, 3-bit exponent; has duplicate zeros)  (default 10, the paper's 10^1)
+  static_tree   +-t_j * 10^-e, t_j the 16 leaves of the bisection tree on (0.1, 1) (midpoints
+                of linspace(0.1, 1, 17)), e = 0..7            scale = exponent offset
+  dynamic_tree  bitsandbytes' dynamic map: for i = 0..6 the 2^i midpoints of linspace(0.1, 1,
+                2^i + 1) times +-10^(i-6), plus 0 and 1       scale = abs-max (default)
+Encode: x = v / scale, code = index of the nearest table value, found by an 8-step binary
+search over the 255 midpoints (ties go up). Decode: table[code] * scale.
+Normalisation `norm="absmax"` uses the abs-max of each block of `block` values of the
+flattened matrix (block=0: one block = the whole matrix), recomputed every `refresh` encodes
+(the paper refreshes every 50 minibatches; values beyond a stale abs-max clip to +-1 and the
+error feedback, when on, carries the rest). `norm="fixed"` uses scale = `offset`.
+
+Packed layout (4-byte aligned): [uint32 age][float32 scale x n_blocks][uint8 code x n][pad to 4].
+`age` counts encodes since the scales were computed: reusing the previous scales reads them
+from the same output buffer, so `refresh` > 1 needs the caller to pass the same buffer for the
+same matrix each step (the exchange's preallocated buffers); a fresh buffer recomputes.
+"""
+import numpy as np
+from numba import cuda, njit, prange
+
+from hpcsgd.codecs.common import Codec, as_device, nonfinite_error
+
+DTYPES = ("linear", "mantissa", "static_tree", "dynamic_tree")
+
+
+def make_table(dtype):
+    """The 256 sorted float32 values of a type, normalised (scale 1)."""
+    if dtype == "linear":
+        t = np.arange(-128, 128) / 127.0
+    elif dtype == "mantissa":
+        m = np.arange(16.0)
+        t = np.concatenate([m * 10.0 ** (-e) / 10.0 for e in range(8)])
+        t = np.concatenate([-t, t])
+    elif dtype == "static_tree":
+        b = np.linspace(0.1, 1.0, 17)
+        leaves = (b[:-1] + b[1:]) / 2
+        t = np.concatenate([leaves * 10.0 ** (-e) for e in range(8)])
+        t = np.concatenate([-t, t])
+    elif dtype == "dynamic_tree":
+        t = [0.0, 1.0]
+        for i in range(7):
+            b = np.linspace(0.1, 1.0, 2 ** i + 1)
+            means = (b[:-1] + b[1:]) / 2
+            t += list(10.0 ** (i - 6) * means) + list(-(10.0 ** (i - 6)) * means)
+        t = np.array(t)
+    else:
+        raise ValueError(f"dettmers: dtype must be one of {DTYPES}, got {dtype!r}")
+    t = np.sort(t.astype(np.float32))
+    assert t.shape == (256,)
+    return t
+
+
+def midpoints(table):
+    t = table.astype(np.float64)
+    return (t[:-1] + t[1:]) / 2  # exact: float32 halves fit in float64
+
+
+def _code(v, scale, mids):
+    """Index of the table value nearest to v / scale = number of midpoints <= v / scale,
+    by an 8-step binary search (ties go up)."""
+    x = np.float64(v) / np.float64(scale) if scale > 0 else 0.0
+    q = 0
+    step = 128
+    while step > 0:
+        if q + step <= 255 and mids[q + step - 1] <= x:
+            q += step
+        step >>= 1
+    return q
+
+
+def _value(t, scale):
+    return np.float32(np.float64(t) * np.float64(scale))  # exact product, one rounding
+
+
+_code_cpu, _value_cpu = njit(inline="always")(_code), njit(inline="always")(_value)
+_code_cuda, _value_cuda = cuda.jit(device=True)(_code), cuda.jit(device=True)(_value)
+
+
+def _reuse(age, refresh, old):
+    return refresh > 1 and 1 <= age < refresh and old - old == 0.0 and old > 0.0
+
+
+# ---------------------------------------------------------------- NumPy reference
+def scales_ref(v, scales, block, age, refresh, norm_absmax, offset):
+    n = v.size
+    for b in range(scales.size):
+        if not norm_absmax:
+            scales[b] = offset
+        elif not _reuse(age, refresh, scales[b]):
+            scales[b] = np.abs(v[b * block:min(n, (b + 1) * block)]).max()
+
+
+def encode_ref(v, r, codes, scales, block, table, mids):
+    s = np.repeat(scales, block)[:v.size].astype(np.float64)
+    x = np.divide(v.astype(np.float64), s, out=np.zeros(v.size), where=s > 0)
+    codes[:] = np.searchsorted(mids, x, side="right")
+    if r is not None:
+        r[:] = v - (table[codes].astype(np.float64) * s).astype(np.float32)
+
+
+def decode_ref(codes, scales, table, out, block, accumulate):
+    s = np.repeat(scales, block)[:out.size].astype(np.float64)
+    dec = (table[codes].astype(np.float64) * s).astype(np.float32)
+    if accumulate:
+        out += dec
+    else:
+        out[:] = dec
+
+
+# ---------------------------------------------------------------- Numba CPU
+@njit(parallel=True, cache=True)
+def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
+    n = g.size
+    for b in prange(scales.size):
+        if not norm_absmax:
+            scales[b] = offset
+            continue
+        old = scales[b]
+        if refresh > 1 and 1 <= age < refresh and old - old == 0.0 and old > 0.0:
+            continue
+        m = np.float32(0.0)
+        for i in range(b * block, min(n, (b + 1) * block)):
+            v = g[i] + r[i] if ef else g[i]
+            m = max(m, abs(v))
+        scales[b] = m
+
+
+@njit(parallel=True, cache=True)
+def encode_cpu(g, r, ef, codes, scales, block, table, mids, bad):
+    n = g.size
+    for b in prange(scales.size):
+        s = scales[b]
+        for i in range(b * block, min(n, (b + 1) * block)):
+            v = g[i] + r[i] if ef else g[i]
+            if not v - v == 0.0:
+                bad[b] = 1
+            q = _code_cpu(v, s, mids)
+            codes[i] = q
+            if ef:
+                r[i] = v - _value_cpu(table[q], s)
+
+
+@njit(parallel=True, cache=True)
+def decode_cpu(codes, scales, table, out, block, accumulate):
+    n = out.size
+    for b in prange(scales.size):
+        s = scales[b]
+        for i in range(b * block, min(n, (b + 1) * block)):
+            val = _value_cpu(table[codes[i]], s)
+            if accumulate:
+                out[i] += val
+            else:
+                out[i] = val
+
+
+# ---------------------------------------------------------------- Numba CUDA
+@cuda.jit
+def scales_cuda(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
+    """One thread block per normalisation block: shared-memory max reduction (max is exact,
+    so the order does not matter)."""
+    b = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    sm = cuda.shared.array(128, np.float32)
+    old = scales[b]
+    if not norm_absmax:
+        if t == 0:
+            scales[b] = offset
+        return
+    if refresh > 1 and 1 <= age < refresh and old - old == 0.0 and old > 0.0:
+        return
+    n = g.size
+    m = np.float32(0.0)
+    for i in range(b * block + t, min(n, (b + 1) * block), cuda.blockDim.x):
+        v = g[i] + r[i] if ef else g[i]
+        m = max(m, abs(v))
+    sm[t] = m
+    cuda.syncthreads()
+    if t == 0:
+        for j in range(1, cuda.blockDim.x):
+            m = max(m, sm[j])
+        scales[b] = m
+
+
+@cuda.jit
+def encode_cuda(g, r, ef, codes, scales, block, table, mids, bad):
+    """One thread per value; the 256-entry table and its midpoints in shared memory."""
+    sh_t = cuda.shared.array(256, np.float32)
+    sh_m = cuda.shared.array(255, np.float64)
+    t = cuda.threadIdx.x
+    for j in range(t, 256, cuda.blockDim.x):
+        sh_t[j] = table[j]
+        if j < 255:
+            sh_m[j] = mids[j]
+    cuda.syncthreads()
+    i = cuda.grid(1)
+    if i >= g.size:
+        return
+    s = scales[i // block]
+    v = g[i] + r[i] if ef else g[i]
+    if not v - v == 0.0:
+        bad[0] = i // block + 1
+    q = _code_cuda(v, s, sh_m)
+    codes[i] = q
+    if ef:
+        r[i] = v - _value_cuda(sh_t[q], s)
+
+
+@cuda.jit
+def decode_cuda(codes, scales, table, out, block, accumulate):
+    sh_t = cuda.shared.array(256, np.float32)
+    for j in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        sh_t[j] = table[j]
+    cuda.syncthreads()
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    val = _value_cuda(sh_t[codes[i]], scales[i // block])
+    if accumulate:
+        out[i] += val
+    else:
+        out[i] = val
+
+
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.copy_to_host()
+
+
+# ---------------------------------------------------------------- the codec
+class Dettmers(Codec):
+    """Options: dtype, norm ("absmax" | "fixed"; default by type as in the paper), offset
+    (fixed scale, default 10), block (values per abs-max block, 0 = whole matrix), refresh
+    (recompute abs-max every N encodes), error_feedback (default True)."""
+    name = "dettmers"
+
+    def __init__(self, backend="cpu", dtype="dynamic_tree", norm=None, offset=10.0, block=0,
+                 refresh=1, error_feedback=True):
+        super().__init__(backend)
+        self.dtype = dtype
+        self.table = make_table(dtype)
+        self.mids = midpoints(self.table)
+        if norm is None:
+            norm = "absmax" if dtype in ("linear", "dynamic_tree") else "fixed"
+        if norm not in ("absmax", "fixed"):
+            raise ValueError(f"dettmers: norm must be 'absmax' or 'fixed', got {norm!r}")
+        if int(block) < 0 or int(refresh) < 1:
+            raise ValueError("dettmers: block must be >= 0 and refresh >= 1")
+        self.norm, self.offset, self.block = norm, float(offset), int(block)
+        self.refresh, self.error_feedback = int(refresh), bool(error_feedback)
+        self._dev = None  # device copies of table and midpoints, made on first CUDA use
+
+    def _blocking(self, n):
+        block = self.block if self.block > 0 else max(n, 1)
+        return block, -(-n // block)
+
+    def packed_nbytes(self, n_cols, n_rows):
+        n = n_cols * n_rows
+        if n == 0:
+            return 0
+        return 4 + 4 * self._blocking(n)[1] + 4 * (-(-n // 4))
+
+    def _views(self, packed, n):
+        nb = self._blocking(n)[1]
+        return (packed[:4].view(np.uint32), packed[4:4 + 4 * nb].view(np.float32),
+                packed[4 + 4 * nb:4 + 4 * nb + n])
+
+    def encode(self, grad, residual, out):
+        self._check_encode(grad, residual, out)
+        n = grad.size
+        if n == 0:
+            return
+        block, nb = self._blocking(n)
+        ef = self.error_feedback and residual is not None
+        absmax = self.norm == "absmax"
+        if self.backend == "cuda":
+            o = as_device(out)
+            head, scales, codes = self._views(o, n)
+            age = int(head.copy_to_host()[0])  # device sync (tiny read) for the refresh rule
+            g = as_device(grad).reshape(n)
+            r = as_device(residual).reshape(n) if ef else g
+            if self._dev is None:
+                self._dev = cuda.to_device(self.table), cuda.to_device(self.mids)
+            flag = cuda.to_device(np.zeros(1, np.int32))
+            scales_cuda[nb, 128](g, r, ef, scales, block, age, self.refresh, absmax, self.offset)
+            encode_cuda[-(-n // 256), 256](g, r, ef, codes, scales, block, *self._dev, flag)
+            bad = int(flag.copy_to_host()[0]) - 1  # device sync: the NaN check needs it
+            new_age = 1 if age < 1 or age >= self.refresh else age + 1
+            head.copy_to_device(np.array([new_age], np.uint32))
+        else:
+            head, scales, codes = self._views(out, n)
+            age = int(head[0])
+            g = grad.reshape(n)
+            r = residual.reshape(n) if ef else None
+            if self.backend == "reference":
+                v = g + r if ef else g.copy()
+                scales_ref(v, scales, block, age, self.refresh, absmax, self.offset)
+                bad = int(np.argmax(~np.isfinite(v))) // block if not np.isfinite(v).all() else -1
+                if bad < 0:
+                    encode_ref(v, r, codes, scales, block, self.table, self.mids)
+            else:
+                flags = np.zeros(nb, np.uint8)
+                rr = r if ef else g
+                scales_cpu(g, rr, ef, scales, block, age, self.refresh, absmax, self.offset)
+                encode_cpu(g, rr, ef, codes, scales, block, self.table, self.mids, flags)
+                bad = int(np.argmax(flags)) if flags.any() else -1
+            head[0] = 1 if age < 1 or age >= self.refresh else age + 1
+            out[4 + 4 * nb + n:] = 0  # padding bytes defined, so buffers compare equal
+        if bad >= 0:  # error path only: find the exact column on the host
+            # (the residuals were already overwritten, so name the gradient's column if it has one)
+            v = _host(grad)
+            if np.isfinite(v).all() and ef:
+                v = v + _host(residual)
+            col = int(np.argmax(~np.isfinite(v).all(axis=1)))
+            raise nonfinite_error(f"{self.name}/{self.dtype}", grad.shape, col)
+
+    def _decode(self, packed, out, accumulate):
+        self._check_decode(packed, out)
+        n = out.size
+        if n == 0:
+            return
+        block, nb = self._blocking(n)
+        if self.backend == "cuda":
+            _, scales, codes = self._views(as_device(packed), n)
+            if self._dev is None:
+                self._dev = cuda.to_device(self.table), cuda.to_device(self.mids)
+            decode_cuda[-(-n // 256), 256](codes, scales, self._dev[0],
+                                           as_device(out).reshape(n), block, accumulate)
+        else:
+            _, scales, codes = self._views(packed, n)
+            fn = decode_ref if self.backend == "reference" else decode_cpu
+            fn(codes, scales, self.table, out.reshape(n), block, accumulate)
+
+    def decode(self, packed, out):
+        self._decode(packed, out, False)
+
+    def decode_accumulate(self, packed, out):
+        self._decode(packed, out, True)

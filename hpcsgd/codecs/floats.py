@@ -1,0 +1,139 @@
+"""float32 and float16 baselines behind the codec interface (what plain Allreduce/NCCL sends).
+
+float32: packed = the float32 bytes of v = grad (+ residual, which is then zeroed): lossless.
+float16: packed = float16(v) (round to nearest even on every backend); with error feedback
+(default on when a residual is passed) residual <- v - float32(float16(v)).
+|v| > 65504 overflows float16: reported as the same non-finite ValueError as NaN input.
+"""
+import numpy as np
+from numba import cuda, njit, prange
+
+from hpcsgd.codecs.common import Codec, as_device, nonfinite_error
+
+
+@njit(parallel=True, cache=True)
+def _sum_cpu(g, r, out):
+    """out = g + r, residual zeroed; per-column NaN flags (column index + 1 or 0)."""
+    n_cols, n_rows = g.shape
+    bad = np.zeros(n_cols, np.uint8)
+    for c in prange(n_cols):
+        for i in range(n_rows):
+            v = g[c, i] + r[c, i]
+            out[c, i] = v
+            r[c, i] = 0.0
+            if not v - v == 0.0:
+                bad[c] = 1
+    return bad
+
+
+@cuda.jit
+def _encode_cuda(g, r, out32, out16, half, ef):
+    i = cuda.grid(1)
+    if i >= g.size:
+        return
+    v = g[i] + r[i] if ef else g[i]
+    if half:
+        h = np.float16(v)
+        out16[i] = h
+        if ef:
+            r[i] = v - np.float32(h)
+    else:
+        out32[i] = v
+        if ef:
+            r[i] = 0.0
+
+
+@cuda.jit
+def _decode_cuda(p32, p16, out, half, accumulate):
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    val = np.float32(p16[i]) if half else p32[i]
+    if accumulate:
+        out[i] += val
+    else:
+        out[i] = val
+
+
+@njit(parallel=True, cache=True)
+def _decode32_cpu(p, out, accumulate):
+    for c in prange(out.shape[0]):
+        for i in range(out.shape[1]):
+            if accumulate:
+                out[c, i] += p[c, i]
+            else:
+                out[c, i] = p[c, i]
+
+
+class Float(Codec):
+    """float32 / float16 pass-through; error_feedback only matters for float16."""
+
+    def __init__(self, backend="cpu", dtype="float32", error_feedback=True):
+        super().__init__(backend)
+        self.name = dtype
+        self.half = dtype == "float16"
+        self.error_feedback = bool(error_feedback)
+
+    def packed_nbytes(self, n_cols, n_rows):
+        n = n_cols * n_rows
+        return 2 * (n + (n & 1)) if self.half else 4 * n  # float16 padded to 4 bytes
+
+    def encode(self, grad, residual, out):
+        self._check_encode(grad, residual, out)
+        n = grad.size
+        if n == 0:
+            return
+        ef = self.error_feedback and residual is not None
+        if self.backend == "cuda":
+            o = as_device(out)
+            g = as_device(grad).reshape(n)
+            r = as_device(residual).reshape(n) if ef else g
+            p16 = o.view(np.float16)
+            _encode_cuda[-(-n // 256), 256](g, r, o.view(np.float32) if not self.half else p16,
+                                            p16, self.half, ef)
+            chk = p16.copy_to_host()[:n] if self.half else o.view(np.float32).copy_to_host()
+            bad = ~np.isfinite(chk)  # device sync + copy: baselines, not the fast path
+        elif self.half:
+            v = grad + residual if ef else grad
+            h = v.astype(np.float16)
+            out.view(np.float16)[:n] = h.reshape(n)
+            if ef:
+                with np.errstate(invalid="ignore"):  # inf - inf: reported just below
+                    np.subtract(v, h, out=residual)
+            bad = ~np.isfinite(h)
+        elif ef:
+            bad = _sum_cpu(grad, residual, out.view(np.float32).reshape(grad.shape)) != 0
+        else:
+            out.view(np.float32)[:] = grad.reshape(n)
+            bad = ~np.isfinite(grad)
+        if self.half:
+            out[2 * n:] = 0
+        if bad.any():
+            idx = int(np.argmax(bad.reshape(-1)))
+            col = idx if bad.size == grad.shape[0] else idx // grad.shape[1]
+            raise nonfinite_error(self.name, grad.shape, col)
+
+    def _decode(self, packed, out, accumulate):
+        self._check_decode(packed, out)
+        n = out.size
+        if n == 0:
+            return
+        if self.backend == "cuda":
+            p = as_device(packed)
+            p16 = p.view(np.float16)
+            _decode_cuda[-(-n // 256), 256](p.view(np.float32) if not self.half else p16, p16,
+                                            as_device(out).reshape(n), self.half, accumulate)
+        elif self.half:
+            h = packed.view(np.float16)[:n].reshape(out.shape)
+            if accumulate:
+                out += h
+            else:
+                out[:] = h
+        else:
+            _decode32_cpu(packed.view(np.float32).reshape(out.shape), out, accumulate)
+
+    def decode(self, packed, out):
+        self._decode(packed, out, False)
+
+    def decode_accumulate(self, packed, out):
+        self._decode(packed, out, True)

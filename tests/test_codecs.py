@@ -1,0 +1,177 @@
+"""Codecs: NumPy reference == Numba CPU bit for bit, edge cases, error-feedback invariant,
+1-bit conditional means, packed sizes. CUDA parity runs in test_codecs_cuda.py (simulator)."""
+import numpy as np
+import pytest
+
+from hpcsgd.codecs import make_codec
+from hpcsgd.codecs.dettmers import DTYPES, make_table
+from hpcsgd.errors import UserError
+
+CONFIGS = ([("onebit", {})]
+           + [("kbit", {"bits": k}) for k in range(2, 9)]
+           + [("kbit", {"bits": k, "range": "minmax"}) for k in (3, 8)]
+           + [("dettmers", {"dtype": d}) for d in DTYPES]
+           + [("dettmers", {"dtype": "dynamic_tree", "block": 16, "refresh": 3}),
+              ("dettmers", {"dtype": "linear", "error_feedback": False}),
+              ("float32", {}), ("float16", {})])
+IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in CONFIGS]
+SHAPES = [(5, 70), (3, 1), (1, 64), (4, 33), (0, 50), (2, 2053)]
+
+
+def grads(shape, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        g = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 0, (shape[0], 1))).astype(np.float32)
+        if shape[0] > 1:
+            g[1] = 0.0  # an all-zero column
+        out.append(g)
+    return out
+
+
+def run_steps(name, opts, backend, gs):
+    codec = make_codec(name, backend=backend, **opts)
+    shape = gs[0].shape
+    r = np.zeros(shape, np.float32)
+    buf = np.zeros(codec.packed_nbytes(*shape), np.uint8)
+    acc = np.zeros(shape, np.float32)
+    bufs = []
+    for g in gs:
+        codec.encode(g, r, buf)
+        codec.decode_accumulate(buf, acc)
+        bufs.append(buf.copy())
+    dec = np.full(shape, 7.0, np.float32)
+    codec.decode(buf, dec)
+    return bufs, r, acc, dec
+
+
+@pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_equals_cpu_bit_for_bit(name, opts, shape):
+    gs = grads(shape, 3)
+    ref = run_steps(name, opts, "reference", gs)
+    cpu = run_steps(name, opts, "cpu", gs)
+    for a, b in zip(ref[0], cpu[0]):
+        assert a.tobytes() == b.tobytes()
+    for a, b in zip(ref[1:], cpu[1:]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name,opts", [c for c in CONFIGS if c[1].get("error_feedback", True)],
+                         ids=[i for i, c in zip(IDS, CONFIGS) if c[1].get("error_feedback", True)])
+def test_error_feedback_invariant(name, opts):
+    """Over T steps: sum of decoded = sum of inputs - final residual (nothing is lost)."""
+    gs = grads((6, 45), 8, seed=1)
+    _, r, acc, _ = run_steps(name, opts, "cpu", gs)
+    total = np.sum(np.array(gs, np.float64), axis=0)
+    scale = np.abs(np.array(gs)).max()
+    np.testing.assert_allclose(acc.astype(np.float64), total - r, atol=1e-5 * scale * len(gs))
+
+
+def test_onebit_reconstruction_values_are_conditional_means():
+    g = grads((4, 77), 1, seed=2)[0]
+    r0 = np.random.default_rng(3).standard_normal(g.shape).astype(np.float32) * 0.01
+    r0[1] = 0.0  # column 1 stays all zero
+    v = g + r0
+    codec = make_codec("onebit")
+    buf = np.empty(codec.packed_nbytes(*g.shape), np.uint8)
+    r = r0.copy()
+    codec.encode(g, r, buf)
+    means = buf.view(np.float32).reshape(4, -1)[:, :2]
+    for c in range(4):
+        neg, pos = v[c][v[c] < 0], v[c][v[c] >= 0]
+        m0 = neg.mean() if neg.size else 0.0
+        m1 = pos.mean() if pos.size else 0.0
+        np.testing.assert_allclose(means[c], [m0, m1], rtol=1e-6, atol=1e-30)
+    dec = np.empty_like(g)
+    codec.decode(buf, dec)
+    assert (dec[1] == 0).all() and (r[1] == 0).all()  # all-zero column decodes to 0
+    np.testing.assert_allclose(r, v - dec, rtol=0, atol=0)
+    # the means minimise the squared error for threshold 0: perturbing them makes it worse
+    err = ((v - dec) ** 2).sum()
+    for d in (1.01, 0.99):
+        assert ((v - np.where(v >= 0, means[:, 1:2] * d, means[:, 0:1])) ** 2).sum() > err
+
+
+@pytest.mark.parametrize("n_cols,n_rows", [(7, 1), (3, 32), (2, 33), (11, 9304), (0, 5)])
+def test_packed_size_formulas(n_cols, n_rows):
+    w = lambda bits: -(-n_rows * bits // 32)  # noqa: E731  32-bit words per column
+    assert make_codec("onebit").packed_nbytes(n_cols, n_rows) == n_cols * 4 * (2 + w(1))
+    for k in range(2, 9):
+        assert make_codec("kbit", bits=k).packed_nbytes(n_cols, n_rows) == n_cols * 4 * (2 + w(k))
+    n = n_cols * n_rows
+    nb = -(-n // 16)
+    assert make_codec("dettmers").packed_nbytes(n_cols, n_rows) == (4 + 4 + 4 * -(-n // 4)) * (n > 0)
+    assert make_codec("dettmers", block=16).packed_nbytes(n_cols, n_rows) == (
+        4 + 4 * nb + 4 * -(-n // 4)) * (n > 0)
+    assert make_codec("float32").packed_nbytes(n_cols, n_rows) == 4 * n
+    assert make_codec("float16").packed_nbytes(n_cols, n_rows) == 2 * n + 2 * (n % 2)
+
+
+def test_bits_per_value_includes_side_info():
+    assert make_codec("onebit").bits_per_value(2048, 2048) == 1 + 64 / 2048
+    assert make_codec("kbit", bits=3).bits_per_value(10, 32) == 3 + 64 / 32
+    assert make_codec("float32").bits_per_value(3, 3) == 32
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_input_is_a_clear_error(backend, name, opts, bad):
+    g = grads((4, 40), 1)[0]
+    g[2, 17] = bad
+    codec = make_codec(name, backend=backend, **opts)
+    with pytest.raises(ValueError, match=r"column 2 .*\(4, 40\)|\(4, 40\), column 2"):
+        codec.encode(g, np.zeros_like(g), np.zeros(codec.packed_nbytes(4, 40), np.uint8))
+
+
+def test_bad_arguments():
+    with pytest.raises(UserError, match="unknown codec"):
+        make_codec("twobit")
+    with pytest.raises(ValueError, match="bits"):
+        make_codec("kbit", bits=9)
+    with pytest.raises(UserError, match="bad option"):
+        make_codec("onebit", bits=2)
+    c = make_codec("onebit")
+    g = np.zeros((3, 40), np.float32)
+    with pytest.raises(ValueError, match="packed buffer"):
+        c.encode(g, g.copy(), np.zeros(5, np.uint8))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        c.encode(np.zeros((40, 3), np.float32).T, g.copy(), np.zeros(c.packed_nbytes(3, 40), np.uint8))
+    with pytest.raises(ValueError, match="needs a residual"):
+        c.encode(g, None, np.zeros(c.packed_nbytes(3, 40), np.uint8))
+
+
+def test_stripes_encode_like_the_whole_matrix_for_column_codecs():
+    """A column stripe g[c0:c1] packs to the same bytes as those columns of the whole matrix."""
+    g = grads((9, 50), 1)[0]
+    for name, opts in [("onebit", {}), ("kbit", {"bits": 5})]:
+        c = make_codec(name, **opts)
+        whole = np.empty(c.packed_nbytes(9, 50), np.uint8)
+        c.encode(g, np.zeros_like(g), whole)
+        per = c.packed_nbytes(1, 50)
+        stripe = np.empty(c.packed_nbytes(3, 50), np.uint8)
+        c.encode(g[3:6], np.zeros((3, 50), np.float32), stripe)
+        assert stripe.tobytes() == whole[3 * per:6 * per].tobytes()
+
+
+def test_dettmers_tables_are_sorted_256_values():
+    for d in DTYPES:
+        t = make_table(d)
+        assert t.shape == (256,) and (np.diff(t) >= 0).all() and t.dtype == np.float32
+    dyn = make_table("dynamic_tree")
+    assert 0.0 in dyn and dyn[-1] == 1.0 and len(set(dyn.tolist())) == 256
+
+
+def test_dettmers_refresh_reuses_the_scale_and_error_feedback_carries_the_clip():
+    c = make_codec("dettmers", dtype="dynamic_tree", refresh=3)
+    g = np.full((1, 8), 1.0, np.float32)
+    r = np.zeros_like(g)
+    buf = np.zeros(c.packed_nbytes(1, 8), np.uint8)
+    c.encode(g, r, buf)
+    assert buf[4:8].view(np.float32)[0] == 1.0
+    c.encode(g * 4, r, buf)  # stale abs-max 1.0: values clip to 1.0, the rest goes to r
+    assert buf[4:8].view(np.float32)[0] == 1.0 and np.allclose(r, 3.0)
+    c.encode(g, r, buf)
+    c.encode(g, r, buf)  # fourth encode refreshes: abs-max of g + r = 4
+    assert buf[4:8].view(np.float32)[0] == 4.0

@@ -1,0 +1,83 @@
+"""CUDA kernels == CPU kernels bit for bit, run under the CUDA simulator.
+
+NUMBA_ENABLE_CUDASIM must be set before numba is first imported, and other test modules
+import numba earlier in the same process; so the parent test re-runs this file in a fresh
+pytest process with the variable set (HPCSGD_CUDASIM_CHILD=1 selects the real tests there).
+Inputs are small: the simulator runs every CUDA thread as a Python thread.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
+
+if not CHILD:
+    def test_cuda_kernels_in_simulator_subprocess():
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", HPCSGD_CUDASIM_CHILD="1")
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "-x", __file__], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        assert " passed" in p.stdout and "skipped" not in p.stdout.split("\n")[-2]
+
+else:
+    from numba import cuda
+
+    from hpcsgd.codecs import make_codec
+    from hpcsgd.codecs.dettmers import DTYPES
+
+    CONFIGS = ([("onebit", {})]
+               + [("kbit", {"bits": k}) for k in (2, 3, 5, 8)]
+               + [("kbit", {"bits": 5, "range": "minmax"})]
+               + [("dettmers", {"dtype": d}) for d in DTYPES]
+               + [("dettmers", {"dtype": "dynamic_tree", "block": 16, "refresh": 2}),
+                  ("float32", {}), ("float16", {})])
+    IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in CONFIGS]
+
+    def run(name, opts, backend, gs):
+        codec = make_codec(name, backend=backend, **opts)
+        shape = gs[0].shape
+        put = cuda.to_device if backend == "cuda" else (lambda a: a)
+        r = put(np.zeros(shape, np.float32))
+        buf = put(np.zeros(codec.packed_nbytes(*shape), np.uint8))
+        acc = put(np.ones(shape, np.float32))
+        dec = put(np.zeros(shape, np.float32))
+        bufs = []
+        for g in gs:
+            codec.encode(put(g), r, buf)
+            codec.decode_accumulate(buf, acc)
+            bufs.append(np.array(buf.copy_to_host() if backend == "cuda" else buf))
+        codec.decode(buf, dec)
+        get = (lambda a: a.copy_to_host()) if backend == "cuda" else (lambda a: a)
+        return bufs, get(r), get(acc), get(dec)
+
+    @pytest.mark.parametrize("shape", [(3, 70), (2, 1), (0, 9)])
+    @pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
+    def test_cuda_equals_cpu_bit_for_bit(name, opts, shape):
+        assert cuda.is_available()  # the simulator counts
+        rng = np.random.default_rng(0)
+        gs = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+        if shape[0] > 1:
+            gs[0][1] = 0.0
+        a, b = run(name, opts, "cpu", gs), run(name, opts, "cuda", gs)
+        for x, y in zip(a[0], b[0]):
+            assert x.tobytes() == y.tobytes()
+        for x, y in zip(a[1:], b[1:]):
+            np.testing.assert_array_equal(x, y)
+
+    @pytest.mark.parametrize("name,opts", [CONFIGS[0], CONFIGS[3], CONFIGS[-4]], ids=str)
+    def test_cuda_nonfinite_is_an_error(name, opts):
+        g = np.zeros((3, 40), np.float32)
+        g[2, 5] = np.nan
+        c = make_codec(name, backend="cuda", **opts)
+        with pytest.raises(ValueError, match="column 2"):
+            c.encode(cuda.to_device(g), cuda.to_device(np.zeros_like(g)),
+                     cuda.device_array(c.packed_nbytes(3, 40), np.uint8))
+
+    def test_cuda_rejects_host_arrays():
+        c = make_codec("onebit", backend="cuda")
+        g = np.zeros((2, 8), np.float32)
+        with pytest.raises(TypeError, match="device arrays"):
+            c.encode(g, g.copy(), np.zeros(c.packed_nbytes(2, 8), np.uint8))
