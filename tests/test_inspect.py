@@ -21,8 +21,11 @@ DEMO = os.path.join(REPO, "data_prep", "demo", "fsdd")
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     out = tmp_path_factory.mktemp("arch") / "fsdd"
-    assert main(["prep", DEMO, str(out), "--alignments", f"{DEMO}/phn", "--labels",
-                 f"{DEMO}/labels.txt", "--sample-rate", "8000", "--num-shards", "3", "--jobs", "1"]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # --shard-index defaults to $SLURM_ARRAY_TASK_ID
+        mp.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+        assert main(["prep", DEMO, str(out), "--alignments", f"{DEMO}/phn", "--labels",
+                     f"{DEMO}/labels.txt", "--sample-rate", "8000", "--num-shards", "3",
+                     "--jobs", "1"]) == 0
     return out
 
 

@@ -24,6 +24,12 @@ SHARED = os.path.join(os.path.dirname(REPO), "shared", "data")  # ../shared besi
 REF_UTT = "000010011"
 
 
+@pytest.fixture(autouse=True)
+def _not_in_an_array_task(monkeypatch):
+    """--shard-index defaults to $SLURM_ARRAY_TASK_ID: keep a CI job's value out of these tests."""
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+
+
 def prep(*argv):
     return main(["prep", *map(str, argv)])
 
