@@ -1,6 +1,5 @@
 """hpcsgd prep: features vs a stored kaldi-native-fbank reference, the frame-label convention,
 sharding by speaker, the bundled demo corpora end to end, and every kind of bad input."""
-import json
 import os
 import signal
 import subprocess
