@@ -67,7 +67,9 @@ def load(path):
     """(arrays dict, meta dict) of a checkpoint, with a clear error for a bad file."""
     try:
         with h5py.File(path, "r") as f:
-            arrays = {name: f[name][()] for name in f}
+            arrays = {}
+            f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
+                         if isinstance(obj, h5py.Dataset) else None)
             meta = json.loads(f.attrs["meta"])
     except (OSError, KeyError, ValueError) as err:
         raise UserError(f"checkpoint {path}: unreadable ({err})") from None

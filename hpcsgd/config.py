@@ -25,16 +25,17 @@ DEFAULTS = {
     # --- optimiser (learning rates are per sample: the summed gradient is scaled by lr) ---
     "optim.lr": (0.002, float, (0.0, 10.0), "learning rate per sample"),
     "optim.momentum_tc": (1024.0, float, (0.0, 1e9), "momentum time constant in samples (CNTK); 0 = none"),
-    "optim.adagrad": ("none", str, ("none", "local", "aggregate", "after_momentum"),
+    "optim.adagrad": ("off", str, ("off", "local", "aggregate", "after_momentum"),
                       "AdaGrad placement (paper Table 3)"),
-    "optim.adagrad_eps": (1e-6, float, (0.0, 1.0), "added to the AdaGrad denominator"),
+    "optim.adagrad_tc": (0.0, float, (0.0, 1e12), "AdaGrad time constant in samples; 0 = all history"),
+    "optim.adagrad_eps": (1e-8, float, (0.0, 1.0), "added to the AdaGrad RMS (per-sample units)"),
     "optim.weight_decay": (0.0, float, (0.0, 1.0), "L2 per sample, added to the gradient"),
     # --- learning-rate schedule ---
     "schedule.type": ("newbob", str, ("constant", "step", "newbob"), "how the learning rate decays"),
     "schedule.step_frames": (1_000_000, int, (1, 1 << 50), "step: decay every this many frames"),
     "schedule.factor": (0.5, float, (0.0, 1.0), "step/newbob: multiply the rate by this"),
-    "schedule.newbob_threshold": (0.5, float, (0.0, 100.0),
-                                  "newbob: decay when CV frame accuracy gains less (points)"),
+    "schedule.newbob_threshold": (0.005, float, (0.0, 1.0),
+                                  "newbob: decay once CV frame accuracy gains less (0.005 = half a point)"),
     # --- the run ---
     "train.minibatch": (256, int, (1, 1 << 20), "global minibatch in frames, split over ranks"),
     "train.epochs": (4, int, (1, 100000), "passes over the training data"),

@@ -287,11 +287,12 @@ class FrameLoader:
 
 
 def iter_utterances(archive_dir, rank=0, world=1, epoch=0, seed=0, cmvn="meanvar",
-                    block_frames=BLOCK_FRAMES):
+                    block_frames=BLOCK_FRAMES, shuffle=True):
     """Whole utterances for sequence models (LSTMs): (utt_id, feats (T, D), labels (T,)).
 
     Rank-disjoint by the same block plan: an utterance belongs to the block holding its first
-    frame. Order: this rank's utterances shuffled with (seed, epoch, rank). CMVN applied.
+    frame. Order: shuffled with (seed, epoch, rank), or archive order with shuffle=False
+    (inference). CMVN applied.
     """
     index = archive.read_index(archive_dir)
     plan = Plan(index, world, seed, block_frames, max(block_frames, BUFFER_FRAMES))
@@ -302,7 +303,10 @@ def iter_utterances(archive_dir, rank=0, world=1, epoch=0, seed=0, cmvn="meanvar
         first = np.searchsorted(offsets[:-1], begin, side="left")
         last = np.searchsorted(offsets[:-1], end, side="left")
         mine.extend((int(s), int(u)) for u in range(first, last))
-    order = _rng(seed, epoch, rank).permutation(len(mine))
+    if shuffle:
+        order = _rng(seed, epoch, rank).permutation(len(mine))
+    else:
+        order = sorted(range(len(mine)), key=lambda k: mine[k])
     metas = {}
     for k in order:
         s, u = mine[k]

@@ -1,0 +1,120 @@
+"""`hpcsgd eval`: cross-entropy, frame accuracy, per-class accuracy and confusions of a model.
+
+    hpcsgd eval RUN_DIR|CHECKPOINT --data ARCHIVE [--json FILE]
+
+The model shape, splicing context and CMVN mode come from the checkpoint; the archive's label
+inventory must be the one the model was trained on. Under mpiexec every rank evaluates a
+disjoint share and the sums are reduced (the trainer's cross-validation uses the same code).
+"""
+import json
+import os
+
+import numpy as np
+
+from hpcsgd import checkpoint
+from hpcsgd.data import archive
+from hpcsgd.data.loader import FrameLoader
+from hpcsgd.errors import UserError
+from hpcsgd.model.dnn import DNN
+
+EVAL_BATCH = 1024
+
+
+def load_model(path, max_batch=EVAL_BATCH):
+    """(model, params, meta) from a checkpoint file or a run directory (its latest one)."""
+    if os.path.isdir(path):
+        found = checkpoint.latest(path)
+        if found is None:
+            raise UserError(f"{path}: no checkpoint in {checkpoint.checkpoint_dir(path)}")
+        path = found
+    arrays, meta = checkpoint.load(path)
+    shape = meta["model"]
+    model = DNN(shape["input_dim"], shape["hidden"], shape["num_labels"], shape["activation"],
+                max_batch=max_batch)
+    params = model.new_params()
+    if arrays["params"].shape != params.flat.shape:
+        raise UserError(f"checkpoint {path}: {arrays['params'].size} parameters, the model "
+                        f"{shape} needs {params.size}")
+    params.flat[:] = arrays["params"]
+    meta["path"] = path
+    return model, params, meta
+
+
+def check_archive(archive_dir, meta):
+    """The archive must match the model's features and label inventory."""
+    index = archive.read_index(archive_dir)
+    if index["label_inventory_hash"] != meta["label_inventory_hash"]:
+        raise UserError(f"{archive_dir}: label inventory {index['label_inventory_hash']} differs "
+                        f"from the model's ({meta['label_inventory_hash']}); prep it with the "
+                        f"training labels.txt")
+    want = meta["model"]["input_dim"] // (2 * meta["data"]["context"] + 1)
+    if index["feature_dim"] != want:
+        raise UserError(f"{archive_dir}: feature dim {index['feature_dim']}, the model expects {want}")
+    return index
+
+
+def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=None):
+    """Sums over the whole archive (reduced over ranks): ce, correct, frames, confusion (V, V)."""
+    V = model.dims[-1]
+    loader = FrameLoader(archive_dir, rank, world, context=context, cmvn=cmvn, seed=0,
+                         max_batch=model.max_batch)
+    loader.start_epoch(0)
+    ce, confusion = 0.0, np.zeros(V * V, np.int64)
+    rows = np.arange(model.max_batch)
+    while loader.remaining:
+        x, y = loader.next_batch(model.max_batch)
+        n = len(y)
+        logp = model.forward(params, x, n)
+        ce -= float(logp[rows[:n], y].sum(dtype=np.float64))
+        confusion += np.bincount(y.astype(np.int64) * V + logp.argmax(axis=1), minlength=V * V)
+    loader.close()
+    sums = np.concatenate([[ce], confusion.astype(np.float64)])
+    if comm is not None and world > 1:
+        from mpi4py import MPI
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)   # cross-rank sync point
+    confusion = sums[1:].astype(np.int64).reshape(V, V)
+    frames = int(confusion.sum())
+    return {"ce": sums[0] / max(frames, 1), "frame_accuracy": np.trace(confusion) / max(frames, 1),
+            "frames": frames, "confusion": confusion}
+
+
+def add_arguments(parser):
+    parser.add_argument("model", help="run directory (latest checkpoint) or checkpoint file")
+    parser.add_argument("--data", required=True, help="archive to evaluate (hpcsgd prep OUT)")
+    parser.add_argument("--json", help="write CE, accuracy, per-class accuracy and confusions here")
+    parser.add_argument("--top", type=int, default=10, help="confusions to list")
+
+
+def run(args):
+    model, params, meta = load_model(args.model)
+    check_archive(args.data, meta)
+    result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"])
+    symbols = archive.read_inventory(os.path.join(args.data, archive.LABELS_NAME))
+    conf = result["confusion"]
+    per_class = conf.diagonal() / np.maximum(conf.sum(axis=1), 1)
+    counts = conf.sum(axis=1)
+    majority = counts.max() / max(result["frames"], 1)
+    print(f"{meta['path']} on {args.data}: {result['frames']} frames")
+    print(f"cross-entropy {result['ce']:.4f} nats/frame, frame accuracy "
+          f"{100 * result['frame_accuracy']:.2f}% (majority class "
+          f"{symbols[int(counts.argmax())]}: {100 * majority:.2f}%)")
+    print("per-class accuracy (frames):")
+    for i in np.argsort(-counts):
+        if counts[i]:
+            print(f"  {symbols[i]:8s} {100 * per_class[i]:6.2f}%  ({counts[i]})")
+    off = conf.copy()
+    np.fill_diagonal(off, 0)
+    top = np.argsort(-off, axis=None)[:args.top]
+    print(f"top {args.top} confusions (reference -> hypothesis, frames):")
+    for flat in top:
+        ref, hyp = divmod(int(flat), conf.shape[0])
+        if off[ref, hyp]:
+            print(f"  {symbols[ref]:8s} -> {symbols[hyp]:8s} {off[ref, hyp]}")
+    if args.json:
+        payload = {"checkpoint": meta["path"], "archive": args.data, "frames": result["frames"],
+                   "ce": result["ce"], "frame_accuracy": result["frame_accuracy"],
+                   "majority_baseline": majority,
+                   "per_class_accuracy": {symbols[i]: float(per_class[i]) for i in range(len(symbols))},
+                   "confusion": conf.tolist(), "labels": symbols}
+        archive.atomic_write_text(args.json, json.dumps(payload) + "\n")
+    return 0

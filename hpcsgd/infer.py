@@ -1,0 +1,118 @@
+"""`hpcsgd infer`: per-utterance posteriors or scaled log-likelihoods for a hybrid decoder.
+
+    hpcsgd infer RUN_DIR|CHECKPOINT --data ARCHIVE --out OUT [--output loglik|posteriors|logpost]
+                 [--format hdf5|ark|both]
+
+loglik = log posterior - log prior, the prior being the label frequencies of the TRAINING data
+(stored in the checkpoint; floored so an unseen label does not give +inf). Writes OUT.h5
+(`values` (F, V) float32 concatenated, `utt_offsets`, `utt_ids`, like an archive) and/or
+OUT.ark + OUT.scp (Kaldi matrices, readable by latgen-faster-mapped via kaldiio). Files are
+written under temporary names and renamed.
+"""
+import os
+
+import h5py
+import numpy as np
+
+from hpcsgd.data.loader import iter_utterances
+from hpcsgd.data.splice import splice_gather
+from hpcsgd.evaluate import check_archive, load_model
+
+PRIOR_FLOOR = 1e-8  # a label never seen in training gets this prior instead of 0
+
+
+def log_priors(label_counts):
+    counts = np.asarray(label_counts, np.float64)
+    return np.log(np.maximum(counts / counts.sum(), PRIOR_FLOOR)).astype(np.float32)
+
+
+def utterance_outputs(model, params, archive_dir, context, cmvn, output, priors):
+    """Yield (utt_id, (T, V) float32) in archive order; long utterances go in max_batch pieces."""
+    out = np.empty((model.max_batch, model.dims[0]), np.float32)
+    for utt, feats, _labels in iter_utterances(archive_dir, cmvn=cmvn, shuffle=False):
+        feats = np.ascontiguousarray(feats, np.float32)
+        T = len(feats)
+        src = np.arange(T)
+        lo, hi = np.zeros(T, np.int64), np.full(T, T - 1, np.int64)
+        values = np.empty((T, model.dims[-1]), np.float32)
+        for start in range(0, T, model.max_batch):
+            order = src[start:start + model.max_batch]
+            n = len(order)
+            splice_gather(feats, src, lo, hi, order, context, out[:n])
+            model.forward(params, out, n, out=values[start:start + n], log=output != "posteriors")
+        if output == "loglik":
+            values -= priors
+        yield utt, values
+
+
+def add_arguments(parser):
+    parser.add_argument("model", help="run directory (latest checkpoint) or checkpoint file")
+    parser.add_argument("--data", required=True, help="archive to run on (hpcsgd prep OUT)")
+    parser.add_argument("--out", required=True, help="output path without extension")
+    parser.add_argument("--output", choices=("loglik", "posteriors", "logpost"), default="loglik",
+                        help="scaled log-likelihoods (for a hybrid decoder), posteriors, or log-posteriors")
+    parser.add_argument("--format", choices=("hdf5", "ark", "both"), default="both")
+
+
+def run(args):
+    model, params, meta = load_model(args.model)
+    check_archive(args.data, meta)
+    priors = log_priors(meta["label_counts"])
+    context, cmvn = meta["data"]["context"], meta["data"]["cmvn"]
+    pid = os.getpid()
+    h5_tmp, ark_tmp, scp_tmp = (f"{args.out}.h5.tmp.{pid}", f"{args.out}.ark.tmp.{pid}",
+                                f"{args.out}.scp.tmp.{pid}")
+    want_h5, want_ark = args.format in ("hdf5", "both"), args.format in ("ark", "both")
+    writer = h5 = None
+    try:
+        if want_ark:
+            import kaldiio
+            writer = kaldiio.WriteHelper(f"ark,scp:{ark_tmp},{scp_tmp}")
+        utt_ids, offsets, frames = [], [0], 0
+        if want_h5:
+            h5 = h5py.File(h5_tmp, "w")
+            values_ds = h5.create_dataset("values", (0, model.dims[-1]), np.float32,
+                                          maxshape=(None, model.dims[-1]),
+                                          chunks=(1024, model.dims[-1]))
+        for utt, values in utterance_outputs(model, params, args.data, context, cmvn,
+                                             args.output, priors):
+            utt_ids.append(utt)
+            frames += len(values)
+            offsets.append(frames)
+            if writer is not None:
+                writer(utt, values)
+            if h5 is not None:
+                values_ds.resize(frames, axis=0)
+                values_ds[frames - len(values):frames] = values
+        if writer is not None:
+            writer.close()
+            writer = None
+            # the scp names the temporary ark: point it at the final name before renaming
+            with open(scp_tmp) as f:
+                scp = f.read().replace(ark_tmp, f"{args.out}.ark")
+            with open(scp_tmp, "w") as f:
+                f.write(scp)
+            os.replace(ark_tmp, f"{args.out}.ark")
+            os.replace(scp_tmp, f"{args.out}.scp")
+        if h5 is not None:
+            h5.create_dataset("utt_offsets", data=np.array(offsets, np.int64))
+            h5.create_dataset("utt_ids", data=np.array(utt_ids, dtype=object),
+                              dtype=h5py.string_dtype())
+            h5.attrs["output"] = args.output
+            h5.attrs["checkpoint"] = meta["path"]
+            h5.close()
+            h5 = None
+            os.replace(h5_tmp, f"{args.out}.h5")
+    finally:
+        if writer is not None:
+            writer.close()
+        if h5 is not None:
+            h5.close()
+        for tmp in (h5_tmp, ark_tmp, scp_tmp):
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    written = [f"{args.out}.{ext}" for ext, on in (("h5", want_h5), ("ark", want_ark),
+                                                    ("scp", want_ark)) if on]
+    print(f"infer: {len(utt_ids)} utterances, {frames} frames of {args.output} -> "
+          f"{', '.join(written)}")
+    return 0

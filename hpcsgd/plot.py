@@ -1,0 +1,76 @@
+"""`hpcsgd plot RUN_DIR`: learning curves and throughput from RUN_DIR/metrics.jsonl to PNG.
+
+Writes RUN_DIR/plots/learning_curves.png (train and cross-validation CE and frame accuracy
+against frames seen) and RUN_DIR/plots/throughput.png (frames/s and learning rate).
+"""
+import json
+import os
+
+from hpcsgd.errors import UserError
+
+
+def read_metrics(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                raise UserError(f"{path}:{lineno}: not a JSON line") from None
+    return records
+
+
+def add_arguments(parser):
+    parser.add_argument("run_dir", help="a training run directory")
+
+
+def run(args):
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(args.run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    if not train:
+        raise UserError(f"{args.run_dir}: metrics.jsonl has no training records yet")
+    out_dir = os.path.join(args.run_dir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    frames = [r["frames"] for r in train]
+
+    fig, (ax_ce, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_ce.plot(frames, [r["ce"] for r in train], label="train (running)")
+    ax_acc.plot(frames, [100 * r["frame_accuracy"] for r in train], label="train (running)")
+    cv = [r for r in epochs if r.get("cv_ce") is not None]
+    if cv:
+        ax_ce.plot([r["frames"] for r in cv], [r["cv_ce"] for r in cv], "o-", label="cross-validation")
+        ax_acc.plot([r["frames"] for r in cv], [100 * r["cv_frame_accuracy"] for r in cv], "o-",
+                    label="cross-validation")
+        if cv[-1].get("cv_majority") is not None:
+            ax_acc.axhline(100 * cv[-1]["cv_majority"], color="grey", ls=":", label="majority class")
+    ax_ce.set(xlabel="frames", ylabel="cross-entropy (nats/frame)", title="cross-entropy")
+    ax_acc.set(xlabel="frames", ylabel="frame accuracy (%)", title="frame accuracy")
+    for ax in (ax_ce, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    curves = os.path.join(out_dir, "learning_curves.png")
+    fig.savefig(curves, dpi=100)
+    plt.close(fig)
+
+    fig, (ax_fps, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_fps.plot(frames, [r["frames_per_s"] for r in train])
+    ax_fps.set(xlabel="frames", ylabel="frames/s (all ranks)", title="throughput")
+    ax_lr.plot(frames, [r["lr"] for r in train])
+    ax_lr.set(xlabel="frames", ylabel="learning rate per sample", title="learning rate")
+    for ax in (ax_fps, ax_lr):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    throughput = os.path.join(out_dir, "throughput.png")
+    fig.savefig(throughput, dpi=100)
+    plt.close(fig)
+    print(f"plot: wrote {curves} and {throughput}")
+    return 0

@@ -1,0 +1,303 @@
+"""`hpcsgd train`: the training loop, read top to bottom.
+
+    [mpiexec -n K] hpcsgd train --config run.yaml [key=value ...]
+
+One process per rank does everything (no parameter server). Each step, in data-path order:
+batch (this rank's share of the global minibatch) -> forward -> backward (gradient summed over
+the rank's frames) -> local post-processing -> exchange (sum over ranks) -> update -> metrics /
+checkpoint. All ranks start from the same seed, so replicas are identical, and stay so because
+every rank applies the same summed gradient; a checksum proves it at every epoch end.
+
+Every rank knows every rank's frame count for the epoch from the index alone, so the loop ends
+on all ranks at the same step without a vote, and the global frames of each step are known
+without communication (per-sample learning rates need no count anyway).
+"""
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+
+import numpy as np
+
+from hpcsgd import checkpoint, config, optim
+from hpcsgd.data import archive
+from hpcsgd.data.loader import FrameLoader, local_batch_size
+from hpcsgd.errors import UserError
+from hpcsgd.evaluate import evaluate
+from hpcsgd.metrics import RunLog, format_eta
+from hpcsgd.model.dnn import DNN
+
+EXIT_DIVERGED = 3
+PACKAGES = ("numpy", "numba", "numba-cuda", "mpi4py", "mpich", "h5py", "pyyaml",
+            "kaldi-native-fbank", "soundfile", "kaldiio")
+
+
+def add_arguments(parser):
+    parser.add_argument("--config", help="YAML file of options (see --help-config)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+    parser.add_argument("--help-config", action="store_true", help="list every option and exit")
+
+
+def run(args):
+    if args.help_config:
+        print(config.describe())
+        return 0
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    try:
+        cfg = config.load(args.config, args.overrides)
+        return train(cfg, comm, rank, world)
+    except UserError as err:
+        if world == 1:
+            raise
+        print(f"hpcsgd train: rank {rank}: error: {err}", file=sys.stderr, flush=True)
+        comm.Abort(2)   # a failing rank ends the job instead of leaving the others in a collective
+    except BaseException:
+        if world == 1:
+            raise
+        print(f"hpcsgd train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        comm.Abort(1)
+
+
+def write_run_info(run_dir, cfg):
+    """The resolved config, git revision and package versions, for reproducing the run."""
+    os.makedirs(run_dir, exist_ok=True)
+    archive.atomic_write_text(os.path.join(run_dir, "config.yaml"), config.dump(cfg))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "-C", repo, "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    info = {"git_revision": rev or "unknown", "python": sys.version.split()[0], "packages": versions}
+    archive.atomic_write_text(os.path.join(run_dir, "versions.json"), json.dumps(info, indent=1) + "\n")
+
+
+def label_counts(index):
+    """Training frames per label, summed over shards (the priors of a hybrid decoder)."""
+    total = np.zeros(index["num_labels"], np.int64)
+    for shard in index["shards"]:
+        total += archive.read_shard_meta(os.path.join(index["dir"], shard["file"]))["label_counts"]
+    return total
+
+
+def train(cfg, comm, rank, world):
+    run_dir = cfg["train.run_dir"]
+    if rank == 0:
+        write_run_info(run_dir, cfg)
+    comm.Barrier()   # the run directory exists before any rank opens its log
+    log = RunLog(run_dir, rank, world)
+
+    # --- data: this rank's share of the global minibatch -------------------------------------
+    global_batch = cfg["train.minibatch"]
+    if global_batch < world:
+        raise UserError(f"config key train.minibatch: {global_batch} frames cannot be split over "
+                        f"{world} ranks")
+    my_batch = local_batch_size(global_batch, rank, world)
+    batch_of = np.array([local_batch_size(global_batch, r, world) for r in range(world)])
+    loader = FrameLoader(cfg["data.train"], rank, world, context=cfg["data.context"],
+                         cmvn=cfg["data.cmvn"], seed=cfg["train.seed"], max_batch=my_batch,
+                         block_frames=cfg["data.block_frames"],
+                         buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
+    index = loader.index
+    if cfg["data.cv"]:
+        cv_index = archive.read_index(cfg["data.cv"])
+        if cv_index["label_inventory_hash"] != index["label_inventory_hash"] \
+                or cv_index["feature_dim"] != index["feature_dim"]:
+            raise UserError(f"{cfg['data.cv']}: labels or feature dim differ from the training "
+                            f"archive {cfg['data.train']}; prep both with the same labels.txt")
+
+    # --- model, gradient and optimizer state: flat buffers with named views -------------------
+    model = DNN(loader.input_dim, cfg["model.hidden"], loader.num_labels,
+                cfg["model.activation"], max_batch=max(my_batch, 1024))
+    params, grads = model.new_params(), model.new_params()
+    opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
+                          adagrad=cfg["optim.adagrad"],
+                          adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
+                          adagrad_eps=cfg["optim.adagrad_eps"],
+                          weight_decay=cfg["optim.weight_decay"])
+    shape = {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
+             "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
+    meta = {"model": shape,
+            "data": {"context": cfg["data.context"], "cmvn": cfg["data.cmvn"],
+                     "feature_dim": loader.feature_dim},
+            "label_inventory_hash": index["label_inventory_hash"],
+            "label_counts": label_counts(index).tolist(),
+            "epoch": 0, "offsets": [0] * world, "frames": 0, "cv_history": [], "world": world,
+            "config": cfg}
+
+    resume = cfg["train.resume"]
+    path = checkpoint.latest(run_dir) if resume == "auto" else (None if resume == "none" else resume)
+    if path:
+        arrays, saved = checkpoint.load(path)
+        checkpoint.check_compatible(path, saved, {"model": shape,
+                                                  "label_inventory_hash": meta["label_inventory_hash"],
+                                                  "data": meta["data"]})
+        if saved["world"] != world and any(saved["offsets"]):
+            raise UserError(f"checkpoint {path}: written mid-epoch by {saved['world']} ranks; "
+                            f"resume it with {saved['world']} ranks (or from an epoch-end checkpoint)")
+        params.flat[:] = arrays["params"]
+        opt.load_state_dict({"velocity": arrays["opt/velocity"], "sqr": arrays["opt/sqr"],
+                             "sqr_weight": float(arrays["opt/sqr_weight"])})
+        for key in ("epoch", "frames", "cv_history"):
+            meta[key] = saved[key]
+        meta["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world
+        log.info(f"resumed from {path}: epoch {meta['epoch']}, {meta['frames']} frames")
+    else:
+        model.init(params, np.random.default_rng(cfg["train.seed"]))  # same on every rank
+
+    log.info(f"{world} rank(s), minibatch {global_batch} ({my_batch} here), model "
+             f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
+             f"{cfg['model.activation']} ({params.size:,} parameters), train "
+             f"{index['total_frames']:,} frames ({index['hours']:.2f} h)")
+    log.record("start", world=world, parameters=params.size, config=cfg)
+
+    def save_checkpoint():
+        state = opt.state_dict()
+        arrays = {"params": params.flat, "opt/velocity": state["velocity"],
+                  "opt/sqr": state["sqr"], "opt/sqr_weight": np.float64(state["sqr_weight"])}
+        saved = checkpoint.save(run_dir, meta["frames"], arrays, meta, cfg["train.keep_checkpoints"])
+        log.info(f"checkpoint {saved}")
+
+    # --- epochs ---------------------------------------------------------------------------
+    log_every, ckpt_every = cfg["train.log_every_frames"], cfg["train.checkpoint_every_frames"]
+    stop_after = cfg["train.stop_after_frames"]
+    check_every = cfg["train.check_every_steps"]
+    sums = np.zeros(3)   # this rank's CE, correct frames, frames since the last log line
+    t_log, step = time.perf_counter(), 0
+    while meta["epoch"] < cfg["train.epochs"]:
+        epoch = meta["epoch"]
+        rank_frames = loader.plan.rank_frames(epoch)
+        offsets = np.array(meta["offsets"], np.int64)
+        loader.start_epoch(epoch, int(offsets[rank]))
+        t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
+        while (rank_frames - offsets).sum() > 0:
+            # 1. batch: every rank's count is known here, so the loop ends everywhere together
+            take = np.minimum(batch_of, rank_frames - offsets)
+            x, y = loader.next_batch(int(take[rank]))
+            n = len(y)
+            # 2-3. forward + backward: the gradient SUMMED over this rank's n frames
+            if n:
+                ce, correct = model.forward_backward(params, grads, x, y, n)
+                if not np.isfinite(ce):
+                    raise UserError(f"step {step} (epoch {epoch}, frame {meta['frames']}): "
+                                    f"cross-entropy is {ce} on rank {rank}; lower optim.lr. No "
+                                    f"checkpoint was written after the divergence.")
+            else:
+                ce, correct = 0.0, 0
+                grads.flat[:] = 0
+            # 4. local post-processing (AdaGrad placed on the raw local gradient)
+            opt.begin_step(int(take.sum()), n)
+            opt.pre_exchange(grads.flat)
+            # 5. exchange: sum over ranks, in place on one preallocated float32 buffer
+            if world > 1:
+                from mpi4py import MPI
+                comm.Allreduce(MPI.IN_PLACE, grads.flat, op=MPI.SUM)   # cross-rank sync point
+            # 6. update: weight decay, aggregate AdaGrad, momentum, then W -= lr * update
+            lr = learning_rate(cfg, meta)
+            opt.post_exchange(grads.flat, params.flat)
+            opt.apply(params.flat, grads.flat, lr)
+            # 7. bookkeeping, metrics, checkpoint
+            offsets += take
+            meta["offsets"] = offsets.tolist()
+            meta["frames"] += int(take.sum())
+            step += 1
+            sums += (ce, correct, n)
+            epoch_sums += (ce, correct, n)
+            if check_every and step % check_every == 0:
+                check_replicas(comm, params.flat, step, world)
+            if meta["frames"] // log_every != (meta["frames"] - take.sum()) // log_every:
+                totals = reduce_sum(comm, sums, world)
+                now = time.perf_counter()
+                fps = totals[2] / max(now - t_log, 1e-9)
+                done = int(offsets.sum())
+                eta = (rank_frames.sum() - done) / max(fps, 1e-9)
+                log.info(f"epoch {epoch} {done:,}/{rank_frames.sum():,} frames  "
+                         f"ce {totals[0] / max(totals[2], 1):.4f}  "
+                         f"acc {100 * totals[1] / max(totals[2], 1):.2f}%  lr {lr:.3g}  "
+                         f"{fps:,.0f} frames/s  eta {format_eta(eta)}")
+                log.record("train", epoch=epoch, frames=meta["frames"], step=step,
+                           ce=totals[0] / max(totals[2], 1),
+                           frame_accuracy=totals[1] / max(totals[2], 1), lr=lr, frames_per_s=fps)
+                sums[:] = 0
+                t_log = now
+            log.progress(int(offsets.sum()), int(rank_frames.sum()), f"epoch {epoch}")
+            if ckpt_every and meta["frames"] // ckpt_every != (meta["frames"] - take.sum()) // ckpt_every \
+                    and rank == 0:
+                save_checkpoint()
+            if stop_after and meta["frames"] >= stop_after:
+                if rank == 0:
+                    save_checkpoint()
+                log.info(f"stopping after {meta['frames']} frames (train.stop_after_frames)")
+                loader.close()
+                log.close()
+                return 0
+
+        # --- epoch end: replicas agree, cross-validation, schedule, checkpoint -------------
+        check_replicas(comm, params.flat, step, world)
+        totals = reduce_sum(comm, epoch_sums, world)
+        record = {"epoch": epoch, "frames": meta["frames"],
+                  "train_ce": totals[0] / max(totals[2], 1),
+                  "train_frame_accuracy": totals[1] / max(totals[2], 1),
+                  "seconds": time.perf_counter() - t_epoch, "lr": learning_rate(cfg, meta)}
+        line = (f"epoch {epoch} done in {record['seconds']:.1f} s: train ce "
+                f"{record['train_ce']:.4f} acc {100 * record['train_frame_accuracy']:.2f}%")
+        if cfg["data.cv"]:
+            cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
+                          rank, world, comm)
+            majority = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
+            record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
+                          cv_majority=majority)
+            line += (f" | cv ce {cv['ce']:.4f} acc {100 * cv['frame_accuracy']:.2f}% "
+                     f"(majority class {100 * majority:.2f}%)")
+            meta["cv_history"].append(cv["frame_accuracy"])
+        log.info(line)
+        log.record("epoch", **record)
+        meta["epoch"] = epoch + 1
+        meta["offsets"] = [0] * world
+        if rank == 0:
+            save_checkpoint()
+    loader.close()
+    log.info(f"training done: {meta['frames']:,} frames; checkpoints in "
+             f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
+    log.close()
+    return 0
+
+
+def learning_rate(cfg, meta):
+    """Per-sample rate now: a pure function of the config, frames seen and the CV history."""
+    return optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], meta["frames"],
+                               meta["cv_history"], cfg["schedule.step_frames"],
+                               cfg["schedule.factor"], cfg["schedule.newbob_threshold"])
+
+
+def reduce_sum(comm, local, world):
+    """Sum a few float64 counters over ranks (a small collective: log lines and epoch ends)."""
+    if world == 1:
+        return local.copy()
+    from mpi4py import MPI
+    total = np.empty_like(local)
+    comm.Allreduce(local, total, op=MPI.SUM)   # cross-rank sync point
+    return total
+
+
+def check_replicas(comm, flat, step, world):
+    """All ranks must hold bit-identical weights: compare a CRC-32 of the parameter bytes."""
+    if world == 1:
+        return
+    crc = zlib.crc32(flat.view(np.uint8))
+    crcs = comm.allgather(crc)   # lowercase: one small int per rank
+    if len(set(crcs)) != 1:
+        raise RuntimeError(f"replicas diverged at step {step}: parameter CRC-32 per rank {crcs}")
