@@ -1,0 +1,110 @@
+"""`hpcsgd bench kernels`: encode and decode-accumulate throughput of every codec on the
+gradient of the paper's 46M-parameter DNN (440-7x2048-9304, our (n_in, n_out) layout, plus
+biases), as GB/s of the bytes that must move and as a fraction of the fused-triad memory
+bandwidth measured in the same run with the same thread count.
+
+Bytes that must move, per value: encode with error feedback reads grad and residual and
+writes residual (12 B) plus the packed bytes; without error feedback 4 B plus packed;
+decode-accumulate reads packed and reads+writes the float32 sum (8 B plus packed).
+
+    hpcsgd bench kernels [--small] [--json FILE] [--threads N] [--codecs onebit,kbit4]
+"""
+import json
+import time
+
+import numpy as np
+
+from hpcsgd.bench import membw
+from hpcsgd.codecs import make_codec
+
+PAPER_46M = [(440, 2048)] + [(2048, 2048)] * 6 + [(2048, 9304)]
+SMALL = [(44, 256), (256, 256), (256, 930)]
+CODECS = {
+    "onebit": ("onebit", {}),
+    "kbit2": ("kbit", {"bits": 2}),
+    "kbit4": ("kbit", {"bits": 4}),
+    "kbit8": ("kbit", {"bits": 8}),
+    "dettmers": ("dettmers", {"dtype": "dynamic_tree"}),
+    "float16": ("float16", {}),
+    "float32": ("float32", {}),
+}
+
+
+def add_arguments(parser):
+    parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    parser.add_argument("--codecs", default=",".join(CODECS),
+                        help=f"comma-separated subset of {','.join(CODECS)}")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
+
+
+def matrices(small):
+    """(n_cols, n_rows) of every weight matrix and bias: codec column = input unit."""
+    shapes = SMALL if small else PAPER_46M
+    return shapes + [(1, n_out) for _, n_out in shapes]
+
+
+def _best(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench_codec(name, opts, shapes, repeats, rng):
+    codec = make_codec(name, backend="cpu", **opts)
+    grads = [rng.standard_normal(s).astype(np.float32) * 1e-3 for s in shapes]
+    res = [np.zeros(s, np.float32) for s in shapes]
+    bufs = [np.zeros(codec.packed_nbytes(*s), np.uint8) for s in shapes]
+    sums = [np.zeros(s, np.float32) for s in shapes]
+    ef = codec.error_feedback
+
+    def enc():
+        for g, r, b in zip(grads, res, bufs):
+            codec.encode(g, r, b)
+
+    def dec():
+        for b, s in zip(bufs, sums):
+            codec.decode_accumulate(b, s)
+
+    enc(), dec()  # compile and first touch
+    n = sum(a * b for a, b in shapes)
+    packed = sum(b.size for b in bufs)
+    t_enc, t_dec = _best(enc, repeats), _best(dec, repeats)
+    return {"values": n, "packed_bytes": packed, "bits_per_value": 8 * packed / n,
+            "encode_s": t_enc, "encode_GBps": ((12 if ef else 4) * n + packed) / t_enc / 1e9,
+            "decode_acc_s": t_dec, "decode_acc_GBps": (8 * n + packed) / t_dec / 1e9}
+
+
+def run(args):
+    threads = membw.set_threads(args.threads)
+    small = args.small
+    repeats = args.repeats or (2 if small else 5)
+    bw_bytes = (8 << 20) if small else (200 << 20)
+    triad = membw.triad_bandwidth(bw_bytes, threads, repeats)
+    copy = membw.copy_bandwidth(bw_bytes, threads, repeats)
+    shapes = matrices(small)
+    rng = np.random.default_rng(0)
+    rows = {}
+    print(f"hpcsgd bench kernels: {threads} threads, {'small' if small else 'paper 46M'} shapes, "
+          f"{sum(a * b for a, b in shapes) / 1e6:.1f}M values")
+    print(f"memory bandwidth: triad {triad:.1f} GB/s, copy {copy:.1f} GB/s")
+    print(f"{'codec':10} {'bits/val':>8} {'enc ms':>8} {'enc GB/s':>9} {'enc/triad':>9} "
+          f"{'dacc ms':>8} {'dacc GB/s':>9} {'dacc/triad':>10}")
+    for key in args.codecs.split(","):
+        name, opts = CODECS[key]
+        r = bench_codec(name, opts, shapes, repeats, rng)
+        r["encode_frac_triad"] = r["encode_GBps"] / triad
+        r["decode_acc_frac_triad"] = r["decode_acc_GBps"] / triad
+        rows[key] = r
+        print(f"{key:10} {r['bits_per_value']:8.3f} {1e3 * r['encode_s']:8.2f} {r['encode_GBps']:9.2f} "
+              f"{r['encode_frac_triad']:9.0%} {1e3 * r['decode_acc_s']:8.2f} "
+              f"{r['decode_acc_GBps']:9.2f} {r['decode_acc_frac_triad']:10.0%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": threads, "small": small, "triad_GBps": triad, "copy_GBps": copy,
+                       "shapes": shapes, "codecs": rows}, f, indent=1)
+    return 0

@@ -1,0 +1,57 @@
+"""This machine's memory bandwidth, measured by fused Numba loops: the limit codec kernels are
+judged against. Bytes counted = bytes read + bytes written (no write-allocate traffic).
+
+    copy:  a[i] = b[i]              8 bytes per element
+    triad: a[i] = b[i] + s * c[i]   12 bytes per element (STREAM's triad, fused: no temporaries)
+"""
+import time
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+
+@njit(parallel=True, cache=True)
+def _copy(a, b):
+    for i in prange(a.size):
+        a[i] = b[i]
+
+
+@njit(parallel=True, cache=True)
+def _triad(a, b, c, s):
+    for i in prange(a.size):
+        a[i] = b[i] + s * c[i]
+
+
+def _best(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def set_threads(threads):
+    """Numba worker threads for this and later kernels (None: leave as is). Returns the count."""
+    if threads:
+        numba.set_num_threads(int(threads))
+    return numba.get_num_threads()
+
+
+def copy_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
+    """GB/s (1e9 bytes/s) of a parallel float32 copy of `nbytes` per array."""
+    set_threads(threads)
+    n = nbytes // 4
+    a, b = np.zeros(n, np.float32), np.ones(n, np.float32)
+    _copy(a, b)  # compile + first touch
+    return 8 * n / _best(lambda: _copy(a, b), repeats) / 1e9
+
+
+def triad_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
+    """GB/s (1e9 bytes/s) of a fused parallel float32 triad with `nbytes` per array."""
+    set_threads(threads)
+    n = nbytes // 4
+    a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
+    _triad(a, b, c, np.float32(0.5))
+    return 12 * n / _best(lambda: _triad(a, b, c, np.float32(0.5)), repeats) / 1e9
