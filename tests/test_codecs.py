@@ -9,7 +9,7 @@ from hpcsgd.errors import UserError
 
 CONFIGS = ([("onebit", {})]
            + [("kbit", {"bits": k}) for k in range(2, 9)]
-           + [("kbit", {"bits": k, "range": "minmax"}) for k in (3, 8)]
+           + [("kbit", {"bits": k, "range": "rms"}) for k in (3, 8)]
            + [("dettmers", {"dtype": d}) for d in DTYPES]
            + [("dettmers", {"dtype": "dynamic_tree", "block": 16, "refresh": 3}),
               ("dettmers", {"dtype": "linear", "error_feedback": False}),
