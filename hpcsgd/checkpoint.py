@@ -41,11 +41,12 @@ def save(run_dir, frames, arrays, meta, keep=3):
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(directory, LATEST))
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # h5py reports a failed flush on close as RuntimeError
         if os.path.exists(tmp):
             os.unlink(tmp)
         previous = latest(run_dir)
-        raise UserError(f"checkpoint {path}: write failed ({err.strerror or err}); the previous "
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        raise UserError(f"checkpoint {path}: write failed ({reason}); the previous "
                         f"checkpoint {previous or '(none)'} is intact") from None
     for old in sorted(n for n in os.listdir(directory)
                       if n.startswith("ckpt-") and n.endswith(".h5"))[:-keep]:

@@ -4,6 +4,8 @@ A run's configuration = DEFAULTS <- YAML file <- `key=value` command-line overri
 dotted (`optim.lr`); an unknown key, a wrong type or a value out of range is fatal and the
 message names the dotted key. The resolved config is saved in the run directory.
 """
+import difflib
+
 import yaml
 
 from hpcsgd.errors import UserError
@@ -85,8 +87,8 @@ def _flatten(tree, prefix=""):
 
 def _set(config, key, value, origin):
     if key not in DEFAULTS:
-        close = [k for k in DEFAULTS if k.split(".")[-1] == key.split(".")[-1]]
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = difflib.get_close_matches(key, DEFAULTS, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else " (hpcsgd train --help-config lists all)"
         raise UserError(f"{origin}: unknown config key {key}{hint}")
     config[key] = _check(key, value)
 

@@ -1,0 +1,249 @@
+"""The trainer end to end: config validation, learning on real speech, bit-exact resume,
+divergence, checkpoint safety, eval/infer round trips, and K ranks under a real mpiexec."""
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import MPIEXEC, REPO, make_archive, run_mpi
+from hpcsgd import checkpoint, config
+from hpcsgd.errors import UserError
+
+DEMO = os.path.join(REPO, "data_prep", "demo", "so762")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+           MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
+
+
+def hpcsgd(*args, timeout=300, check=True):
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=ENV, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def train_args(archive_dir, run_dir, *extra):
+    return ["train", f"data.train={archive_dir}", f"train.run_dir={run_dir}", "data.context=2",
+            "model.hidden=[16, 16]", "train.minibatch=64", "train.epochs=2",
+            "data.block_frames=500", "data.buffer_frames=1500", "train.log_every_frames=1000",
+            "optim.lr=0.01", *extra]
+
+
+def final_params(run_dir):
+    arrays, meta = checkpoint.load(checkpoint.latest(run_dir))
+    return arrays, meta
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("synth"))
+    make_archive(out, num_shards=2, utts_per_shard=10)
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_archive(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("demo"))
+    hpcsgd("prep", DEMO, out, "--alignments", os.path.join(DEMO, "phones.ctm"),
+           "--labels", os.path.join(DEMO, "labels.txt"), "--cv-speakers", "8")
+    return out
+
+
+# --- configuration -------------------------------------------------------------------------
+
+def test_config_errors_name_the_dotted_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train: x\noptim:\n  lrr: 0.1\n")
+    with pytest.raises(UserError, match=r"unknown config key optim\.lrr.*optim\.lr"):
+        config.load(str(path))
+    with pytest.raises(UserError, match=r"optim\.lr: expected float"):
+        config.load(None, ["data.train=x", "optim.lr=fast"])
+    with pytest.raises(UserError, match=r"train\.minibatch: 0 outside"):
+        config.load(None, ["data.train=x", "train.minibatch=0"])
+    with pytest.raises(UserError, match=r"model\.activation: 'tanh' is not one of"):
+        config.load(None, ["data.train=x", "model.activation=tanh"])
+    with pytest.raises(UserError, match=r"data\.train: required"):
+        config.load(None, [])
+    cfg = config.load(None, ["data.train=123", "model.hidden=[8, 4]", "optim.lr=1"])
+    assert cfg["data.train"] == "123" and cfg["model.hidden"] == [8, 4] and cfg["optim.lr"] == 1.0
+
+
+def test_resolved_config_and_versions_are_saved(synth, tmp_path):
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run, "train.epochs=1"))
+    with open(os.path.join(run, "config.yaml")) as f:
+        text = f.read()
+    assert "minibatch: 64" in text and "hidden:" in text
+    with open(os.path.join(run, "versions.json")) as f:
+        info = json.load(f)
+    assert info["packages"]["numpy"] and info["git_revision"]
+    assert os.path.isfile(os.path.join(run, "logs", "rank0000.log"))
+    kinds = [json.loads(line)["kind"] for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert kinds[0] == "start" and "train" in kinds and kinds[-1] == "epoch"
+
+
+# --- learning on real speech -----------------------------------------------------------------
+
+def test_dnn_learns_real_speech_far_above_majority(demo_archive, tmp_path):
+    run = str(tmp_path / "run")
+    hpcsgd("train", f"data.train={demo_archive}/train", f"data.cv={demo_archive}/cv",
+           f"train.run_dir={run}", "model.hidden=[256, 256]", "train.minibatch=256",
+           "train.epochs=2", "optim.lr=0.001", "train.log_every_frames=100000", timeout=600)
+    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
+              if '"epoch"' in line and json.loads(line)["kind"] == "epoch"]
+    last = epochs[-1]
+    # always-SIL is ~34% on these held-out speakers; a DNN that learns is far above it
+    assert last["cv_frame_accuracy"] > last["cv_majority"] + 0.10, last
+    assert epochs[-1]["train_ce"] < epochs[0]["train_ce"]
+    # eval on the same archive reproduces the trainer's CV numbers
+    out = str(tmp_path / "eval.json")
+    proc = hpcsgd("eval", run, "--data", f"{demo_archive}/cv", "--json", out)
+    result = json.load(open(out))
+    assert abs(result["frame_accuracy"] - last["cv_frame_accuracy"]) < 1e-9
+    assert np.asarray(result["confusion"]).sum() == result["frames"]
+    assert "per-class accuracy" in proc.stdout
+    hpcsgd("plot", run)
+    assert os.path.getsize(os.path.join(run, "plots", "learning_curves.png")) > 10_000
+
+
+def test_infer_posteriors_sum_to_one_and_loglik_uses_priors(demo_archive, tmp_path):
+    run = str(tmp_path / "run")
+    hpcsgd("train", f"data.train={demo_archive}/train", f"train.run_dir={run}",
+           "model.hidden=[32]", "train.epochs=1", "train.stop_after_frames=5000")
+    post, ll = str(tmp_path / "post"), str(tmp_path / "ll")
+    hpcsgd("infer", run, "--data", f"{demo_archive}/cv", "--out", post, "--output", "posteriors")
+    hpcsgd("infer", run, "--data", f"{demo_archive}/cv", "--out", ll, "--output", "loglik")
+    with h5py.File(post + ".h5") as f:
+        p = f["values"][()]
+        offsets = f["utt_offsets"][()]
+        utts = [u.decode() for u in f["utt_ids"][()]]
+    with h5py.File(ll + ".h5") as f:
+        loglik = f["values"][()]
+    np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=1e-5)
+    counts = np.asarray(final_params(run)[1]["label_counts"], np.float64)
+    log_prior = np.log(np.maximum(counts / counts.sum(), 1e-8))
+    np.testing.assert_allclose(loglik, np.log(p) - log_prior, atol=2e-4)
+    import kaldiio
+    ark = dict(kaldiio.load_scp(ll + ".scp"))
+    assert len(ark) == len(utts) and offsets[-1] == len(p)
+    np.testing.assert_array_equal(ark[utts[3]], loglik[offsets[3]:offsets[4]])
+
+
+# --- checkpoints and resume ------------------------------------------------------------------
+
+@pytest.mark.parametrize("adagrad", ["off", "aggregate"])
+def test_killed_and_resumed_run_ends_bit_identical(synth, tmp_path, adagrad):
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    extra = (f"optim.adagrad={adagrad}", "optim.momentum_tc=500")
+    hpcsgd(*train_args(synth, full, *extra))
+    total = json.load(open(os.path.join(synth, "index.json")))["total_frames"]
+    hpcsgd(*train_args(synth, cut, *extra, f"train.stop_after_frames={total * 3 // 2}"))
+    stopped, meta = final_params(cut)
+    assert meta["epoch"] == 1 and 0 < sum(meta["offsets"]) < total  # killed mid-epoch 1
+    hpcsgd(*train_args(synth, cut, *extra))                                  # resume=auto
+    a, b = final_params(full)[0], final_params(cut)[0]
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert not np.array_equal(stopped["params"], a["params"])
+
+
+def test_resume_under_two_ranks_is_bit_identical(synth, tmp_path):
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    args = ["-m", "mpi4py", "-m", "hpcsgd.cli"]
+    proc = run_mpi(2, args + train_args(synth, full, "train.check_every_steps=1"), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    total = json.load(open(os.path.join(synth, "index.json")))["total_frames"]
+    proc = run_mpi(2, args + train_args(synth, cut, f"train.stop_after_frames={total // 2}"),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_mpi(2, args + train_args(synth, cut), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    np.testing.assert_array_equal(final_params(full)[0]["params"], final_params(cut)[0]["params"])
+    assert "2 rank(s)" in open(os.path.join(full, "logs", "rank0001.log")).read()
+
+
+def test_checkpoint_of_another_model_shape_is_refused(synth, tmp_path):
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run, "train.epochs=1"))
+    proc = hpcsgd(*train_args(synth, run, "model.hidden=[8]"), check=False)
+    assert proc.returncode == 2
+    assert "checkpoint" in proc.stderr and "model" in proc.stderr and "hidden" in proc.stderr
+
+
+def test_eval_refuses_an_archive_with_another_inventory(synth, tmp_path):
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run, "train.epochs=1"))
+    other = str(tmp_path / "other")
+    make_archive(other, num_shards=1, num_labels=7)
+    proc = hpcsgd("eval", run, "--data", other, check=False)
+    assert proc.returncode == 2 and "label inventory" in proc.stderr
+
+
+def test_diverging_loss_stops_naming_the_step_without_a_bad_checkpoint(synth, tmp_path):
+    run = str(tmp_path / "run")
+    proc = hpcsgd(*train_args(synth, run, "optim.lr=10", "model.activation=relu",
+                              "model.hidden=[256, 256]", "optim.momentum_tc=0",
+                              "train.checkpoint_every_frames=200"), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cross-entropy is" in proc.stderr and "step" in proc.stderr
+    ckpt_dir = checkpoint.checkpoint_dir(run)
+    for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
+        if name.endswith(".h5"):
+            arrays, _ = checkpoint.load(os.path.join(checkpoint.checkpoint_dir(run), name))
+            assert np.isfinite(arrays["params"]).all(), name
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path):
+    """A real failed write: the file-size limit makes the second (larger) save fail (EFBIG)."""
+    code = f"""
+import resource, signal, numpy as np
+from hpcsgd import checkpoint
+from hpcsgd.errors import UserError
+run = {str(tmp_path)!r}
+first = checkpoint.save(run, 100, {{"params": np.ones(1000, np.float32)}}, {{"frames": 100}})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    checkpoint.save(run, 200, {{"params": np.ones(1_000_000, np.float32)}}, {{"frames": 200}})
+except UserError as err:
+    print("ERROR", err)
+print("LATEST", checkpoint.latest(run) == first)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=ENV)
+    assert "ERROR" in proc.stdout and "is intact" in proc.stdout, proc.stdout + proc.stderr
+    assert "LATEST True" in proc.stdout
+    names = os.listdir(checkpoint.checkpoint_dir(str(tmp_path)))
+    assert not [n for n in names if ".tmp" in n], names
+    arrays, meta = checkpoint.load(checkpoint.latest(str(tmp_path)))
+    assert meta["frames"] == 100 and arrays["params"].sum() == 1000
+
+
+# --- K ranks under a real mpiexec -------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_stay_bit_identical_every_step(synth, tmp_path, ranks):
+    run = str(tmp_path / "run")
+    proc = run_mpi(ranks, ["-m", "mpi4py", "-m", "hpcsgd.cli"] + train_args(
+        synth, run, "train.check_every_steps=1", "train.epochs=1"), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logs = [open(os.path.join(run, "logs", f"rank{r:04d}.log")).read() for r in range(ranks)]
+    assert all(f"{ranks} rank(s)" in text for text in logs)
+
+
+def test_a_failing_rank_aborts_the_job_instead_of_hanging(tmp_path):
+    """Rank 1 reads a corrupt shard; the job must end non-zero, naming the file, not hang."""
+    out = str(tmp_path / "arch")
+    make_archive(out, num_shards=2, utts_per_shard=10)
+    path = os.path.join(out, "shard-00001.h5")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    proc = run_mpi(2, ["-m", "mpi4py", "-m", "hpcsgd.cli"] + train_args(out, str(tmp_path / "run")),
+                   timeout=120)
+    assert proc.returncode != 0
+    assert "shard-00001.h5" in proc.stderr
