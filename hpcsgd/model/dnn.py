@@ -51,6 +51,8 @@ class DNN:
         self.hidden = self.dims[1:-1]
         self.activation = activation
         self.kind = K.ACTIVATIONS[activation]
+        self._act_forward = K.FORWARD[self.kind]
+        self._act_backward = K.BACKWARD[self.kind]
         self.max_batch = int(max_batch)
         self.dtype = np.dtype(dtype)
         self.layout = layout(input_dim, hidden, num_labels)
@@ -62,6 +64,7 @@ class DNN:
         # (n, H_l) C-contiguous.
         self.delta = np.empty(self.max_batch * max(self.hidden, default=1), self.dtype)
         self.partial = np.empty((K.NCHUNK, max(self.dims[1:])), self.dtype)
+        self.lanes = np.empty((max(self.max_batch, K.NCHUNK), K.LANES), self.dtype)
         self.ce_part = np.empty(K.NCHUNK, np.float64)
         self.correct_part = np.empty(K.NCHUNK, np.int64)
 
@@ -96,7 +99,7 @@ class DNN:
             out = self.acts[l][:n]
             np.matmul(a, params.views[f"W{l}"], out=out)           # 2 n n_in n_out FLOP
             if l < self.n_layers - 1:
-                K.bias_act_forward(out, params.views[f"b{l}"], self.kind)
+                self._act_forward(out, params.views[f"b{l}"])
             a = out
 
     def forward_backward(self, params, grads, x, y, n):
@@ -108,8 +111,8 @@ class DNN:
         self._forward(params, x, n)
         top = self.n_layers - 1
         K.softmax_xent_backward(self.acts[top][:n], params.views[f"b{top}"], y[:n],
-                                grads.views[f"b{top}"], self.partial, self.ce_part,
-                                self.correct_part)
+                                grads.views[f"b{top}"], self.partial, self.lanes,
+                                self.ce_part, self.correct_part)
         for l in range(top, -1, -1):
             dz = self.acts[l][:n]                                   # dZ_l (n, n_out)
             a = self.acts[l - 1][:n] if l > 0 else x[:n]           # input of layer l
@@ -119,7 +122,7 @@ class DNN:
                 dh = self.delta[:n * h.shape[1]].reshape(n, h.shape[1])
                 np.matmul(dz, params.views[f"W{l}"].T, out=dh)     # dH = dZ_l @ W_l.T
                 # dZ_{l-1} = dH * f'(.) written over h_{l-1}, which is not needed any more
-                K.act_backward(h, dh, h, grads.views[f"b{l - 1}"], self.partial, self.kind)
+                self._act_backward(h, dh, h, grads.views[f"b{l - 1}"], self.partial)
         return float(self.ce_part.sum()), int(self.correct_part.sum())
 
     def forward(self, params, x, n, out=None, log=True):
@@ -130,7 +133,9 @@ class DNN:
         self._forward(params, x, n)
         top = self.n_layers - 1
         z = self.acts[top][:n]
-        K.log_softmax_forward(z, params.views[f"b{top}"], log)
+        K.log_softmax_forward(z, params.views[f"b{top}"], self.lanes)
+        if not log:
+            K.exp_inplace(z)
         if out is None:
             return z
         out[:n] = z
