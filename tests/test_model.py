@@ -176,6 +176,8 @@ def test_bad_inputs_are_rejected():
         model.forward_backward(params, model.new_params(), x, y, 17)
     with pytest.raises(ValueError, match="input"):
         model.forward(params, x.astype(np.float32), 4)
+    with pytest.raises(ValueError, match="labels"):
+        model.forward_backward(params, model.new_params(), x, np.full(16, 4), 16)
     with pytest.raises(ValueError, match="activation"):
         DNN(3, [2], 2, "tanh")
 

@@ -108,6 +108,10 @@ class DNN:
         the n frames. Returns (ce_sum: float, nats summed over the frames; n_correct: int,
         frames whose argmax posterior equals the label)."""
         self._check(x, n)
+        lab = y[:n]
+        if lab.shape != (n,) or lab.min() < 0 or lab.max() >= self.dims[-1]:
+            raise ValueError(f"labels: expected {n} integers in [0, {self.dims[-1]}), got "
+                             f"shape {lab.shape}, range [{lab.min()}, {lab.max()}]")
         self._forward(params, x, n)
         top = self.n_layers - 1
         K.softmax_xent_backward(self.acts[top][:n], params.views[f"b{top}"], y[:n],
