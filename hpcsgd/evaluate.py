@@ -27,7 +27,9 @@ def load_model(path, max_batch=EVAL_BATCH):
         if found is None:
             raise UserError(f"{path}: no checkpoint in {checkpoint.checkpoint_dir(path)}")
         path = found
-    arrays, meta = checkpoint.load(path)
+    arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
+    if "params" not in arrays:
+        raise UserError(f"checkpoint {path}: no 'params' dataset")
     shape = meta["model"]
     model = DNN(shape["input_dim"], shape["hidden"], shape["num_labels"], shape["activation"],
                 max_batch=max_batch)

@@ -40,7 +40,10 @@ A step, distributed (slices [lo:hi) are flat ranges; all updates are element-wis
     ... gather the updates ...
     opt.apply(params, update, lr)         # every rank: W -= lr * update
 Momentum and the AdaGrad state of the "aggregate"/"after_momentum" placements are then only
-touched on the owner's stripe (they are full-size buffers; other ranges stay unused).
+touched on the owner's stripe: with post_size = the owner's stripe length they are compact
+(1/K of the model), and the owner passes its compact aggregate buffer to post_exchange
+(hpcsgd/comm/exchange.py does). The "local" AdaGrad state stays full-size (every rank
+normalises its whole local gradient).
 Single process: opt.step(params, grad, lr, n) does all of it in one fused pass.
 """
 import math
@@ -121,7 +124,9 @@ def _apply_kernel(w, u, lr):
 class Optimizer:
     """Optimizer state (flat buffers + scalars) and its per-step update functions.
 
-    size: parameters (the flat buffer's length). momentum_time_constant: T in samples, 0 = off.
+    size: parameters (the flat buffer's length). post_size: length of the buffers that
+    post_exchange sees (default size; the striped exchange passes its stripe length, so momentum
+    and post-exchange AdaGrad state are 1/K of the model). momentum_time_constant: T in samples, 0 = off.
     adagrad: one of ADAGRAD_PLACES; adagrad_time_constant: T_a in samples (math.inf = all
     history); adagrad_eps; weight_decay: per sample. State for checkpoints: `velocity` and
     `sqr` (flat, like the params), `sqr_weight` (scalar q); see state_dict/load_state_dict.
@@ -129,7 +134,7 @@ class Optimizer:
 
     def __init__(self, size, momentum_time_constant=0.0, adagrad="off",
                  adagrad_time_constant=math.inf, adagrad_eps=1e-8, weight_decay=0.0,
-                 dtype=np.float32):
+                 dtype=np.float32, post_size=None):
         if adagrad not in ADAGRAD_PLACES:
             raise ValueError(f"adagrad={adagrad!r}: expected one of {ADAGRAD_PLACES}")
         if momentum_time_constant < 0 or adagrad_time_constant <= 0 or adagrad_eps < 0 \
@@ -141,8 +146,10 @@ class Optimizer:
         self.adagrad_eps = float(adagrad_eps)
         self.weight_decay = float(weight_decay)
         self.use_momentum = self.momentum_time_constant > 0
-        self.velocity = np.zeros(size if self.use_momentum else 1, dtype)
-        self.sqr = np.zeros(size if adagrad != "off" else 1, dtype)
+        post_size = size if post_size is None else post_size
+        self.velocity = np.zeros(post_size if self.use_momentum else 1, dtype)
+        self.sqr = np.zeros((size if adagrad == "local" else post_size) if adagrad != "off" else 1,
+                            dtype)
         self.sqr_weight = 0.0
         self._k = None   # per-step scalars from begin_step
 

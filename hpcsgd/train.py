@@ -4,9 +4,11 @@
 
 One process per rank does everything (no parameter server). Each step, in data-path order:
 batch (this rank's share of the global minibatch) -> forward -> backward (gradient summed over
-the rank's frames) -> local post-processing -> exchange (sum over ranks) -> update -> metrics /
-checkpoint. All ranks start from the same seed, so replicas are identical, and stay so because
-every rank applies the same summed gradient; a checksum proves it at every epoch end.
+the rank's frames) -> local post-processing -> exchange (sum over ranks, then decay / AdaGrad /
+momentum: hpcsgd/comm/exchange.py, allreduce or the paper's striped 1-bit aggregation) ->
+update -> metrics / checkpoint. All ranks start from the same seed, so replicas are identical,
+and stay so because every rank applies the same update bytes; a checksum proves it at every
+epoch end (every train.check_every_steps steps if set).
 
 Every rank knows every rank's frame count for the epoch from the index alone, so the loop ends
 on all ranks at the same step without a vote, and the global frames of each step are known
@@ -24,6 +26,7 @@ import zlib
 import numpy as np
 
 from hpcsgd import checkpoint, config, optim
+from hpcsgd.comm import make_exchange
 from hpcsgd.data import archive
 from hpcsgd.data.loader import FrameLoader, local_batch_size
 from hpcsgd.errors import UserError
@@ -123,11 +126,15 @@ def train(cfg, comm, rank, world):
     model = DNN(loader.input_dim, cfg["model.hidden"], loader.num_labels,
                 cfg["model.activation"], max_batch=max(my_batch, 1024))
     params, grads = model.new_params(), model.new_params()
+    ex = make_exchange(cfg, comm, grads.matrices)   # preallocates every exchange buffer
+    # striped: momentum / aggregate AdaGrad state covers this rank's stripe only (post_size)
     opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
                           adagrad=cfg["optim.adagrad"],
                           adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
                           adagrad_eps=cfg["optim.adagrad_eps"],
-                          weight_decay=cfg["optim.weight_decay"])
+                          weight_decay=cfg["optim.weight_decay"], post_size=ex.state_size)
+    # optimizer state is per rank when ranks hold different state: owner stripes, local AdaGrad
+    opt_per_rank = not ex.replicated_optimizer or cfg["optim.adagrad"] == "local"
     shape = {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
              "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
     meta = {"model": shape,
@@ -136,21 +143,34 @@ def train(cfg, comm, rank, world):
             "label_inventory_hash": index["label_inventory_hash"],
             "label_counts": label_counts(index).tolist(),
             "epoch": 0, "offsets": [0] * world, "frames": 0, "cv_history": [], "world": world,
-            "config": cfg}
+            "aggregation": cfg["exchange.aggregation"], "per_rank_state": opt_per_rank
+            or bool(ex.state_dict()), "config": cfg}
 
     resume = cfg["train.resume"]
     path = checkpoint.latest(run_dir) if resume == "auto" else (None if resume == "none" else resume)
     if path:
-        arrays, saved = checkpoint.load(path)
+        arrays, saved = checkpoint.load(path, rank=rank)
         checkpoint.check_compatible(path, saved, {"model": shape,
                                                   "label_inventory_hash": meta["label_inventory_hash"],
                                                   "data": meta["data"]})
         if saved["world"] != world and any(saved["offsets"]):
             raise UserError(f"checkpoint {path}: written mid-epoch by {saved['world']} ranks; "
                             f"resume it with {saved['world']} ranks (or from an epoch-end checkpoint)")
+        saved_agg = saved.get("aggregation", "allreduce")
+        if saved.get("per_rank_state") or meta["per_rank_state"]:
+            if saved["world"] != world or saved_agg != meta["aggregation"]:
+                raise UserError(f"checkpoint {path}: written by {saved['world']} ranks with "
+                                f"exchange.aggregation={saved_agg} and per-rank state (residuals, "
+                                f"optimizer stripes); resume it with {saved['world']} ranks and "
+                                f"exchange.aggregation={saved_agg} (re-striping is not supported)")
         params.flat[:] = arrays["params"]
-        opt.load_state_dict({"velocity": arrays["opt/velocity"], "sqr": arrays["opt/sqr"],
+        mine = checkpoint.rank_prefix(rank) if opt_per_rank else ""
+        opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
+                             "sqr": arrays[mine + "opt/sqr"],
                              "sqr_weight": float(arrays["opt/sqr_weight"])})
+        ex.load_state_dict({k[len(checkpoint.rank_prefix(rank) + "exchange/"):]: v
+                            for k, v in arrays.items()
+                            if k.startswith(checkpoint.rank_prefix(rank) + "exchange/")})
         for key in ("epoch", "frames", "cv_history"):
             meta[key] = saved[key]
         meta["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world
@@ -160,15 +180,22 @@ def train(cfg, comm, rank, world):
 
     log.info(f"{world} rank(s), minibatch {global_batch} ({my_batch} here), model "
              f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
-             f"{cfg['model.activation']} ({params.size:,} parameters), train "
+             f"{cfg['model.activation']} ({params.size:,} parameters), exchange "
+             f"{cfg['exchange.aggregation']}"
+             f"{' + ' + cfg['exchange.codec'] if cfg['exchange.aggregation'] == 'striped' else ''}, train "
              f"{index['total_frames']:,} frames ({index['hours']:.2f} h)")
     log.record("start", world=world, parameters=params.size, config=cfg)
 
     def save_checkpoint():
+        """Collective: shared state from rank 0, per-rank state (residuals, owner stripes)
+        from every rank, into one file."""
         state = opt.state_dict()
-        arrays = {"params": params.flat, "opt/velocity": state["velocity"],
-                  "opt/sqr": state["sqr"], "opt/sqr_weight": np.float64(state["sqr_weight"])}
-        saved = checkpoint.save(run_dir, meta["frames"], arrays, meta, cfg["train.keep_checkpoints"])
+        shared = {"params": params.flat, "opt/sqr_weight": np.float64(state["sqr_weight"])}
+        own = {f"exchange/{k}": v for k, v in ex.state_dict().items()}
+        (own if opt_per_rank else shared).update({"opt/velocity": state["velocity"],
+                                                  "opt/sqr": state["sqr"]})
+        saved = checkpoint.save(run_dir, meta["frames"], shared, meta,
+                                cfg["train.keep_checkpoints"], comm=comm, rank_arrays=own)
         log.info(f"checkpoint {saved}")
 
     # --- epochs ---------------------------------------------------------------------------
@@ -201,14 +228,13 @@ def train(cfg, comm, rank, world):
             # 4. local post-processing (AdaGrad placed on the raw local gradient)
             opt.begin_step(int(take.sum()), n)
             opt.pre_exchange(grads.flat)
-            # 5. exchange: sum over ranks, in place on one preallocated float32 buffer
-            if world > 1:
-                from mpi4py import MPI
-                comm.Allreduce(MPI.IN_PLACE, grads.flat, op=MPI.SUM)   # cross-rank sync point
-            # 6. update: weight decay, aggregate AdaGrad, momentum, then W -= lr * update
+            # 5. exchange: sum over ranks + weight decay, aggregate AdaGrad, momentum -> the
+            #    update (striped: encode, Alltoallv, decode-sum, owner post-processing,
+            #    re-encode, Allgatherv, decode). Cross-rank sync points inside.
+            update = ex.step(grads.flat, params.flat, opt)
+            # 6. update: W -= lr * update, identically on every rank
             lr = learning_rate(cfg, meta)
-            opt.post_exchange(grads.flat, params.flat)
-            opt.apply(params.flat, grads.flat, lr)
+            opt.apply(params.flat, update, lr)
             # 7. bookkeeping, metrics, checkpoint
             offsets += take
             meta["offsets"] = offsets.tolist()
@@ -228,18 +254,18 @@ def train(cfg, comm, rank, world):
                          f"ce {totals[0] / max(totals[2], 1):.4f}  "
                          f"acc {100 * totals[1] / max(totals[2], 1):.2f}%  lr {lr:.3g}  "
                          f"{fps:,.0f} frames/s  eta {format_eta(eta)}")
+                phases = ex.pop_times()   # this rank's mean seconds per step, per phase
                 log.record("train", epoch=epoch, frames=meta["frames"], step=step,
                            ce=totals[0] / max(totals[2], 1),
-                           frame_accuracy=totals[1] / max(totals[2], 1), lr=lr, frames_per_s=fps)
+                           frame_accuracy=totals[1] / max(totals[2], 1), lr=lr, frames_per_s=fps,
+                           exchange_s=phases, exchange_total_s=sum(phases.values()))
                 sums[:] = 0
                 t_log = now
             log.progress(int(offsets.sum()), int(rank_frames.sum()), f"epoch {epoch}")
-            if ckpt_every and meta["frames"] // ckpt_every != (meta["frames"] - take.sum()) // ckpt_every \
-                    and rank == 0:
+            if ckpt_every and meta["frames"] // ckpt_every != (meta["frames"] - take.sum()) // ckpt_every:
                 save_checkpoint()
             if stop_after and meta["frames"] >= stop_after:
-                if rank == 0:
-                    save_checkpoint()
+                save_checkpoint()
                 log.info(f"stopping after {meta['frames']} frames (train.stop_after_frames)")
                 loader.close()
                 log.close()
@@ -267,8 +293,7 @@ def train(cfg, comm, rank, world):
         log.record("epoch", **record)
         meta["epoch"] = epoch + 1
         meta["offsets"] = [0] * world
-        if rank == 0:
-            save_checkpoint()
+        save_checkpoint()
     loader.close()
     log.info(f"training done: {meta['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")

@@ -1,0 +1,275 @@
+"""The gradient exchange: sum the ranks' local gradients and turn the sum into the update.
+
+Two aggregations, chosen by `exchange.aggregation` (docs/exchange.md has the details):
+
+allreduce  one preallocated fused buffer (the gradient's flat buffer itself) reduced in place
+           with MPI Allreduce; every rank then post-processes the whole sum (decay, AdaGrad,
+           momentum) redundantly. `exchange.allreduce_dtype=float16` casts to a preallocated
+           float16 buffer after dividing by K and sums in float16 (half the bytes; see
+           Allreduce for the precision and overflow cost).
+
+striped    Seide et al. 2014's O(1) algorithm. Rank j owns a contiguous range of codec columns
+           of every matrix (stripe_ranges: CNTK's rule). Per step:
+             1. encode   every rank encodes its whole local gradient with the codec and its own
+                         first residual, piece by piece (matrix m, owner j), into a send buffer
+                         grouped by owner: all matrices' stripe j are contiguous;
+             2. Alltoallv of packed bytes: stripe j of every rank arrives at rank j;
+             3. decode-sum  the owner decodes its K contributions (its own too, quantized as
+                         in the paper) and sums them in float32 in a compact stripe buffer;
+             4. post-process  opt.post_exchange on that stripe only: momentum and the
+                         aggregate AdaGrad state are 1/K of the model (compact, per owner);
+             5. re-encode the owner quantizes its updated stripe with its second residual
+                         straight into its slot of the gather buffer;
+             6. Allgatherv brings every stripe to every rank (same layout as the send buffer);
+             7. final decode  every rank decodes all stripes into the update buffer (the
+                         gradient's flat buffer, reused); the spine then applies W -= lr * u.
+           Every gradient is quantized twice. Every rank applies the same bytes, so replicas
+           stay bit-identical.
+
+Codec separate from transport: this module sizes buffers with codec.packed_nbytes and moves
+bytes (MPI.BYTE); only the codec knows what the bytes mean.
+
+Buffers are allocated once in the constructor; a step allocates nothing large. Everything here
+is host memory. A GPU path would allocate the same buffers on the device (Numba/CuPy arrays,
+which mpi4py takes through __cuda_array_interface__ when the MPI library is CUDA-aware, or
+pinned host staging copies when not), use codec backend "cuda", and synchronise the stream
+before every MPI call; see docs/exchange.md ("GPU path: what is missing").
+"""
+import time
+
+import numpy as np
+
+from hpcsgd.codecs import make_codec
+from hpcsgd.errors import UserError
+from hpcsgd.model.flat import stripe_ranges
+
+AGGREGATIONS = ("allreduce", "striped")
+
+
+def make_exchange(cfg, comm, mats):
+    """The exchange the config asks for, over the flat layout `mats` (FlatParams.matrices)."""
+    if cfg["exchange.aggregation"] == "allreduce":
+        return Allreduce(comm, sum(m.size for m in mats), cfg["exchange.allreduce_dtype"])
+    options = {}
+    if cfg["exchange.codec"] == "kbit":
+        options = {"bits": cfg["exchange.bits"], "range": cfg["exchange.kbit_range"]}
+    elif cfg["exchange.codec"] == "dettmers":
+        options = {"dtype": cfg["exchange.dettmers_type"]}
+    codec = make_codec(cfg["exchange.codec"], "cpu", **options)
+    return Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"])
+
+
+class _Timed:
+    """Seconds per phase, accumulated until pop_times() (the spine logs them per log line)."""
+
+    def _reset_times(self):
+        self.times = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def pop_times(self):
+        """{phase: mean seconds per step} since the last call, then reset."""
+        out = {k: v / max(self.steps, 1) for k, v in self.times.items()}
+        self._reset_times()
+        return out
+
+
+class Allreduce(_Timed):
+    """Sum in place with MPI Allreduce over one fused buffer; post-process on every rank.
+
+    dtype "float32": the gradient's own flat buffer is the MPI buffer (no copy, MPI.IN_PLACE).
+    dtype "float16": g / K is rounded to a preallocated float16 buffer, summed in float16 by a
+    user-defined MPI op (MPI has no float16 SUM), and multiplied back by K. Trade-off: half the
+    bytes, but ~3 significant digits (relative error 2^-11 per value and per partial sum),
+    values below 6e-8 * K flush to zero, and a sum above 65504 * K overflows to Inf, which is
+    reported as an error. Gradients here are SUMMED over frames, so large minibatches push
+    toward overflow; dividing by K first keeps the partial sums no larger than the largest
+    rank's value. There is no error feedback on this path (use striped + float16 codec for it).
+    """
+    PHASES = ("encode", "allreduce", "post_process", "final_decode")
+    replicated_optimizer = True   # every rank holds and updates the full optimizer state
+
+    def __init__(self, comm, size, dtype="float32"):
+        if dtype not in ("float32", "float16"):
+            raise UserError(f"config key exchange.allreduce_dtype: {dtype!r} is not float32 or float16")
+        self.comm, self.world, self.size, self.dtype = comm, comm.Get_size(), size, dtype
+        self.state_size = size        # post_exchange sees the whole flat buffer
+        self.half = np.empty(size if dtype == "float16" else 0, np.float16)
+        self._op = None
+        self._reset_times()
+
+    def step(self, grad, params, opt):
+        """Local gradient (flat float32, pre_exchange done) -> update, in grad's buffer."""
+        from mpi4py import MPI
+        t0 = time.perf_counter()
+        if self.dtype == "float32":
+            t1 = t0
+            if self.world > 1:
+                self.comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)   # cross-rank sync point
+            t2 = t3 = time.perf_counter()
+        else:
+            np.multiply(grad, np.float32(1.0 / self.world), out=self.half, casting="unsafe")
+            t1 = time.perf_counter()
+            if self.world > 1:
+                self.comm.Allreduce(MPI.IN_PLACE, [self.half, MPI.UINT16_T], op=self._half_sum())
+            t2 = time.perf_counter()   # cross-rank sync point above
+            np.multiply(self.half, np.float32(self.world), out=grad)
+            if not np.isfinite(grad).all():
+                bad = int(np.argmax(~np.isfinite(grad)))
+                raise ValueError(f"float16 allreduce overflowed at flat index {bad} (a summed "
+                                 f"gradient above 65504 * {self.world}); use "
+                                 f"exchange.allreduce_dtype=float32 or a smaller minibatch")
+            t3 = time.perf_counter()
+        update = opt.post_exchange(grad, params)
+        t4 = time.perf_counter()
+        for name, dt in zip(self.PHASES, (t1 - t0, t2 - t1, t4 - t3, t3 - t2)):
+            self.times[name] += dt
+        self.steps += 1
+        return update
+
+    def _half_sum(self):
+        """A commutative user op summing float16 values (created once, on first use)."""
+        if self._op is None:
+            from mpi4py import MPI
+
+            def add(inbuf, outbuf, datatype):
+                out = np.frombuffer(outbuf, np.float16)
+                out += np.frombuffer(inbuf, np.float16)
+            self._op = MPI.Op.Create(add, commute=True)
+        return self._op
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Striped(_Timed):
+    """The paper's O(1) striped aggregation with any codec (see the module docstring).
+
+    Per-rank state (differs between ranks, checkpointed per rank): residual1 (full size, this
+    rank's first error feedback) and residual2 (this rank's stripe, the owner's second error
+    feedback). The optimizer's post-exchange state is compact over the stripe: build it with
+    Optimizer(size, post_size=ex.state_size).
+    """
+    PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
+              "final_decode")
+    replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
+
+    def __init__(self, comm, mats, codec, error_feedback=True):
+        self.comm, self.codec, self.error_feedback = comm, codec, bool(error_feedback)
+        K, me = comm.Get_size(), comm.Get_rank()
+        self.world, self.rank = K, me
+        self.size = sum(m.size for m in mats)
+        # pieces[j]: (matrix, flat lo, flat hi, columns, byte offset in a K-layout buffer,
+        # nbytes) of owner j's stripe of every matrix, back to back: the send buffer and the
+        # gather buffer share this layout (sizes depend only on matrix and owner).
+        self.pieces, counts, offset = [], [], 0
+        for j in range(K):
+            row, start = [], offset
+            for m, (lo, hi) in zip(mats, stripe_ranges(mats, j, K)):
+                cols = (hi - lo) // m.n_rows if m.n_rows else 0
+                nbytes = codec.packed_nbytes(cols, m.n_rows) if cols else 0
+                if nbytes % 4:
+                    raise ValueError(f"{codec.name}: packed size {nbytes} is not 4-byte aligned")
+                if nbytes:
+                    row.append((m, lo, hi, cols, offset, nbytes))
+                offset += nbytes
+            self.pieces.append(row)
+            counts.append(offset - start)
+        self.counts = np.array(counts, np.int64)
+        self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        mine = int(self.counts[me])
+        self.send = np.zeros(offset, np.uint8)      # my whole gradient, encoded, by owner
+        self.gather = np.zeros(offset, np.uint8)    # every owner's encoded update
+        self.recv = np.zeros(K * mine, np.uint8)    # K contributions to my stripe
+        self.recv_counts = np.full(K, mine, np.int64)
+        self.recv_displs = np.arange(K, dtype=np.int64) * mine
+        # my stripe, compact: agg (float32 sum -> update), residual2, and (for weight decay) a
+        # copy of my stripe's weights; views per matrix piece
+        self.state_size = sum(p[2] - p[1] for p in self.pieces[me])
+        self.agg = np.zeros(self.state_size, np.float32)
+        self.residual2 = np.zeros(self.state_size, np.float32)
+        self.residual1 = np.zeros(self.size, np.float32)
+        self._wstripe = None
+        self.mine, s = [], 0      # (piece, compact lo, compact hi)
+        for p in self.pieces[me]:
+            self.mine.append((p, s, s + p[2] - p[1]))
+            s += p[2] - p[1]
+        self._reset_times()
+
+    def bytes_on_wire(self):
+        """Bytes this rank sends per step: Alltoallv to the K-1 others + its gathered stripe
+        to the K-1 others (a lower bound for any allgather algorithm)."""
+        others = self.counts.sum() - self.counts[self.rank]
+        return int(others + (self.world - 1) * self.counts[self.rank])
+
+    def step(self, grad, params, opt):
+        """Local gradient (flat float32, pre_exchange done) -> update, in grad's buffer."""
+        from mpi4py import MPI
+        codec, me, t = self.codec, self.rank, [time.perf_counter()]
+        if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
+            self.residual1[:] = 0
+            self.residual2[:] = 0
+        # 1. encode my whole local gradient, grouped by owner
+        for row in self.pieces:
+            for m, lo, hi, cols, off, nb in row:
+                codec.encode(grad[lo:hi].reshape(cols, m.n_rows),
+                             self.residual1[lo:hi].reshape(cols, m.n_rows), self.send[off:off + nb])
+        t.append(time.perf_counter())
+        # 2. stripe j of every rank to rank j
+        self.comm.Alltoallv([self.send, (self.counts, self.displs), MPI.BYTE],
+                            [self.recv, (self.recv_counts, self.recv_displs), MPI.BYTE])
+        t.append(time.perf_counter())   # cross-rank sync point above
+        # 3. decode and sum the K contributions to my stripe (the first overwrites, so no
+        #    zeroing pass), in source order 0..K-1 so every run adds in the same order
+        mine = int(self.counts[me])
+        for (m, lo, hi, cols, off, nb), a, b in self.mine:
+            out = self.agg[a:b].reshape(cols, m.n_rows)
+            at = off - self.displs[me]
+            for src in range(self.world):
+                packed = self.recv[src * mine + at:src * mine + at + nb]
+                if src == 0:
+                    codec.decode(packed, out)
+                else:
+                    codec.decode_accumulate(packed, out)
+        t.append(time.perf_counter())
+        # 4. post-process my stripe only (weight decay reads my weights: copy them compact)
+        weights = self.agg
+        if opt.weight_decay:
+            if self._wstripe is None:
+                self._wstripe = np.empty(self.state_size, np.float32)
+            for (m, lo, hi, *_), a, b in self.mine:
+                self._wstripe[a:b] = params[lo:hi]
+            weights = self._wstripe
+        opt.post_exchange(self.agg, weights, 0, self.state_size)
+        t.append(time.perf_counter())
+        # 5. re-encode my updated stripe with my second residual, into my gather slot
+        for (m, lo, hi, cols, off, nb), a, b in self.mine:
+            codec.encode(self.agg[a:b].reshape(cols, m.n_rows),
+                         self.residual2[a:b].reshape(cols, m.n_rows), self.gather[off:off + nb])
+        t.append(time.perf_counter())
+        # 6. every owner's stripe to every rank
+        self.comm.Allgatherv(MPI.IN_PLACE, [self.gather, (self.counts, self.displs), MPI.BYTE])
+        t.append(time.perf_counter())   # cross-rank sync point above
+        # 7. decode every stripe into the update (grad's buffer: the local gradient is spent)
+        for row in self.pieces:
+            for m, lo, hi, cols, off, nb in row:
+                codec.decode(self.gather[off:off + nb], grad[lo:hi].reshape(cols, m.n_rows))
+        t.append(time.perf_counter())
+        for name, a, b in zip(self.PHASES, t[:-1], t[1:]):
+            self.times[name] += b - a
+        self.steps += 1
+        return grad
+
+    def state_dict(self):
+        """This rank's error feedback (by reference): both residuals."""
+        return {"residual1": self.residual1, "residual2": self.residual2}
+
+    def load_state_dict(self, state):
+        for name in ("residual1", "residual2"):
+            src = np.asarray(state[name])
+            if src.shape != getattr(self, name).shape:
+                raise UserError(f"checkpoint: exchange {name} has shape {src.shape}, this rank "
+                                f"needs {getattr(self, name).shape} (another K or model?)")
+            getattr(self, name)[...] = src

@@ -1,0 +1,85 @@
+"""Single-process reference for the exchange tests: train on the SAME global minibatches that
+`hpcsgd train` sees with K ranks, without MPI.
+
+    python tests/mpi/exchange_reference.py OUT.npz K MODE key=value ...
+
+The config overrides are the trainer's (same keys, same defaults). K loaders are built in this
+one process exactly as the K ranks build theirs (rank r of K, the rank's local minibatch); each
+step takes every rank's batch, concatenates them in rank order and computes the gradient
+summed over all of them in one forward/backward (what a 1-rank trainer would do if its
+minibatch were the union), then:
+  MODE float   post-process + apply on the whole sum (no quantization);
+  MODE onebit  (K = 1 only) the paper's path written out plainly with the NumPy reference
+               codec: encode with residual 1, decode, post-process, encode with residual 2,
+               decode, apply -- every gradient quantized twice.
+Writes params (and the residuals for onebit) to OUT.npz.
+"""
+import sys
+
+import numpy as np
+
+from hpcsgd import config, optim
+from hpcsgd.codecs import make_codec
+from hpcsgd.data.loader import FrameLoader, local_batch_size
+from hpcsgd.model.dnn import DNN
+
+out_path, K, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cfg = config.load(None, sys.argv[4:])
+assert mode in ("float", "onebit") and (mode == "float" or K == 1)
+gb = cfg["train.minibatch"]
+batch_of = np.array([local_batch_size(gb, r, K) for r in range(K)])
+loaders = [FrameLoader(cfg["data.train"], r, K, context=cfg["data.context"], cmvn=cfg["data.cmvn"],
+                       seed=cfg["train.seed"], max_batch=int(batch_of[r]),
+                       block_frames=cfg["data.block_frames"],
+                       buffer_frames=cfg["data.buffer_frames"], prefetch=False) for r in range(K)]
+model = DNN(loaders[0].input_dim, cfg["model.hidden"], loaders[0].num_labels,
+            cfg["model.activation"], max_batch=max(gb, 1024))
+params, grads = model.new_params(), model.new_params()
+model.init(params, np.random.default_rng(cfg["train.seed"]))
+assert cfg["optim.adagrad"] != "local"   # per-rank state: not a single-process quantity
+opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
+                      adagrad=cfg["optim.adagrad"],
+                      adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
+                      adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"])
+codec = make_codec("onebit", "reference")
+res1, res2 = np.zeros(params.size, np.float32), np.zeros(params.size, np.float32)
+packed = {m.name: np.zeros(codec.packed_nbytes(m.n_cols, m.n_rows), np.uint8)
+          for m in params.matrices}
+
+
+def quantize(flat, residual):
+    """flat <- decode(encode(flat + residual)), residual <- the error, matrix by matrix."""
+    if not cfg["exchange.error_feedback"]:
+        residual[:] = 0
+    for m in params.matrices:
+        g = flat[m.offset:m.offset + m.size].reshape(m.n_cols, m.n_rows)
+        codec.encode(g, residual[m.offset:m.offset + m.size].reshape(g.shape), packed[m.name])
+        codec.decode(packed[m.name], g)
+
+
+frames, stop = 0, cfg["train.stop_after_frames"]
+for epoch in range(cfg["train.epochs"]):
+    rank_frames = loaders[0].plan.rank_frames(epoch)
+    offsets = np.zeros(K, np.int64)
+    for ld in loaders:
+        ld.start_epoch(epoch)
+    while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
+        take = np.minimum(batch_of, rank_frames - offsets)
+        parts = [ld.next_batch(int(t)) for ld, t in zip(loaders, take)]
+        x = np.ascontiguousarray(np.concatenate([p[0] for p in parts]))
+        y = np.concatenate([p[1] for p in parts])
+        n = len(y)
+        model.forward_backward(params, grads, x, y, n)
+        opt.begin_step(n, n)
+        if mode == "onebit":
+            quantize(grads.flat, res1)
+        opt.post_exchange(grads.flat, params.flat)
+        if mode == "onebit":
+            quantize(grads.flat, res2)
+        lr = optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], frames, [],
+                                 cfg["schedule.step_frames"], cfg["schedule.factor"])
+        opt.apply(params.flat, grads.flat, lr)
+        offsets += take
+        frames += n
+np.savez(out_path, params=params.flat, residual1=res1, residual2=res2, frames=frames)
+print(f"OK reference K={K} mode={mode} frames={frames}")

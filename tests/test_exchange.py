@@ -1,0 +1,170 @@
+"""The gradient exchange under a real mpiexec, K = 1..4 (oversubscribed on 2 cores):
+allreduce == single-rank training on the same global minibatches, striped + float32 ==
+allreduce, striped + onebit at K = 1 == the paper's two-residual loop written out plainly,
+replicas bit-identical every step, the same bits twice, and bit-exact resume with both
+residuals and the owners' optimizer stripes."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import make_archive, run_mpi
+from hpcsgd import checkpoint
+
+TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
+REFERENCE = [os.path.join(os.path.dirname(__file__), "mpi", "exchange_reference.py")]
+
+
+@pytest.fixture(scope="module")
+def arch(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("exchange_archive"))
+    make_archive(out, num_shards=2, utts_per_shard=8, max_len=200)
+    return out
+
+
+def options(arch, *extra):
+    """A tiny model, 1 epoch, momentum on, constant lr; every step checks the replicas."""
+    return [f"data.train={arch}", "data.context=2", "model.hidden=[24, 16]",
+            "train.minibatch=61", "train.epochs=1", "data.block_frames=300",
+            "data.buffer_frames=900", "train.log_every_frames=500", "optim.lr=0.005",
+            "optim.momentum_tc=300", "schedule.type=constant", "train.check_every_steps=1", *extra]
+
+
+_runs = {}
+
+
+def train(K, arch, tmp_path_factory, *extra):
+    """Run the trainer on K ranks once per distinct setting; return (shared arrays, run dir)."""
+    key = (K, arch, extra)
+    if key not in _runs:
+        run = str(tmp_path_factory.mktemp(f"run{K}"))
+        proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra), timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        _runs[key] = run
+    return _runs[key]
+
+
+def arrays(run):
+    return checkpoint.load(checkpoint.latest(run))[0]
+
+
+def reference(K, mode, arch, tmp_path, *extra):
+    out = str(tmp_path / f"ref{K}{mode}.npz")
+    proc = run_mpi(1, REFERENCE + [out, str(K), mode] + options(arch, *extra), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return np.load(out)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_allreduce_equals_one_rank_on_the_same_global_minibatches(K, arch, tmp_path,
+                                                                  tmp_path_factory):
+    got = arrays(train(K, arch, tmp_path_factory))["params"]
+    want = reference(K, "float", arch, tmp_path)["params"]
+    if K == 1:
+        np.testing.assert_array_equal(got, want)   # the same arithmetic, in the same order
+    else:   # sum of K partial sums vs one sum over the union: rounding only
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert not np.array_equal(got, reference(K, "float", arch, tmp_path,
+                                             "train.stop_after_frames=200")["params"])
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_striped_float32_equals_allreduce(K, arch, tmp_path_factory):
+    base = arrays(train(K, arch, tmp_path_factory))
+    got = arrays(train(K, arch, tmp_path_factory, "exchange.aggregation=striped",
+                       "exchange.codec=float32"))
+    np.testing.assert_allclose(got["params"], base["params"], rtol=1e-4, atol=1e-6)
+    # momentum lives only on the owner's stripe: K compact pieces that tile the full vector
+    pieces = [got[f"rank{r:04d}/opt/velocity"] for r in range(K)]
+    assert sum(p.size for p in pieces) == base["opt/velocity"].size
+    assert max(p.size for p in pieces) < base["opt/velocity"].size / (K - 0.5)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_striped_onebit_on_one_rank_equals_the_two_residual_loop(feedback, arch, tmp_path,
+                                                                  tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit", "optim.adagrad=aggregate",
+             f"exchange.error_feedback={str(feedback).lower()}")
+    got = arrays(train(1, arch, tmp_path_factory, *extra))
+    want = reference(1, "onebit", arch, tmp_path, *extra)
+    np.testing.assert_array_equal(got["params"], want["params"])
+    np.testing.assert_array_equal(got["rank0000/exchange/residual1"], want["residual1"])
+    np.testing.assert_array_equal(got["rank0000/exchange/residual2"], want["residual2"])
+    assert np.abs(want["residual2"]).sum() > 0   # the second quantization really happened
+    float_run = arrays(train(1, arch, tmp_path_factory))["params"]
+    assert not np.allclose(got["params"], float_run, atol=1e-6)
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_striped_onebit_replicas_agree_and_the_same_seed_gives_the_same_bits(K, arch, tmp_path,
+                                                                             tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit", "optim.adagrad=aggregate")
+    first = train(K, arch, tmp_path_factory, *extra)   # check_every_steps=1: CRC every step
+    again = str(tmp_path / "again")
+    proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={again}", *extra), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = arrays(first), arrays(again)
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    # each rank has its own first residual (its own data), so the residuals differ
+    assert not np.array_equal(a["rank0000/exchange/residual1"], a["rank0001/exchange/residual1"])
+    # 1-bit with feedback learns about as well as float32 on this toy problem
+    ce = [json.loads(line) for line in open(os.path.join(first, "metrics.jsonl"))]
+    epoch = [r for r in ce if r["kind"] == "epoch"][-1]
+    assert np.isfinite(epoch["train_ce"])
+    phases = [r for r in ce if r["kind"] == "train"][-1]["exchange_s"]
+    assert set(phases) == {"encode", "alltoallv", "decode_sum", "post_process", "reencode",
+                           "allgatherv", "final_decode"}
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_striped_onebit_resumes_bit_exactly_with_both_residuals(K, arch, tmp_path, tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit", "optim.adagrad=aggregate",
+             "train.epochs=2")
+    full = arrays(train(K, arch, tmp_path_factory, *extra))
+    cut = str(tmp_path / "cut")
+    total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
+    for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
+        proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if stop.endswith("=0"):
+            assert "resumed from" in open(os.path.join(cut, "logs", "rank0001.log")).read()
+        else:
+            mid = arrays(cut)
+    resumed = arrays(cut)
+    assert set(full) == set(resumed)
+    for r in range(K):
+        assert f"rank{r:04d}/exchange/residual2" in full
+        assert np.abs(mid[f"rank{r:04d}/exchange/residual1"]).sum() > 0
+    for name in full:
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+    assert not np.array_equal(mid["params"], full["params"])
+
+
+def test_a_striped_checkpoint_refuses_another_number_of_ranks(arch, tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
+    run = train(2, arch, tmp_path_factory, *extra)
+    proc = run_mpi(3, TRAIN + options(arch, f"train.run_dir={run}", *extra, "train.epochs=2"),
+                   timeout=120)
+    assert proc.returncode != 0
+    assert "written by 2 ranks" in proc.stderr and "re-striping" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("codec", ["kbit", "dettmers", "float16"])
+def test_other_codecs_through_the_striped_exchange_keep_replicas_identical(codec, arch,
+                                                                           tmp_path_factory):
+    run = train(3, arch, tmp_path_factory, "exchange.aggregation=striped",
+                f"exchange.codec={codec}", "exchange.bits=3")
+    got = arrays(run)["params"]
+    base = arrays(train(3, arch, tmp_path_factory))["params"]
+    assert np.isfinite(got).all() and not np.array_equal(got, base)
+    assert np.abs(got - base).max() < 0.05   # close to float32 training after one short epoch
+
+
+def test_float16_allreduce_is_close_to_float32(arch, tmp_path_factory):
+    got = arrays(train(2, arch, tmp_path_factory, "exchange.allreduce_dtype=float16"))["params"]
+    base = arrays(train(2, arch, tmp_path_factory))["params"]
+    assert not np.array_equal(got, base)
+    np.testing.assert_allclose(got, base, rtol=0, atol=2e-3)
