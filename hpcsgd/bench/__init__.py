@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 BENCHES = {
+    "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),
     "train": ("hpcsgd.bench.train", "training frames/s vs the GEMM-only roofline"),

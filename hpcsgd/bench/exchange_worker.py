@@ -1,0 +1,111 @@
+"""The rank side of `hpcsgd bench exchange` (run under mpiexec by hpcsgd/bench/exchange.py).
+
+    mpiexec -n K python -m hpcsgd.bench.exchange_worker --json OUT [--small] [--repeats R]
+        [--codecs onebit,kbit4,...]
+
+Every rank builds the model's flat gradient (random normal, scaled like a summed gradient,
+different per rank), a momentum optimizer, and runs the real exchange objects of the trainer
+(hpcsgd/comm/exchange.py) R times each: the float32 in-place Allreduce alone (the baseline
+every other figure is divided by, measured in this same run), allreduce + post-processing,
+and striped with each codec. Per repetition every rank starts together (a barrier) and the
+phases are timed per rank; a repetition's time is the slowest rank's (the step waits for
+it), and the median over repetitions is reported. Rank 0 writes the JSON.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcsgd import optim
+from hpcsgd.codecs import make_codec
+from hpcsgd.comm.exchange import Allreduce, Striped
+from hpcsgd.model.dnn import layout
+from hpcsgd.model.flat import FlatParams
+
+PAPER = (440, [2048] * 7, 9304)    # the paper's 46M model: 440-7x2048-9304
+SMALL = (44, [256] * 3, 930)
+CODECS = {"onebit": ("onebit", {}), "kbit2": ("kbit", {"bits": 2}), "kbit4": ("kbit", {"bits": 4}),
+          "kbit8": ("kbit", {"bits": 8}), "dettmers": ("dettmers", {}),
+          "float16": ("float16", {}), "float32": ("float32", {})}
+
+
+def timed(comm, ex, grad, params, opt, source, repeats):
+    """Median over repetitions of the slowest rank's per-phase seconds (and their total)."""
+    rows = []
+    for _ in range(repeats + 1):          # the first repetition warms up (JIT, page faults)
+        grad[:] = source
+        opt.begin_step(1024 * comm.Get_size(), 1024)
+        comm.Barrier()                    # everyone starts together
+        t = time.perf_counter()
+        ex.step(grad, params, opt)
+        total = time.perf_counter() - t
+        phases = ex.pop_times()
+        phases["total"] = total
+        worst = {k: comm.allreduce(v, op=MPI.MAX) for k, v in phases.items()}
+        rows.append(worst)
+    rows = rows[1:]
+    return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--codecs", default="onebit,kbit4,float16,float32,dettmers")
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, K = comm.Get_rank(), comm.Get_size()
+    params = FlatParams(layout(*(SMALL if args.small else PAPER)))
+    grad = FlatParams(params.layout).flat
+    rng = np.random.default_rng(rank)
+    source = (rng.standard_normal(params.size) * 0.05).astype(np.float32)
+    params.flat[:] = rng.standard_normal(params.size).astype(np.float32) * 0.01
+    comm.Bcast(params.flat, root=0)       # replicas start equal, as in training
+    out = {"ranks": K, "parameters": params.size, "repeats": args.repeats, "results": {}}
+
+    def run(name, ex, post_size):
+        opt = optim.Optimizer(params.size, momentum_time_constant=10000.0, post_size=post_size)
+        res = timed(comm, ex, grad, params.flat, opt, source, args.repeats)
+        res["bytes_per_rank"] = wire(ex)
+        out["results"][name] = res
+        if rank == 0:
+            print(f"  K={K} {name:22s} {1e3 * res['total']:9.2f} ms", flush=True)
+
+    def wire(ex):
+        if isinstance(ex, Striped):
+            return comm.allreduce(ex.bytes_on_wire(), op=MPI.MAX)
+        item = 2 if ex.dtype == "float16" else 4   # ring lower bound: 2 (K-1)/K of the data
+        return int(2 * (K - 1) * params.size * item / K)
+
+    # baseline: the Allreduce alone, then with the post-processing every rank does after it
+    base = Allreduce(comm, params.size, "float32")
+    res = {"total": []}
+    for _ in range(args.repeats + 1):
+        grad[:] = source
+        comm.Barrier()
+        t = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)   # cross-rank sync point
+        res["total"].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    out["results"]["allreduce_f32_inplace"] = {"total": float(np.median(res["total"][1:])),
+                                               "bytes_per_rank": wire(base)}
+    if rank == 0:
+        print(f"  K={K} {'allreduce_f32_inplace':22s} "
+              f"{1e3 * out['results']['allreduce_f32_inplace']['total']:9.2f} ms", flush=True)
+    run("allreduce_f32+post", base, params.size)
+    run("allreduce_f16+post", Allreduce(comm, params.size, "float16"), params.size)
+    del base
+    for name in args.codecs.split(","):
+        codec_name, opts = CODECS[name]
+        ex = Striped(comm, params.matrices, make_codec(codec_name, "cpu", **opts))
+        run(f"striped_{name}", ex, ex.state_size)
+        del ex
+    if rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
