@@ -10,7 +10,6 @@ decode-accumulate reads packed and reads+writes the float32 sum (8 B plus packed
     hpcsgd bench kernels [--small] [--json FILE] [--threads N] [--codecs onebit,kbit4]
 """
 import json
-import time
 
 import numpy as np
 
@@ -45,15 +44,6 @@ def matrices(small):
     return shapes + [(1, n_out) for _, n_out in shapes]
 
 
-def _best(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def bench_codec(name, opts, shapes, repeats, rng):
     codec = make_codec(name, backend="cpu", **opts)
     grads = [rng.standard_normal(s).astype(np.float32) * 1e-3 for s in shapes]
@@ -73,7 +63,7 @@ def bench_codec(name, opts, shapes, repeats, rng):
     enc(), dec()  # compile and first touch
     n = sum(a * b for a, b in shapes)
     packed = sum(b.size for b in bufs)
-    t_enc, t_dec = _best(enc, repeats), _best(dec, repeats)
+    t_enc, t_dec = membw.best_time(enc, repeats), membw.best_time(dec, repeats)
     return {"values": n, "packed_bytes": packed, "bits_per_value": 8 * packed / n,
             "encode_s": t_enc, "encode_GBps": ((12 if ef else 4) * n + packed) / t_enc / 1e9,
             "decode_acc_s": t_dec, "decode_acc_GBps": (8 * n + packed) / t_dec / 1e9}

@@ -23,7 +23,8 @@ def _triad(a, b, c, s):
         a[i] = b[i] + s * c[i]
 
 
-def _best(fn, repeats):
+def best_time(fn, repeats):
+    """Seconds of the fastest of `repeats` calls: the least-disturbed run on a shared machine."""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -45,7 +46,7 @@ def copy_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
     n = nbytes // 4
     a, b = np.zeros(n, np.float32), np.ones(n, np.float32)
     _copy(a, b)  # compile + first touch
-    return 8 * n / _best(lambda: _copy(a, b), repeats) / 1e9
+    return 8 * n / best_time(lambda: _copy(a, b), repeats) / 1e9
 
 
 def triad_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
@@ -54,4 +55,4 @@ def triad_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
     n = nbytes // 4
     a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
     _triad(a, b, c, np.float32(0.5))
-    return 12 * n / _best(lambda: _triad(a, b, c, np.float32(0.5)), repeats) / 1e9
+    return 12 * n / best_time(lambda: _triad(a, b, c, np.float32(0.5)), repeats) / 1e9
