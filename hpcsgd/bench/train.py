@@ -7,6 +7,9 @@ frames, the paper's 46M model by default (11x40 = 440 inputs, 7x2048 sigmoid, 93
 The roofline is the same step's matmuls alone (forward, dW, dX, same shapes and buffers): a
 BLAS-based trainer cannot beat it, so step time / GEMM time shows what the element-wise kernels,
 the update and Python cost. Steps and GEMM-only passes alternate, medians are reported.
+The process CPU time of both is reported too: on a machine shared with other jobs, and with
+1 thread (OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1), it measures the work without the time
+spent descheduled; with more threads it also counts spin-waiting.
 """
 import json
 import os
@@ -70,15 +73,18 @@ def run(args):
     train_step()                                  # compiles the kernels (cached on disk)
     gemm_only(model, params, grads, x, n)
     warmup_s = time.perf_counter() - t0
-    step_s, gemm_s = [], []
+    step_s, gemm_s, step_cpu, gemm_cpu = [], [], [], []
     for _ in range(args.steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         train_step()
         step_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        step_cpu.append(time.process_time() - c)
+        t, c = time.perf_counter(), time.process_time()
         gemm_only(model, params, grads, x, n)
         gemm_s.append(time.perf_counter() - t)
+        gemm_cpu.append(time.process_time() - c)
     step, gemm = statistics.median(step_s), statistics.median(gemm_s)
+    step_c, gemm_c = statistics.median(step_cpu), statistics.median(gemm_cpu)
     flop = gemm_flop_per_frame(**shape) * n
     res = {
         "model": "small" if args.small else "paper-46M", "params": params.size, "batch": n,
@@ -90,6 +96,8 @@ def run(args):
         "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
         "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "(default: all cores)"),
         "cpus": os.cpu_count(), "machine": platform.machine(),
+        "step_cpu_s": step_c, "gemm_only_cpu_s": gemm_c, "roofline_fraction_cpu": gemm_c / step_c,
+        "load_avg_1min": os.getloadavg()[0],
         "step_s_all": step_s, "gemm_only_s_all": gemm_s,
     }
     print(f"bench train: {res['model']} ({params.size / 1e6:.1f}M params), minibatch {n}, "
@@ -101,6 +109,9 @@ def run(args):
     print(f"  fraction of the GEMM roofline: {gemm / step * 100:.1f}%  "
           f"(numba {res['numba_threads']} threads/{res['numba_threading_layer']}, "
           f"OpenBLAS {res['OPENBLAS_NUM_THREADS']})")
+    print(f"  process CPU time: step {step_c * 1e3:.1f} ms, GEMM only {gemm_c * 1e3:.1f} ms, "
+          f"ratio {gemm_c / step_c * 100:.1f}%; load average {res['load_avg_1min']:.2f} "
+          f"on {res['cpus']} CPUs (> 0.5 or so: other jobs share the cores)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
