@@ -228,13 +228,12 @@ def train(cfg, comm, rank, world):
             # 4. local post-processing (AdaGrad placed on the raw local gradient)
             opt.begin_step(int(take.sum()), n)
             opt.pre_exchange(grads.flat)
-            # 5. exchange: sum over ranks + weight decay, aggregate AdaGrad, momentum -> the
-            #    update (striped: encode, Alltoallv, decode-sum, owner post-processing,
-            #    re-encode, Allgatherv, decode). Cross-rank sync points inside.
-            update = ex.step(grads.flat, params.flat, opt)
-            # 6. update: W -= lr * update, identically on every rank
+            # 5-6. exchange + update: sum over ranks, then weight decay, aggregate AdaGrad,
+            #    momentum -> the update, and W -= lr * update identically on every rank
+            #    (striped: encode, Alltoallv, decode-sum, owner post-processing, re-encode,
+            #    Allgatherv, decode-apply). Cross-rank sync points inside.
             lr = learning_rate(cfg, meta)
-            opt.apply(params.flat, update, lr)
+            ex.step(grads.flat, params.flat, opt, lr)
             # 7. bookkeeping, metrics, checkpoint
             offsets += take
             meta["offsets"] = offsets.tolist()

@@ -116,7 +116,7 @@ def test_striped_onebit_replicas_agree_and_the_same_seed_gives_the_same_bits(K, 
     assert np.isfinite(epoch["train_ce"])
     phases = [r for r in ce if r["kind"] == "train"][-1]["exchange_s"]
     assert set(phases) == {"encode", "alltoallv", "decode_sum", "post_process", "reencode",
-                           "allgatherv", "final_decode"}
+                           "allgatherv", "decode_apply"}
 
 
 @pytest.mark.parametrize("K", [2, 3])
@@ -168,3 +168,22 @@ def test_float16_allreduce_is_close_to_float32(arch, tmp_path_factory):
     base = arrays(train(2, arch, tmp_path_factory))["params"]
     assert not np.array_equal(got, base)
     np.testing.assert_allclose(got, base, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("shape", [(5, 2048), (3, 37), (1, 9304), (0, 16)])
+def test_onebit_decode_apply_equals_decode_then_optimizer_apply(backend, shape):
+    """The fused final decode gives the same bits as decode followed by Optimizer.apply."""
+    from hpcsgd import optim
+    from hpcsgd.codecs import make_codec
+    rng = np.random.default_rng(1)
+    codec = make_codec("onebit", backend)
+    g = rng.standard_normal(shape).astype(np.float32)
+    packed = np.zeros(codec.packed_nbytes(*shape), np.uint8)
+    codec.encode(g, np.zeros_like(g), packed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    want, u = w.copy(), np.empty_like(w)
+    codec.decode(packed, u)
+    optim.Optimizer(max(w.size, 1)).apply(want.reshape(-1), u.reshape(-1), 0.0123)
+    codec.decode_apply(packed, w, 0.0123)
+    np.testing.assert_array_equal(w, want)

@@ -21,7 +21,7 @@ def test_bench_exchange_small_runs_under_its_own_mpiexec(tmp_path):
     assert run["ranks"] == 2 and res["allreduce_f32_inplace"]["total"] > 0
     onebit = res["striped_onebit"]
     for phase in ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
-                  "final_decode"):
+                  "decode_apply"):
         assert onebit[phase] >= 0
     assert onebit["bytes_per_rank"] * 20 < res["striped_float32"]["bytes_per_rank"]
     assert "striped_onebit" in proc.stdout and "x = / float32 in-place Allreduce" in proc.stdout

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
-          "final_decode", "allreduce")
+          "decode_apply", "allreduce", "decode", "apply")
 
 
 def add_arguments(parser):

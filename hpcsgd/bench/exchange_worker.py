@@ -39,7 +39,7 @@ def timed(comm, ex, grad, params, opt, source, repeats):
         opt.begin_step(1024 * comm.Get_size(), 1024)
         comm.Barrier()                    # everyone starts together
         t = time.perf_counter()
-        ex.step(grad, params, opt)
+        ex.step(grad, params, opt, 1e-6)
         total = time.perf_counter() - t
         phases = ex.pop_times()
         phases["total"] = total
@@ -94,8 +94,8 @@ def main():
     if rank == 0:
         print(f"  K={K} {'allreduce_f32_inplace':22s} "
               f"{1e3 * out['results']['allreduce_f32_inplace']['total']:9.2f} ms", flush=True)
-    run("allreduce_f32+post", base, params.size)
-    run("allreduce_f16+post", Allreduce(comm, params.size, "float16"), params.size)
+    run("allreduce_f32+post+apply", base, params.size)
+    run("allreduce_f16+post+apply", Allreduce(comm, params.size, "float16"), params.size)
     del base
     for name in args.codecs.split(","):
         codec_name, opts = CODECS[name]

@@ -158,6 +158,25 @@ def decode_cpu(cols8, meancols, out, accumulate):
                 out[c, i] = val
 
 
+@njit(parallel=True, cache=True)
+def decode_apply_cpu(cols8, meancols, w, lr):
+    """w -= lr * decoded, one pass (the final decode folded into the weight update). The
+    arithmetic is the optimizer's apply: float64 lr times the float32 value, rounded once."""
+    n_cols, n_rows = w.shape
+    nbytes = n_rows // 8
+    for c in prange(n_cols):
+        m0 = meancols[c, 0]
+        m1 = meancols[c, 1]
+        for b in range(nbytes):
+            byte = cols8[c, 8 + b]
+            for j in range(8):
+                val = m1 if (byte >> j) & 1 else m0
+                w[c, 8 * b + j] = w[c, 8 * b + j] - lr * val
+        for i in range(nbytes * 8, n_rows):
+            val = m1 if (cols8[c, 8 + i // 8] >> (i % 8)) & 1 else m0
+            w[c, i] = w[c, i] - lr * val
+
+
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
 def encode_cuda(g, r, words, means, bad):
@@ -284,3 +303,22 @@ class OneBit(Codec):
 
     def decode_accumulate(self, packed, out):
         self._decode(packed, out, True)
+
+    def decode_apply(self, packed, w, lr):
+        """w -= lr * decoded(packed), in one pass over w (reference and cpu backends): the
+        exchange's final decode fused with the weight update, bit-identical to decode followed
+        by Optimizer.apply (float64 lr, one rounding)."""
+        self._check_decode(packed, w)
+        n_cols, n_rows = w.shape
+        if n_cols == 0 or n_rows == 0:
+            return
+        if self.backend == "reference":
+            dec = np.empty_like(w)
+            decode_ref(packed, dec, False)
+            w[:] = (w.astype(np.float64) - float(lr) * dec.astype(np.float64)).astype(np.float32)
+        elif self.backend == "cpu":
+            W = words_per_column(n_rows)
+            decode_apply_cpu(packed.reshape(n_cols, 4 * W),
+                             packed.view(np.float32).reshape(n_cols, W), w, float(lr))
+        else:
+            raise NotImplementedError("onebit decode_apply: no CUDA kernel yet; decode, then apply")

@@ -1,8 +1,7 @@
 """Cross-rank communication: the gradient exchange (hpcsgd/comm/exchange.py).
 
     ex = make_exchange(cfg, comm, grads.matrices)   # buffers preallocated here, once
-    update = ex.step(grads.flat, params.flat, opt)   # sum over ranks + post-processing
-    opt.apply(params.flat, update, lr)
+    ex.step(grads.flat, params.flat, opt, lr)        # sum, post-process, W -= lr * update
 
 See docs/exchange.md for the algorithms, buffer layouts and measured costs.
 """

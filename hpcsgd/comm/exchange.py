@@ -21,8 +21,9 @@ striped    Seide et al. 2014's O(1) algorithm. Rank j owns a contiguous range of
              5. re-encode the owner quantizes its updated stripe with its second residual
                          straight into its slot of the gather buffer;
              6. Allgatherv brings every stripe to every rank (same layout as the send buffer);
-             7. final decode  every rank decodes all stripes into the update buffer (the
-                         gradient's flat buffer, reused); the spine then applies W -= lr * u.
+             7. decode-apply  every rank decodes all stripes and applies W -= lr * update; a
+                         codec with decode_apply (onebit) does both in one pass over W, the
+                         others decode into the gradient's flat buffer, then Optimizer.apply.
            Every gradient is quantized twice. Every rank applies the same bytes, so replicas
            stay bit-identical.
 
@@ -85,7 +86,7 @@ class Allreduce(_Timed):
     toward overflow; dividing by K first keeps the partial sums no larger than the largest
     rank's value. There is no error feedback on this path (use striped + float16 codec for it).
     """
-    PHASES = ("encode", "allreduce", "post_process", "final_decode")
+    PHASES = ("encode", "allreduce", "decode", "post_process", "apply")
     replicated_optimizer = True   # every rank holds and updates the full optimizer state
 
     def __init__(self, comm, size, dtype="float32"):
@@ -97,8 +98,9 @@ class Allreduce(_Timed):
         self._op = None
         self._reset_times()
 
-    def step(self, grad, params, opt):
-        """Local gradient (flat float32, pre_exchange done) -> update, in grad's buffer."""
+    def step(self, grad, params, opt, lr):
+        """Local gradient (flat float32, pre_exchange done) -> sum -> update (in grad's
+        buffer) -> params -= lr * update. Every rank does all of it."""
         from mpi4py import MPI
         t0 = time.perf_counter()
         if self.dtype == "float32":
@@ -119,12 +121,13 @@ class Allreduce(_Timed):
                                  f"gradient above 65504 * {self.world}); use "
                                  f"exchange.allreduce_dtype=float32 or a smaller minibatch")
             t3 = time.perf_counter()
-        update = opt.post_exchange(grad, params)
+        opt.post_exchange(grad, params)
         t4 = time.perf_counter()
-        for name, dt in zip(self.PHASES, (t1 - t0, t2 - t1, t4 - t3, t3 - t2)):
+        opt.apply(params, grad, lr)
+        t5 = time.perf_counter()
+        for name, dt in zip(self.PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             self.times[name] += dt
         self.steps += 1
-        return update
 
     def _half_sum(self):
         """A commutative user op summing float16 values (created once, on first use)."""
@@ -153,7 +156,7 @@ class Striped(_Timed):
     Optimizer(size, post_size=ex.state_size).
     """
     PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
-              "final_decode")
+              "decode_apply")
     replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
 
     def __init__(self, comm, mats, codec, error_feedback=True):
@@ -204,8 +207,9 @@ class Striped(_Timed):
         others = self.counts.sum() - self.counts[self.rank]
         return int(others + (self.world - 1) * self.counts[self.rank])
 
-    def step(self, grad, params, opt):
-        """Local gradient (flat float32, pre_exchange done) -> update, in grad's buffer."""
+    def step(self, grad, params, opt, lr):
+        """Local gradient (flat float32, pre_exchange done) -> params -= lr * update, the
+        update being the owners' post-processed sum, quantized twice. grad is clobbered."""
         from mpi4py import MPI
         codec, me, t = self.codec, self.rank, [time.perf_counter()]
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
@@ -252,15 +256,22 @@ class Striped(_Timed):
         # 6. every owner's stripe to every rank
         self.comm.Allgatherv(MPI.IN_PLACE, [self.gather, (self.counts, self.displs), MPI.BYTE])
         t.append(time.perf_counter())   # cross-rank sync point above
-        # 7. decode every stripe into the update (grad's buffer: the local gradient is spent)
+        # 7. decode every stripe and apply W -= lr * update: fused in one pass over W where
+        #    the codec can (same arithmetic as Optimizer.apply, so the same bits), else decode
+        #    into grad's buffer (the local gradient is spent) and apply
+        fused = getattr(codec, "decode_apply", None) if codec.backend != "cuda" else None
         for row in self.pieces:
             for m, lo, hi, cols, off, nb in row:
-                codec.decode(self.gather[off:off + nb], grad[lo:hi].reshape(cols, m.n_rows))
+                if fused:
+                    fused(self.gather[off:off + nb], params[lo:hi].reshape(cols, m.n_rows), lr)
+                else:
+                    codec.decode(self.gather[off:off + nb], grad[lo:hi].reshape(cols, m.n_rows))
+        if not fused:
+            opt.apply(params, grad, lr)
         t.append(time.perf_counter())
         for name, a, b in zip(self.PHASES, t[:-1], t[1:]):
             self.times[name] += b - a
         self.steps += 1
-        return grad
 
     def state_dict(self):
         """This rank's error feedback (by reference): both residuals."""
