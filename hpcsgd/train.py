@@ -27,6 +27,7 @@ import numpy as np
 
 from hpcsgd import checkpoint, config, optim
 from hpcsgd.comm import make_exchange
+from hpcsgd.comm.exchange import restripe_state
 from hpcsgd.data import archive
 from hpcsgd.data.loader import FrameLoader, local_batch_size
 from hpcsgd.errors import UserError
@@ -157,20 +158,34 @@ def train(cfg, comm, rank, world):
             raise UserError(f"checkpoint {path}: written mid-epoch by {saved['world']} ranks; "
                             f"resume it with {saved['world']} ranks (or from an epoch-end checkpoint)")
         saved_agg = saved.get("aggregation", "allreduce")
-        if saved.get("per_rank_state") or meta["per_rank_state"]:
-            if saved["world"] != world or saved_agg != meta["aggregation"]:
-                raise UserError(f"checkpoint {path}: written by {saved['world']} ranks with "
-                                f"exchange.aggregation={saved_agg} and per-rank state (residuals, "
-                                f"optimizer stripes); resume it with {saved['world']} ranks and "
-                                f"exchange.aggregation={saved_agg} (re-striping is not supported)")
+        restripe = (saved["world"] != world or saved_agg != meta["aggregation"]) \
+            and (saved.get("per_rank_state") or meta["per_rank_state"])
+        if restripe and (any(saved["offsets"]) or "local" in (cfg["optim.adagrad"],
+                                                              saved["config"]["optim.adagrad"])):
+            raise UserError(f"checkpoint {path}: written by {saved['world']} ranks with "
+                            f"exchange.aggregation={saved_agg}; its per-rank state (residuals, "
+                            f"optimizer stripes) can be re-striped for another K or aggregation "
+                            f"only at an epoch end and without optim.adagrad=local: resume it "
+                            f"with {saved['world']} ranks and exchange.aggregation={saved_agg}")
         params.flat[:] = arrays["params"]
-        mine = checkpoint.rank_prefix(rank) if opt_per_rank else ""
-        opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
-                             "sqr": arrays[mine + "opt/sqr"],
-                             "sqr_weight": float(arrays["opt/sqr_weight"])})
-        ex.load_state_dict({k[len(checkpoint.rank_prefix(rank) + "exchange/"):]: v
-                            for k, v in arrays.items()
-                            if k.startswith(checkpoint.rank_prefix(rank) + "exchange/")})
+        if restripe:   # epoch end: re-slice the optimizer state, residuals start at zero
+            names = ["opt/velocity", "opt/sqr"]
+            names += [checkpoint.rank_prefix(r) + n for r in range(saved["world"]) for n in names]
+            old = checkpoint.load(path, names=names)[0]
+            opt.load_state_dict(dict(restripe_state(old, saved["world"], saved_agg == "striped",
+                                                    grads.matrices, rank, world, ex),
+                                     sqr_weight=float(arrays["opt/sqr_weight"])))
+            log.info(f"re-striped the optimizer state of {path} from {saved['world']} ranks "
+                     f"({saved_agg}) to {world} ({meta['aggregation']}); error-feedback "
+                     f"residuals start at zero (CNTK resets them at every epoch start)")
+        else:
+            mine = checkpoint.rank_prefix(rank) if opt_per_rank else ""
+            opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
+                                 "sqr": arrays[mine + "opt/sqr"],
+                                 "sqr_weight": float(arrays["opt/sqr_weight"])})
+            ex.load_state_dict({k[len(checkpoint.rank_prefix(rank) + "exchange/"):]: v
+                                for k, v in arrays.items()
+                                if k.startswith(checkpoint.rank_prefix(rank) + "exchange/")})
         for key in ("epoch", "frames", "cv_history"):
             meta[key] = saved[key]
         meta["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world

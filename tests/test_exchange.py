@@ -5,6 +5,7 @@ replicas bit-identical every step, the same bits twice, and bit-exact resume wit
 residuals and the owners' optimizer stripes."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -143,13 +144,43 @@ def test_striped_onebit_resumes_bit_exactly_with_both_residuals(K, arch, tmp_pat
     assert not np.array_equal(mid["params"], full["params"])
 
 
-def test_a_striped_checkpoint_refuses_another_number_of_ranks(arch, tmp_path_factory):
+def test_a_striped_checkpoint_is_re_striped_at_an_epoch_end_and_refused_mid_epoch(
+        arch, tmp_path, tmp_path_factory):
     extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
-    run = train(2, arch, tmp_path_factory, *extra)
+    run = str(tmp_path / "run")
+    shutil.copytree(train(2, arch, tmp_path_factory, *extra), run)   # an epoch-end checkpoint
     proc = run_mpi(3, TRAIN + options(arch, f"train.run_dir={run}", *extra, "train.epochs=2"),
                    timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "re-striped the optimizer state" in open(os.path.join(run, "logs", "rank0002.log")).read()
+    cut = str(tmp_path / "cut")
+    proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra,
+                                      "train.stop_after_frames=500"), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_mpi(3, TRAIN + options(arch, f"train.run_dir={cut}", *extra), timeout=120)
     assert proc.returncode != 0
-    assert "written by 2 ranks" in proc.stderr and "re-striping" in proc.stderr, proc.stderr
+    assert "mid-epoch by 2 ranks" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("old_world, world", [(3, 2), (2, 4), (1, 3)])
+def test_restripe_state_moves_every_owner_stripe_to_its_new_owner(old_world, world):
+    from hpcsgd.comm.exchange import Striped, restripe_state
+    from hpcsgd.model.flat import matrices, stripe_ranges
+    mats = matrices([("W0", (7, 5)), ("b0", (1, 5)), ("W1", (5, 3)), ("b1", (1, 3))])
+    full = np.arange(sum(m.size for m in mats), dtype=np.float32)
+    old = {}
+    for r in range(old_world):
+        old[f"rank{r:04d}/opt/velocity"] = np.concatenate(
+            [full[lo:hi] for lo, hi in stripe_ranges(mats, r, old_world)])
+        old[f"rank{r:04d}/opt/sqr"] = np.zeros(1, np.float32)   # AdaGrad off: placeholder
+    striped = Striped.__new__(Striped)   # only its type matters to restripe_state
+    for rank in range(world):
+        got = restripe_state(old, old_world, True, mats, rank, world, striped)
+        want = np.concatenate([full[lo:hi] for lo, hi in stripe_ranges(mats, rank, world)])
+        np.testing.assert_array_equal(got["velocity"], want)
+        assert got["sqr"].size == 1
+    np.testing.assert_array_equal(restripe_state(old, old_world, True, mats, 0, world,
+                                                 object())["velocity"], full)
 
 
 @pytest.mark.parametrize("codec", ["kbit", "dettmers", "float16"])

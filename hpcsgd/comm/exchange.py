@@ -60,6 +60,35 @@ def make_exchange(cfg, comm, mats):
     return Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"])
 
 
+def restripe_state(old, old_world, old_striped, mats, rank, world, ex):
+    """Optimizer arrays ("opt/velocity", "opt/sqr") of a checkpoint written by `old_world`
+    ranks -> this rank's arrays under `ex` (another K or aggregation; epoch ends only).
+    old: the shared "opt/NAME" arrays or every old rank's "rankNNNN/opt/NAME". Striped
+    owners' compact stripes are laid back into a full vector (stripe_ranges of the old K),
+    then sliced to this rank's stripe if `ex` is striped. A 1-element array is the
+    optimizer's placeholder for a feature that is off and passes through unchanged."""
+    size = sum(m.size for m in mats)
+    out = {}
+    for name in ("velocity", "sqr"):
+        if f"opt/{name}" in old:
+            full = np.asarray(old[f"opt/{name}"])
+        else:
+            parts = [np.asarray(old[f"rank{r:04d}/opt/{name}"]) for r in range(old_world)]
+            if parts[0].size == 1 or not old_striped:
+                full = parts[0]
+            else:
+                full = np.empty(size, parts[0].dtype)
+                for r, part in enumerate(parts):
+                    a = 0
+                    for lo, hi in stripe_ranges(mats, r, old_world):
+                        full[lo:hi] = part[a:a + hi - lo]
+                        a += hi - lo
+        if full.size == size and isinstance(ex, Striped):
+            full = np.concatenate([full[lo:hi] for lo, hi in stripe_ranges(mats, rank, world)])
+        out[name] = full
+    return out
+
+
 class _Timed:
     """Seconds per phase, accumulated until pop_times() (the spine logs them per log line)."""
 
