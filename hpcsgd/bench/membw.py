@@ -49,6 +49,15 @@ def copy_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
     return 8 * n / best_time(lambda: _copy(a, b), repeats) / 1e9
 
 
+def triad_timer(nbytes=200 << 20):
+    """(run, bytes): one fused triad over preallocated arrays, to interleave with other timings."""
+    n = nbytes // 4
+    a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
+    s = np.float32(0.5)
+    _triad(a, b, c, s)  # compile + first touch
+    return (lambda: _triad(a, b, c, s)), 12 * n
+
+
 def triad_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
     """GB/s (1e9 bytes/s) of a fused parallel float32 triad with `nbytes` per array."""
     set_threads(threads)
