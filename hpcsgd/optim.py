@@ -169,7 +169,9 @@ class Optimizer:
         else:
             rho, c = 1.0, 0.0
         self._k = dict(
-            n=n, wd_n=self.weight_decay * n, rho=rho, c=c, inv_n=1.0 / n_ada,
+            # a rank with no frames this step (epoch tail, "local" placement) has a zero
+            # gradient: rho = 1, c = 0 leave its AdaGrad state as it was
+            n=n, wd_n=self.weight_decay * n, rho=rho, c=c, inv_n=1.0 / n_ada if n_ada else 0.0,
             inv_q=1.0 / self.sqr_weight if self.sqr_weight > 0 else 0.0,
             m=momentum_per_minibatch(self.momentum_time_constant, n))
         return self._k

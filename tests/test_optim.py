@@ -225,3 +225,18 @@ def test_schedules():
     assert learning_rate("newbob", 0.1, cv_acc_history=[0.3, 0.3001]) == pytest.approx(0.05)
     with pytest.raises(ValueError, match="schedule"):
         learning_rate("cosine", 0.1)
+
+
+def test_local_adagrad_on_a_rank_without_frames_keeps_its_state():
+    """At an epoch's tail a rank may get 0 frames: its gradient is zero and AdaGrad "local"
+    must neither divide by zero nor change its accumulated statistics."""
+    from hpcsgd.optim import Optimizer
+    opt = Optimizer(8, adagrad="local")
+    g = np.linspace(-1, 1, 8).astype(np.float32)
+    opt.begin_step(20, 10)
+    opt.pre_exchange(g.copy())
+    sqr, weight = opt.sqr.copy(), opt.sqr_weight
+    zero = np.zeros(8, np.float32)
+    opt.begin_step(10, 0)
+    opt.pre_exchange(zero)
+    assert np.all(zero == 0) and np.array_equal(opt.sqr, sqr) and opt.sqr_weight == weight
