@@ -5,6 +5,7 @@ only when chosen, so `hpcsgd inspect` does not pay for numba-compiling the train
 """
 import argparse
 import importlib
+import signal
 import sys
 
 from hpcsgd.errors import UserError
@@ -26,6 +27,8 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    # `hpcsgd eval ... | head` should stop quietly, as Unix tools do, not raise BrokenPipeError
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.print_help()
