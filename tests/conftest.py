@@ -14,12 +14,12 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,
-                 speakers_per_shard=3, seed=0, min_len=20, max_len=300):
+                 speakers_per_shard=3, seed=0, min_len=20, max_len=300, label_prefix="L"):
     """A small archive whose feats[:, 0] is the frame's global id (shard * 1e6 + frame), so
     tests can tell exactly which frames a loader produced. Returns the feats per shard."""
     rng = np.random.default_rng(seed)
     os.makedirs(out_dir, exist_ok=True)
-    symbols = [f"L{i}" for i in range(num_labels)]
+    symbols = [f"{label_prefix}{i}" for i in range(num_labels)]
     attrs = dict(format_version=archive.FORMAT_VERSION, feature_type="fbank", feature_dim=dim,
                  num_labels=num_labels, label_inventory_hash=archive.inventory_hash(symbols),
                  sample_rate=16000, frame_shift_ms=10.0, frame_length_ms=25.0,

@@ -175,6 +175,17 @@ def test_checkpoint_of_another_model_shape_is_refused(synth, tmp_path):
     assert "checkpoint" in proc.stderr and "model" in proc.stderr and "hidden" in proc.stderr
 
 
+def test_resume_refuses_an_archive_with_another_label_inventory(synth, tmp_path):
+    """Same number of labels, other symbols: the checkpoint's inventory hash must match."""
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run, "train.epochs=1"))
+    other = str(tmp_path / "other")
+    make_archive(other, num_shards=2, utts_per_shard=10, label_prefix="P")
+    proc = hpcsgd(*train_args(other, run), check=False)
+    assert proc.returncode == 2
+    assert "label_inventory_hash" in proc.stderr and "checkpoint" in proc.stderr
+
+
 def test_eval_refuses_an_archive_with_another_inventory(synth, tmp_path):
     run = str(tmp_path / "run")
     hpcsgd(*train_args(synth, run, "train.epochs=1"))
