@@ -1,0 +1,433 @@
+"""`hpcsgd bench plan`: the paper's cost model (Seide et al. 2014, Eq. 4) — the optimal node count
+K-hat and predicted speed-up over K for each codec and minibatch size, with and without
+half-minibatch double buffering, from measured costs; validated against the paper's own costs
+(Table 1, §5.1) and speeds (Table 5).
+
+    hpcsgd bench plan [--small] [--json FILE] [--plot PNG] [--link-gbps 1,10,25]
+                      [--latency-us 50] [--minibatch 1024,4096,16384] [--measure]
+                      [--train-json F] [--exchange-json F]
+
+Eq. 4 (per exchange; double buffering exchanges each half-minibatch while computing the next):
+
+    K-hat = (N/2 * T_frm + C*T_post) / (T_comm_float / Z - T_upd)
+
+T_frm: compute per frame (depends on the sub-batch size: Table 1); C*T_post: post-processing
+that striping splits over K nodes; T_upd: fixed per-exchange cost on every node; Z = 32 / bits
+per value on the wire. Predicted time per minibatch of N frames at K nodes:
+
+    with DB:    2 * max(v(N/2K) + C*T_post/K + T_upd,  T_comm(K)/Z)     (§2.2: overlapped)
+    without:        v(N/K)  + C*T_post/K + T_upd + T_comm(K)/Z          (§5.1: serialised)
+
+with v(n) = n * T_frm(n), the variable time of one sub-batch (piecewise linear through the
+measured points, extrapolated with the end slopes). If T_comm/Z <= T_upd the denominator is <= 0:
+§2.3's case, communication cannot be saturated, K-hat is unbounded and the fixed cost limits
+the speed. Derived communication (--link-gbps, --latency-us): a node sends and receives
+2(K-1)/K of the gradient per exchange (ring allreduce, or striped Alltoallv + Allgatherv) in
+2(K-1) messages: T_comm(K) = 2(K-1)/K * M*bits/8 / rate + 2(K-1) * latency.
+
+hpcsgd's costs per codec (from `bench exchange` JSON, phases of one rank at the JSON's K):
+float32 allreduce: T_upd = post_process + apply (every rank post-processes the whole model),
+C*T_post = 0. Striped codec: T_upd = encode + decode_sum + decode_apply (each a pass over all M
+values on every rank, whatever K), C*T_post = K * (post_process + reencode) (the owner's 1/K).
+T_frm from `bench train` JSON, or measured here per sub-batch size (--measure; --small: a tiny
+model, seconds).
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+# ---- the paper's published costs (Seide et al. 2014) ---------------------------------------
+# Table 1: sub-batch size -> T_frm [us] (variable cost per frame, one K20X, momentum+AdaGrad)
+PAPER_TABLE1 = {256: 156, 512: 137, 1024: 122, 2048: 118, 4096: 115, 8192: 114}
+PAPER_POST_PLUS_UPD_S = 18.2e-3   # §5.1: C*T_post + T_upd (momentum, two AdaGrad steps, update)
+PAPER_UPD_S = 9e-3                # §5.1: "with quantization, our fixed cost T_upd is ~9 ms"
+PAPER_COMM_Z_S = (3e-3, 6.5e-3, 10e-3)   # §5.1: Z^-1 T_comm_float 3..10 ms (Z = 32); mid 6.5
+PAPER_M = 46e6
+# Table 5, data x 1 (no model parallelism) rows: kfps for N = 2880 and 16384, farm / 8-GPU
+PAPER_TABLE5 = {(1, 2880): (7.5, 7.4), (1, 16384): (8.2, 8.0), (8, 2880): (26.9, 26.5),
+                (8, 16384): (51.6, 50.6), (16, 2880): (30.2, None), (16, 16384): (77.9, None)}
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "docs", "bench")
+
+
+def add_arguments(parser):
+    parser.add_argument("--small", action="store_true",
+                        help="smoke test: measure a tiny model's costs here (seconds)")
+    parser.add_argument("--json", metavar="FILE", help="write inputs and predictions as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="plot predicted speed-up vs K")
+    parser.add_argument("--link-gbps", default="1,10,25",
+                        help="derive T_comm from these link rates, Gbit/s ('' = the measured "
+                             "allreduce of --exchange-json)")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per-message latency, us")
+    parser.add_argument("--minibatch", default="1024,4096,16384", help="minibatch sizes N")
+    parser.add_argument("--kmax", type=int, default=64, help="largest K on the curves")
+    parser.add_argument("--measure", action="store_true",
+                        help="time T_frm per sub-batch size, post, update and codecs in this run")
+    parser.add_argument("--train-json", default=os.path.join(DOCS, "train_46m.json"))
+    parser.add_argument("--exchange-json", default=os.path.join(DOCS, "exchange.json"))
+
+
+# ---- the model ------------------------------------------------------------------------------
+def eq4_khat(n, t_frm, c_post, t_upd, t_comm_z, double_buffer=True):
+    """Eq. 4 as printed: the K where computation (n/2 frames per exchange with double
+    buffering, n without) equals communication. inf when T_comm/Z <= T_upd (§2.3)."""
+    denom = t_comm_z - t_upd
+    if denom <= 0:
+        return math.inf
+    return ((n / 2 if double_buffer else n) * t_frm + c_post) / denom
+
+
+class VarCost:
+    """v(n): compute time of one sub-batch of n frames, piecewise linear through measured
+    (n, T_frm) points, extrapolated with the end segments' slopes (a constant T_frm if only
+    one point is known). T_frm(n) = v(n)/n."""
+
+    def __init__(self, points):
+        self.n = np.array(sorted(points), float)
+        self.v = np.array([points[k] * k for k in sorted(points)], float)
+
+    def __call__(self, n):
+        x, y = self.n, self.v
+        if len(x) == 1:
+            return y[0] / x[0] * n
+        if n <= x[0]:
+            return max(0.0, y[0] + (n - x[0]) * (y[1] - y[0]) / (x[1] - x[0]))
+        if n >= x[-1]:
+            return y[-1] + (n - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return float(np.interp(n, x, y))
+
+    def t_frm(self, n):
+        return self(n) / n
+
+
+def minibatch_time(k, n, v, c_post, t_upd, comm_z, double_buffer):
+    """Predicted seconds per minibatch of n frames at k nodes (module docstring). k = 1 is
+    plain single-node SGD: no exchange, so no comm (and no reason to double-buffer)."""
+    if k == 1:
+        return v(n) + c_post + t_upd
+    if double_buffer:
+        return 2 * max(v(n / (2 * k)) + c_post / k + t_upd, comm_z(k))
+    return v(n / k) + c_post / k + t_upd + comm_z(k)
+
+
+def khat_consistent(n, v, c_post, t_upd, comm_z, double_buffer=True, kmax=1e6):
+    """Eq. 3 solved for K without Eq. 4's constants: the K where the per-exchange computation
+    v(sub-batch) + C*T_post/K + T_upd (decreasing in K) meets T_comm(K)/Z (increasing), with
+    T_frm at the real sub-batch n/2K (n/K without DB). A geometric scan finds the crossing,
+    bisection refines it; inf if none below kmax (§2.3: comm stays below the fixed cost)."""
+    def gap(k):
+        sub = n / (2 * k) if double_buffer else n / k
+        return v(sub) + c_post / k + t_upd - comm_z(k)
+    lo, hi = 1.0, None
+    k = 1.0
+    while k <= kmax:
+        if gap(k) <= 0:
+            hi = k
+            break
+        lo, k = k, k * 1.25
+    if hi is None:
+        return math.inf
+    if hi == 1.0:
+        return 1.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if gap(mid) <= 0 else (mid, hi)
+    return hi
+
+
+def link_comm(m, bits, gbps, latency_s):
+    """T_comm(K)/Z for M values of `bits` each over a `gbps` link (module docstring)."""
+    def comm(k):
+        return 2 * (k - 1) / k * m * bits / 8 / (gbps * 1e9 / 8) + 2 * (k - 1) * latency_s
+    # Eq. 4 treats T_comm as a constant: the bandwidth term as K -> inf plus one round trip
+    comm.asymptote = 2 * m * bits / 8 / (gbps * 1e9 / 8) + 2 * latency_s
+    return comm
+
+
+def const_comm(seconds):
+    """A K-independent T_comm/Z, as the paper's §5.1 gives it."""
+    def comm(k):
+        return seconds
+    comm.asymptote = seconds
+    return comm
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+def paper_costs():
+    """The paper's §5.1 costs in this module's terms, 1-bit (Z = 32) and float (Z = 1)."""
+    return {"source": "Seide et al. 2014, Table 1 and §5.1", "M": PAPER_M,
+            "t_frm": {n: us * 1e-6 for n, us in PAPER_TABLE1.items()},
+            "single_fixed_s": PAPER_POST_PLUS_UPD_S,
+            "codecs": {"onebit": {"bits": 1.0, "t_upd": PAPER_UPD_S,
+                                  "c_post": PAPER_POST_PLUS_UPD_S - PAPER_UPD_S}}}
+
+
+def costs_from_json(train_json, exchange_json):
+    """hpcsgd's costs from earlier `bench train` / `bench exchange` runs."""
+    with open(train_json) as f:
+        tr = json.load(f)
+    with open(exchange_json) as f:
+        ex = json.load(f)
+    run = ex["runs"][0]
+    k, m, res = run["ranks"], run["parameters"], run["results"]
+    codecs = {}
+    ar = res.get("allreduce_f32+post+apply")
+    if ar:
+        codecs["float32-allreduce"] = {"bits": 32.0, "t_upd": ar["post_process"] + ar["apply"],
+                                       "c_post": 0.0}
+    for name, r in res.items():
+        if name.startswith("striped_"):
+            codecs[name[len("striped_"):]] = {
+                "bits": 8.0 * r["bytes_per_rank"] / m,
+                "t_upd": r["encode"] + r["decode_sum"] + r["decode_apply"],
+                "c_post": k * (r["post_process"] + r["reencode"])}
+    out = {"source": f"{train_json} (T_frm at N={tr['batch']}), {exchange_json} (K={k})",
+           "M": float(m), "t_frm": {tr["batch"]: tr["step_s"] / tr["batch"]},
+           "single_fixed_s": codecs.get("float32-allreduce", {}).get("t_upd", 0.0),
+           "codecs": codecs}
+    if "allreduce_f32_inplace" in res:
+        out["measured_comm_float_s"] = res["allreduce_f32_inplace"]["total"]
+        out["measured_comm_k"] = k
+        out["measured_link_gbps"] = run.get("link_gbps")
+    return out
+
+
+def _best(fn, repeats):
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_costs(small, repeats=3):
+    """Table 1 measured here: forward+backward per sub-batch size; then the per-step passes
+    over all M values: momentum post-processing, update, onebit encode/decode-accumulate."""
+    from hpcsgd.bench.train import PAPER, SMALL
+    from hpcsgd.codecs import make_codec
+    from hpcsgd.model.dnn import DNN
+    from hpcsgd.optim import Optimizer
+
+    shape = SMALL if small else PAPER
+    sizes = (64, 128, 256) if small else (256, 512, 1024)
+    model = DNN(**shape, activation="sigmoid", max_batch=max(sizes))
+    params, grads = model.new_params(), model.new_params()
+    rng = np.random.default_rng(0)
+    model.init(params, rng)
+    x = rng.standard_normal((max(sizes), shape["input_dim"]), dtype=np.float32)
+    y = rng.integers(0, shape["num_labels"], max(sizes)).astype(np.int32)
+    t_frm = {n: _best(lambda n=n: model.forward_backward(params, grads, x[:n], y[:n], n),
+                      repeats) / n for n in sizes}
+    m = params.size
+    opt = Optimizer(m, momentum_time_constant=-1024 / np.log(0.9))
+    opt.begin_step(1024, 1024)
+    post = _best(lambda: opt.post_exchange(grads.flat, params.flat), repeats)
+    apply = _best(lambda: opt.apply(params.flat, grads.flat, 0.0), repeats)
+    codec = make_codec("onebit")
+    mats = list(grads.views.values())       # (n_cols, n_rows) views of the flat buffer
+    bufs = [np.empty(codec.packed_nbytes(*a.shape), np.uint8) for a in mats]
+    res = [np.zeros_like(a) for a in mats]
+    outs = [np.zeros_like(a) for a in mats]
+
+    def enc():
+        for a, r, b in zip(mats, res, bufs):
+            codec.encode(a, r, b)
+
+    def dec():
+        for b, o in zip(bufs, outs):
+            codec.decode_accumulate(b, o)
+    t_enc, t_dec = _best(enc, repeats), _best(dec, repeats)
+    bits = 8.0 * sum(b.size for b in bufs) / m
+    return {"source": f"measured in this run ({'small' if small else '46M'} model, best of "
+                      f"{repeats}; load average {os.getloadavg()[0]:.2f})",
+            "M": float(m), "t_frm": t_frm, "single_fixed_s": post + apply,
+            "codecs": {"float32-allreduce": {"bits": 32.0, "t_upd": post + apply, "c_post": 0.0},
+                       # striped: encode, decode-sum (K stripes of M/K), decode+apply on every
+                       # rank; owner post + re-encode of 1/K (module docstring)
+                       "onebit": {"bits": bits, "t_upd": t_enc + 2 * t_dec + apply,
+                                  "c_post": post + t_enc}},
+            "measured": {"post_s": post, "apply_s": apply, "onebit_encode_s": t_enc,
+                         "onebit_decode_acc_s": t_dec}}
+
+
+# ---- predictions ----------------------------------------------------------------------------
+def predict(costs, links, minibatches, kmax):
+    """Rows of K-hat and speed-up curves, one per (link, codec, N). `links`: list of
+    (label, make_comm(bits) -> comm(K)) pairs."""
+    v = VarCost(costs["t_frm"])
+    rows = []
+    for label, make_comm in links:
+        for codec, c in costs["codecs"].items():
+            comm = make_comm(c["bits"])
+            for n in minibatches:
+                t1 = v(n) + costs["single_fixed_s"]
+                row = {"link": label, "codec": codec, "N": n, "bits": c["bits"],
+                       "Z": 32.0 / c["bits"], "t_upd_ms": 1e3 * c["t_upd"],
+                       "c_post_ms": 1e3 * c["c_post"], "t_comm_z_ms_at_2": 1e3 * comm(2),
+                       "t_comm_z_ms_inf": 1e3 * comm.asymptote,
+                       "t_frm_us_at_n_over_2": 1e6 * v.t_frm(n / 2)}
+                for db in (True, False):
+                    key = "db" if db else "nodb"
+                    row[f"khat_eq4_{key}"] = eq4_khat(n, v.t_frm(n / 2 if db else n), c["c_post"],
+                                                      c["t_upd"], comm.asymptote, db)
+                    row[f"khat_{key}"] = khat_consistent(n, v, c["c_post"], c["t_upd"], comm, db)
+                    ks = list(range(1, kmax + 1))
+                    # K = 1 is the single-node baseline itself (no exchange, no codec)
+                    sp = [1.0 if k == 1 else
+                          t1 / minibatch_time(k, n, v, c["c_post"], c["t_upd"], comm, db)
+                          for k in ks]
+                    row[f"speedup_{key}"] = sp
+                    i = int(np.argmax(sp))
+                    row[f"best_k_{key}"], row[f"best_speedup_{key}"] = ks[i], sp[i]
+                row["single_node_fps"] = n / t1
+                rows.append(row)
+    return rows
+
+
+def paper_validation():
+    """The model fed with the paper's costs against the paper's Table 5 (data x 1 rows)."""
+    costs = paper_costs()
+    v = VarCost(costs["t_frm"])
+    c = costs["codecs"]["onebit"]
+    out = []
+    for (k, n), (farm, gpu8) in sorted(PAPER_TABLE5.items()):
+        r = {"K": k, "N": n, "paper_farm_kfps": farm, "paper_8gpu_kfps": gpu8}
+        for label, cz in zip(("lo", "mid", "hi"), PAPER_COMM_Z_S):
+            for db in (True, False):
+                t = minibatch_time(k, n, v, c["c_post"], c["t_upd"], const_comm(cz), db)
+                r[f"pred_kfps_{'db' if db else 'nodb'}_{label}"] = n / t / 1e3
+        r["ratio_mid_db"] = r["pred_kfps_db_mid"] / farm
+        r["ratio_mid_nodb"] = r["pred_kfps_nodb_mid"] / farm
+        # what the paper's speed implies beyond the model, per minibatch
+        r["unexplained_ms_nodb_mid"] = 1e3 * (n / (farm * 1e3) - n / (r["pred_kfps_nodb_mid"]
+                                                                       * 1e3))
+        out.append(r)
+    khat = {f"N={n} comm/Z={1e3 * cz:g}ms": eq4_khat(n, v.t_frm(n / 2), c["c_post"], c["t_upd"],
+                                                       cz, True)
+            for n in (2880, 16384) for cz in PAPER_COMM_Z_S}
+    return {"table5": out, "khat_eq4": khat,
+            "note": "Table 5 x1 rows only (no model parallelism); T_upd = 9 ms and "
+                    "C*T_post = 18.2 - 9 ms (§5.1); comm/Z 3 | 6.5 | 10 ms (§5.1 range)"}
+
+
+def _fmt_k(k):
+    return "inf" if not math.isfinite(k) else f"{k:.1f}"
+
+
+def print_rows(rows, kshow=(2, 4, 8, 16, 32)):
+    print(f"{'link':>14s} {'codec':>18s} {'N':>6s} {'Z':>5s} {'T_upd':>6s} {'CTpost':>6s} "
+          f"{'comm/Z':>7s} {'Khat4':>6s} {'Khat':>6s} {'Khat-noDB':>9s} {'bestK':>5s} "
+          + " ".join(f"{'S@' + str(k):>6s}" for k in kshow) + "  (S = speed-up with DB / noDB)")
+    for r in rows:
+        sp = " ".join(f"{r['speedup_db'][k - 1]:>3.1f}/{r['speedup_nodb'][k - 1]:<3.1f}"
+                      if k <= len(r["speedup_db"]) else "" for k in kshow)
+        print(f"{r['link']:>14s} {r['codec']:>18s} {r['N']:>6d} {r['Z']:>5.1f} "
+              f"{r['t_upd_ms']:>6.1f} {r['c_post_ms']:>6.1f} {r['t_comm_z_ms_inf']:>7.1f} "
+              f"{_fmt_k(r['khat_eq4_db']):>6s} {_fmt_k(r['khat_db']):>6s} "
+              f"{_fmt_k(r['khat_nodb']):>9s} {r['best_k_db']:>5d} {sp}")
+
+
+def print_validation(val):
+    print("\nValidation: the model with the paper's costs (Table 1, §5.1) vs the paper's Table 5 "
+          "(kfps; data x 1 rows)")
+    print(f"{'K':>3s} {'N':>6s} {'paper farm':>10s} {'8-GPU':>6s} {'pred DB':>18s} "
+          f"{'pred noDB':>18s} {'noDB/paper':>10s} {'unexplained ms':>14s}")
+    for r in val["table5"]:
+        print(f"{r['K']:>3d} {r['N']:>6d} {r['paper_farm_kfps']:>10.1f} "
+              f"{(r['paper_8gpu_kfps'] or float('nan')):>6.1f} "
+              f"{r['pred_kfps_db_lo']:>5.1f}|{r['pred_kfps_db_mid']:>5.1f}|"
+              f"{r['pred_kfps_db_hi']:>5.1f} "
+              f"{r['pred_kfps_nodb_lo']:>5.1f}|{r['pred_kfps_nodb_mid']:>5.1f}|"
+              f"{r['pred_kfps_nodb_hi']:>5.1f} {r['ratio_mid_nodb']:>10.2f} "
+              f"{r['unexplained_ms_nodb_mid']:>14.1f}")
+    print("  (pred a|b|c: comm/Z = 3 | 6.5 | 10 ms.) Eq. 4 K-hat with the paper's costs: " +
+          ", ".join(f"{k}: {_fmt_k(x)}" for k, x in val["khat_eq4"].items()))
+    print("  comm/Z (3-10 ms) <= T_upd (9 ms) for most of the range: §2.3's case, where Eq. 4's "
+          "denominator is <= 0 and the fixed cost, not the link, limits the speed.")
+
+
+def plot(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    ns = list(dict.fromkeys(r["N"] for r in rows))
+    fig, axes = plt.subplots(len(ns), len(links), figsize=(4.5 * len(links), 3.4 * len(ns)),
+                             squeeze=False, sharey="row")
+    for r in rows:
+        ax = axes[ns.index(r["N"])][links.index(r["link"])]
+        ks = np.arange(1, len(r["speedup_db"]) + 1)
+        line, = ax.plot(ks, r["speedup_db"], label=f"{r['codec']} DB")
+        ax.plot(ks, r["speedup_nodb"], "--", color=line.get_color(), label=f"{r['codec']} no DB")
+        ax.set_title(f"{r['link']}, N = {r['N']}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("K nodes")
+        ax.set_ylabel("predicted speed-up")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run(args):
+    minibatches = [int(n) for n in args.minibatch.split(",") if n]
+    kmax = args.kmax
+    if args.small:
+        # 1 Numba thread: on 2 shared cores a 2-thread kernel waiting for a descheduled thread
+        # measured 200x its normal time (onebit encode 71 ms instead of 0.3 ms)
+        import numba
+        numba.set_num_threads(1)
+        minibatches, kmax = minibatches[:2], min(kmax, 16)
+        costs = measure_costs(small=True, repeats=2)
+    elif args.measure:
+        costs = measure_costs(small=False)
+        try:
+            ex = costs_from_json(args.train_json, args.exchange_json)
+            costs["codecs"].update({k: c for k, c in ex["codecs"].items()
+                                    if k not in costs["codecs"]})
+        except OSError:
+            pass
+    else:
+        costs = costs_from_json(args.train_json, args.exchange_json)
+    lat = args.latency_us * 1e-6
+    links = [(f"{g:g} Gbit/s", (lambda bits, g=g: link_comm(costs["M"], bits, g, lat)))
+             for g in (float(x) for x in args.link_gbps.split(",") if x)]
+    if not links and "measured_comm_float_s" in costs:
+        cf = costs["measured_comm_float_s"]
+        links = [(f"measured K={costs['measured_comm_k']}",
+                  lambda bits, cf=cf: const_comm(cf * bits / 32.0))]
+    print(f"hpcsgd bench plan: Eq. 4 with costs from {costs['source']}; "
+          f"M = {costs['M'] / 1e6:.1f}M; latency {args.latency_us:g} us/message; "
+          f"T_frm per sub-batch: " + ", ".join(f"{n}: {1e6 * t:.0f} us"
+                                               for n, t in sorted(costs["t_frm"].items())))
+    rows = predict(costs, links, minibatches, kmax)
+    print("ms: T_upd = fixed per exchange, CTpost = post-processing split over K, comm/Z = "
+          "exchange time as K -> inf; Khat4 = Eq. 4 as printed (T_frm at N/2, comm at K -> inf); "
+          "Khat = Eq. 4 solved self-consistently; bestK = argmax of the DB curve")
+    print_rows(rows)
+    val = paper_validation()
+    print_validation(val)
+    paper_rows = predict(paper_costs(), [("paper IB", lambda bits: const_comm(PAPER_COMM_Z_S[1]
+                                                                              * bits))],
+                         [2880, 16384], 32)
+    print("\nThe paper's costs through the same predict() (comm/Z = 6.5 ms):")
+    print_rows(paper_rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"costs": {**costs, "t_frm": {str(k): v for k, v in costs["t_frm"].items()}},
+                       "latency_us": args.latency_us, "rows": rows,
+                       "paper_validation": val, "paper_rows": paper_rows}, f, indent=1,
+                      default=lambda x: None if isinstance(x, float) and not math.isfinite(x)
+                      else str(x))
+    if args.plot:
+        plot(rows, args.plot, f"Eq. 4 model, costs: {costs['source'][:90]}")
+        print(f"plot: wrote {args.plot}")
+    return 0
