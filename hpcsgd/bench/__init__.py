@@ -9,6 +9,7 @@ BENCHES = {
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),
+    "plan": ("hpcsgd.bench.plan", "Eq. 4: optimal node count K-hat and predicted speed-up per codec"),
     "train": ("hpcsgd.bench.train", "training frames/s vs the GEMM-only roofline"),
 }
 
