@@ -1,0 +1,92 @@
+"""The emulated cluster (bin/emucluster): one MPI rank per network namespace over a shaped
+link, torn down afterwards, also when interrupted. Needs root and working `ip netns`; skipped
+with the reason otherwise."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcsgd.bench import emucluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "bin", "emucluster")
+
+
+def _netns_works():
+    if os.geteuid() != 0:
+        return "not root (ip netns and tc need root)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "ip or tc not installed"
+    probe = subprocess.run(["ip", "netns", "add", "hpeprobe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"ip netns add fails here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "hpeprobe"], capture_output=True)
+    return None
+
+
+REASON = _netns_works()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster: {REASON}")
+
+
+def _leftovers():
+    ns = [l.split()[0] for l in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                text=True).stdout.splitlines() if l.strip()]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [n for n in ns if n.startswith("hpe")] + (["hpebr"] if " hpebr:" in links else [])
+
+
+def test_refuses_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert emucluster.run(2, 1, 0, ["-n", "2", "true"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+PROBE = ("import os, numpy as np; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+         "ns = os.popen('ip netns identify').read().strip(); "
+         "names = c.allgather(ns); b = np.ones(1 << 18, np.float32); "
+         "c.Allreduce(MPI.IN_PLACE, b); assert b[0] == c.size; "
+         "print('RANKS', c.size, 'NS', ','.join(names)) if c.rank == 0 else None")
+
+
+@needs_netns
+def test_one_rank_per_namespace_and_teardown():
+    proc = subprocess.run([BIN, "--hosts", "2", "--gbps", "1", "--timeout", "50", "--",
+                           "-n", "2", sys.executable, "-c", PROBE],
+                          capture_output=True, text=True, timeout=58)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert "RANKS 2 NS hpe0,hpe1" in proc.stdout, proc.stdout + proc.stderr
+    finally:
+        left = _leftovers()
+        subprocess.run([BIN, "--down"], capture_output=True)
+    assert left == []
+
+
+@needs_netns
+def test_interrupt_tears_down():
+    p = subprocess.Popen([BIN, "--hosts", "2", "--gbps", "10", "--", "-n", "2", "sleep", "100"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(100):                      # wait until the namespaces exist
+            if len(_leftovers()) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(_leftovers()) >= 2
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == 130, err
+        assert "tearing down" in err
+        assert _leftovers() == []
+        stray = subprocess.run(["pgrep", "-f", "hydra_pmi_proxy.*emucluster-launch"],
+                               capture_output=True, text=True).stdout.split()
+        assert stray == [], f"MPI proxies outlived the teardown: {stray}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        subprocess.run([BIN, "--down"], capture_output=True)
