@@ -51,6 +51,8 @@ DEFAULTS = {
     "exchange.kbit_range": ("minmax", str, ("minmax", "rms"), "striped + kbit: per-column range rule"),
     "exchange.dettmers_type": ("dynamic_tree", str, ("linear", "mantissa", "static_tree", "dynamic_tree"),
                                "striped + dettmers: 8-bit data type"),
+    "exchange.double_buffering": (False, bool, None,
+                                  "split each step in halves; exchange one while computing the next (paper 2.2)"),
     # --- the run ---
     "train.minibatch": (256, int, (1, 1 << 20), "global minibatch in frames, split over ranks"),
     "train.epochs": (4, int, (1, 100000), "passes over the training data"),

@@ -13,6 +13,14 @@ epoch end (every train.check_every_steps steps if set).
 Every rank knows every rank's frame count for the epoch from the index alone, so the loop ends
 on all ranks at the same step without a vote, and the global frames of each step are known
 without communication (per-sample learning rates need no count anyway).
+
+Double buffering (exchange.double_buffering, the paper's Sec. 2.2; equations in
+docs/exchange.md): each rank's share of a step is split in two halves. A half's exchange is
+started (nonblocking) right after its gradient, and completed -- its update applied -- only
+after the NEXT half's gradient has been computed, on weights that lack that update (N/2
+samples stale). At epoch ends the last exchange is completed before CV and the checkpoint; a
+mid-epoch checkpoint stores the exchange in flight (communication completed, update not
+applied) and a resumed run applies it where the uninterrupted run would have.
 """
 import importlib.metadata
 import json
@@ -126,7 +134,12 @@ def train(cfg, comm, rank, world):
     # --- model, gradient and optimizer state: flat buffers with named views -------------------
     model = DNN(loader.input_dim, cfg["model.hidden"], loader.num_labels,
                 cfg["model.activation"], max_batch=max(my_batch, 1024))
-    params, grads = model.new_params(), model.new_params()
+    params = model.new_params()
+    # double buffering: two gradient buffers, one per half in flight (allreduce reduces the
+    # gradient's own buffer in place while the next half's gradient is computed)
+    double_buffering = cfg["exchange.double_buffering"]
+    grad_bufs = [model.new_params() for _ in range(2 if double_buffering else 1)]
+    grads = grad_bufs[0]
     ex = make_exchange(cfg, comm, grads.matrices)   # preallocates every exchange buffer
     # striped: momentum / aggregate AdaGrad state covers this rank's stripe only (post_size)
     opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
@@ -186,12 +199,23 @@ def train(cfg, comm, rank, world):
             ex.load_state_dict({k[len(checkpoint.rank_prefix(rank) + "exchange/"):]: v
                                 for k, v in arrays.items()
                                 if k.startswith(checkpoint.rank_prefix(rank) + "exchange/")})
+        pending = saved.get("pending")   # double buffering: an exchange was in flight
+        if pending:
+            mine = checkpoint.rank_prefix(rank)
+            # into buffer 0 (the next half computes into buffer 1), with its per-step scalars
+            ex.load_pending({"pending": arrays[mine + "exchange_pending"]}, grad_bufs[0].flat)
+            opt.sqr_weight = pending["sqr_weight"]
+            opt.begin_step(pending["n"], pending["n_local"])
+            if not double_buffering:   # switched off: apply it now, before the next step
+                ex.finish(params.flat, opt, pending["lr"])
+                pending = None
         for key in ("epoch", "frames", "cv_history"):
             meta[key] = saved[key]
         meta["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world
         log.info(f"resumed from {path}: epoch {meta['epoch']}, {meta['frames']} frames")
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # same on every rank
+        pending = None
 
     log.info(f"{world} rank(s), minibatch {global_batch} ({my_batch} here), model "
              f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
@@ -207,6 +231,9 @@ def train(cfg, comm, rank, world):
         state = opt.state_dict()
         shared = {"params": params.flat, "opt/sqr_weight": np.float64(state["sqr_weight"])}
         own = {f"exchange/{k}": v for k, v in ex.state_dict().items()}
+        meta["pending"] = pending
+        if pending:   # the exchange in flight, communication completed (a sync point)
+            own["exchange_pending"] = ex.pending_state()["pending"]
         (own if opt_per_rank else shared).update({"opt/velocity": state["velocity"],
                                                   "opt/sqr": state["sqr"]})
         saved = checkpoint.save(run_dir, meta["frames"], shared, meta,
@@ -218,7 +245,7 @@ def train(cfg, comm, rank, world):
     stop_after = cfg["train.stop_after_frames"]
     check_every = cfg["train.check_every_steps"]
     sums = np.zeros(3)   # this rank's CE, correct frames, frames since the last log line
-    t_log, step = time.perf_counter(), 0
+    t_log, step, slot = time.perf_counter(), 0, 0
     while meta["epoch"] < cfg["train.epochs"]:
         epoch = meta["epoch"]
         rank_frames = loader.plan.rank_frames(epoch)
@@ -228,34 +255,54 @@ def train(cfg, comm, rank, world):
         while (rank_frames - offsets).sum() > 0:
             # 1. batch: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_of, rank_frames - offsets)
-            x, y = loader.next_batch(int(take[rank]))
-            n = len(y)
-            # 2-3. forward + backward: the gradient SUMMED over this rank's n frames
-            if n:
-                ce, correct = model.forward_backward(params, grads, x, y, n)
-                if not np.isfinite(ce):
-                    raise UserError(f"step {step} (epoch {epoch}, frame {meta['frames']}): "
-                                    f"cross-entropy is {ce} on rank {rank}; lower optim.lr. No "
-                                    f"checkpoint was written after the divergence.")
-            else:
-                ce, correct = 0.0, 0
-                grads.flat[:] = 0
-            # 4. local post-processing (AdaGrad placed on the raw local gradient)
-            opt.begin_step(int(take.sum()), n)
-            opt.pre_exchange(grads.flat)
-            # 5-6. exchange + update: sum over ranks, then weight decay, aggregate AdaGrad,
-            #    momentum -> the update, and W -= lr * update identically on every rank
-            #    (striped: encode, Alltoallv, decode-sum, owner post-processing, re-encode,
-            #    Allgatherv, decode-apply). Cross-rank sync points inside.
             lr = learning_rate(cfg, meta)
-            ex.step(grads.flat, params.flat, opt, lr)
+            # double buffering: two halves per step, (take + 1) // 2 frames then the rest on
+            # every rank (all ranks know all halves); a half with no frames anywhere is skipped
+            for part in (halves(take) if double_buffering else [take]):
+                if not part.sum():
+                    continue
+                slot = (slot + 1) % len(grad_bufs)
+                grads = grad_bufs[slot]   # not the buffer of the exchange in flight
+                x, y = loader.next_batch(int(part[rank]))
+                n = len(y)
+                # 2-3. forward + backward: the gradient SUMMED over this rank's n frames
+                #    (double buffering: on weights that lack the previous half's update)
+                if n:
+                    ce, correct = model.forward_backward(params, grads, x, y, n)
+                    if not np.isfinite(ce):
+                        raise UserError(f"step {step} (epoch {epoch}, frame {meta['frames']}): "
+                                        f"cross-entropy is {ce} on rank {rank}; lower optim.lr. "
+                                        f"No checkpoint was written after the divergence.")
+                else:
+                    ce, correct = 0.0, 0
+                    grads.flat[:] = 0
+                # double buffering: the previous half's exchange ran during that compute;
+                # complete it and apply its update now (delayed update, its own lr and
+                # per-step scalars: opt.begin_step has not been called since)
+                if pending:
+                    ex.finish(params.flat, opt, pending["lr"])   # cross-rank sync points
+                    pending = None
+                # 4. local post-processing (AdaGrad placed on the raw local gradient)
+                sqr_weight = opt.sqr_weight   # before this step's scalars (resume replays them)
+                opt.begin_step(int(part.sum()), n)
+                opt.pre_exchange(grads.flat)
+                # 5-6. exchange + update: sum over ranks, then weight decay, aggregate AdaGrad,
+                #    momentum -> the update, and W -= lr * update identically on every rank
+                #    (striped: encode, Alltoallv, decode-sum, owner post-processing, re-encode,
+                #    Allgatherv, decode-apply). Cross-rank sync points inside.
+                if double_buffering:   # encode + nonblocking collective; finished next half
+                    ex.start(grads.flat)
+                    pending = {"lr": lr, "n": int(part.sum()), "n_local": n,
+                               "sqr_weight": sqr_weight}
+                else:
+                    ex.step(grads.flat, params.flat, opt, lr)
+                sums += (ce, correct, n)
+                epoch_sums += (ce, correct, n)
             # 7. bookkeeping, metrics, checkpoint
             offsets += take
             meta["offsets"] = offsets.tolist()
             meta["frames"] += int(take.sum())
             step += 1
-            sums += (ce, correct, n)
-            epoch_sums += (ce, correct, n)
             if check_every and step % check_every == 0:
                 check_replicas(comm, params.flat, step, world)
             if meta["frames"] // log_every != (meta["frames"] - take.sum()) // log_every:
@@ -286,6 +333,9 @@ def train(cfg, comm, rank, world):
                 return 0
 
         # --- epoch end: replicas agree, cross-validation, schedule, checkpoint -------------
+        if pending:   # double buffering: apply the last half's update before CV
+            ex.finish(params.flat, opt, pending["lr"])   # cross-rank sync points
+            pending = None
         check_replicas(comm, params.flat, step, world)
         totals = reduce_sum(comm, epoch_sums, world)
         record = {"epoch": epoch, "frames": meta["frames"],
@@ -313,6 +363,13 @@ def train(cfg, comm, rank, world):
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
     log.close()
     return 0
+
+
+def halves(take):
+    """Double buffering: a step's per-rank frame counts split in two halves, (take + 1) // 2
+    then the rest (a pure function of take, so every rank knows every rank's halves)."""
+    first = (take + 1) // 2
+    return [first, take - first]
 
 
 def learning_rate(cfg, meta):

@@ -125,6 +125,7 @@ class Allreduce(_Timed):
         self.state_size = size        # post_exchange sees the whole flat buffer
         self.half = np.empty(size if dtype == "float16" else 0, np.float16)
         self._op = None
+        self._inflight = None   # double buffering: (grad, request) between start and finish
         self._reset_times()
 
     def step(self, grad, params, opt, lr):
@@ -157,6 +158,70 @@ class Allreduce(_Timed):
         for name, dt in zip(self.PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             self.times[name] += dt
         self.steps += 1
+
+    # ---- double buffering (docs/exchange.md, "Double buffering"): the same arithmetic as
+    # step(), split at the collective so the next half's gradient is computed meanwhile ----
+
+    def start(self, grad):
+        """Begin summing grad (pre_exchange done) over ranks: a nonblocking Iallreduce in
+        place. grad must not be touched until finish(); one exchange in flight at a time."""
+        from mpi4py import MPI
+        t0 = time.perf_counter()
+        buf = grad
+        if self.dtype == "float16":
+            np.multiply(grad, np.float32(1.0 / self.world), out=self.half, casting="unsafe")
+            buf = [self.half, MPI.UINT16_T]
+        t1 = time.perf_counter()
+        op = MPI.SUM if self.dtype == "float32" else self._half_sum()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op) if self.world > 1 else None
+        self._inflight = (grad, req)
+        self.times["encode"] += t1 - t0
+        self.times["allreduce"] += time.perf_counter() - t1
+
+    def test(self):
+        """Drive MPI's progress engine once (MPICH progresses a nonblocking collective only
+        inside MPI calls unless async progress is on)."""
+        if self._inflight is not None and self._inflight[1] is not None:
+            self._inflight[1].Test()
+
+    def wait(self):
+        """Complete the communication of the exchange in flight (the sum is then in grad)."""
+        grad, req = self._inflight
+        t0 = time.perf_counter()
+        if req is not None:
+            req.Wait()   # cross-rank sync point
+            self._inflight = (grad, None)
+            if self.dtype == "float16":
+                np.multiply(self.half, np.float32(self.world), out=grad)
+                if not np.isfinite(grad).all():
+                    raise ValueError("float16 allreduce overflowed; use "
+                                     "exchange.allreduce_dtype=float32 or a smaller minibatch")
+        self.times["allreduce"] += time.perf_counter() - t0
+
+    def finish(self, params, opt, lr):
+        """Wait for the sum, post-process it and apply W -= lr * update (step()'s second half;
+        opt's per-step scalars must still be those of the step that started it)."""
+        grad = self._inflight[0]
+        self.wait()
+        t0 = time.perf_counter()
+        opt.post_exchange(grad, params)
+        t1 = time.perf_counter()
+        opt.apply(params, grad, lr)
+        self._inflight = None
+        self.times["post_process"] += t1 - t0
+        self.times["apply"] += time.perf_counter() - t1
+        self.steps += 1
+
+    def pending_state(self):
+        """The exchange in flight, communication completed, as arrays for a checkpoint:
+        the summed gradient (its update not yet applied)."""
+        self.wait()
+        return {"pending": self._inflight[0]}
+
+    def load_pending(self, state, grad):
+        """Resume an exchange whose communication had completed: its sum goes into grad."""
+        grad[...] = state["pending"]
+        self._inflight = (grad, None)
 
     def _half_sum(self):
         """A commutative user op summing float16 values (created once, on first use)."""
@@ -228,6 +293,7 @@ class Striped(_Timed):
         for p in self.pieces[me]:
             self.mine.append((p, s, s + p[2] - p[1]))
             s += p[2] - p[1]
+        self._inflight = None   # (grad, Alltoallv request) between start and finish
         self._reset_times()
 
     def bytes_on_wire(self):
@@ -239,8 +305,16 @@ class Striped(_Timed):
     def step(self, grad, params, opt, lr):
         """Local gradient (flat float32, pre_exchange done) -> params -= lr * update, the
         update being the owners' post-processed sum, quantized twice. grad is clobbered."""
+        self.start(grad, blocking=True)
+        self.finish(params, opt, lr)
+
+    def start(self, grad, blocking=False):
+        """Phases 1-2: encode grad with residual 1, then the Alltoallv (nonblocking unless
+        `blocking`: double buffering computes the next half's gradient meanwhile). grad is
+        not read after this returns, but a codec without decode_apply decodes the update into
+        it in finish(): the spine keeps it until then (a second gradient buffer)."""
         from mpi4py import MPI
-        codec, me, t = self.codec, self.rank, [time.perf_counter()]
+        codec, t0 = self.codec, time.perf_counter()
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
             self.residual1[:] = 0
             self.residual2[:] = 0
@@ -249,11 +323,40 @@ class Striped(_Timed):
             for m, lo, hi, cols, off, nb in row:
                 codec.encode(grad[lo:hi].reshape(cols, m.n_rows),
                              self.residual1[lo:hi].reshape(cols, m.n_rows), self.send[off:off + nb])
-        t.append(time.perf_counter())
+        t1 = time.perf_counter()
         # 2. stripe j of every rank to rank j
-        self.comm.Alltoallv([self.send, (self.counts, self.displs), MPI.BYTE],
-                            [self.recv, (self.recv_counts, self.recv_displs), MPI.BYTE])
-        t.append(time.perf_counter())   # cross-rank sync point above
+        send = [self.send, (self.counts, self.displs), MPI.BYTE]
+        recv = [self.recv, (self.recv_counts, self.recv_displs), MPI.BYTE]
+        if blocking:
+            self.comm.Alltoallv(send, recv)   # cross-rank sync point
+            req = None
+        else:
+            req = self.comm.Ialltoallv(send, recv)
+        self._inflight = (grad, req)
+        self.times["encode"] += t1 - t0
+        self.times["alltoallv"] += time.perf_counter() - t1
+
+    def test(self):
+        """Drive MPI's progress engine once (see Allreduce.test)."""
+        if self._inflight is not None and self._inflight[1] is not None:
+            self._inflight[1].Test()
+
+    def wait(self):
+        """Complete the Alltoallv in flight: my K contributions are then in recv."""
+        grad, req = self._inflight
+        t0 = time.perf_counter()
+        if req is not None:
+            req.Wait()   # cross-rank sync point
+            self._inflight = (grad, None)
+        self.times["alltoallv"] += time.perf_counter() - t0
+
+    def finish(self, params, opt, lr):
+        """Phases 3-7 of the exchange started by start(): decode-sum, owner post-processing
+        (opt's per-step scalars must be the started step's), re-encode, Allgatherv, apply."""
+        from mpi4py import MPI
+        codec, me, grad = self.codec, self.rank, self._inflight[0]
+        self.wait()
+        t = [time.perf_counter()]
         # 3. decode and sum the K contributions to my stripe (the first overwrites, so no
         #    zeroing pass), in source order 0..K-1 so every run adds in the same order
         mine = int(self.counts[me])
@@ -298,9 +401,22 @@ class Striped(_Timed):
         if not fused:
             opt.apply(params, grad, lr)
         t.append(time.perf_counter())
-        for name, a, b in zip(self.PHASES, t[:-1], t[1:]):
+        self._inflight = None
+        for name, a, b in zip(self.PHASES[2:], t[:-1], t[1:]):
             self.times[name] += b - a
         self.steps += 1
+
+    def pending_state(self):
+        """The exchange in flight, Alltoallv completed, for a checkpoint: my K received
+        contributions (phases 3-7 not yet done)."""
+        self.wait()
+        return {"pending": self.recv}
+
+    def load_pending(self, state, grad):
+        """Resume an exchange whose Alltoallv had completed (grad: the buffer a non-fused
+        codec decodes into)."""
+        self.recv[...] = state["pending"]
+        self._inflight = (grad, None)
 
     def state_dict(self):
         """This rank's error feedback (by reference): both residuals."""

@@ -1,0 +1,80 @@
+"""Single-process reference for double buffering: the delayed-update equations of
+docs/exchange.md ("Double buffering") written out plainly, on the SAME global half-minibatches
+that `hpcsgd train exchange.double_buffering=true` sees with K ranks.
+
+    python tests/mpi/double_buffering_reference.py OUT.npz K key=value ...
+
+K loaders in one process, built as the K ranks build theirs. Per step every rank's share is
+split in halves ((take + 1) // 2, then the rest); half h's global minibatch is the ranks' half
+batches concatenated in rank order. With U(G) the optimizer's post-processing (decay,
+AdaGrad, momentum at n = the half's global frames) and lr the step's per-sample rate:
+    G_h     = sum of the per-frame gradients of half h, at W_h
+    W_{h+1} = W_h - lr_{h-1} * U_{h-1}(G_{h-1})      (W_1 = W_0: nothing to apply yet)
+and at an epoch end the last half's update is applied before the next epoch's first gradient.
+No quantization (float32). Writes params to OUT.npz.
+"""
+import sys
+
+import numpy as np
+
+from hpcsgd import config, optim
+from hpcsgd.data.loader import FrameLoader, local_batch_size
+from hpcsgd.model.dnn import DNN
+
+out_path, K = sys.argv[1], int(sys.argv[2])
+cfg = config.load(None, sys.argv[3:])
+gb = cfg["train.minibatch"]
+batch_of = np.array([local_batch_size(gb, r, K) for r in range(K)])
+loaders = [FrameLoader(cfg["data.train"], r, K, context=cfg["data.context"], cmvn=cfg["data.cmvn"],
+                       seed=cfg["train.seed"], max_batch=int(batch_of[r]),
+                       block_frames=cfg["data.block_frames"],
+                       buffer_frames=cfg["data.buffer_frames"], prefetch=False) for r in range(K)]
+model = DNN(loaders[0].input_dim, cfg["model.hidden"], loaders[0].num_labels,
+            cfg["model.activation"], max_batch=max(gb, 1024))
+params = model.new_params()
+grads = [model.new_params(), model.new_params()]   # G_h in flight, G_{h+1} being computed
+model.init(params, np.random.default_rng(cfg["train.seed"]))
+assert cfg["optim.adagrad"] != "local"   # per-rank state: not a single-process quantity
+opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
+                      adagrad=cfg["optim.adagrad"],
+                      adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
+                      adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"])
+
+
+def apply_delayed(pending):
+    """W -= lr * U(G) for the half in flight (opt's per-step scalars are still its own)."""
+    g, lr = pending
+    opt.post_exchange(g.flat, params.flat)
+    opt.apply(params.flat, g.flat, lr)
+
+
+frames, stop, pending, slot = 0, cfg["train.stop_after_frames"], None, 0
+for epoch in range(cfg["train.epochs"]):
+    rank_frames = loaders[0].plan.rank_frames(epoch)
+    offsets = np.zeros(K, np.int64)
+    for ld in loaders:
+        ld.start_epoch(epoch)
+    while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
+        take = np.minimum(batch_of, rank_frames - offsets)
+        lr = optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], frames, [],
+                                 cfg["schedule.step_frames"], cfg["schedule.factor"])
+        first = (take + 1) // 2
+        for part in (first, take - first):
+            if not part.sum():
+                continue
+            batches = [ld.next_batch(int(t)) for ld, t in zip(loaders, part)]
+            x = np.ascontiguousarray(np.concatenate([b[0] for b in batches]))
+            y = np.concatenate([b[1] for b in batches])
+            slot ^= 1
+            model.forward_backward(params, grads[slot], x, y, len(y))   # G_h at W_h
+            if pending:
+                apply_delayed(pending)                                 # W_{h+1}
+            opt.begin_step(len(y), len(y))
+            pending = (grads[slot], lr)
+        offsets += take
+        frames += int(take.sum())
+    if pending and not (stop and frames >= stop):   # epoch end: drain before the next epoch
+        apply_delayed(pending)
+        pending = None
+np.savez(out_path, params=params.flat, frames=frames)
+print(f"OK double-buffering reference K={K} frames={frames}")
