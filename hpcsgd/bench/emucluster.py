@@ -1,5 +1,6 @@
 """An emulated cluster on one machine: K "hosts" as network namespaces, each joined to a bridge
-by a veth pair whose two ends are shaped with tc (netem: rate + one-way delay), one MPI rank per
+by a veth pair whose two ends are shaped with tc (tbf: the rate; netem: a one-way delay, where
+the kernel has sch_netem — this VM's has not), one MPI rank per
 namespace, MPI over TCP. This is where 1-bit SGD's byte savings meet a bandwidth-limited link
 (on one machine without it, the "network" is memory copies: docs/benchmarks.md).
 
@@ -21,8 +22,8 @@ FI_TCP_IFACE=emu0).
 
 Limits of the emulation (stated in docs/benchmarks.md): all ranks share this machine's cores,
 memory bandwidth and the kernel's TCP stack, so compute-heavy phases slow each other down, and
-the veth + netem path itself tops out at a few Gbit/s of CPU-bound TCP on 2 cores: a "25 Gbit/s"
-link is really "as fast as the kernel moves bytes".
+the veth path itself tops out at ~6.5 Gbit/s of CPU-bound TCP on 2 cores: a "25 Gbit/s" link
+is really "as fast as the kernel moves bytes".
 """
 import argparse
 import os
