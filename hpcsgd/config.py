@@ -63,6 +63,13 @@ DEFAULTS = {
     "train.keep_checkpoints": (3, int, (1, 1000), "how many recent checkpoints to keep"),
     "train.resume": ("auto", str, None, "auto = latest checkpoint in run_dir if any; none; or a path"),
     "train.stop_after_frames": (0, int, (0, 1 << 50), "stop (with a checkpoint) after this many frames (0 = never; for tests)"),
+    "train.probe_every_frames": (0, int, (0, 1 << 50),
+                                 "automatic minibatch size: probe at the start and every N frames (0 = off)"),
+    "train.probe_frames": (50000, int, (1, 1 << 40), "frames each candidate size trains on in a probe"),
+    "train.probe_margin": (0.01, float, (0.0, 10.0),
+                           "keep the largest size whose CE is within this fraction of the best"),
+    "train.probe_max_minibatch": (8192, int, (1, 1 << 20),
+                                  "probe cap on the global minibatch; sizes the preallocated workspaces"),
     "train.check_every_steps": (0, int, (0, 1 << 30), "cross-rank weight checksum every N steps (0 = epoch ends)"),
 }
 

@@ -24,6 +24,7 @@ applied) and a resumed run applies it where the uninterrupted run would have.
 """
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -119,8 +120,14 @@ def train(cfg, comm, rank, world):
                         f"{world} ranks")
     my_batch = local_batch_size(global_batch, rank, world)
     batch_of = np.array([local_batch_size(global_batch, r, world) for r in range(world)])
+    # automatic minibatch size: workspaces sized for the cap, the largest size a probe tries
+    probe_every, probe_cap = cfg["train.probe_every_frames"], cfg["train.probe_max_minibatch"]
+    if probe_every and not world <= global_batch <= probe_cap:
+        raise UserError(f"config key train.minibatch: {global_batch} is above "
+                        f"train.probe_max_minibatch={probe_cap} (automatic minibatch size)")
+    max_local = local_batch_size(probe_cap if probe_every else global_batch, 0, world)
     loader = FrameLoader(cfg["data.train"], rank, world, context=cfg["data.context"],
-                         cmvn=cfg["data.cmvn"], seed=cfg["train.seed"], max_batch=my_batch,
+                         cmvn=cfg["data.cmvn"], seed=cfg["train.seed"], max_batch=max_local,
                          block_frames=cfg["data.block_frames"],
                          buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
     index = loader.index
@@ -133,7 +140,7 @@ def train(cfg, comm, rank, world):
 
     # --- model, gradient and optimizer state: flat buffers with named views -------------------
     model = DNN(loader.input_dim, cfg["model.hidden"], loader.num_labels,
-                cfg["model.activation"], max_batch=max(my_batch, 1024))
+                cfg["model.activation"], max_batch=max(max_local, 1024))
     params = model.new_params()
     # double buffering: two gradient buffers, one per half in flight (allreduce reduces the
     # gradient's own buffer in place while the next half's gradient is computed)
@@ -158,7 +165,8 @@ def train(cfg, comm, rank, world):
             "label_counts": label_counts(index).tolist(),
             "epoch": 0, "offsets": [0] * world, "frames": 0, "cv_history": [], "world": world,
             "aggregation": cfg["exchange.aggregation"], "per_rank_state": opt_per_rank
-            or bool(ex.state_dict()), "config": cfg}
+            or bool(ex.state_dict()), "config": cfg,
+            "minibatch": global_batch, "next_probe": 0}   # automatic minibatch size
 
     resume = cfg["train.resume"]
     path = checkpoint.latest(run_dir) if resume == "auto" else (None if resume == "none" else resume)
@@ -212,6 +220,11 @@ def train(cfg, comm, rank, world):
         for key in ("epoch", "frames", "cv_history"):
             meta[key] = saved[key]
         meta["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world
+        if probe_every and "next_probe" in saved:   # the probed size is part of the state
+            meta["minibatch"], meta["next_probe"] = saved["minibatch"], saved["next_probe"]
+            global_batch = meta["minibatch"]
+            batch_of = np.array([local_batch_size(global_batch, r, world) for r in range(world)])
+            my_batch = int(batch_of[rank])
         log.info(f"resumed from {path}: epoch {meta['epoch']}, {meta['frames']} frames")
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # same on every rank
@@ -253,9 +266,25 @@ def train(cfg, comm, rank, world):
         loader.start_epoch(epoch, int(offsets[rank]))
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
         while (rank_frames - offsets).sum() > 0:
+            lr = learning_rate(cfg, meta)
+            # 0. automatic minibatch size (the paper's Sec. 4): every probe_every frames, train
+            #    candidate sizes from a snapshot of the whole state, keep the largest within
+            #    probe_margin of the best criterion, restore the state (no exchange in flight)
+            if probe_every and meta["frames"] >= meta["next_probe"]:
+                if pending:
+                    ex.finish(params.flat, opt, pending["lr"])   # cross-rank sync points
+                    pending = None
+                global_batch, record = probe_minibatch(
+                    cfg, global_batch, lr, model, params, grads, opt, ex, loader, epoch,
+                    offsets, rank_frames, rank, world, comm)
+                batch_of = np.array([local_batch_size(global_batch, r, world)
+                                     for r in range(world)])
+                meta["minibatch"], meta["next_probe"] = global_batch, meta["frames"] + probe_every
+                log.info(f"minibatch size probe at frame {meta['frames']:,}: "
+                         f"{record['criteria']} -> {global_batch} ({record['seconds']:.1f} s)")
+                log.record("probe", epoch=epoch, frames=meta["frames"], **record)
             # 1. batch: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_of, rank_frames - offsets)
-            lr = learning_rate(cfg, meta)
             # double buffering: two halves per step, (take + 1) // 2 frames then the rest on
             # every rank (all ranks know all halves); a half with no frames anywhere is skipped
             for part in (halves(take) if double_buffering else [take]):
@@ -363,6 +392,69 @@ def train(cfg, comm, rank, world):
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
     log.close()
     return 0
+
+
+def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epoch, offsets,
+                    rank_frames, rank, world, comm):
+    """Automatic minibatch-size selection (Seide et al. 2014, Sec. 4; CNTK's auto-adjust).
+    Candidates: round64(current / 2), then x sqrt(2) (multiples of 64) up to
+    min(train.probe_max_minibatch, 2 * current). Each trains on the next train.probe_frames
+    frames (fewer at an epoch's end) from the same snapshot -- weights, optimizer state,
+    exchange residuals, loader position -- without double buffering, at the current per-sample
+    lr; its criterion is the mean training cross-entropy over those frames (all ranks). The
+    largest candidate within probe_margin of the best (CE <= best * (1 + margin)) is chosen;
+    the snapshot is restored, so the run continues as if started with the chosen size here.
+    Collective. Returns (size, record for the metrics)."""
+    t0 = time.perf_counter()
+    cap = min(cfg["train.probe_max_minibatch"], 2 * current)
+    sizes = [max(64, 64 * round(current / 2 / 64))]
+    while True:
+        nxt = max(64 * round(sizes[-1] * math.sqrt(2) / 64), sizes[-1] + 64)
+        if nxt > cap:
+            break
+        sizes.append(nxt)
+    sizes = [c for c in sizes if c <= cap] or [current]
+    # snapshot (host copies of everything a step changes)
+    saved_params = params.flat.copy()
+    saved_opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
+                 for k, v in opt.state_dict().items()}
+    saved_ex = {k: v.copy() for k, v in ex.state_dict().items()}
+    saved_times = (dict(ex.times), ex.steps)
+    criteria = {}
+    for size in sizes:
+        batch_of = np.array([local_batch_size(size, r, world) for r in range(world)])
+        offs = offsets.copy()
+        loader.start_epoch(epoch, int(offs[rank]))
+        sums, done = np.zeros(3), 0
+        while done < cfg["train.probe_frames"] and (rank_frames - offs).sum() > 0:
+            take = np.minimum(batch_of, rank_frames - offs)   # the spine's step, plainly
+            x, y = loader.next_batch(int(take[rank]))
+            n = len(y)
+            if n:
+                ce, correct = model.forward_backward(params, grads, x, y, n)
+            else:
+                ce, correct = 0.0, 0
+                grads.flat[:] = 0
+            opt.begin_step(int(take.sum()), n)
+            opt.pre_exchange(grads.flat)
+            ex.step(grads.flat, params.flat, opt, lr)   # cross-rank sync points
+            sums += (ce, correct, n)
+            offs += take
+            done += int(take.sum())
+        totals = reduce_sum(comm, sums, world)
+        criteria[size] = totals[0] / max(totals[2], 1)
+        # restore the snapshot
+        params.flat[:] = saved_params
+        opt.load_state_dict(saved_opt)
+        ex.load_state_dict(saved_ex)
+    loader.start_epoch(epoch, int(offsets[rank]))
+    ex.times, ex.steps = saved_times
+    best = min(criteria.values())
+    ok = [c for c in sizes
+          if np.isfinite(criteria[c]) and criteria[c] <= best * (1 + cfg["train.probe_margin"])]
+    chosen = max(ok) if ok else current
+    return chosen, {"candidates": sizes, "criteria": {str(c): criteria[c] for c in sizes},
+                    "chosen": chosen, "previous": current, "seconds": time.perf_counter() - t0}
 
 
 def halves(take):
