@@ -78,6 +78,11 @@ def _check(key, value):
     default, kind, constraint, _ = DEFAULTS[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if kind is float and isinstance(value, str):
+        try:   # YAML 1.1 reads 1e-9 (no decimal point) as a string; it is a float here
+            value = float(value)
+        except ValueError:
+            pass
     if kind is list:
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
                                                   for v in value) or not value:

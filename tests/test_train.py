@@ -70,6 +70,9 @@ def test_config_errors_name_the_dotted_key(tmp_path):
         config.load(None, [])
     cfg = config.load(None, ["data.train=123", "model.hidden=[8, 4]", "optim.lr=1"])
     assert cfg["data.train"] == "123" and cfg["model.hidden"] == [8, 4] and cfg["optim.lr"] == 1.0
+    path.write_text("data:\n  train: x\noptim:\n  lr: 2e-6\n")   # YAML 1.1 reads this as a string
+    assert config.load(str(path), ["optim.adagrad_eps=1e-9"])["optim.lr"] == 2e-6
+    assert config.load(str(path), ["optim.adagrad_eps=1e-9"])["optim.adagrad_eps"] == 1e-9
 
 
 def test_resolved_config_and_versions_are_saved(synth, tmp_path):
