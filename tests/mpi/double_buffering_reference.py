@@ -18,27 +18,13 @@ import sys
 import numpy as np
 
 from hpcsgd import config, optim
-from hpcsgd.data.loader import FrameLoader, local_batch_size
-from hpcsgd.model.dnn import DNN
+
+from reference_setup import build
 
 out_path, K = sys.argv[1], int(sys.argv[2])
 cfg = config.load(None, sys.argv[3:])
-gb = cfg["train.minibatch"]
-batch_of = np.array([local_batch_size(gb, r, K) for r in range(K)])
-loaders = [FrameLoader(cfg["data.train"], r, K, context=cfg["data.context"], cmvn=cfg["data.cmvn"],
-                       seed=cfg["train.seed"], max_batch=int(batch_of[r]),
-                       block_frames=cfg["data.block_frames"],
-                       buffer_frames=cfg["data.buffer_frames"], prefetch=False) for r in range(K)]
-model = DNN(loaders[0].input_dim, cfg["model.hidden"], loaders[0].num_labels,
-            cfg["model.activation"], max_batch=max(gb, 1024))
-params = model.new_params()
+batch_of, loaders, model, params, opt = build(cfg, K)
 grads = [model.new_params(), model.new_params()]   # G_h in flight, G_{h+1} being computed
-model.init(params, np.random.default_rng(cfg["train.seed"]))
-assert cfg["optim.adagrad"] != "local"   # per-rank state: not a single-process quantity
-opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
-                      adagrad=cfg["optim.adagrad"],
-                      adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
-                      adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"])
 
 
 def apply_delayed(pending):

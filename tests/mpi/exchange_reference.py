@@ -20,27 +20,14 @@ import numpy as np
 
 from hpcsgd import config, optim
 from hpcsgd.codecs import make_codec
-from hpcsgd.data.loader import FrameLoader, local_batch_size
-from hpcsgd.model.dnn import DNN
+
+from reference_setup import build
 
 out_path, K, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = config.load(None, sys.argv[4:])
 assert mode in ("float", "onebit") and (mode == "float" or K == 1)
-gb = cfg["train.minibatch"]
-batch_of = np.array([local_batch_size(gb, r, K) for r in range(K)])
-loaders = [FrameLoader(cfg["data.train"], r, K, context=cfg["data.context"], cmvn=cfg["data.cmvn"],
-                       seed=cfg["train.seed"], max_batch=int(batch_of[r]),
-                       block_frames=cfg["data.block_frames"],
-                       buffer_frames=cfg["data.buffer_frames"], prefetch=False) for r in range(K)]
-model = DNN(loaders[0].input_dim, cfg["model.hidden"], loaders[0].num_labels,
-            cfg["model.activation"], max_batch=max(gb, 1024))
-params, grads = model.new_params(), model.new_params()
-model.init(params, np.random.default_rng(cfg["train.seed"]))
-assert cfg["optim.adagrad"] != "local"   # per-rank state: not a single-process quantity
-opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
-                      adagrad=cfg["optim.adagrad"],
-                      adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
-                      adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"])
+batch_of, loaders, model, params, opt = build(cfg, K)
+grads = model.new_params()
 codec = make_codec("onebit", "reference")
 res1, res2 = np.zeros(params.size, np.float32), np.zeros(params.size, np.float32)
 packed = {m.name: np.zeros(codec.packed_nbytes(m.n_cols, m.n_rows), np.uint8)
