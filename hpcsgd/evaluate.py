@@ -55,8 +55,10 @@ def check_archive(archive_dir, meta):
     return index
 
 
-def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=None):
-    """Sums over the whole archive (reduced over ranks): ce, correct, frames, confusion (V, V)."""
+def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=None,
+             heartbeat=None):
+    """Sums over the whole archive (reduced over ranks): ce, correct, frames, confusion (V, V).
+    `heartbeat()`, when given, is called per batch (the trainer's watchdog)."""
     V = model.dims[-1]
     loader = FrameLoader(archive_dir, rank, world, context=context, cmvn=cmvn, seed=0,
                          max_batch=model.max_batch)
@@ -64,6 +66,8 @@ def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=No
     ce, confusion = 0.0, np.zeros(V * V, np.int64)
     rows = np.arange(model.max_batch)
     while loader.remaining:
+        if heartbeat is not None:
+            heartbeat()
         x, y = loader.next_batch(model.max_batch)
         n = len(y)
         logp = model.forward(params, x, n)

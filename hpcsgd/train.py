@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ from hpcsgd.errors import UserError
 from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta
 from hpcsgd.model.dnn import DNN
+from hpcsgd.shutdown import EXIT_REQUEUE, StopSignal, Watchdog
 
 EXIT_DIVERGED = 3
 PACKAGES = ("numpy", "numba", "numba-cuda", "mpi4py", "mpich", "h5py", "pyyaml",
@@ -62,9 +64,10 @@ def run(args):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
+    stop = StopSignal()   # SIGUSR1/SIGTERM from here on: checkpoint at the next step, exit 75
     try:
         cfg = config.load(args.config, args.overrides)
-        return train(cfg, comm, rank, world)
+        return train(cfg, comm, rank, world, stop)
     except UserError as err:
         if world == 1:
             raise
@@ -76,6 +79,8 @@ def run(args):
         print(f"hpcsgd train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
         comm.Abort(1)
+    finally:
+        stop.restore()
 
 
 def write_run_info(run_dir, cfg):
@@ -106,12 +111,15 @@ def label_counts(index):
     return total
 
 
-def train(cfg, comm, rank, world):
+def train(cfg, comm, rank, world, stop):
     run_dir = cfg["train.run_dir"]
     if rank == 0:
         write_run_info(run_dir, cfg)
     comm.Barrier()   # the run directory exists before any rank opens its log
     log = RunLog(run_dir, rank, world)
+    # a dead or stuck peer aborts the job instead of hanging it
+    watchdog = Watchdog(cfg["train.watchdog_s"], rank, world, comm,
+                        os.path.join(run_dir, "logs"), log)
 
     # --- data: this rank's share of the global minibatch -------------------------------------
     global_batch = cfg["train.minibatch"]
@@ -230,7 +238,8 @@ def train(cfg, comm, rank, world):
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # same on every rank
         pending = None
 
-    log.info(f"{world} rank(s), minibatch {global_batch} ({my_batch} here), model "
+    log.info(f"{world} rank(s), minibatch {global_batch} ({my_batch} here, pid {os.getpid()} "
+             f"on {socket.gethostname()}), model "
              f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
              f"{cfg['model.activation']} ({params.size:,} parameters), exchange "
              f"{cfg['exchange.aggregation']}"
@@ -249,9 +258,17 @@ def train(cfg, comm, rank, world):
             own["exchange_pending"] = ex.pending_state()["pending"]
         (own if opt_per_rank else shared).update({"opt/velocity": state["velocity"],
                                                   "opt/sqr": state["sqr"]})
+        watchdog.beat("checkpoint")
         saved = checkpoint.save(run_dir, meta["frames"], shared, meta,
                                 cfg["train.keep_checkpoints"], comm=comm, rank_arrays=own)
         log.info(f"checkpoint {saved}")
+        return saved
+
+    def finish(code):
+        watchdog.stop()
+        loader.close()
+        log.close()
+        return code
 
     # --- epochs ---------------------------------------------------------------------------
     log_every, ckpt_every = cfg["train.log_every_frames"], cfg["train.checkpoint_every_frames"]
@@ -266,6 +283,7 @@ def train(cfg, comm, rank, world):
         loader.start_epoch(epoch, int(offsets[rank]))
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
         while (rank_frames - offsets).sum() > 0:
+            watchdog.beat(f"step {step} (epoch {epoch}, frame {meta['frames']})")
             lr = learning_rate(cfg, meta)
             # 0. automatic minibatch size (the paper's Sec. 4): every probe_every frames, train
             #    candidate sizes from a snapshot of the whole state, keep the largest within
@@ -276,7 +294,7 @@ def train(cfg, comm, rank, world):
                     pending = None
                 global_batch, record = probe_minibatch(
                     cfg, global_batch, lr, model, params, grads, opt, ex, loader, epoch,
-                    offsets, rank_frames, rank, world, comm)
+                    offsets, rank_frames, rank, world, comm, watchdog)
                 batch_of = np.array([local_batch_size(global_batch, r, world)
                                      for r in range(world)])
                 meta["minibatch"], meta["next_probe"] = global_batch, meta["frames"] + probe_every
@@ -352,14 +370,21 @@ def train(cfg, comm, rank, world):
                 sums[:] = 0
                 t_log = now
             log.progress(int(offsets.sum()), int(rank_frames.sum()), f"epoch {epoch}")
+            saved = None
             if ckpt_every and meta["frames"] // ckpt_every != (meta["frames"] - take.sum()) // ckpt_every:
-                save_checkpoint()
+                saved = save_checkpoint()
             if stop_after and meta["frames"] >= stop_after:
-                save_checkpoint()
+                saved = saved or save_checkpoint()
                 log.info(f"stopping after {meta['frames']} frames (train.stop_after_frames)")
-                loader.close()
-                log.close()
-                return 0
+                return finish(0)
+            # a stop signal (Slurm's time-limit warning, preemption) on any rank: all ranks
+            # checkpoint here, at the same step, and the batch script requeues the job
+            if stop.agreed(comm, world):   # cross-rank sync point
+                saved = saved or save_checkpoint()
+                log.info(f"stopping on {stop.received or 'a signal to another rank'} at step "
+                         f"{step}, frame {meta['frames']:,}: checkpoint {saved}; exit "
+                         f"{EXIT_REQUEUE} (requeue; the run resumes from it)")
+                return finish(EXIT_REQUEUE)
 
         # --- epoch end: replicas agree, cross-validation, schedule, checkpoint -------------
         if pending:   # double buffering: apply the last half's update before CV
@@ -375,7 +400,7 @@ def train(cfg, comm, rank, world):
                 f"{record['train_ce']:.4f} acc {100 * record['train_frame_accuracy']:.2f}%")
         if cfg["data.cv"]:
             cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
-                          rank, world, comm)
+                          rank, world, comm, heartbeat=lambda: watchdog.beat("cross-validation"))
             majority = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
             record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
                           cv_majority=majority)
@@ -387,15 +412,13 @@ def train(cfg, comm, rank, world):
         meta["epoch"] = epoch + 1
         meta["offsets"] = [0] * world
         save_checkpoint()
-    loader.close()
     log.info(f"training done: {meta['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
-    log.close()
-    return 0
+    return finish(0)
 
 
 def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epoch, offsets,
-                    rank_frames, rank, world, comm):
+                    rank_frames, rank, world, comm, watchdog):
     """Automatic minibatch-size selection (Seide et al. 2014, Sec. 4; CNTK's auto-adjust).
     Candidates: round64(current / 2), then x sqrt(2) (multiples of 64) up to
     min(train.probe_max_minibatch, 2 * current). Each trains on the next train.probe_frames
@@ -427,6 +450,7 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
         loader.start_epoch(epoch, int(offs[rank]))
         sums, done = np.zeros(3), 0
         while done < cfg["train.probe_frames"] and (rank_frames - offs).sum() > 0:
+            watchdog.beat(f"minibatch-size probe ({size})")
             take = np.minimum(batch_of, rank_frames - offs)   # the spine's step, plainly
             x, y = loader.next_batch(int(take[rank]))
             n = len(y)
