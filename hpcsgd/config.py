@@ -71,6 +71,9 @@ DEFAULTS = {
     "train.probe_max_minibatch": (8192, int, (1, 1 << 20),
                                   "probe cap on the global minibatch; sizes the preallocated workspaces"),
     "train.check_every_steps": (0, int, (0, 1 << 30), "cross-rank weight checksum every N steps (0 = epoch ends)"),
+    "train.timeline": (False, bool, None,
+                       "write a Chrome trace per rank to run_dir/timeline/ (Perfetto, chrome://tracing)"),
+    "train.timeline_steps": (200, int, (0, 1 << 40), "steps the timeline records (0 = all)"),
     "train.watchdog_s": (600.0, float, (0.0, 1e7),
                          "abort the job when a rank makes no progress for this long (a dead peer; 0 = off)"),
 }

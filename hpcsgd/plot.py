@@ -1,11 +1,17 @@
 """`hpcsgd plot RUN_DIR`: learning curves and throughput from RUN_DIR/metrics.jsonl to PNG.
 
 Writes RUN_DIR/plots/learning_curves.png (train and cross-validation CE and frame accuracy
-against frames seen) and RUN_DIR/plots/throughput.png (frames/s and learning rate).
+against frames seen) and RUN_DIR/plots/throughput.png (frames/s and learning rate). When the
+run wrote a timeline (train.timeline), it also prints where the time went per rank and
+category, draws RUN_DIR/plots/time_breakdown.png, and merges the ranks' traces into
+RUN_DIR/timeline/all.json (one file to open in Perfetto).
 """
+import glob
 import json
 import os
 
+from hpcsgd import timeline
+from hpcsgd.data.archive import atomic_write_text
 from hpcsgd.errors import UserError
 
 
@@ -73,4 +79,37 @@ def run(args):
     fig.savefig(throughput, dpi=100)
     plt.close(fig)
     print(f"plot: wrote {curves} and {throughput}")
+    if glob.glob(os.path.join(args.run_dir, "timeline", "rank*.json")):
+        time_breakdown(args.run_dir, out_dir, plt)
     return 0
+
+
+def time_breakdown(run_dir, out_dir, plt):
+    """Where the time goes, per rank, from the Chrome traces: a table, a stacked bar chart,
+    and the traces merged into one file."""
+    paths = sorted(glob.glob(os.path.join(run_dir, "timeline", "rank*.json")))
+    events = {os.path.basename(p)[4:8]: timeline.read_events(p) for p in paths}
+    rows = {rank: timeline.summarize(ev) for rank, ev in events.items()}
+    used = [c for c in timeline.CATEGORIES if any(t[c] for t, _ in rows.values())]
+    print("where the time goes (seconds, % of the traced wall time):")
+    print("rank  " + "".join(f"{c:>18}" for c in used) + f"{'untraced':>18}")
+    for rank, (totals, span) in rows.items():
+        other = max(span - sum(totals.values()), 0.0)
+        cells = [f"{totals[c]:9.3f} ({100 * totals[c] / max(span, 1e-12):4.1f}%)" for c in used]
+        cells.append(f"{other:9.3f} ({100 * other / max(span, 1e-12):4.1f}%)")
+        print(f"{int(rank):4d}  " + "".join(f"{c:>18}" for c in cells))
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.4 * len(rows)))
+    left = [0.0] * len(rows)
+    for c in used:
+        widths = [t[c] for t, _ in rows.values()]
+        ax.barh([f"rank {int(r)}" for r in rows], widths, left=left, label=c)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set(xlabel="seconds in the traced steps", title="where the time goes")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    fig.tight_layout()
+    png = os.path.join(out_dir, "time_breakdown.png")
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    merged = os.path.join(run_dir, "timeline", "all.json")
+    atomic_write_text(merged, json.dumps([e for ev in events.values() for e in ev]))
+    print(f"plot: wrote {png} and {merged} (open it in https://ui.perfetto.dev)")

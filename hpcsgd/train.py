@@ -45,6 +45,7 @@ from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta
 from hpcsgd.model.dnn import DNN
 from hpcsgd.shutdown import EXIT_REQUEUE, StopSignal, Watchdog
+from hpcsgd.timeline import Timeline
 
 EXIT_DIVERGED = 3
 PACKAGES = ("numpy", "numba", "numba-cuda", "mpi4py", "mpich", "h5py", "pyyaml",
@@ -156,6 +157,13 @@ def train(cfg, comm, rank, world, stop):
     grad_bufs = [model.new_params() for _ in range(2 if double_buffering else 1)]
     grads = grad_bufs[0]
     ex = make_exchange(cfg, comm, grads.matrices)   # preallocates every exchange buffer
+    # the per-rank Chrome trace (off: a no-op), and the exchange's communication timed
+    # blocking once, the reference that turns double buffering's exposed time into an overlap
+    timeline = Timeline(os.path.join(run_dir, "timeline", f"rank{rank:04d}.json")
+                        if cfg["train.timeline"] else None, rank, cfg["train.timeline_steps"])
+    ex.timeline = timeline
+    comm_blocking = (ex.blocking_seconds(grad_bufs[1].flat)
+                     if double_buffering and world > 1 else None)
     # striped: momentum / aggregate AdaGrad state covers this rank's stripe only (post_size)
     opt = optim.Optimizer(params.size, momentum_time_constant=cfg["optim.momentum_tc"],
                           adagrad=cfg["optim.adagrad"],
@@ -259,13 +267,16 @@ def train(cfg, comm, rank, world, stop):
         (own if opt_per_rank else shared).update({"opt/velocity": state["velocity"],
                                                   "opt/sqr": state["sqr"]})
         watchdog.beat("checkpoint")
+        t0 = time.perf_counter()
         saved = checkpoint.save(run_dir, meta["frames"], shared, meta,
                                 cfg["train.keep_checkpoints"], comm=comm, rank_arrays=own)
+        timeline.span("checkpoint", t0, time.perf_counter())
         log.info(f"checkpoint {saved}")
         return saved
 
     def finish(code):
         watchdog.stop()
+        timeline.close()
         loader.close()
         log.close()
         return code
@@ -292,9 +303,11 @@ def train(cfg, comm, rank, world, stop):
                 if pending:
                     ex.finish(params.flat, opt, pending["lr"])   # cross-rank sync points
                     pending = None
+                t0 = time.perf_counter()
                 global_batch, record = probe_minibatch(
                     cfg, global_batch, lr, model, params, grads, opt, ex, loader, epoch,
                     offsets, rank_frames, rank, world, comm, watchdog)
+                timeline.span("probe", t0, time.perf_counter(), chosen=global_batch)
                 batch_of = np.array([local_batch_size(global_batch, r, world)
                                      for r in range(world)])
                 meta["minibatch"], meta["next_probe"] = global_batch, meta["frames"] + probe_every
@@ -310,8 +323,11 @@ def train(cfg, comm, rank, world, stop):
                     continue
                 slot = (slot + 1) % len(grad_bufs)
                 grads = grad_bufs[slot]   # not the buffer of the exchange in flight
+                t0 = time.perf_counter()
                 x, y = loader.next_batch(int(part[rank]))
                 n = len(y)
+                t1 = time.perf_counter()
+                timeline.span("batch", t0, t1, frames=n)
                 # 2-3. forward + backward: the gradient SUMMED over this rank's n frames
                 #    (double buffering: on weights that lack the previous half's update)
                 if n:
@@ -326,13 +342,16 @@ def train(cfg, comm, rank, world, stop):
                 # double buffering: the previous half's exchange ran during that compute;
                 # complete it and apply its update now (delayed update, its own lr and
                 # per-step scalars: opt.begin_step has not been called since)
+                timeline.span("forward_backward", t1, time.perf_counter(), "compute", step=step)
                 if pending:
                     ex.finish(params.flat, opt, pending["lr"])   # cross-rank sync points
                     pending = None
                 # 4. local post-processing (AdaGrad placed on the raw local gradient)
+                t2 = time.perf_counter()
                 sqr_weight = opt.sqr_weight   # before this step's scalars (resume replays them)
                 opt.begin_step(int(part.sum()), n)
                 opt.pre_exchange(grads.flat)
+                timeline.span("pre_exchange", t2, time.perf_counter(), "compute")
                 # 5-6. exchange + update: sum over ranks, then weight decay, aggregate AdaGrad,
                 #    momentum -> the update, and W -= lr * update identically on every rank
                 #    (striped: encode, Alltoallv, decode-sum, owner post-processing, re-encode,
@@ -350,6 +369,7 @@ def train(cfg, comm, rank, world, stop):
             meta["offsets"] = offsets.tolist()
             meta["frames"] += int(take.sum())
             step += 1
+            timeline.end_step()
             if check_every and step % check_every == 0:
                 check_replicas(comm, params.flat, step, world)
             if meta["frames"] // log_every != (meta["frames"] - take.sum()) // log_every:
@@ -362,11 +382,17 @@ def train(cfg, comm, rank, world, stop):
                          f"ce {totals[0] / max(totals[2], 1):.4f}  "
                          f"acc {100 * totals[1] / max(totals[2], 1):.2f}%  lr {lr:.3g}  "
                          f"{fps:,.0f} frames/s  eta {format_eta(eta)}")
-                phases = ex.pop_times()   # this rank's mean seconds per step, per phase
+                phases = ex.pop_times()   # this rank's mean seconds per exchange, per phase
+                exposed = ex.communicate_seconds(phases)   # blocked in MPI, per exchange
+                overlap = {}
+                if comm_blocking:   # double buffering: the share of communication hidden
+                    overlap = {"comm_blocking_s": comm_blocking,
+                               "overlap": min(max(1 - exposed / comm_blocking, 0.0), 1.0)}
                 log.record("train", epoch=epoch, frames=meta["frames"], step=step,
                            ce=totals[0] / max(totals[2], 1),
                            frame_accuracy=totals[1] / max(totals[2], 1), lr=lr, frames_per_s=fps,
-                           exchange_s=phases, exchange_total_s=sum(phases.values()))
+                           exchange_s=phases, exchange_total_s=sum(phases.values()),
+                           comm_exposed_s=exposed, **overlap)
                 sums[:] = 0
                 t_log = now
             log.progress(int(offsets.sum()), int(rank_frames.sum()), f"epoch {epoch}")
@@ -399,8 +425,10 @@ def train(cfg, comm, rank, world, stop):
         line = (f"epoch {epoch} done in {record['seconds']:.1f} s: train ce "
                 f"{record['train_ce']:.4f} acc {100 * record['train_frame_accuracy']:.2f}%")
         if cfg["data.cv"]:
+            t0 = time.perf_counter()
             cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
                           rank, world, comm, heartbeat=lambda: watchdog.beat("cross-validation"))
+            timeline.span("cross_validation", t0, time.perf_counter())
             majority = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
             record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
                           cv_majority=majority)
@@ -442,7 +470,8 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
     saved_opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
                  for k, v in opt.state_dict().items()}
     saved_ex = {k: v.copy() for k, v in ex.state_dict().items()}
-    saved_times = (dict(ex.times), ex.steps)
+    saved_times = (dict(ex.times), ex.steps, ex.timeline)
+    ex.timeline = None   # the probe is one span on the timeline, not its inner steps
     criteria = {}
     for size in sizes:
         batch_of = np.array([local_batch_size(size, r, world) for r in range(world)])
@@ -472,7 +501,7 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
         opt.load_state_dict(saved_opt)
         ex.load_state_dict(saved_ex)
     loader.start_epoch(epoch, int(offsets[rank]))
-    ex.times, ex.steps = saved_times
+    ex.times, ex.steps, ex.timeline = saved_times
     best = min(criteria.values())
     ok = [c for c in sizes
           if np.isfinite(criteria[c]) and criteria[c] <= best * (1 + cfg["train.probe_margin"])]

@@ -43,6 +43,7 @@ import numpy as np
 from hpcsgd.codecs import make_codec
 from hpcsgd.errors import UserError
 from hpcsgd.model.flat import stripe_ranges
+from hpcsgd.timeline import EXCHANGE_CATEGORY
 
 AGGREGATIONS = ("allreduce", "striped")
 
@@ -90,7 +91,31 @@ def restripe_state(old, old_world, old_striped, mats, rank, world, ex):
 
 
 class _Timed:
-    """Seconds per phase, accumulated until pop_times() (the spine logs them per log line)."""
+    """Seconds per phase, accumulated until pop_times() (the spine logs them per log line),
+    and each phase as a span on the rank's timeline when the spine sets one."""
+    timeline = None   # hpcsgd.timeline.Timeline
+
+    def _phase(self, name, t0, t1):
+        self.times[name] += t1 - t0
+        if self.timeline is not None:
+            self.timeline.span(name, t0, t1, EXCHANGE_CATEGORY[name])
+
+    def communicate_seconds(self, times):
+        """The communication phases of a pop_times() result: time this rank was blocked in
+        MPI (a blocking collective, posting a nonblocking one, or waiting for it)."""
+        return sum(v for k, v in times.items() if EXCHANGE_CATEGORY[k] == "communicate")
+
+    def blocking_seconds(self, scratch, repeats=3):
+        """Collective: median wall time of this exchange's communication done blocking, on
+        scratch buffers (state untouched; call it before load_pending). The reference that
+        makes a double-buffered run's exposed communication time an achieved overlap."""
+        times = []
+        for _ in range(repeats + 1):   # the first one warms up connections and caches
+            self.comm.Barrier()
+            t0 = time.perf_counter()
+            self._communicate_blocking(scratch)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
 
     def _reset_times(self):
         self.times = dict.fromkeys(self.PHASES, 0.0)
@@ -155,8 +180,8 @@ class Allreduce(_Timed):
         t4 = time.perf_counter()
         opt.apply(params, grad, lr)
         t5 = time.perf_counter()
-        for name, dt in zip(self.PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            self.times[name] += dt
+        for name, a, b in zip(self.PHASES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            self._phase(name, a, b)
         self.steps += 1
 
     # ---- double buffering (docs/exchange.md, "Double buffering"): the same arithmetic as
@@ -175,8 +200,8 @@ class Allreduce(_Timed):
         op = MPI.SUM if self.dtype == "float32" else self._half_sum()
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op) if self.world > 1 else None
         self._inflight = (grad, req)
-        self.times["encode"] += t1 - t0
-        self.times["allreduce"] += time.perf_counter() - t1
+        self._phase("encode", t0, t1)
+        self._phase("allreduce", t1, time.perf_counter())
 
     def test(self):
         """Drive MPI's progress engine once (MPICH progresses a nonblocking collective only
@@ -196,7 +221,7 @@ class Allreduce(_Timed):
                 if not np.isfinite(grad).all():
                     raise ValueError("float16 allreduce overflowed; use "
                                      "exchange.allreduce_dtype=float32 or a smaller minibatch")
-        self.times["allreduce"] += time.perf_counter() - t0
+        self._phase("allreduce", t0, time.perf_counter())
 
     def finish(self, params, opt, lr):
         """Wait for the sum, post-process it and apply W -= lr * update (step()'s second half;
@@ -208,8 +233,8 @@ class Allreduce(_Timed):
         t1 = time.perf_counter()
         opt.apply(params, grad, lr)
         self._inflight = None
-        self.times["post_process"] += t1 - t0
-        self.times["apply"] += time.perf_counter() - t1
+        self._phase("post_process", t0, t1)
+        self._phase("apply", t1, time.perf_counter())
         self.steps += 1
 
     def pending_state(self):
@@ -222,6 +247,13 @@ class Allreduce(_Timed):
         """Resume an exchange whose communication had completed: its sum goes into grad."""
         grad[...] = state["pending"]
         self._inflight = (grad, None)
+
+    def _communicate_blocking(self, scratch):
+        from mpi4py import MPI
+        if self.dtype == "float32":
+            self.comm.Allreduce(MPI.IN_PLACE, scratch, op=MPI.SUM)
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, [self.half, MPI.UINT16_T], op=self._half_sum())
 
     def _half_sum(self):
         """A commutative user op summing float16 values (created once, on first use)."""
@@ -333,8 +365,8 @@ class Striped(_Timed):
         else:
             req = self.comm.Ialltoallv(send, recv)
         self._inflight = (grad, req)
-        self.times["encode"] += t1 - t0
-        self.times["alltoallv"] += time.perf_counter() - t1
+        self._phase("encode", t0, t1)
+        self._phase("alltoallv", t1, time.perf_counter())
 
     def test(self):
         """Drive MPI's progress engine once (see Allreduce.test)."""
@@ -348,7 +380,7 @@ class Striped(_Timed):
         if req is not None:
             req.Wait()   # cross-rank sync point
             self._inflight = (grad, None)
-        self.times["alltoallv"] += time.perf_counter() - t0
+        self._phase("alltoallv", t0, time.perf_counter())
 
     def finish(self, params, opt, lr):
         """Phases 3-7 of the exchange started by start(): decode-sum, owner post-processing
@@ -403,8 +435,14 @@ class Striped(_Timed):
         t.append(time.perf_counter())
         self._inflight = None
         for name, a, b in zip(self.PHASES[2:], t[:-1], t[1:]):
-            self.times[name] += b - a
+            self._phase(name, a, b)
         self.steps += 1
+
+    def _communicate_blocking(self, scratch):
+        from mpi4py import MPI
+        self.comm.Alltoallv([self.send, (self.counts, self.displs), MPI.BYTE],
+                            [self.recv, (self.recv_counts, self.recv_displs), MPI.BYTE])
+        self.comm.Allgatherv(MPI.IN_PLACE, [self.gather, (self.counts, self.displs), MPI.BYTE])
 
     def pending_state(self):
         """The exchange in flight, Alltoallv completed, for a checkpoint: my K received
