@@ -1,6 +1,7 @@
 """Automatic minibatch-size selection (train.probe_every_frames) under a real mpiexec:
 probing restores the whole state (the run continues bit-identically to one started with the
-chosen size at that point), and where large minibatches are harmless the size grows."""
+chosen size at that point); where large minibatches are harmless the size grows, where they
+hurt it does not."""
 import json
 import os
 
@@ -71,6 +72,18 @@ def test_where_large_minibatches_are_harmless_the_size_grows(arch, tmp_path):
     chosen = [p["chosen"] for p in probes(run)]
     assert chosen[:2] == [256, 512], probes(run)
     assert all(p["candidates"][-1] == p["chosen"] for p in probes(run))
+
+
+def test_where_large_minibatches_hurt_the_size_does_not_grow(arch, tmp_path):
+    """With a per-sample learning rate too high for large steps, a larger minibatch takes a
+    larger step (lr x summed gradient) and overshoots: the criterion rises with the size, so
+    the probe shrinks the size to 64 and keeps it there."""
+    run = str(tmp_path / "hurt")
+    train(2, arch, run, "optim.lr=0.05", "train.probe_every_frames=600")
+    done = probes(run)
+    first = [done[0]["criteria"][str(c)] for c in done[0]["candidates"]]
+    assert first == sorted(first) and first[-1] > first[0] * 1.2, done[0]
+    assert [p["chosen"] for p in done[:2]] == [64, 64], done
 
 
 def test_probing_with_double_buffering_drains_the_exchange_first(arch, tmp_path):
