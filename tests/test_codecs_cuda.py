@@ -67,6 +67,24 @@ else:
         for x, y in zip(a[1:], b[1:]):
             np.testing.assert_array_equal(x, y)
 
+    @pytest.mark.parametrize("shape", [(3, 70), (2, 1), (4, 64)])
+    def test_onebit_decode_apply_cuda_equals_cpu_and_reference(shape):
+        rng = np.random.default_rng(1)
+        g = rng.standard_normal(shape).astype(np.float32)
+        w0 = rng.standard_normal(shape).astype(np.float32)
+        out = {}
+        for backend in ("reference", "cpu", "cuda"):
+            c = make_codec("onebit", backend=backend)
+            put = cuda.to_device if backend == "cuda" else (lambda a: a.copy())
+            buf = put(np.zeros(c.packed_nbytes(*shape), np.uint8))
+            w = put(w0)
+            c.encode(put(g), put(np.zeros(shape, np.float32)), buf)
+            c.decode_apply(buf, w, 0.37)
+            out[backend] = w.copy_to_host() if backend == "cuda" else w
+        np.testing.assert_array_equal(out["cpu"], out["reference"])
+        np.testing.assert_array_equal(out["cuda"], out["cpu"])
+        assert not np.array_equal(out["cuda"], w0)
+
     @pytest.mark.parametrize("name,opts", [CONFIGS[0], CONFIGS[3], CONFIGS[-4]], ids=str)
     def test_cuda_nonfinite_is_an_error(name, opts):
         g = np.zeros((3, 40), np.float32)

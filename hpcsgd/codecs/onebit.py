@@ -258,6 +258,24 @@ def decode_cuda(words, means, out, accumulate):
             out[c, i] = val
 
 
+@cuda.jit
+def decode_apply_cuda(words, means, w, lr):
+    """w -= lr * decoded, one block per column, one thread per row (decode_apply_cpu's
+    arithmetic: float64 lr times the float32 value, rounded once to float32). The product
+    is forced through a float64 temporary before the subtraction, but NVVM may still contract
+    it into an FMA: GPU ranks then agree with each other bit for bit, not necessarily with
+    CPU ranks (the simulator runs it exactly)."""
+    c = cuda.blockIdx.x
+    n_rows = w.shape[1]
+    W = 2 + (n_rows + 31) // 32
+    m0 = means[c * W]
+    m1 = means[c * W + 1]
+    for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
+        bit = (words[c * W + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
+        step = lr * (m1 if bit else m0)
+        w[c, i] = w[c, i] - step
+
+
 # ---------------------------------------------------------------- the codec
 class OneBit(Codec):
     """Seide's 1-bit codec; always uses error feedback (it is what makes 1 bit work)."""
@@ -312,9 +330,9 @@ class OneBit(Codec):
         self._decode(packed, out, True)
 
     def decode_apply(self, packed, w, lr):
-        """w -= lr * decoded(packed), in one pass over w (reference and cpu backends): the
-        exchange's final decode fused with the weight update, bit-identical to decode followed
-        by Optimizer.apply (float64 lr, one rounding)."""
+        """w -= lr * decoded(packed), in one pass over w: the exchange's final decode fused
+        with the weight update, bit-identical to decode followed by Optimizer.apply (float64
+        lr, one rounding; on a real GPU see decode_apply_cuda)."""
         self._check_decode(packed, w)
         n_cols, n_rows = w.shape
         if n_cols == 0 or n_rows == 0:
@@ -328,4 +346,6 @@ class OneBit(Codec):
             decode_apply_cpu(packed.reshape(n_cols, 4 * W),
                              packed.view(np.float32).reshape(n_cols, W), w, float(lr))
         else:
-            raise NotImplementedError("onebit decode_apply: no CUDA kernel yet; decode, then apply")
+            p = as_device(packed)
+            decode_apply_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(w),
+                                           np.float64(lr))

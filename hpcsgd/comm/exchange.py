@@ -423,7 +423,7 @@ class Striped(_Timed):
         # 7. decode every stripe and apply W -= lr * update: fused in one pass over W where
         #    the codec can (same arithmetic as Optimizer.apply, so the same bits), else decode
         #    into grad's buffer (the local gradient is spent) and apply
-        fused = getattr(codec, "decode_apply", None) if codec.backend != "cuda" else None
+        fused = getattr(codec, "decode_apply", None)
         for row in self.pieces:
             for m, lo, hi, cols, off, nb in row:
                 if fused:
