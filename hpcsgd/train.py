@@ -68,7 +68,13 @@ def run(args):
     stop = StopSignal()   # SIGUSR1/SIGTERM from here on: checkpoint at the next step, exit 75
     try:
         cfg = config.load(args.config, args.overrides)
-        return train(cfg, comm, rank, world, stop)
+        code = train(cfg, comm, rank, world, stop)
+        if code == EXIT_REQUEUE:
+            # every rank is here (they agreed): end MPI cleanly, so that under
+            # `python -m mpi4py` exit 75 stays an exit, not an MPI_Abort(75) that srun
+            # reports as killed tasks
+            MPI.Finalize()
+        return code
     except UserError as err:
         if world == 1:
             raise

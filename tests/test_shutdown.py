@@ -90,6 +90,7 @@ def test_signal_checkpoints_all_ranks_and_the_resumed_run_is_bit_identical(
     os.kill(pid if target == "rank 1" else proc.pid, getattr(signal, signame))
     code, out = finish(proc, 60)
     assert code == EXIT_REQUEUE, out
+    assert "MPI_Abort" not in out   # a clean exit 75 (srun would report an abort as killed tasks)
     logs = [open(os.path.join(run, "logs", f"rank{r:04d}.log")).read() for r in (0, 1)]
     stops = [re.search(r"stopping on .* at step (\d+), frame ([\d,]+): checkpoint (\S+);", t)
              for t in logs]
