@@ -1,16 +1,23 @@
 """Benchmarks, each figure beside the machine limit it is measured against in the same run.
 
-`hpcsgd bench NAME [--small] [--json FILE]`; NAME -> module with add_arguments/run.
+`hpcsgd bench NAME [--small] [--json FILE] [--compare OLD.json] [--emulate 1,10,25]`;
+NAME -> module with add_arguments(parser) and run(args) -> result dict (optionally
+figures(result) -> {label: number}, the headline figures --compare shows; USES_MPI = True where
+the rank side runs under mpiexec through launch.py, which makes --emulate available).
+--json and --compare are one implementation for all (report.py); --emulate repeats the whole
+benchmark across an emulated cluster per link rate (emucluster.py, root only).
 """
 import argparse
 import importlib
+import sys
 
 BENCHES = {
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),
-    "plan": ("hpcsgd.bench.plan", "Eq. 4: optimal node count K-hat and predicted speed-up per codec"),
-    "train": ("hpcsgd.bench.train", "training frames/s vs the GEMM-only roofline"),
+    "machine": ("hpcsgd.bench.machine", "memory, GEMM and MPI collective limits of this machine"),
+    "plan": ("hpcsgd.bench.plan", "Eq. 4: K-hat, predicted speed-ups, check against bench train"),
+    "train": ("hpcsgd.bench.train", "frames/s at K ranks vs the GEMM roofline and no exchange"),
 }
 
 
@@ -20,7 +27,29 @@ def add_arguments(parser):
 
 
 def run(args):
+    from hpcsgd.bench import emucluster, launch, report
     module = importlib.import_module(BENCHES[args.name][0])
-    parser = argparse.ArgumentParser(prog=f"hpcsgd bench {args.name}", description=module.__doc__)
+    parser = argparse.ArgumentParser(prog=f"hpcsgd bench {args.name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
-    return module.run(parser.parse_args(args.rest))
+    report.add_arguments(parser)
+    mpi = getattr(module, "USES_MPI", False)
+    if mpi:
+        emucluster.add_bench_arguments(parser)
+    opts = parser.parse_args(args.rest)
+    head = report.header(args.name, args.rest)
+    try:
+        if mpi and opts.emulate:
+            result = emucluster.bench(lambda: module.run(opts), opts)
+        else:
+            result = module.run(opts)
+    except (launch.LaunchError, emucluster.NeedsRoot) as err:
+        print(f"hpcsgd bench {args.name}: {err}", file=sys.stderr)
+        return 2 if isinstance(err, emucluster.NeedsRoot) else 1
+    except emucluster.Interrupted as err:
+        print(f"hpcsgd bench {args.name}: interrupted ({err}); emulated cluster torn down",
+              file=sys.stderr)
+        return 130
+    if isinstance(result, int):   # the benchmark's own failure code
+        return result
+    return report.finish(head, module, result, opts)

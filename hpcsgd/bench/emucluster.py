@@ -6,7 +6,7 @@ namespace, MPI over TCP. This is where 1-bit SGD's byte savings meet a bandwidth
 
     bin/emucluster [--hosts K] [--gbps 1] [--delay-us 25] -- mpiexec-args...
     python -m hpcsgd.bench.emucluster --hosts 2 --gbps 1 -- -n 2 python -m mpi4py.bench helloworld
-    bin/emucluster --bench-exchange 1,10,25 [--small] [--codecs onebit] [--json FILE]
+    hpcsgd bench exchange|train|machine --emulate 1,10,25 [--hosts K] ...   (cluster() below)
 
 Needs root (ip netns, tc); exits 2 with a message otherwise. Everything it creates carries the
 prefix `hpe` (namespaces hpe0..hpeK-1, bridge hpebr, veths hpeNh/emu0), and is removed on exit,
@@ -26,10 +26,13 @@ the veth path itself tops out at ~6.5 Gbit/s of CPU-bound TCP on 2 cores: a "25 
 is really "as fast as the kernel moves bytes".
 """
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 PREFIX = "hpe"
 BRIDGE = PREFIX + "br"
@@ -119,7 +122,6 @@ def down():
             except ProcessLookupError:
                 pass
         if pids and sig == signal.SIGTERM:
-            import time
             time.sleep(0.5)
     for ns in names:
         sh("ip", "netns", "del", ns, check=False)   # deletes its veth end, and so the pair
@@ -154,16 +156,22 @@ def mpiexec_args(hosts, launch=LAUNCH):
             "-hosts", ",".join(host_ip(i) for i in range(hosts)), "-ppn", "1", "-iface", BRIDGE]
 
 
-def run(hosts, gbps, delay_us, argv, timeout=None):
-    """Build the cluster, run `mpiexec <hydra options> argv`, tear down; returns the exit code.
-    argv may also be a whole command (first word not starting with '-'), run with the hydra
-    options in $EMUCLUSTER_MPIEXEC_ARGS and the map in $EMUCLUSTER_MAP."""
+class NeedsRoot(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def cluster(hosts, gbps, delay_us=0):
+    """K shaped hosts for the duration of the with-block. Inside it os.environ carries what
+    mpiexec needs ($EMUCLUSTER_MPIEXEC_ARGS: the hydra options; $EMUCLUSTER_MAP; libfabric and
+    MPICH settings; $EMUCLUSTER_GBPS), so hpcsgd/bench/launch.py's mpirun lands rank i in
+    namespace i. Torn down on exit, on an exception, and on SIGINT/SIGTERM/SIGHUP (raised
+    here as Interrupted so that this `finally` runs)."""
     if os.geteuid() != 0:
-        print("emucluster: needs root (ip netns, tc); run it as root, e.g. sudo bin/emucluster",
-              file=sys.stderr)
-        return 2
-    import tempfile
+        raise NeedsRoot("emucluster: needs root (ip netns, tc); run it as root, "
+                        "e.g. sudo bin/emucluster")
     old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    saved = dict(os.environ)
     down()
     try:
         with tempfile.TemporaryDirectory(prefix="emucluster") as state:
@@ -176,67 +184,65 @@ def run(hosts, gbps, delay_us, argv, timeout=None):
             env = mpi_env(state)
             with open(env["EMUCLUSTER_MAP"], "w") as f:
                 f.write("\n".join(lines) + "\n")
-            mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-            extra = mpiexec_args(hosts)
-            env["EMUCLUSTER_MPIEXEC_ARGS"] = " ".join(extra)
-            env["EMUCLUSTER_LINK"] = f"{gbps} Gbit/s, {delay_us} us one-way"
-            cmd = argv if argv and not argv[0].startswith("-") else [mpiexec] + extra + argv
-            print(f"emucluster: {hosts} hosts, {gbps} Gbit/s, {delay_us} us; {' '.join(cmd)}",
-                  file=sys.stderr, flush=True)
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            try:
-                return proc.wait(timeout=timeout)
-            except BaseException:
-                os.killpg(proc.pid, signal.SIGTERM)     # our child's group only
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                raise
-    except Interrupted as e:
-        print(f"emucluster: interrupted ({e}); tearing down", file=sys.stderr)
-        return 130
+            env.update(EMUCLUSTER_MPIEXEC_ARGS=" ".join(mpiexec_args(hosts)),
+                       EMUCLUSTER_GBPS=str(gbps),
+                       EMUCLUSTER_LINK=f"{gbps} Gbit/s, {delay_us} us one-way")
+            os.environ.update(env)
+            yield env
     finally:
+        os.environ.clear()
+        os.environ.update(saved)
         down()
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def bench_exchange(hosts, rates, delay_us, small, codecs, repeats, json_out, timeout):
-    """`bench exchange` across the emulated cluster, once per link rate: runs the same worker
-    as `hpcsgd bench exchange` (hpcsgd.bench.exchange_worker, one rank per namespace) and prints
-    its table; the float32 in-place Allreduce of the same run is the reference."""
-    import json
-    import tempfile
-    from hpcsgd.bench.exchange import print_table
-    with open("/proc/loadavg") as f:
-        load = float(f.read().split()[0])
-    report = {"hosts": hosts, "delay_us_requested": delay_us, "small": small,
-              "load_average_start": load, "runs": []}
-    os.environ.update(NUMBA_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // hosts)),
-                      OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def run(hosts, gbps, delay_us, argv, timeout=None):
+    """Build the cluster, run `mpiexec <hydra options> argv`, tear down; returns the exit code.
+    argv may also be a whole command (first word not starting with '-'), run with the hydra
+    options in $EMUCLUSTER_MPIEXEC_ARGS and the map in $EMUCLUSTER_MAP."""
+    from hpcsgd.bench.launch import MPIEXEC, run_group
+    try:
+        with cluster(hosts, gbps, delay_us) as env:
+            cmd = argv if argv and not argv[0].startswith("-") \
+                else [MPIEXEC] + mpiexec_args(hosts) + argv
+            print(f"emucluster: {hosts} hosts, {gbps} Gbit/s, {delay_us} us; {' '.join(cmd)}",
+                  file=sys.stderr, flush=True)
+            return run_group(cmd, env, timeout)
+    except NeedsRoot as e:
+        print(e, file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"emucluster: interrupted ({e}); tearing down", file=sys.stderr)
+        return 130
+
+
+# ---- `hpcsgd bench NAME --emulate RATES`: any MPI benchmark across the emulated cluster ----
+def add_bench_arguments(parser):
+    parser.add_argument("--emulate", metavar="GBPS",
+                        help="root: run the benchmark's MPI part across an emulated cluster, once "
+                             "per link rate, e.g. 1,10,25 (bin/emucluster, docs/benchmarks.md)")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="--emulate: namespaces (default: the largest K of --ranks)")
+
+
+def bench(run_once, args):
+    """run_once() per link rate of args.emulate inside a cluster of args.hosts hosts (default:
+    the largest of args.ranks); returns {"emulated": ..., "links": [{"link_gbps", **result}]}."""
+    rates = [float(g) for g in args.emulate.split(",") if g]
+    ranks = [int(k) for k in (getattr(args, "ranks", None) or "2").split(",")]
+    hosts = args.hosts or max(ranks)
+    links = []
     for gbps in rates:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            argv = ["-n", str(hosts), sys.executable, "-m", "hpcsgd.bench.exchange_worker",
-                    "--json", out, "--repeats", str(repeats), "--codecs", codecs]
-            if small:
-                argv.append("--small")
-            rc = run(hosts, gbps, delay_us, argv, timeout)
-            if rc != 0:
-                print(f"emucluster: exchange at {gbps} Gbit/s failed (exit {rc})", file=sys.stderr)
-                return rc
-            with open(out) as f:
-                result = json.load(f)
-        result["link_gbps"] = gbps
-        report["runs"].append(result)
-        print(f"\n=== emulated link {gbps} Gbit/s per host (tbf), K = {hosts} namespaces ===")
-        print_table(result)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
+        gbps = int(gbps) if gbps == int(gbps) else gbps
+        with cluster(hosts, gbps, 0):
+            print(f"\n=== emulated cluster: {hosts} hosts (network namespaces), {gbps} Gbit/s per "
+                  f"host link (tc tbf), MPI over TCP ===", flush=True)
+            links.append({"link_gbps": gbps, **run_once()})
+    return {"emulated": {"hosts": hosts, "rates_gbps": rates, "delay_us": 0,
+                         "netem": False,
+                         "shaping": "tbf rate, both directions of each host's veth"},
+            "links": links}
 
 
 def main(argv=None):
@@ -247,12 +253,6 @@ def main(argv=None):
     p.add_argument("--delay-us", type=int, default=25, help="one-way link delay, microseconds")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the run is killed")
     p.add_argument("--down", action="store_true", help="only remove leftovers and exit")
-    p.add_argument("--bench-exchange", metavar="GBPS",
-                   help="run bench exchange's worker once per link rate, e.g. 1,10,25")
-    p.add_argument("--small", action="store_true", help="bench exchange: the tiny model")
-    p.add_argument("--codecs", default="onebit", help="bench exchange: striped codecs")
-    p.add_argument("--repeats", type=int, default=3, help="bench exchange: timed runs (median)")
-    p.add_argument("--json", metavar="FILE", help="bench exchange: write all results as JSON")
     p.add_argument("cmd", nargs=argparse.REMAINDER,
                    help="after --: mpiexec options + program, or a whole command")
     a = p.parse_args(argv)
@@ -262,14 +262,10 @@ def main(argv=None):
             return 2
         down()
         return 0
-    if a.bench_exchange:
-        rates = [int(float(g)) if float(g) == int(float(g)) else float(g)
-                 for g in a.bench_exchange.split(",")]
-        return bench_exchange(a.hosts, rates, a.delay_us, a.small, a.codecs, a.repeats, a.json,
-                              a.timeout)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
-        p.error("nothing to run: give mpiexec options and a program after --")
+        p.error("nothing to run: give mpiexec options and a program after --, or use "
+                "`hpcsgd bench NAME --emulate RATES` for a benchmark")
     gbps = int(a.gbps) if a.gbps == int(a.gbps) else a.gbps
     try:
         return run(a.hosts, gbps, a.delay_us, cmd, a.timeout)

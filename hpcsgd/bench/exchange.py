@@ -3,28 +3,24 @@
 bytes on the wire per rank per step, every figure beside the float32 in-place MPI Allreduce
 time measured in the same run.
 
-    hpcsgd bench exchange [--small] [--json FILE] [--ranks 2,4] [--codecs onebit,kbit4]
-                          [--repeats R]
+    hpcsgd bench exchange [--small] [--json FILE] [--compare OLD] [--ranks 2,4]
+                          [--codecs onebit,kbit4] [--repeats R] [--emulate 1,10,25]
 
-Launches itself: for each K it runs `mpiexec -n K python -m hpcsgd.bench.exchange_worker`
-(the mpiexec beside this Python, i.e. the venv's MPICH) and collects the JSON. Numba threads
-per rank = max(1, cores // K); with more ranks than cores MPIR_CVAR_ENABLE_HEAVY_YIELD=1 so
-waiting ranks yield their core. On one machine the "network" is shared memory, so this
-measures the codec passes against a memory copy, not a cluster link (docs/exchange.md).
+For each K it runs `mpiexec -n K python -m hpcsgd.bench.exchange_worker` through
+hpcsgd/bench/launch.py (threads per rank = cores // K, heavy yield when ranks outnumber
+cores; across the emulated cluster with --emulate). On one machine the "network" is shared
+memory, so this measures the codec passes against a memory copy, not a cluster link
+(docs/exchange.md).
 """
-import json
-import os
-import subprocess
-import sys
-import tempfile
+from hpcsgd.bench import launch, report
 
 PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
           "decode_apply", "allreduce", "decode", "apply")
+USES_MPI = True   # bench --emulate runs it across the emulated cluster
 
 
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true", help="a tiny model, for a CI smoke test")
-    parser.add_argument("--json", metavar="FILE", help="write all results as JSON")
     parser.add_argument("--ranks", default="2,4", help="comma-separated K values (default 2,4)")
     parser.add_argument("--codecs", default="onebit,kbit4,float16,float32,dettmers",
                         help="striped codecs: onebit,kbit2,kbit4,kbit8,dettmers,float16,float32")
@@ -33,39 +29,32 @@ def add_arguments(parser):
 
 
 def run(args):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cores = os.cpu_count() or 1
     repeats = args.repeats or (3 if args.small else 5)
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[0]
-    print(f"hpcsgd bench exchange: {cores} cores, load average {load} (other processes skew "
-          f"the figures; re-run when the load is low)")
-    report = {"cores": cores, "load_average_start": float(load), "runs": []}
+    print(f"hpcsgd bench exchange: {launch.cores()} cores, load average "
+          f"{report.load_average():.2f} (other processes skew the figures; re-run when the load "
+          f"is low)")
+    out = {"runs": []}
     for K in [int(k) for k in args.ranks.split(",")]:
-        env = dict(os.environ, NUMBA_NUM_THREADS=str(max(1, cores // K)),
-                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        if K > cores:
-            env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            cmd = [mpiexec, "-n", str(K), sys.executable, "-m", "hpcsgd.bench.exchange_worker",
-                   "--json", out, "--repeats", str(repeats), "--codecs", args.codecs]
-            if args.small:
-                cmd.append("--small")
-            proc = subprocess.run(cmd, env=env, timeout=args.timeout)
-            if proc.returncode != 0:
-                print(f"hpcsgd bench exchange: mpiexec -n {K} failed (exit {proc.returncode})",
-                      file=sys.stderr)
-                return 1
-            with open(out) as f:
-                result = json.load(f)
-        result["numba_threads_per_rank"] = int(env["NUMBA_NUM_THREADS"])
-        report["runs"].append(result)
+        worker = ["--repeats", repeats, "--codecs", args.codecs]
+        worker += ["--small"] if args.small else []
+        result = launch.mpirun(K, "hpcsgd.bench.exchange_worker", worker, args.timeout)
+        result["numba_threads_per_rank"] = result["threads_per_rank"]
+        out["runs"].append(result)
         print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
+    return out
+
+
+def figures(res):
+    """ms per exchange and the ratio to the float32 in-place Allreduce, per K and method."""
+    out = {}
+    for run in res["runs"]:
+        r = run["results"]
+        base = r["allreduce_f32_inplace"]["total"]
+        for name, x in r.items():
+            out[f"K={run['ranks']} {name} ms"] = 1e3 * x["total"]
+            if name != "allreduce_f32_inplace":
+                out[f"K={run['ranks']} {name} / allreduce"] = x["total"] / base
+    return out
 
 
 def print_table(result):

@@ -12,13 +12,13 @@ phases are timed per rank; a repetition's time is the slowest rank's (the step w
 it), and the median over repetitions is reported. Rank 0 writes the JSON.
 """
 import argparse
-import json
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcsgd import optim
+from hpcsgd.bench import launch
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.exchange import Allreduce, Striped
 from hpcsgd.model.dnn import layout
@@ -102,9 +102,7 @@ def main():
         ex = Striped(comm, params.matrices, make_codec(codec_name, "cpu", **opts))
         run(f"striped_{name}", ex, ex.state_size)
         del ex
-    if rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    launch.write_result(comm, out, args.json)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,9 @@ Bytes that must move, per value: encode with error feedback reads grad and resid
 writes residual (12 B) plus the packed bytes; without error feedback 4 B plus packed;
 decode-accumulate reads packed and reads+writes the float32 sum (8 B plus packed).
 
-    hpcsgd bench kernels [--small] [--json FILE] [--threads N] [--codecs onebit,kbit4]
+    hpcsgd bench kernels [--small] [--json FILE] [--compare OLD] [--threads N]
+                         [--codecs onebit,kbit4]
 """
-import json
-
 import numpy as np
 
 from hpcsgd.bench import membw
@@ -31,7 +30,6 @@ CODECS = {
 
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
     parser.add_argument("--codecs", default=",".join(CODECS),
                         help=f"comma-separated subset of {','.join(CODECS)}")
@@ -105,9 +103,15 @@ def run(args):
         print(f"{key:10} {r['bits_per_value']:8.3f} {1e3 * r['encode_s']:8.2f} {r['encode_GBps']:9.2f} "
               f"{r['encode_frac_triad']:9.0%} {1e3 * r['decode_acc_s']:8.2f} "
               f"{r['decode_acc_GBps']:9.2f} {r['decode_acc_frac_triad']:10.0%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"threads": threads, "small": small, "triad_GBps": max(samples),
-                       "copy_GBps": copy, "repeats": repeats,
-                       "shapes": shapes, "codecs": rows}, f, indent=1)
-    return 0
+    return {"threads": threads, "small": small, "triad_GBps": max(samples), "copy_GBps": copy,
+            "repeats": repeats, "shapes": shapes, "codecs": rows}
+
+
+def figures(res):
+    out = {"triad GB/s": res["triad_GBps"], "copy GB/s": res["copy_GBps"]}
+    for key, r in res["codecs"].items():
+        out[f"{key} encode GB/s"] = r["encode_GBps"]
+        out[f"{key} encode of triad"] = r["encode_frac_triad"]
+        out[f"{key} decode-acc GB/s"] = r["decode_acc_GBps"]
+        out[f"{key} decode-acc of triad"] = r["decode_acc_frac_triad"]
+    return out

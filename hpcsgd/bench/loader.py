@@ -6,7 +6,6 @@ first synchronously (all work in the caller: the cost a trainer would see withou
 then with the prefetch thread (what the trainer waits for when it consumes batches at once).
 Without an ARCHIVE, the bundled demo corpus is prepared into a temporary directory.
 """
-import json
 import os
 import subprocess
 import sys
@@ -29,7 +28,6 @@ def add_arguments(parser):
     parser.add_argument("--batch", type=int, default=1024, help="minibatch frames")
     parser.add_argument("--seconds", type=float, default=3.0, help="measure at least this long")
     parser.add_argument("--small", action="store_true", help="quick smoke test (CI)")
-    parser.add_argument("--json", help="write the results here")
 
 
 def _raw_read(index, seconds):
@@ -98,11 +96,17 @@ def run(args):
         print(f"{name:48s} {fps:12,.0f} {ratio:12.2f}")
     print(f"target: >= {TARGET_FPS:,} spliced frames/s from one core: "
           f"{'met' if sync >= TARGET_FPS else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "loader", "archive": archive_dir, "context": args.context,
-                       "batch": args.batch, "raw_read_fps": raw, "loader_sync_fps": sync,
-                       "loader_prefetch_fps": pre, "target_fps": TARGET_FPS}, f, indent=1)
     if tmp is not None:
         tmp.cleanup()
-    return 0
+    return {"archive": args.archive or "(the bundled demo corpus, prepared here)",
+            "context": args.context, "batch": args.batch, "raw_read_fps": raw,
+            "loader_sync_fps": sync, "loader_prefetch_fps": pre,
+            "loader_sync_of_raw": sync / raw, "target_fps": TARGET_FPS}
+
+
+def figures(res):
+    return {"raw HDF5 read frames/s": res["raw_read_fps"],
+            "loader frames/s, no prefetch": res["loader_sync_fps"],
+            "loader frames/s, prefetch": res["loader_prefetch_fps"],
+            "loader / raw read": res["loader_sync_fps"] / res["raw_read_fps"],
+            "loader / target": res["loader_sync_fps"] / res["target_fps"]}

@@ -57,7 +57,6 @@ DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true",
                         help="smoke test: measure a tiny model's costs here (seconds)")
-    parser.add_argument("--json", metavar="FILE", help="write inputs and predictions as JSON")
     parser.add_argument("--plot", metavar="PNG", help="plot predicted speed-up vs K")
     parser.add_argument("--link-gbps", default="1,10,25",
                         help="derive T_comm from these link rates, Gbit/s ('' = the measured "
@@ -68,6 +67,12 @@ def add_arguments(parser):
     parser.add_argument("--measure", action="store_true",
                         help="time T_frm per sub-batch size, post, update and codecs in this run")
     parser.add_argument("--train-json", default=os.path.join(DOCS, "train_46m.json"))
+    parser.add_argument("--validate", metavar="TRAIN.json",
+                        help="only compare the model's step time with `bench train` runs at K "
+                             "ranks (best: --emulate; costs from its K = 1 rows)")
+    parser.add_argument("--ceiling-gbps", type=float, default=None,
+                        help="--validate: also predict with the link capped at this rate (the "
+                             "emulation's own ceiling, from `bench machine --emulate`)")
     parser.add_argument("--exchange-json", default=os.path.join(DOCS, "exchange.json"))
 
 
@@ -185,8 +190,15 @@ def costs_from_json(train_json, exchange_json):
                 "bits": 8.0 * r["bytes_per_rank"] / m,
                 "t_upd": r["encode"] + r["decode_sum"] + r["decode_apply"],
                 "c_post": k * (r["post_process"] + r["reencode"])}
-    out = {"source": f"{train_json} (T_frm at N={tr['batch']}), {exchange_json} (K={k})",
-           "M": float(m), "t_frm": {tr["batch"]: tr["step_s"] / tr["batch"]},
+    if "runs" in tr:   # bench train at K ranks: one rank's step with the exchange skipped
+        one = [r for r in tr["runs"][0]["rows"]
+               if r["exchange"] == "none" and not r["double_buffering"]]
+        t_frm = {r["minibatch"]: r["step_s"] / r["minibatch"] for r in one}
+    else:              # the earlier single-process format
+        t_frm = {tr["batch"]: tr["step_s"] / tr["batch"]}
+    out = {"source": f"{train_json} (T_frm at N={','.join(map(str, t_frm))}), "
+                     f"{exchange_json} (K={k})",
+           "M": float(m), "t_frm": t_frm,
            "single_fixed_s": codecs.get("float32-allreduce", {}).get("t_upd", 0.0),
            "codecs": codecs}
     if "allreduce_f32_inplace" in res:
@@ -378,6 +390,12 @@ def plot(rows, path, title):
 
 
 def run(args):
+    if args.validate:
+        with open(args.validate) as f:
+            rows = validate(json.load(f), args.latency_us * 1e-6, args.ceiling_gbps)
+        print_validate(rows, args.validate)
+        return {"validation": rows, "latency_us": args.latency_us,
+                "ceiling_gbps": args.ceiling_gbps, "train_json": args.validate}
     minibatches = [int(n) for n in args.minibatch.split(",") if n]
     kmax = args.kmax
     if args.small:
@@ -420,14 +438,111 @@ def run(args):
                          [2880, 16384], 32)
     print("\nThe paper's costs through the same predict() (comm/Z = 6.5 ms):")
     print_rows(paper_rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"costs": {**costs, "t_frm": {str(k): v for k, v in costs["t_frm"].items()}},
-                       "latency_us": args.latency_us, "rows": rows,
-                       "paper_validation": val, "paper_rows": paper_rows}, f, indent=1,
-                      default=lambda x: None if isinstance(x, float) and not math.isfinite(x)
-                      else str(x))
     if args.plot:
         plot(rows, args.plot, f"Eq. 4 model, costs: {costs['source'][:90]}")
         print(f"plot: wrote {args.plot}")
-    return 0
+    return {"costs": costs, "latency_us": args.latency_us, "rows": rows,
+            "paper_validation": val, "paper_rows": paper_rows}
+
+
+def figures(res):
+    if "validation" in res:
+        return {f"{r['link']} K={r['K']} N={r['N']} {r['exchange']} DB {r['db']} measured/pred":
+                r["measured_over_pred"] for r in res["validation"]}
+    return {f"{r['link']} {r['codec']} N={r['N']} {key}": r[key] for r in res["rows"]
+            for key in ("best_speedup_db", "best_speedup_nodb", "khat_db")}
+
+
+# ---- predicted vs measured training steps (`bench train` JSON, ideally --emulate) -----------
+def fixed_costs(phases, striped):
+    """(T_upd, C*T_post) per step from one rank's exchange phases at K = 1: the passes over all
+    M values every rank makes, and the owners' post-processing that striping splits over K
+    (module docstring). The K = 1 collectives are self-copies and are left out."""
+    p = phases
+    if striped:
+        return (p.get("encode", 0) + p.get("decode_sum", 0) + p.get("decode_apply", 0)
+                + p.get("decode", 0)), p.get("post_process", 0) + p.get("reencode", 0)
+    return (p.get("encode", 0) + p.get("decode", 0) + p.get("post_process", 0)
+            + p.get("apply", 0)), 0.0
+
+
+def validate(train, latency_s, ceiling_gbps=None):
+    """Eq. 4's time per minibatch against `bench train`'s measured steps, per link, K, N,
+    exchange and double buffering. Costs come from the run's own K = 1 rows; K ranks share
+    this machine's cores, so a rank's compute and passes over memory take K times the
+    one-rank time on all cores (each has 1/K of the cores and of the memory bandwidth):
+    v_K(n) = K v_1(n), T_upd_K = K T_upd_1, C T_post_K = K C T_post_1 (split over K owners).
+    Per exchange (nex = 2 with double buffering): v = v_K(N / (nex K)), u = T_upd_K +
+    C T_post_K / K, c = T_comm(K)/Z from the link rate (link_comm), or the measured
+    communication where there is no emulated link. Predicted step: serial nex (v + u + c);
+    overlapped (the paper's DB) nex max(v + u, c)."""
+    links = train["links"] if "links" in train else [train]
+    out = []
+    for link in links:
+        gbps = link.get("link_gbps")
+        runs = {r["ranks"]: r for r in link["runs"]}
+        if 1 not in runs:
+            raise ValueError("validate: the train JSON needs a K = 1 run (--ranks 1,...)")
+        base = {(r["minibatch"], r["exchange"], r["double_buffering"]): r for r in runs[1]["rows"]}
+        m = float(runs[1]["params"])
+        for k, run in sorted(runs.items()):
+            if k == 1:
+                continue
+            for row in run["rows"]:
+                if row["exchange"] == "none":
+                    continue
+                n, ex, db = row["minibatch"], row["exchange"], row["double_buffering"]
+                b = base[(n, ex, db)]
+                nex = row["exchanges_per_step"]
+                points = {r["minibatch"] / nex: r["seconds"]["compute"] / r["minibatch"]
+                          for key, r in base.items() if key[1] == "none" and key[2] == db}
+                v1 = VarCost(points)
+                t_upd1, c_post1 = fixed_costs(b["phases_s"], not ex.startswith("allreduce"))
+                v = k * v1(n / (nex * k))
+                u = (k * t_upd1 + k * c_post1 / k) / nex
+                meas_c = row["seconds"]["communicate"] / nex
+                if gbps:
+                    c = link_comm(m, row["bits_per_value"], gbps, latency_s)(k)
+                    c_cap = (link_comm(m, row["bits_per_value"], min(gbps, ceiling_gbps),
+                                       latency_s)(k) if ceiling_gbps else None)
+                else:
+                    c, c_cap = meas_c, None
+                serial = nex * (v + u + c)
+                overlap = nex * max(v + u, c)
+                pred = overlap if db else serial
+                r = {"link": f"{gbps:g} Gbit/s" if gbps else "shared memory (comm measured)",
+                     "K": k, "N": n, "exchange": ex, "db": "on" if db else "off",
+                     "compute_pred_s": nex * v, "compute_meas_s": row["seconds"]["compute"],
+                     "fixed_pred_s": nex * u,
+                     "fixed_meas_s": row["seconds"]["encode"] + row["seconds"]["update"],
+                     "comm_pred_s": c, "comm_meas_s": meas_c,
+                     "step_pred_serial_s": serial, "step_pred_overlap_s": overlap,
+                     "step_pred_s": pred, "step_meas_s": row["step_s"],
+                     "fps_pred": n / pred, "fps_meas": row["frames_per_s"],
+                     "measured_over_pred": row["step_s"] / pred}
+                if c_cap is not None:
+                    r["comm_pred_capped_s"] = c_cap
+                    r["step_pred_capped_s"] = (nex * max(v + u, c_cap) if db
+                                               else nex * (v + u + c_cap))
+                out.append(r)
+    return out
+
+
+def print_validate(rows, path):
+    print(f"Eq. 4's step time vs `bench train` ({path}); costs from its K = 1 rows, K ranks "
+          f"sharing the cores (validate()); ms per step unless noted; DB on: predicted = "
+          f"overlapped 2 max(v+u, c), [serial] = 2 (v+u+c)")
+    capped = any("step_pred_capped_s" in r for r in rows)
+    print(f"{'link':>14s} {'K':>2s} {'N':>5s} {'exchange':>10s} {'DB':>3s} "
+          f"{'compute p/m':>13s} {'fixed p/m':>13s} {'comm/exch p/m':>15s} "
+          f"{'step pred':>9s} {'[serial]':>9s} {'measured':>9s} {'meas/pred':>9s}"
+          + (f" {'capped':>8s}" if capped else ""))
+    for r in rows:
+        print(f"{r['link'][:14]:>14s} {r['K']:>2d} {r['N']:>5d} {r['exchange']:>10s} {r['db']:>3s} "
+              f"{1e3 * r['compute_pred_s']:>6.0f}/{1e3 * r['compute_meas_s']:<6.0f} "
+              f"{1e3 * r['fixed_pred_s']:>6.0f}/{1e3 * r['fixed_meas_s']:<6.0f} "
+              f"{1e3 * r['comm_pred_s']:>7.1f}/{1e3 * r['comm_meas_s']:<7.1f} "
+              f"{1e3 * r['step_pred_s']:>9.0f} "
+              f"{(format(1e3 * r['step_pred_serial_s'], '.0f') if r['db'] == 'on' else ''):>9s} "
+              f"{1e3 * r['step_meas_s']:>9.0f} {r['measured_over_pred']:>9.2f}"
+              + (f" {1e3 * r.get('step_pred_capped_s', float('nan')):>8.0f}" if capped else ""))

@@ -1,118 +1,370 @@
-"""Training frames/s of the DNN against the GEMM-only roofline, measured in the same run.
+"""`hpcsgd bench train`: training frames/s at K ranks, each figure beside its limit from the
+same run: the GEMM roofline and the same loop with the exchange skipped.
 
-`hpcsgd bench train [--small] [--batch 1024] [--steps 5] [--json FILE]`
+    hpcsgd bench train [--small] [--ranks 1,2,4] [--minibatch 256,512,1024,2048]
+                       [--exchange allreduce,onebit] [--double-buffering off|on|both]
+                       [--steps 3] [--json FILE] [--compare OLD.json] [--emulate 1,10,25]
 
-One step = forward + backward (hpcsgd.model.dnn) + SGD-momentum update (hpcsgd.optim), on random
-frames, the paper's 46M model by default (11x40 = 440 inputs, 7x2048 sigmoid, 9304 outputs).
-The roofline is the same step's matmuls alone (forward, dW, dX, same shapes and buffers): a
-BLAS-based trainer cannot beat it, so step time / GEMM time shows what the element-wise kernels,
-the update and Python cost. Steps and GEMM-only passes alternate, medians are reported.
-The process CPU time of both is reported too: on a machine shared with other jobs, and with
-1 thread (OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1), it measures the work without the time
-spent descheduled; with more threads it also counts spin-waiting.
+For each K, `mpiexec -n K` (hpcsgd/bench/launch.py: cores split evenly over the ranks) runs the
+rank side below. It drives the trainer's own parts as hpcsgd/train.py's step loop does: this
+rank's share of the global minibatch N (loader.local_batch_size), DNN.forward_backward,
+Optimizer.begin_step / pre_exchange, and the exchange make_exchange builds from the config --
+ex.step, or with double buffering the step's two halves (train.halves), each exchanged with
+ex.start and completed by ex.finish after the next half's gradient. Frames are random (the
+loader's limit is `bench loader`); the model is the paper's 46M DNN (440-7x2048-9304, sigmoid)
+or, with --small, a 0.4M one. Exchanges: allreduce (float32 in place), allreduce16, or a
+striped codec (onebit, kbit2/4/8, dettmers, float16, float32).
+
+Per (K, N, exchange, double buffering):
+  frames/s       N / step time; a step's time is the slowest rank's, the median of --steps
+                 steps after --warmup (the pipeline of double buffering runs through them).
+  roofline       the step's matmuls alone (gemm.gemm_only on every rank at once, sharing the
+                 cores as the step does; per half with double buffering): frames/s ÷ that.
+  overhead       communication overhead, 1 - frames/s ÷ frames/s with the exchange skipped
+                 (the same loop, each rank applying its local gradient with Optimizer.step:
+                 compute + a local update, no codec, no MPI).
+  fractions      of the step time: compute (forward + backward), encode (codec passes:
+                 encode, decode-sum, re-encode, float16 casts), communicate (MPI calls,
+                 including waiting for the slowest rank), update (post-processing, apply,
+                 fused decode-apply), other (the rest: Python, begin_step).
+With --double-buffering both, a Table 4 (the paper's: frames/s over N without and with
+double buffering) is printed per K and exchange.
 """
-import json
-import os
-import platform
+import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
 
+from hpcsgd.bench import gemm, launch, report
+
 PAPER = dict(input_dim=440, hidden=[2048] * 7, num_labels=9304)
 SMALL = dict(input_dim=440, hidden=[256] * 3, num_labels=500)
+USES_MPI = True
+LR = 1e-6                       # per sample: small, so random labels do not blow weights up
+MOMENTUM_TC = 9719.0            # samples: momentum 0.9 per 1024-frame minibatch (CNTK's usual)
+# exchange phases (hpcsgd/comm/exchange.py) -> the four categories reported
+CATEGORIES = {"encode": ("encode", "decode_sum", "reencode", "decode"),
+              "communicate": ("alltoallv", "allgatherv", "allreduce"),
+              "update": ("post_process", "apply", "decode_apply")}
 
 
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true",
-                        help="a 0.4M-parameter model (CI smoke test, seconds)")
-    parser.add_argument("--batch", type=int, default=1024, help="minibatch size in frames")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+                        help="a 0.4M-parameter model, K = 1,2, N = 256: a CI smoke test (seconds)")
+    parser.add_argument("--ranks", default=None, help="K values (default 1,2,4; --small 1,2)")
+    parser.add_argument("--minibatch", "--batch", default=None,
+                        help="global minibatch sizes N, comma-separated (default 1024; "
+                             "--small 256)")
+    parser.add_argument("--exchange", default="allreduce,onebit",
+                        help="allreduce, allreduce16, or striped codecs onebit,kbit4,float32,...")
+    parser.add_argument("--double-buffering", default=None, choices=["off", "on", "both"],
+                        help="half-batch double buffering (default off; --small both)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--activation", default="sigmoid", choices=["sigmoid", "relu"])
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads per rank (default: cores // K)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
 
 
-def gemm_only(model, params, grads, x, n):
-    """The matmuls of one training step, in the step's order, into the step's buffers."""
-    a = x[:n]
-    for l in range(model.n_layers):
-        np.matmul(a, params.views[f"W{l}"], out=model.acts[l][:n])
-        a = model.acts[l][:n]
-    for l in range(model.n_layers - 1, -1, -1):
-        dz = model.acts[l][:n]
-        a = model.acts[l - 1][:n] if l > 0 else x[:n]
-        np.matmul(a.T, dz, out=grads.views[f"W{l}"])
-        if l > 0:
-            m = model.dims[l]
-            np.matmul(dz, params.views[f"W{l}"].T, out=model.delta[:n * m].reshape(n, m))
+def _settings(args):
+    """(ranks, minibatches, double-buffering modes) with the --small defaults filled in."""
+    ranks = [int(k) for k in (args.ranks or ("1,2" if args.small else "1,2,4")).split(",")]
+    ns = [int(n) for n in str(args.minibatch or (256 if args.small else 1024)).split(",")]
+    db = args.double_buffering or ("both" if args.small else "off")
+    return ranks, ns, {"off": [False], "on": [True], "both": [False, True]}[db]
 
 
 def run(args):
-    import numba
-
-    from hpcsgd.model.dnn import DNN, gemm_flop_per_frame
-    from hpcsgd.optim import Optimizer
-
+    ranks, ns, dbs = _settings(args)
     shape = SMALL if args.small else PAPER
-    n = args.batch
-    model = DNN(**shape, activation=args.activation, max_batch=n)
-    params, grads = model.new_params(), model.new_params()
-    rng = np.random.default_rng(0)
-    model.init(params, rng)
-    # momentum 0.9 per 1024-frame minibatch, as CNTK's usual setting
-    opt = Optimizer(params.size, momentum_time_constant=-1024 / np.log(0.9))
-    x = rng.standard_normal((n, shape["input_dim"]), dtype=np.float32)
-    y = rng.integers(0, shape["num_labels"], n).astype(np.int32)
-    lr = 1e-5   # small, so that random labels do not blow the weights up while timing
+    print(f"hpcsgd bench train: {'small' if args.small else 'paper 46M'} model "
+          f"{shape['input_dim']}-{'x'.join(map(str, shape['hidden']))}-{shape['num_labels']}, "
+          f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
+          f"{'/'.join('on' if d else 'off' for d in dbs)}; {launch.cores()} cores, load average "
+          f"{report.load_average():.2f}" + (f"; emulated link {launch.link_gbps():g} Gbit/s"
+                                            if launch.link_gbps() else ""), flush=True)
+    worker = ["--ranks", "0", "--minibatch", ",".join(map(str, ns)), "--exchange", args.exchange,
+              "--double-buffering", {1: "on" if dbs[0] else "off", 2: "both"}[len(dbs)],
+              "--steps", args.steps, "--warmup", args.warmup, "--activation", args.activation]
+    worker += ["--small"] if args.small else []
+    runs = []
+    for k in ranks:
+        # --small: 1 thread per rank; a 2-thread Numba kernel on a tiny model mostly waits for
+        # its second thread on 2 shared cores
+        res = launch.mpirun(k, "hpcsgd.bench.train", worker, args.timeout,
+                            args.threads or (1 if args.small else None))
+        runs.append(res)
+        print_table(res)
+    out = {"model": "small" if args.small else "paper-46M", "shape": shape,
+           "params": runs[0]["params"], "minibatches": ns, "exchanges": args.exchange.split(","),
+           "link_gbps": launch.link_gbps(), "runs": runs}
+    if len(dbs) == 2:
+        print_table4(out)
+    # issue 3's figure, kept at the top: one rank's step (exchange skipped: forward + backward
+    # + momentum update) against its GEMM roofline
+    one = next(r for r in runs[0]["rows"] if r["exchange"] == "none")
+    out.update(batch=one["minibatch"], frames_per_s=one["frames_per_s"],
+               roofline_fraction=one["roofline_fraction"])
+    print(f"one rank's step at N = {one['minibatch']} (K = {runs[0]['ranks']}): "
+          f"{one['frames_per_s']:.0f} frames/s, fraction of the GEMM roofline "
+          f"{one['roofline_fraction']:.1%}")
+    return out
 
-    def train_step():
-        model.forward_backward(params, grads, x, y, n)
-        opt.step(params.flat, grads.flat, lr, n)
 
-    t0 = time.perf_counter()
-    train_step()                                  # compiles the kernels (cached on disk)
-    gemm_only(model, params, grads, x, n)
-    warmup_s = time.perf_counter() - t0
-    step_s, gemm_s, step_cpu, gemm_cpu = [], [], [], []
-    for _ in range(args.steps):
-        t, c = time.perf_counter(), time.process_time()
-        train_step()
-        step_s.append(time.perf_counter() - t)
-        step_cpu.append(time.process_time() - c)
-        t, c = time.perf_counter(), time.process_time()
-        gemm_only(model, params, grads, x, n)
-        gemm_s.append(time.perf_counter() - t)
-        gemm_cpu.append(time.process_time() - c)
-    step, gemm = statistics.median(step_s), statistics.median(gemm_s)
-    step_c, gemm_c = statistics.median(step_cpu), statistics.median(gemm_cpu)
-    flop = gemm_flop_per_frame(**shape) * n
-    res = {
-        "model": "small" if args.small else "paper-46M", "params": params.size, "batch": n,
-        "activation": args.activation, "steps": args.steps,
-        "step_s": step, "gemm_only_s": gemm, "frames_per_s": n / step,
-        "gemm_only_frames_per_s": n / gemm, "roofline_fraction": gemm / step,
-        "gflops": flop / step / 1e9, "gemm_only_gflops": flop / gemm / 1e9,
-        "gflop_per_step": flop / 1e9, "warmup_s": warmup_s,
-        "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
-        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "(default: all cores)"),
-        "cpus": os.cpu_count(), "machine": platform.machine(),
-        "step_cpu_s": step_c, "gemm_only_cpu_s": gemm_c, "roofline_fraction_cpu": gemm_c / step_c,
-        "load_avg_1min": os.getloadavg()[0],
-        "step_s_all": step_s, "gemm_only_s_all": gemm_s,
-    }
-    print(f"bench train: {res['model']} ({params.size / 1e6:.1f}M params), minibatch {n}, "
-          f"{args.activation}, median of {args.steps} steps")
-    print(f"  train step (fwd+bwd+momentum): {step * 1e3:8.1f} ms  {n / step:8.0f} frames/s  "
-          f"{flop / step / 1e9:6.1f} GFLOP/s")
-    print(f"  GEMM only (same matmuls):      {gemm * 1e3:8.1f} ms  {n / gemm:8.0f} frames/s  "
-          f"{flop / gemm / 1e9:6.1f} GFLOP/s")
-    print(f"  fraction of the GEMM roofline: {gemm / step * 100:.1f}%  "
-          f"(numba {res['numba_threads']} threads/{res['numba_threading_layer']}, "
-          f"OpenBLAS {res['OPENBLAS_NUM_THREADS']})")
-    print(f"  process CPU time: step {step_c * 1e3:.1f} ms, GEMM only {gemm_c * 1e3:.1f} ms, "
-          f"ratio {gemm_c / step_c * 100:.1f}%; load average {res['load_avg_1min']:.2f} "
-          f"on {res['cpus']} CPUs (> 0.5 or so: other jobs share the cores)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+def _label(row):
+    return (f"N={row['minibatch']} {row['exchange']} DB "
+            f"{'on' if row['double_buffering'] else 'off'}")
+
+
+def figures(res):
+    out = {}
+    for run in res["runs"]:
+        for r in run["rows"]:
+            key = f"K={run['ranks']} {_label(r)}"
+            out[f"{key} frames/s"] = r["frames_per_s"]
+            out[f"{key} of roofline"] = r["roofline_fraction"]
+            if r["exchange"] != "none":
+                out[f"{key} comm overhead"] = r["comm_overhead"]
+                out[f"{key} exchange ms"] = 1e3 * r["exchange_s"]
+    return out
+
+
+def print_table(run):
+    k = run["ranks"]
+    print(f"\nK = {k} rank(s), {run['threads_per_rank']} thread(s) each, {run['params']:,} "
+          f"parameters; median of {run['steps']} steps, slowest rank. Limits from this run: "
+          f"roofline = the step's GEMMs alone; no-exch = the exchange skipped")
+    print(f"{'N':>6s} {'exchange':>11s} {'DB':>3s} {'frames/s':>9s} {'roofline':>9s} "
+          f"{'of roof':>7s} {'no-exch':>8s} {'overhead':>8s} {'exch ms':>8s} "
+          f"{'compute':>7s} {'encode':>6s} {'comm':>6s} {'update':>6s} {'other':>6s}")
+    for r in run["rows"]:
+        f = r["fractions"]
+        none = r["exchange"] == "none"
+        db = "on" if r["double_buffering"] else "off"
+        print(f"{r['minibatch']:>6d} {r['exchange']:>11s} {db:>3s} "
+              f"{r['frames_per_s']:>9.1f} {r['roofline_frames_per_s']:>9.1f} "
+              f"{r['roofline_fraction']:>7.1%} {r['skip_frames_per_s']:>8.1f} "
+              f"{'' if none else format(r['comm_overhead'], '.1%'):>8s} "
+              f"{'' if none else format(1e3 * r['exchange_s'], '.1f'):>8s} "
+              + " ".join(f"{f[c]:>{w}.0%}" for c, w in
+                         (("compute", 7), ("encode", 6), ("communicate", 6), ("update", 6),
+                          ("other", 6))))
+
+
+def print_table4(res):
+    """The paper's Table 4, ours: frames/s over N, without and with double buffering."""
+    ns = res["minibatches"]
+    where = (f"emulated {res['link_gbps']:g} Gbit/s links" if res["link_gbps"]
+             else "one machine, shared memory")
+    print(f"\nTable 4 ({where}): frames/s over minibatch size N, without and with half-batch "
+          f"double buffering")
+    print(f"{'K':>2s} {'exchange':>11s} {'':>8s} " + " ".join(f"{n:>7d}" for n in ns))
+    for run in res["runs"]:
+        for ex in res["exchanges"]:
+            fps = {(r["minibatch"], r["double_buffering"]): r["frames_per_s"]
+                   for r in run["rows"] if r["exchange"] == ex}
+            for db, name in ((False, "no DB"), (True, "DB")):
+                print(f"{run['ranks']:>2d} {ex:>11s} {name:>8s} "
+                      + " ".join(f"{fps[(n, db)]:>7.1f}" for n in ns))
+            print(f"{'':>2s} {'':>11s} {'DB gain':>8s} "
+                  + " ".join(f"{fps[(n, True)] / fps[(n, False)] - 1:>+7.1%}" for n in ns))
+
+
+# ---- rank side (under mpiexec, started by run() through launch.mpirun) -----------------------
+def exchange_config(name):
+    """The trainer's config for an exchange name (make_exchange builds the object from it)."""
+    from hpcsgd import config
+    if name == "allreduce":
+        over = ["exchange.aggregation=allreduce"]
+    elif name == "allreduce16":
+        over = ["exchange.aggregation=allreduce", "exchange.allreduce_dtype=float16"]
+    elif name.startswith("kbit"):
+        over = ["exchange.aggregation=striped", "exchange.codec=kbit", f"exchange.bits={name[4:]}"]
+    else:
+        over = ["exchange.aggregation=striped", f"exchange.codec={name}"]
+    return config.load(None, ["data.train=unused"] + over)   # data.train: required, unused here
+
+
+class Rank:
+    """This rank's model, buffers and random frames, and the timed step loops."""
+
+    def __init__(self, comm, shape, activation, max_local):
+        from hpcsgd.model.dnn import DNN
+        self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
+        self.model = DNN(**shape, activation=activation, max_batch=max_local)
+        self.params = self.model.new_params()
+        self.model.init(self.params, np.random.default_rng(0))      # replicas start equal
+        self.bufs = [self.model.new_params(), self.model.new_params()]   # double buffering: 2
+        rng = np.random.default_rng(1 + self.rank)
+        self.x = rng.standard_normal((max_local, shape["input_dim"]), dtype=np.float32)
+        self.y = rng.integers(0, shape["num_labels"], max_local).astype(np.int32)
+        self.slot = 0
+
+    def slowest(self, seconds):
+        from mpi4py import MPI
+        return self.comm.allreduce(seconds, op=MPI.MAX)
+
+    def mean_over_ranks(self, seconds):
+        """{name: seconds} averaged over the ranks (every rank has the same names)."""
+        from mpi4py import MPI
+        keys = sorted(seconds)
+        v = np.array([seconds[k] for k in keys], np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.SUM)
+        return dict(zip(keys, (v / self.world).tolist()))
+
+    def gemm_time(self, parts, repeats):
+        """The parts' matmuls alone on every rank at once: median of the slowest rank."""
+        samples = []
+        for _ in range(repeats + 1):
+            self.comm.Barrier()
+            t = time.perf_counter()
+            for part in parts:
+                if part[self.rank]:
+                    gemm.gemm_only(self.model, self.params, self.bufs[0], self.x,
+                                   int(part[self.rank]))
+            samples.append(self.slowest(time.perf_counter() - t))
+        return statistics.median(samples[1:])
+
+    def loop(self, ex, opt, parts, steps, warmup, double_buffering):
+        """The spine's step loop over `parts` (the step, or its two halves), as in
+        hpcsgd/train.py; ex None = the exchange skipped (Optimizer.step on the local gradient).
+        Returns this rank's step times and its seconds per step by category and by exchange
+        phase, over the timed steps."""
+        model, params, rank = self.model, self.params, self.rank
+        compute = local_update = 0.0
+        pending, marks, ce = False, [], 0.0
+        self.comm.Barrier()
+        for s in range(warmup + steps):
+            if s == warmup:       # timing starts here; the pipeline keeps running through
+                compute = local_update = 0.0
+                if ex is not None:
+                    ex.pop_times()
+            marks.append(time.perf_counter())
+            for part in parts:
+                self.slot = (self.slot + 1) % 2    # not the buffer of the exchange in flight
+                grads = self.bufs[self.slot]
+                n = int(part[rank])
+                t = time.perf_counter()
+                if n:
+                    ce, _ = model.forward_backward(params, grads, self.x, self.y, n)
+                else:
+                    grads.flat[:] = 0
+                compute += time.perf_counter() - t
+                if ex is None:
+                    t = time.perf_counter()
+                    opt.step(params.flat, grads.flat, LR, n)
+                    local_update += time.perf_counter() - t
+                    continue
+                if pending:                        # the previous half's update, delayed
+                    ex.finish(params.flat, opt, LR)
+                    pending = False
+                opt.begin_step(int(part.sum()), n)
+                opt.pre_exchange(grads.flat)
+                if double_buffering:
+                    ex.start(grads.flat)
+                    pending = True
+                else:
+                    ex.step(grads.flat, params.flat, opt, LR)
+        marks.append(time.perf_counter())
+        phases = dict(ex.times) if ex is not None else {}
+        if pending:                                # drain (not timed)
+            ex.finish(params.flat, opt, LR)
+        phases = {p: v / steps for p, v in phases.items()}
+        cats = {"compute": compute / steps}
+        for cat, names in CATEGORIES.items():
+            cats[cat] = sum(phases.get(p, 0.0) for p in names)
+        cats["update"] += local_update / steps
+        if not np.isfinite(ce):
+            raise FloatingPointError(f"rank {rank}: cross-entropy {ce} (lower bench LR)")
+        return np.diff(marks)[warmup:], cats, phases
+
+
+def measure(r, ex, opt, n, parts, db, args):
+    """One row: the loop timed, reduced over ranks (slowest step, mean categories)."""
+    from mpi4py import MPI
+    times, cats, phases = r.loop(ex, opt, parts, args.steps, args.warmup, db)
+    step_max = np.empty_like(times)
+    r.comm.Allreduce(times, step_max, op=MPI.MAX)     # a step lasts until its slowest rank
+    step = float(np.median(step_max))
+    mean_step = float(step_max.mean())     # the categories are means: fractions of the mean
+    cats, phases = (r.mean_over_ranks(d) for d in (cats, phases))
+    fractions = {k: v / mean_step for k, v in cats.items()}
+    fractions["other"] = 1.0 - sum(fractions.values())
+    return {"minibatch": n, "double_buffering": db, "step_s": step, "step_s_all": step_max.tolist(),
+            "frames_per_s": n / step, "seconds": cats, "fractions": fractions,
+            "phases_s": phases,
+            "exchange_s": 0.0 if ex is None else sum(cats[c] for c in CATEGORIES)}
+
+
+def wire(ex, world, size):
+    """(bytes this rank sends per exchange, bits per value on the wire)."""
+    if hasattr(ex, "bytes_on_wire"):
+        return ex.bytes_on_wire(), 8.0 * ex.send.size / size
+    item = 2 if ex.dtype == "float16" else 4        # ring allreduce: 2(K-1)/K of the data
+    return int(2 * (world - 1) * size * item / world), 8.0 * item
+
+
+def worker(argv):
+    from mpi4py import MPI
+
+    from hpcsgd.comm import make_exchange
+    from hpcsgd.data.loader import local_batch_size
+    from hpcsgd.model.dnn import gemm_flop_per_frame
+    from hpcsgd.optim import Optimizer
+    from hpcsgd.train import halves
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    _, ns, dbs = _settings(args)
+    comm = MPI.COMM_WORLD
+    K = comm.Get_size()
+    shape = SMALL if args.small else PAPER
+    r = Rank(comm, shape, args.activation, max(local_batch_size(n, 0, K) for n in ns))
+    size = r.params.size
+    flop = gemm_flop_per_frame(**shape)
+    configs = [(n, db, [p for p in (halves(take) if db else [take]) if p.sum()])
+               for n in ns for db in dbs
+               for take in [np.array([local_batch_size(n, j, K) for j in range(K)])]]
+    rows, skip, roof = [], {}, {}
+    # limits first: the GEMMs alone and the loop with the exchange skipped, per (N, DB)
+    opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC)
+    for n, db, parts in configs:
+        roof[(n, db)] = r.gemm_time(parts, args.steps)
+        row = measure(r, None, opt, n, parts, db, args)
+        skip[(n, db)] = row["frames_per_s"]
+        rows.append(dict(row, exchange="none"))
+    del opt
+    for name in args.exchange.split(","):
+        ex = make_exchange(exchange_config(name), comm, r.bufs[0].matrices)
+        opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size)
+        nbytes, bits = wire(ex, K, size)
+        for n, db, parts in configs:
+            row = measure(r, ex, opt, n, parts, db, args)
+            row.update(exchange=name, bytes_per_rank=nbytes, bits_per_value=bits,
+                       exchanges_per_step=len(parts),
+                       comm_overhead=1.0 - row["frames_per_s"] / skip[(n, db)])
+            rows.append(row)
+            if r.rank == 0:
+                print(f"  K={K} {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
+        del ex, opt
+    for row in rows:
+        key = (row["minibatch"], row["double_buffering"])
+        row.update(skip_frames_per_s=skip[key], gemm_only_s=roof[key],
+                   roofline_frames_per_s=row["minibatch"] / roof[key],
+                   roofline_fraction=roof[key] / row["step_s"],
+                   gflops=flop * row["minibatch"] / row["step_s"] / 1e9,
+                   gemm_only_gflops=flop * row["minibatch"] / roof[key] / 1e9)
+    launch.write_result(comm, {"ranks": K, "params": size, "steps": args.steps,
+                               "warmup": args.warmup, "gflop_per_frame": flop / 1e9,
+                               "load_average_end": report.load_average(), "rows": rows},
+                        args.json)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""Every `hpcsgd bench` subcommand as a CI smoke test: --small, --json, then --compare against
+that JSON (its floats scaled by 1000, so a figure stored as such shows a -99.9% change).
+The subcommands with an MPI part launch their own mpiexec (hpcsgd/bench/launch.py)."""
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from hpcsgd.bench import BENCHES, report
+
+EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it must print
+    "exchange": (["--ranks", "2", "--codecs", "onebit,float32", "--repeats", "1"],
+                 "x = / float32 in-place Allreduce"),
+    "kernels": (["--repeats", "1", "--codecs", "onebit,kbit4,dettmers,float16"], "triad"),
+    "loader": ([], "raw HDF5 read (limit)"),
+    "machine": ([], "bus bandwidth"),
+    "plan": (["--plot", "{tmp}/plan.png"], "Validation"),
+    "train": (["--steps", "2"], "Table 4"),
+}
+
+
+def bench(name, *args, timeout=180):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "bench", name, "--small", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def scaled(obj, factor):
+    """Every float of the result times factor (ints -- K, N, sizes -- stay: labels keep)."""
+    if isinstance(obj, dict):
+        return {k: scaled(v, factor) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scaled(v, factor) for v in obj]
+    return obj * factor if isinstance(obj, float) else obj
+
+
+def check_exchange(res):
+    r = res["runs"][0]["results"]
+    assert res["runs"][0]["ranks"] == 2 and r["allreduce_f32_inplace"]["total"] > 0
+    for phase in ("encode", "alltoallv", "decode_sum", "post_process", "reencode",
+                  "allgatherv", "decode_apply"):
+        assert r["striped_onebit"][phase] >= 0
+    assert r["striped_onebit"]["bytes_per_rank"] * 20 < r["striped_float32"]["bytes_per_rank"]
+
+
+def check_kernels(res):
+    assert res["triad_GBps"] > 0 and set(res["codecs"]) == {"onebit", "kbit4", "dettmers",
+                                                             "float16"}
+    one = res["codecs"]["onebit"]
+    assert one["encode_GBps"] > 0 and one["decode_acc_GBps"] > 0
+    assert 1.0 < one["bits_per_value"] < 1.2
+
+
+def check_loader(res):
+    assert res["raw_read_fps"] > 0 and res["loader_sync_fps"] > 0 and res["loader_prefetch_fps"] > 0
+
+
+def check_machine(res):
+    for m in res["memory"].values():
+        assert m["copy_GBps"] > 0 and m["triad_GBps"] > 0
+    assert all(g > 0 for g in res["gemm"]["shapes"].values())
+    assert all(g > 0 for g in res["gemm"]["square_gflops"].values())
+    (run,) = res["mpi"]["runs"]
+    assert run["ranks"] == 2 and len(run["rows"]) == 3
+    for row in run["rows"]:
+        for c in ("allreduce", "alltoall", "allgather"):
+            assert row[c]["time_s"] > 0 and row[c]["busbw_GBps"] > 0
+            # bus bandwidth = bytes / time x share crossing a link: (K-1)/K, 2(K-1)/K at K = 2
+            share = 1.0 if c == "allreduce" else 0.5
+            assert row[c]["busbw_GBps"] == pytest.approx(row[c]["algbw_GBps"] * share)
+
+
+def check_plan(res):
+    assert {r["codec"] for r in res["rows"]} == {"float32-allreduce", "onebit"}
+    for r in res["rows"]:
+        assert len(r["speedup_db"]) == len(r["speedup_nodb"]) == 16
+        assert r["speedup_db"][0] == pytest.approx(1.0) == r["speedup_nodb"][0]
+        assert r["Z"] == pytest.approx(32 / r["bits"])
+
+
+def check_train(res):
+    assert [r["ranks"] for r in res["runs"]] == [1, 2]
+    for run in res["runs"]:
+        rows = {(r["exchange"], r["double_buffering"]): r for r in run["rows"]}
+        assert set(rows) == {(e, d) for e in ("none", "allreduce", "onebit") for d in (False, True)}
+        for (ex, db), r in rows.items():
+            assert r["minibatch"] == 256 and r["frames_per_s"] > 0
+            assert r["roofline_frames_per_s"] > 0 and r["skip_frames_per_s"] > 0
+            assert math.isfinite(r["roofline_fraction"]) and r["roofline_fraction"] > 0
+            assert r["frames_per_s"] == pytest.approx(256 / r["step_s"])
+            assert sum(r["fractions"].values()) == pytest.approx(1.0)
+            assert r["fractions"]["compute"] > 0
+            if ex != "none":
+                assert math.isfinite(r["comm_overhead"]) and r["comm_overhead"] < 1
+                assert r["comm_overhead"] == pytest.approx(
+                    1 - r["frames_per_s"] / r["skip_frames_per_s"])
+                assert r["exchanges_per_step"] == (2 if db else 1)
+                if run["ranks"] > 1:
+                    assert r["fractions"]["communicate"] > 0
+        assert rows[("onebit", False)]["bits_per_value"] < 1.5   # + 2 floats per column
+        assert rows[("allreduce", False)]["bits_per_value"] == 32
+    assert res["frames_per_s"] > 0 and res["batch"] == 256
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_small_json_and_compare(name, tmp_path):
+    extra, must_print = EXTRA[name]
+    extra = [a.format(tmp=tmp_path) for a in extra]
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    out = bench(name, *extra, "--json", str(first))
+    assert must_print in out
+    if name == "plan":
+        assert (tmp_path / "plan.png").stat().st_size > 1000
+    res = json.loads(first.read_text())
+    assert res["bench"] == name and res["command"].startswith(f"hpcsgd bench {name}")
+    assert res["load_average_start"] >= 0 and res["git_revision"]
+    globals()[f"check_{name}"](res)
+    module = importlib.import_module(BENCHES[name][0])
+    figs = report.headline(module, res)
+    assert figs
+    for label, value in figs.items():
+        if isinstance(value, str):      # plan: K-hat is 'inf' where Eq. 4 has no bound (§2.3)
+            assert value == "inf", label
+        else:
+            assert math.isfinite(value), label
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(scaled(res, 1000.0)))
+    out = bench(name, *extra, "--json", str(again), "--compare", str(old))
+    assert f"compare with {old}" in out
+    table = out[out.index(f"compare with {old}"):].splitlines()
+    changed = [lab for lab, v in figs.items() if isinstance(v, float)]
+    assert changed
+    ends = {}
+    for label in changed:   # every figure named, with its change (ratios of two scaled floats: ~0%)
+        line = next((ln for ln in table if ln.startswith(label + " ")), None)
+        assert line is not None and line.rstrip().endswith("%"), f"--compare: {label!r}"
+        ends[label] = line.rstrip().endswith("-99.9%")
+    assert any(ends.values())
+    assert json.loads(again.read_text())["bench"] == name
+
+
+def test_compare_names_each_link_of_an_emulated_run(capsys):
+    from hpcsgd.bench import loader
+    one = {"raw_read_fps": 100.0, "loader_sync_fps": 10.0, "loader_prefetch_fps": 10.0,
+           "target_fps": 5.0}
+    new = {"links": [{"link_gbps": 1, **one}, {"link_gbps": 10, **one}]}
+    old = {"links": [{"link_gbps": 1, **one, "raw_read_fps": 50.0}]}
+    rows = report.compare(loader, new, old, "old.json")
+    out = capsys.readouterr().out
+    assert ("1 Gbit/s raw HDF5 read frames/s", 50.0, 100.0, 100.0) in rows
+    assert "+100.0%" in out and "only in this run: 10 Gbit/s raw HDF5 read frames/s" in out
+
+
+def test_json_is_strict_and_keeps_infinity_readable():
+    assert report.clean({"k": float("inf"), "n": [float("nan"), 1.5]}) == \
+        {"k": "inf", "n": ["nan", 1.5]}
