@@ -1,6 +1,7 @@
 """The emulated cluster (bin/emucluster): one MPI rank per network namespace over a shaped
 link, torn down afterwards, also when interrupted. Needs root and working `ip netns`; skipped
 with the reason otherwise."""
+import json
 import os
 import shutil
 import signal
@@ -90,3 +91,25 @@ def test_interrupt_tears_down():
             p.kill()
             p.wait()
         subprocess.run([BIN, "--down"], capture_output=True)
+
+
+@needs_netns
+def test_bench_machine_across_the_emulated_link(tmp_path):
+    """`hpcsgd bench machine --emulate 1` (the shared --emulate of MPI benchmarks): the ranks'
+    collectives see the 1 Gbit/s link, not shared memory, and the cluster is gone after."""
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "bench", "machine", "--small",
+                           "--emulate", "1", "--sizes", "65536,1048576", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    try:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        (link,) = json.loads(out.read_text())["links"]
+        assert link["link_gbps"] == 1 and link["mpi"]["limit"] == "link 1 Gbit/s"
+        big = link["mpi"]["runs"][0]["rows"][-1]            # 1 MiB
+        for c in ("allreduce", "alltoall", "allgather"):
+            # at most the link's 0.125 GB/s (+ the 1 ms bucket's burst); shared memory: > 1 GB/s
+            assert 0 < big[c]["busbw_GBps"] < 0.125 * 1.3, (c, big[c])
+    finally:
+        left = _leftovers()
+        subprocess.run([BIN, "--down"], capture_output=True)
+    assert left == []

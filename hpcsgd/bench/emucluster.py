@@ -1,7 +1,7 @@
 """An emulated cluster on one machine: K "hosts" as network namespaces, each joined to a bridge
 by a veth pair whose two ends are shaped with tc (tbf: the rate; netem: a one-way delay, where
-the kernel has sch_netem — this VM's has not), one MPI rank per
-namespace, MPI over TCP. This is where 1-bit SGD's byte savings meet a bandwidth-limited link
+the kernel has sch_netem -- this VM's has not: CONFIG_NET_SCH_NETEM is off, no modules), one
+MPI rank per namespace, MPI over TCP. This is where 1-bit SGD's byte savings meet a bandwidth-limited link
 (on one machine without it, the "network" is memory copies: docs/benchmarks.md).
 
     bin/emucluster [--hosts K] [--gbps 1] [--delay-us 25] -- mpiexec-args...
@@ -69,8 +69,10 @@ def netem_available():
 def shape(ns, dev, gbps, delay_us, netem):
     """One end of a host's link: egress rate `gbps` by a token bucket (tbf), and, when the
     kernel has netem, `delay_us` one-way delay in front of it. Bucket = 1 ms of the rate
-    (>= 64 KiB, a GSO packet on veth): short bursts above the rate stay under 1 ms; the queue
-    (latency 100 ms) delays a 180 MB burst instead of dropping it."""
+    (>= 64 KiB, a GSO packet on veth): short bursts above the rate stay under 1 ms. tbf's
+    `latency 100ms` is not a delay: it sizes the queue (rate x 100 ms + bucket) and drops what
+    would wait longer; a packet that finds tokens leaves at once, so tbf emulates a link's rate
+    and the queueing behind earlier bytes, never its propagation delay (netem's job)."""
     pre = ["ip", "netns", "exec", ns] if ns else []
     burst = max(65536, int(gbps * 1e9 / 8 * 1e-3))
     tbf = ["tbf", "rate", f"{gbps}gbit", "burst", str(burst), "latency", "100ms"]

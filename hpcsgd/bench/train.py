@@ -96,6 +96,11 @@ def run(args):
         # its second thread on 2 shared cores
         res = launch.mpirun(k, "hpcsgd.bench.train", worker, args.timeout,
                             args.threads or (1 if args.small else None))
+        gbps = launch.link_gbps()
+        for row in res["rows"]:    # the link's limit: the bytes of a step at the link rate
+            row["comm_s"] = row["seconds"]["communicate"]
+            if gbps and row["exchange"] != "none":
+                row["wire_s"] = row["exchanges_per_step"] * row["bytes_per_rank"] * 8 / (gbps * 1e9)
         runs.append(res)
         print_table(res)
     out = {"model": "small" if args.small else "paper-46M", "shape": shape,
@@ -129,6 +134,8 @@ def figures(res):
             if r["exchange"] != "none":
                 out[f"{key} comm overhead"] = r["comm_overhead"]
                 out[f"{key} exchange ms"] = 1e3 * r["exchange_s"]
+                if "wire_s" in r:
+                    out[f"{key} comm ms / wire ms"] = r["comm_s"] / r["wire_s"]
     return out
 
 
@@ -137,8 +144,12 @@ def print_table(run):
     print(f"\nK = {k} rank(s), {run['threads_per_rank']} thread(s) each, {run['params']:,} "
           f"parameters; median of {run['steps']} steps, slowest rank. Limits from this run: "
           f"roofline = the step's GEMMs alone; no-exch = the exchange skipped")
+    wire = any("wire_s" in r for r in run["rows"])
+    if wire:
+        print("comm ms = MPI time per step; wire ms = the step's bytes per rank at the link rate")
     print(f"{'N':>6s} {'exchange':>11s} {'DB':>3s} {'frames/s':>9s} {'roofline':>9s} "
           f"{'of roof':>7s} {'no-exch':>8s} {'overhead':>8s} {'exch ms':>8s} "
+          + (f"{'comm ms':>8s} {'wire ms':>8s} " if wire else "") +
           f"{'compute':>7s} {'encode':>6s} {'comm':>6s} {'update':>6s} {'other':>6s}")
     for r in run["rows"]:
         f = r["fractions"]
@@ -149,6 +160,8 @@ def print_table(run):
               f"{r['roofline_fraction']:>7.1%} {r['skip_frames_per_s']:>8.1f} "
               f"{'' if none else format(r['comm_overhead'], '.1%'):>8s} "
               f"{'' if none else format(1e3 * r['exchange_s'], '.1f'):>8s} "
+              + (f"{'' if none else format(1e3 * r['comm_s'], '.1f'):>8s} "
+                 f"{'' if none else format(1e3 * r['wire_s'], '.1f'):>8s} " if wire else "")
               + " ".join(f"{f[c]:>{w}.0%}" for c, w in
                          (("compute", 7), ("encode", 6), ("communicate", 6), ("update", 6),
                           ("other", 6))))
