@@ -318,7 +318,8 @@ def train(cfg, comm, rank, world, stop):
                                      for r in range(world)])
                 meta["minibatch"], meta["next_probe"] = global_batch, meta["frames"] + probe_every
                 log.info(f"minibatch size probe at frame {meta['frames']:,}: "
-                         f"{record['criteria']} -> {global_batch} ({record['seconds']:.1f} s)")
+                         f"{ {int(c): round(v, 4) for c, v in record['criteria'].items()} } "
+                         f"-> {global_batch} ({record['seconds']:.1f} s)")
                 log.record("probe", epoch=epoch, frames=meta["frames"], **record)
             # 1. batch: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_of, rank_frames - offsets)
@@ -512,7 +513,7 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
     ok = [c for c in sizes
           if np.isfinite(criteria[c]) and criteria[c] <= best * (1 + cfg["train.probe_margin"])]
     chosen = max(ok) if ok else current
-    return chosen, {"candidates": sizes, "criteria": {str(c): criteria[c] for c in sizes},
+    return chosen, {"candidates": sizes, "criteria": {str(c): float(criteria[c]) for c in sizes},
                     "chosen": chosen, "previous": current, "seconds": time.perf_counter() - t0}
 
 
