@@ -3,7 +3,7 @@
 # placements) on real speech: so762_dev, 13 held-out speakers, K ranks, same frames for all.
 #   bash experiments/table23_so762.sh [K]      (needs runs/so762/archive: see jobs/configs/so762.yaml)
 # Each run's CV frame accuracy per epoch lands in runs/table23/<name>/metrics.jsonl;
-# experiments/table23_summary.py prints the table.
+# experiments/summarize_runs.py prints the table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K=${1:-4}
