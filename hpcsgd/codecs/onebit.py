@@ -241,9 +241,16 @@ def encode_cuda(g, r, words, means, bad):
         words[c * W + 2 + w] = word
 
 
+DECODE, ACCUMULATE, APPLY = 0, 1, 2   # decode_cuda's modes
+
+
 @cuda.jit
-def decode_cuda(words, means, out, accumulate):
-    """One block per column, one thread per row (coalesced writes)."""
+def decode_cuda(words, means, out, mode, lr):
+    """One block per column, one thread per row (coalesced). mode DECODE: out = decoded;
+    ACCUMULATE: out += decoded; APPLY: out -= lr * decoded (the weights; decode_apply_cpu's
+    arithmetic, float64 lr times the float32 value, rounded once -- but NVVM may contract
+    the multiply-subtract into an FMA, so GPU ranks agree with each other bit for bit, not
+    necessarily with CPU ranks; the simulator runs it exactly)."""
     c = cuda.blockIdx.x
     n_rows = out.shape[1]
     W = 2 + (n_rows + 31) // 32
@@ -252,28 +259,12 @@ def decode_cuda(words, means, out, accumulate):
     for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
         bit = (words[c * W + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
         val = m1 if bit else m0
-        if accumulate:
+        if mode == APPLY:
+            out[c, i] = out[c, i] - lr * val
+        elif mode == ACCUMULATE:
             out[c, i] += val
         else:
             out[c, i] = val
-
-
-@cuda.jit
-def decode_apply_cuda(words, means, w, lr):
-    """w -= lr * decoded, one block per column, one thread per row (decode_apply_cpu's
-    arithmetic: float64 lr times the float32 value, rounded once to float32). The product
-    is forced through a float64 temporary before the subtraction, but NVVM may still contract
-    it into an FMA: GPU ranks then agree with each other bit for bit, not necessarily with
-    CPU ranks (the simulator runs it exactly)."""
-    c = cuda.blockIdx.x
-    n_rows = w.shape[1]
-    W = 2 + (n_rows + 31) // 32
-    m0 = means[c * W]
-    m1 = means[c * W + 1]
-    for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
-        bit = (words[c * W + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
-        step = lr * (m1 if bit else m0)
-        w[c, i] = w[c, i] - step
 
 
 # ---------------------------------------------------------------- the codec
@@ -321,7 +312,7 @@ class OneBit(Codec):
         else:
             p = as_device(packed)
             decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(out),
-                                     accumulate)
+                                     ACCUMULATE if accumulate else DECODE, np.float64(0))
 
     def decode(self, packed, out):
         self._decode(packed, out, False)
@@ -332,7 +323,7 @@ class OneBit(Codec):
     def decode_apply(self, packed, w, lr):
         """w -= lr * decoded(packed), in one pass over w: the exchange's final decode fused
         with the weight update, bit-identical to decode followed by Optimizer.apply (float64
-        lr, one rounding; on a real GPU see decode_apply_cuda)."""
+        lr, one rounding; on a real GPU see decode_cuda)."""
         self._check_decode(packed, w)
         n_cols, n_rows = w.shape
         if n_cols == 0 or n_rows == 0:
@@ -347,5 +338,5 @@ class OneBit(Codec):
                              packed.view(np.float32).reshape(n_cols, W), w, float(lr))
         else:
             p = as_device(packed)
-            decode_apply_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(w),
-                                           np.float64(lr))
+            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(w), APPLY,
+                                     np.float64(lr))
