@@ -106,10 +106,12 @@ def test_validate_shared_cores_hand_computed():
            _train_row(1000, "onebit", False, 1.0, ph), _train_row(1000, "onebit", True, 1.0, ph2)]
     two = [_train_row(1000, "onebit", False, 1.0, step=1.2, comm=0.002, bits=1.0),
            _train_row(1000, "onebit", True, 1.0, step=1.3, comm=0.004, bits=1.0)]
-    train = {"links": [{"link_gbps": 1, "runs": [{"ranks": 1, "params": 1e6, "rows": one},
-                                                 {"ranks": 2, "params": 1e6, "rows": two}]}]}
+    train = {"cpus": 2, "links": [{"link_gbps": 1, "runs": [
+        {"ranks": 1, "params": 1e6, "threads_per_rank": 2, "rows": one},
+        {"ranks": 2, "params": 1e6, "threads_per_rank": 1, "rows": two}]}]}
     off, on = plan.validate(train, latency_s=0.0)
-    # K = 2 ranks on the shared cores: compute 2 * v1(500) = 1 s; fixed 2 * 20 + 5 ms;
+    # K = 2 ranks on the 2 cores, one each, where K = 1 had both: everything takes 2x;
+    # compute 2 * v1(500) = 1 s; fixed 2 * (20 + 5 / 2) ms = 45 ms;
     # comm 2 (K-1)/K * 1e6 values * 1 bit / 1 Gbit/s = 1 ms per exchange
     assert off["comm_pred_s"] == pytest.approx(1e-3)
     assert off["comm_meas_s"] == pytest.approx(2e-3)
@@ -121,3 +123,8 @@ def test_validate_shared_cores_hand_computed():
     assert on["step_pred_s"] == on["step_pred_overlap_s"] and on["comm_meas_s"] == 0.002
     capped = plan.validate(train, 0.0, ceiling_gbps=0.5)[0]
     assert capped["comm_pred_capped_s"] == pytest.approx(2e-3)
+    # 1 thread per rank at K = 1 too: 2 ranks on 2 cores run as fast as one -> no slowdown
+    train["links"][0]["runs"][0]["threads_per_rank"] = 1
+    off = plan.validate(train, 0.0)[0]
+    assert off["core_share_slowdown"] == 1.0
+    assert off["step_pred_s"] == pytest.approx(0.5 + 0.0225 + 0.001)

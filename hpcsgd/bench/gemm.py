@@ -6,7 +6,6 @@ library numpy loaded (ctypes), so one process can measure 1 thread and all cores
 import ctypes
 import glob
 import os
-import time
 
 import numpy as np
 
@@ -33,21 +32,16 @@ def blas_threads(n=None):
     return int(lib.scipy_openblas_get_num_threads64_())
 
 
-def gemm_gflops(m, k, n, repeats, transpose_a=False, transpose_b=False):
-    """Best-of-repeats GFLOP/s of C(m,n) = A(m,k) @ B(k,n) into a preallocated C (A or B
-    read transposed, as the backward pass does)."""
+def gemm_timer(m, k, n, transpose_a=False, transpose_b=False):
+    """(run, flop): one product C(m,n) = A(m,k) @ B(k,n) into a preallocated C (A or B read
+    transposed, as the backward pass does), to time alone or in alternation with another."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, m) if transpose_a else (m, k), dtype=np.float32)
     b = rng.standard_normal((n, k) if transpose_b else (k, n), dtype=np.float32)
     a, b = (a.T if transpose_a else a), (b.T if transpose_b else b)
     c = np.empty((m, n), np.float32)
-    np.matmul(a, b, out=c)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.matmul(a, b, out=c)
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * m * k * n / best / 1e9
+    np.matmul(a, b, out=c)       # first touch, BLAS thread start-up
+    return (lambda: np.matmul(a, b, out=c)), 2.0 * m * k * n
 
 
 def training_shapes(dims, n):

@@ -468,15 +468,17 @@ def fixed_costs(phases, striped):
 
 def validate(train, latency_s, ceiling_gbps=None):
     """Eq. 4's time per minibatch against `bench train`'s measured steps, per link, K, N,
-    exchange and double buffering. Costs come from the run's own K = 1 rows; K ranks share
-    this machine's cores, so a rank's compute and passes over memory take K times the
-    one-rank time on all cores (each has 1/K of the cores and of the memory bandwidth):
-    v_K(n) = K v_1(n), T_upd_K = K T_upd_1, C T_post_K = K C T_post_1 (split over K owners).
+    exchange and double buffering. Costs come from the run's own K = 1 rows. K ranks share
+    this machine's C cores: a rank runs on min(threads, C/K) cores, so its compute and its
+    passes over memory take s_K = share_1 / share_K times the K = 1 time (s_K = K when the
+    one rank had all C cores; max(1, K/C) with 1 thread per rank): v_K(n) = s_K v_1(n),
+    T_upd_K = s_K T_upd_1, C T_post_K = s_K C T_post_1 (then split over K owners).
     Per exchange (nex = 2 with double buffering): v = v_K(N / (nex K)), u = T_upd_K +
     C T_post_K / K, c = T_comm(K)/Z from the link rate (link_comm), or the measured
     communication where there is no emulated link. Predicted step: serial nex (v + u + c);
     overlapped (the paper's DB) nex max(v + u, c)."""
     links = train["links"] if "links" in train else [train]
+    cores = train.get("cpus") or os.cpu_count() or 1
     out = []
     for link in links:
         gbps = link.get("link_gbps")
@@ -485,9 +487,13 @@ def validate(train, latency_s, ceiling_gbps=None):
             raise ValueError("validate: the train JSON needs a K = 1 run (--ranks 1,...)")
         base = {(r["minibatch"], r["exchange"], r["double_buffering"]): r for r in runs[1]["rows"]}
         m = float(runs[1]["params"])
+
+        def share(run):   # cores one rank of `run` computes on
+            return min(run.get("threads_per_rank", 1), cores / run["ranks"])
         for k, run in sorted(runs.items()):
             if k == 1:
                 continue
+            slow = share(runs[1]) / share(run)
             for row in run["rows"]:
                 if row["exchange"] == "none":
                     continue
@@ -498,8 +504,8 @@ def validate(train, latency_s, ceiling_gbps=None):
                           for key, r in base.items() if key[1] == "none" and key[2] == db}
                 v1 = VarCost(points)
                 t_upd1, c_post1 = fixed_costs(b["phases_s"], not ex.startswith("allreduce"))
-                v = k * v1(n / (nex * k))
-                u = (k * t_upd1 + k * c_post1 / k) / nex
+                v = slow * v1(n / (nex * k))
+                u = slow * (t_upd1 + c_post1 / k) / nex
                 meas_c = row["seconds"]["communicate"] / nex
                 if gbps:
                     c = link_comm(m, row["bits_per_value"], gbps, latency_s)(k)
@@ -512,6 +518,7 @@ def validate(train, latency_s, ceiling_gbps=None):
                 pred = overlap if db else serial
                 r = {"link": f"{gbps:g} Gbit/s" if gbps else "shared memory (comm measured)",
                      "K": k, "N": n, "exchange": ex, "db": "on" if db else "off",
+                     "core_share_slowdown": slow,
                      "compute_pred_s": nex * v, "compute_meas_s": row["seconds"]["compute"],
                      "fixed_pred_s": nex * u,
                      "fixed_meas_s": row["seconds"]["encode"] + row["seconds"]["update"],
