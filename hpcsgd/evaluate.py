@@ -13,7 +13,7 @@ import numpy as np
 
 from hpcsgd import checkpoint
 from hpcsgd.data import archive
-from hpcsgd.data.loader import FrameLoader
+from hpcsgd.data.loader import BLOCK_FRAMES, FrameLoader
 from hpcsgd.errors import UserError
 from hpcsgd.model.dnn import DNN
 
@@ -60,8 +60,12 @@ def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=No
     """Sums over the whole archive (reduced over ranks): ce, correct, frames, confusion (V, V).
     `heartbeat()`, when given, is called per batch (the trainer's watchdog)."""
     V = model.dims[-1]
+    # blocks small enough that every rank gets one: a CV set may be smaller than K blocks of
+    # the default size (the frames are only summed, so block size does not change the result)
+    total = archive.read_index(archive_dir)["total_frames"]
     loader = FrameLoader(archive_dir, rank, world, context=context, cmvn=cmvn, seed=0,
-                         max_batch=model.max_batch)
+                         max_batch=model.max_batch,
+                         block_frames=min(BLOCK_FRAMES, max(1, total // world)))
     loader.start_epoch(0)
     ce, confusion = 0.0, np.zeros(V * V, np.int64)
     rows = np.arange(model.max_batch)

@@ -261,3 +261,20 @@ def test_a_failing_rank_aborts_the_job_instead_of_hanging(tmp_path):
                    timeout=120)
     assert proc.returncode != 0
     assert "shard-00001.h5" in proc.stderr
+
+
+def test_a_cv_set_smaller_than_one_block_per_rank_is_evaluated_by_three_ranks(synth, tmp_path):
+    """The CV loader sizes its blocks so every rank gets one (the training default, 8192
+    frames, would leave this 2-shard set with 2 blocks for 3 ranks); the sums are the same as
+    one process evaluating the whole set."""
+    run = str(tmp_path / "run")
+    proc = run_mpi(3, ["-m", "mpi4py", "-m", "hpcsgd.cli"]
+                   + train_args(synth, run, f"data.cv={synth}", "train.epochs=1"), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    epoch = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))
+             if '"epoch"' in l and json.loads(l)["kind"] == "epoch"][-1]
+    out = str(tmp_path / "eval.json")
+    hpcsgd("eval", run, "--data", synth, "--json", out)
+    result = json.load(open(out))
+    assert result["frame_accuracy"] == pytest.approx(epoch["cv_frame_accuracy"], abs=1e-12)
+    assert result["ce"] == pytest.approx(epoch["cv_ce"], rel=1e-9)
