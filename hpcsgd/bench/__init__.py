@@ -43,9 +43,9 @@ def run(args):
             result = emucluster.bench(lambda: module.run(opts), opts)
         else:
             result = module.run(opts)
-    except (launch.LaunchError, emucluster.NeedsRoot) as err:
+    except (launch.LaunchError, emucluster.NeedsRoot, emucluster.Busy) as err:
         print(f"hpcsgd bench {args.name}: {err}", file=sys.stderr)
-        return 2 if isinstance(err, emucluster.NeedsRoot) else 1
+        return {emucluster.NeedsRoot: 2, emucluster.Busy: emucluster.EXIT_BUSY}.get(type(err), 1)
     except emucluster.Interrupted as err:
         print(f"hpcsgd bench {args.name}: interrupted ({err}); emulated cluster torn down",
               file=sys.stderr)

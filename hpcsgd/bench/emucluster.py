@@ -11,7 +11,8 @@ MPI rank per namespace, MPI over TCP. This is where 1-bit SGD's byte savings mee
 Needs root (ip netns, tc); exits 2 with a message otherwise. Everything it creates carries the
 prefix `hpe` (namespaces hpe0..hpeK-1, bridge hpebr, veths hpeNh/emu0), and is removed on exit,
 on an exception and on SIGINT/SIGTERM/SIGHUP (the launcher turns those into an exception so the
-`finally` runs). `--down` removes leftovers of a killed run.
+`finally` runs). `--down` removes leftovers of a killed run. One cluster at a time (an flock,
+exclusive()): a second run exits 75 at once, or waits $EMUCLUSTER_WAIT seconds for it.
 
 How MPI reaches the namespaces: MPICH's hydra `mpiexec` (in the root namespace, on the bridge
 address 10.77.0.1) starts its proxies with the ssh launcher whose executable is
@@ -27,6 +28,7 @@ is really "as fast as the kernel moves bytes".
 """
 import argparse
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -162,6 +164,42 @@ class NeedsRoot(RuntimeError):
     pass
 
 
+class Busy(RuntimeError):
+    pass
+
+
+LOCK = "/run/lock/hpcsgd-emucluster.lock"
+EXIT_BUSY = 75          # EX_TEMPFAIL: try again later
+
+
+@contextlib.contextmanager
+def exclusive(wait=None):
+    """One emulated cluster at a time on this machine: its names (hpe*, 10.77.0.0/24) are
+    fixed, and setting up removes leftovers, which would be another live run's cluster. An
+    flock, so an owner that dies releases it (the descriptor is not inherited by children).
+    wait: seconds to wait for a busy cluster (default $EMUCLUSTER_WAIT, else 0: Busy at once)."""
+    wait = float(os.environ.get("EMUCLUSTER_WAIT", 0)) if wait is None else wait
+    os.makedirs(os.path.dirname(LOCK), exist_ok=True)
+    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    raise Busy(f"emucluster: in use by pid {owner} (another run's emulated "
+                               f"cluster); set EMUCLUSTER_WAIT=SECONDS to wait for it") from None
+                time.sleep(1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def cluster(hosts, gbps, delay_us=0):
     """K shaped hosts for the duration of the with-block. Inside it os.environ carries what
@@ -174,27 +212,31 @@ def cluster(hosts, gbps, delay_us=0):
                         "e.g. sudo bin/emucluster")
     old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     saved = dict(os.environ)
-    down()
     try:
-        with tempfile.TemporaryDirectory(prefix="emucluster") as state:
-            netem = netem_available()
-            if delay_us and not netem:
-                print(f"emucluster: this kernel has no netem qdisc; the {delay_us} us delay is NOT "
-                      f"applied (rate only; the veth path's own latency remains)", file=sys.stderr)
-                delay_us = 0
-            lines = up(hosts, gbps, delay_us, netem)
-            env = mpi_env(state)
-            with open(env["EMUCLUSTER_MAP"], "w") as f:
-                f.write("\n".join(lines) + "\n")
-            env.update(EMUCLUSTER_MPIEXEC_ARGS=" ".join(mpiexec_args(hosts)),
-                       EMUCLUSTER_GBPS=str(gbps),
-                       EMUCLUSTER_LINK=f"{gbps} Gbit/s, {delay_us} us one-way")
-            os.environ.update(env)
-            yield env
+        with exclusive():
+            down()                      # leftovers of a killed run (no live one: we hold the lock)
+            try:
+                with tempfile.TemporaryDirectory(prefix="emucluster") as state:
+                    netem = netem_available()
+                    if delay_us and not netem:
+                        print(f"emucluster: this kernel has no netem qdisc; the {delay_us} us "
+                              f"delay is NOT applied (rate only; the veth path's own latency "
+                              f"remains)", file=sys.stderr)
+                        delay_us = 0
+                    lines = up(hosts, gbps, delay_us, netem)
+                    env = mpi_env(state)
+                    with open(env["EMUCLUSTER_MAP"], "w") as f:
+                        f.write("\n".join(lines) + "\n")
+                    env.update(EMUCLUSTER_MPIEXEC_ARGS=" ".join(mpiexec_args(hosts)),
+                               EMUCLUSTER_GBPS=str(gbps),
+                               EMUCLUSTER_LINK=f"{gbps} Gbit/s, {delay_us} us one-way")
+                    os.environ.update(env)
+                    yield env
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+                down()
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        down()
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -214,6 +256,9 @@ def run(hosts, gbps, delay_us, argv, timeout=None):
     except NeedsRoot as e:
         print(e, file=sys.stderr)
         return 2
+    except Busy as e:
+        print(e, file=sys.stderr)
+        return EXIT_BUSY
     except Interrupted as e:
         print(f"emucluster: interrupted ({e}); tearing down", file=sys.stderr)
         return 130
@@ -262,7 +307,12 @@ def main(argv=None):
         if os.geteuid() != 0:
             print("emucluster: needs root", file=sys.stderr)
             return 2
-        down()
+        try:
+            with exclusive(0):          # never another live run's cluster
+                down()
+        except Busy as e:
+            print(e, file=sys.stderr)
+            return EXIT_BUSY
         return 0
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
