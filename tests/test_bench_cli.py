@@ -20,7 +20,7 @@ EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it
     "loader": ([], "raw HDF5 read (limit)"),
     "machine": ([], "bus bandwidth"),
     "plan": (["--plot", "{tmp}/plan.png"], "Validation"),
-    "train": (["--steps", "2"], "Table 4"),
+    "train": ([], "Table 4"),
 }
 
 

@@ -3,7 +3,7 @@ same run: the GEMM roofline and the same loop with the exchange skipped.
 
     hpcsgd bench train [--small] [--ranks 1,2,4] [--minibatch 256,512,1024,2048]
                        [--exchange allreduce,onebit] [--double-buffering off|on|both]
-                       [--steps 3] [--json FILE] [--compare OLD.json] [--emulate 1,10,25]
+                       [--rounds 3] [--json FILE] [--compare OLD.json] [--emulate 1,10,25]
 
 For each K, `mpiexec -n K` (hpcsgd/bench/launch.py: cores split evenly over the ranks) runs the
 rank side below. It drives the trainer's own parts as hpcsgd/train.py's step loop does: this
@@ -16,8 +16,11 @@ or, with --small, a 0.4M one. Exchanges: allreduce (float32 in place), allreduce
 striped codec (onebit, kbit2/4/8, dettmers, float16, float32).
 
 Per (K, N, exchange, double buffering):
-  frames/s       N / step time; a step's time is the slowest rank's, the median of --steps
-                 steps after --warmup (the pipeline of double buffering runs through them).
+  frames/s       N / step time; a step's time is the slowest rank's, the median over
+                 --rounds rounds of --steps steps after --warmup (the pipeline of double
+                 buffering runs through them). The rounds go through the GEMMs alone, the
+                 loop without exchange and with each exchange in turn, so that a figure and
+                 its limits see the same neighbours on a shared machine.
   roofline       the step's matmuls alone (gemm.gemm_only on every rank at once, sharing the
                  cores as the step does; per half with double buffering): frames/s ÷ that.
   overhead       communication overhead, 1 - frames/s ÷ frames/s with the exchange skipped
@@ -61,7 +64,10 @@ def add_arguments(parser):
                         help="allreduce, allreduce16, or striped codecs onebit,kbit4,float32,...")
     parser.add_argument("--double-buffering", default=None, choices=["off", "on", "both"],
                         help="half-batch double buffering (default off; --small both)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds over the configurations (GEMMs, no exchange, each exchange; "
+                             "default 3, --small 2)")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per round (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--activation", default="sigmoid", choices=["sigmoid", "relu"])
     parser.add_argument("--threads", type=int, default=None,
@@ -88,7 +94,9 @@ def run(args):
                                             if launch.link_gbps() else ""), flush=True)
     worker = ["--ranks", "0", "--minibatch", ",".join(map(str, ns)), "--exchange", args.exchange,
               "--double-buffering", {1: "on" if dbs[0] else "off", 2: "both"}[len(dbs)],
-              "--steps", args.steps, "--warmup", args.warmup, "--activation", args.activation]
+              "--steps", args.steps, "--rounds", args.rounds or (2 if args.small else 3),
+              "--warmup", args.warmup,
+              "--activation", args.activation]
     worker += ["--small"] if args.small else []
     runs = []
     for k in ranks:
@@ -142,7 +150,7 @@ def figures(res):
 def print_table(run):
     k = run["ranks"]
     print(f"\nK = {k} rank(s), {run['threads_per_rank']} thread(s) each, {run['params']:,} "
-          f"parameters; median of {run['steps']} steps, slowest rank. Limits from this run: "
+          f"parameters; median of {run['rounds']} x {run['steps']} steps, slowest rank. Limits: "
           f"roofline = the step's GEMMs alone; no-exch = the exchange skipped")
     wire = any("wire_s" in r for r in run["rows"])
     if wire:
@@ -295,21 +303,24 @@ class Rank:
         return np.diff(marks)[warmup:], cats, phases
 
 
-def measure(r, ex, opt, n, parts, db, args):
-    """One row: the loop timed, reduced over ranks (slowest step, mean categories)."""
+def measure(r, samples, n, db, exchanged):
+    """One row from a configuration's samples (one r.loop result per round), reduced over
+    rounds and ranks: the median of the slowest rank's step times, mean seconds per step."""
     from mpi4py import MPI
-    times, cats, phases = r.loop(ex, opt, parts, args.steps, args.warmup, db)
+    times = np.concatenate([t for t, _, _ in samples])
     step_max = np.empty_like(times)
     r.comm.Allreduce(times, step_max, op=MPI.MAX)     # a step lasts until its slowest rank
     step = float(np.median(step_max))
     mean_step = float(step_max.mean())     # the categories are means: fractions of the mean
+    cats, phases = ({k: float(np.mean([s[i][k] for s in samples])) for k in samples[0][i]}
+                    for i in (1, 2))
     cats, phases = (r.mean_over_ranks(d) for d in (cats, phases))
     fractions = {k: v / mean_step for k, v in cats.items()}
     fractions["other"] = 1.0 - sum(fractions.values())
     return {"minibatch": n, "double_buffering": db, "step_s": step, "step_s_all": step_max.tolist(),
             "frames_per_s": n / step, "seconds": cats, "fractions": fractions,
             "phases_s": phases,
-            "exchange_s": 0.0 if ex is None else sum(cats[c] for c in CATEGORIES)}
+            "exchange_s": sum(cats[c] for c in CATEGORIES) if exchanged else 0.0}
 
 
 def wire(ex, world, size):
@@ -343,28 +354,34 @@ def worker(argv):
     configs = [(n, db, [p for p in (halves(take) if db else [take]) if p.sum()])
                for n in ns for db in dbs
                for take in [np.array([local_batch_size(n, j, K) for j in range(K)])]]
-    rows, skip, roof = [], {}, {}
-    # limits first: the GEMMs alone and the loop with the exchange skipped, per (N, DB)
-    opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC)
-    for n, db, parts in configs:
-        roof[(n, db)] = r.gemm_time(parts, args.steps)
-        row = measure(r, None, opt, n, parts, db, args)
-        skip[(n, db)] = row["frames_per_s"]
-        rows.append(dict(row, exchange="none"))
-    del opt
+    # every exchange (and the skipped one: a replicated momentum optimizer) built once
+    runs = {"none": (None, Optimizer(size, momentum_time_constant=MOMENTUM_TC))}
     for name in args.exchange.split(","):
         ex = make_exchange(exchange_config(name), comm, r.bufs[0].matrices)
-        opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size)
-        nbytes, bits = wire(ex, K, size)
-        for n, db, parts in configs:
-            row = measure(r, ex, opt, n, parts, db, args)
-            row.update(exchange=name, bytes_per_rank=nbytes, bits_per_value=bits,
-                       exchanges_per_step=len(parts),
-                       comm_overhead=1.0 - row["frames_per_s"] / skip[(n, db)])
+        runs[name] = (ex, Optimizer(size, momentum_time_constant=MOMENTUM_TC,
+                                    post_size=ex.state_size))
+    rows, skip, roof = [], {}, {}
+    for n, db, parts in configs:
+        # rounds: the GEMMs alone, the loop without exchange and with each exchange, in turn,
+        # so that each figure and its limits see the same neighbours on a shared machine
+        gemm_s, samples = [], {name: [] for name in runs}
+        for _ in range(args.rounds):
+            gemm_s.append(r.gemm_time(parts, args.steps))
+            for name, (ex, opt) in runs.items():
+                samples[name].append(r.loop(ex, opt, parts, args.steps, args.warmup, db))
+        roof[(n, db)] = statistics.median(gemm_s)
+        for name, (ex, opt) in runs.items():
+            row = dict(measure(r, samples[name], n, db, ex is not None), exchange=name)
+            if name == "none":
+                skip[(n, db)] = row["frames_per_s"]
+            else:
+                nbytes, bits = wire(ex, K, size)
+                row.update(bytes_per_rank=nbytes, bits_per_value=bits,
+                           exchanges_per_step=len(parts),
+                           comm_overhead=1.0 - row["frames_per_s"] / skip[(n, db)])
             rows.append(row)
             if r.rank == 0:
                 print(f"  K={K} {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
-        del ex, opt
     for row in rows:
         key = (row["minibatch"], row["double_buffering"])
         row.update(skip_frames_per_s=skip[key], gemm_only_s=roof[key],
@@ -373,7 +390,7 @@ def worker(argv):
                    gflops=flop * row["minibatch"] / row["step_s"] / 1e9,
                    gemm_only_gflops=flop * row["minibatch"] / roof[key] / 1e9)
     launch.write_result(comm, {"ranks": K, "params": size, "steps": args.steps,
-                               "warmup": args.warmup, "gflop_per_frame": flop / 1e9,
+                               "rounds": args.rounds, "warmup": args.warmup, "gflop_per_frame": flop / 1e9,
                                "load_average_end": report.load_average(), "rows": rows},
                         args.json)
     return 0
