@@ -68,6 +68,7 @@ class Watchdog:
         self.timeout, self.rank, self.world, self.comm = timeout, rank, world, comm
         self.dir, self.log = heartbeat_dir, log
         self.phase, self.last = "start", time.time()
+        self.write_every = min(max(timeout / 4, 1.0), 60.0)
         self._stop = threading.Event()
         self._thread = None
         if timeout > 0:
@@ -82,46 +83,51 @@ class Watchdog:
     def _path(self, rank):
         return os.path.join(self.dir, f"rank{rank:04d}.heartbeat")
 
-    def _write(self):
+    def _write(self, now):
         path = self._path(self.rank)
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(f"{self.last:.3f} {os.getpid()} {socket.gethostname()} {self.phase}\n")
+                f.write(f"{now:.3f} {self.last:.3f} {os.getpid()} {socket.gethostname()} "
+                        f"{self.phase}\n")
             os.replace(path + ".tmp", path)
         except OSError:   # a full or vanished file system must not kill training
             pass
 
     def silent_peers(self, now):
-        """Peers whose heartbeat is older than the timeout: [(rank, seconds, 'pid P on H in X')]."""
+        """Peers that made no progress for the timeout, the likely culprits first:
+        [(rank, 'not running' | 'blocked', seconds, 'pid P on H, last in X')]. A peer whose
+        file is no longer rewritten (3 write periods) is dead or stopped; one whose file is
+        fresh but whose main thread gave no beat is alive and waiting -- usually for the
+        dead one, like this rank."""
         out = []
         for r in range(self.world):
             if r == self.rank:
                 continue
             try:
                 with open(self._path(r)) as f:
-                    last, pid, host, phase = f.read().split(" ", 3)
-                age = now - max(float(last), 0.0)
+                    written, last, pid, host, phase = f.read().split(" ", 4)
                 what = f"pid {pid} on {host}, last in {phase.strip()}"
+                if now - float(written) > 3 * self.write_every:
+                    out.append((r, "not running", now - float(written), what))
+                elif now - float(last) > self.timeout:
+                    out.append((r, "blocked", now - float(last), what))
             except (OSError, ValueError):
-                age, what = float("inf"), "no heartbeat file"
-            if age > self.timeout:
-                out.append((r, age, what))
-        return out
+                out.append((r, "not running", float("inf"), "no heartbeat file"))
+        return sorted(out, key=lambda p: (p[1] != "not running", -p[2]))
 
     def _watch(self):
-        write_every = min(max(self.timeout / 4, 1.0), 60.0)
-        self._write()
+        self._write(time.time())
         written = time.time()
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             now = time.time()
-            if now - written >= write_every:
-                self._write()
+            if now - written >= self.write_every:
+                self._write(now)
                 written = now
             idle = now - self.last
             if idle > self.timeout:
                 silent = self.silent_peers(now)
-                peers = "; ".join(f"rank {r} silent for {age:.0f} s ({what})"
-                                  for r, age, what in silent) or "no peer heartbeat is stale"
+                peers = "; ".join(f"rank {r} {state} for {age:.0f} s ({what})"
+                                  for r, state, age, what in silent) or "no peer is silent"
                 message = (f"rank {self.rank}: no progress for {idle:.0f} s in {self.phase} "
                            f"(train.watchdog_s={self.timeout:g}): {peers} -- aborting the job")
                 print(f"hpcsgd train: {message}", file=sys.stderr, flush=True)

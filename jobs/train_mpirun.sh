@@ -46,8 +46,8 @@ print(MPI.get_vendor()[0])
 EOF
 ) || { say "error: cannot import mpi4py from $VENV"; exit 1; }
 
-# Not `python -m mpi4py`: it turns the trainer's exit 75 into MPI_Abort(75) (see train.sbatch).
-RANK_CMD=(python -m hpcsgd.cli train --config "$CONFIG" "$@")
+# `python -m mpi4py`: an exception on any rank aborts them all (exit 75 stays 75: see train.sbatch).
+RANK_CMD=(python -m mpi4py -m hpcsgd.cli train --config "$CONFIG" "$@")
 # shellcheck disable=SC2206
 EXTRA=($MPIEXEC_ARGS)
 case "$mpi_family" in

@@ -123,9 +123,11 @@ def test_single_process_run_stops_on_sigterm(archive, tmp_path):
 
 def test_stopped_rank_is_named_and_the_job_ends_within_the_watchdog_bound(archive, tmp_path):
     """SIGSTOP: the rank is alive to the launcher but makes no progress, so only the watchdog
-    can end the job (the case a launcher's own death detection cannot see)."""
+    can end the job (the case a launcher's own death detection cannot see). With 3 ranks the
+    aborting rank names the stopped one first ("not running") and the other survivor as
+    "blocked"."""
     run, timeout = str(tmp_path / "run"), 4
-    proc = start(2, archive, run, f"train.watchdog_s={timeout}")
+    proc = start(3, archive, run, f"train.watchdog_s={timeout}")
     pid = wait_for_training(run, 1, proc, checkpointed=True)
     before = set(os.listdir(checkpoint.checkpoint_dir(run)))
     t0 = time.monotonic()
@@ -140,8 +142,8 @@ def test_stopped_rank_is_named_and_the_job_ends_within_the_watchdog_bound(archiv
     elapsed = time.monotonic() - t0
     assert code == EXIT_WATCHDOG, out
     assert elapsed < timeout + 10, elapsed
-    assert re.search(r"rank 0: no progress for \d+ s in step \d+ .*rank 1 silent for \d+ s "
-                     rf"\(pid {pid} on ", out), out
+    assert re.search(r"rank [02]: no progress for \d+ s in step \d+ [^:]*: rank 1 not running "
+                     rf"for \d+ s \(pid {pid} on [^;]*; rank [02] blocked for \d+ s", out), out
     # the checkpoints written before are intact (no half-written file became 'latest')
     path = checkpoint.latest(run)
     assert os.path.basename(path) in before | set(os.listdir(checkpoint.checkpoint_dir(run)))
