@@ -285,7 +285,7 @@ def bench(run_once, args):
         with cluster(hosts, gbps, 0):
             print(f"\n=== emulated cluster: {hosts} hosts (network namespaces), {gbps} Gbit/s per "
                   f"host link (tc tbf), MPI over TCP ===", flush=True)
-            links.append({"link_gbps": gbps, **run_once()})
+            links.append({**run_once(), "link_gbps": gbps})
     return {"emulated": {"hosts": hosts, "rates_gbps": rates, "delay_us": 0,
                          "netem": False,
                          "shaping": "tbf rate, both directions of each host's veth"},

@@ -542,8 +542,8 @@ def print_validate(rows, path):
     capped = any("step_pred_capped_s" in r for r in rows)
     print(f"{'link':>14s} {'K':>2s} {'N':>5s} {'exchange':>10s} {'DB':>3s} "
           f"{'compute p/m':>13s} {'fixed p/m':>13s} {'comm/exch p/m':>15s} "
-          f"{'step pred':>9s} {'[serial]':>9s} {'measured':>9s} {'meas/pred':>9s}"
-          + (f" {'capped':>8s}" if capped else ""))
+          f"{'step pred':>9s} {'[serial]':>9s} {'measured':>9s} {'meas/pred':>9s} "
+          f"{'/serial':>7s}" + (f" {'capped':>8s} {'/capped':>7s}" if capped else ""))
     for r in rows:
         print(f"{r['link'][:14]:>14s} {r['K']:>2d} {r['N']:>5d} {r['exchange']:>10s} {r['db']:>3s} "
               f"{1e3 * r['compute_pred_s']:>6.0f}/{1e3 * r['compute_meas_s']:<6.0f} "
@@ -551,5 +551,8 @@ def print_validate(rows, path):
               f"{1e3 * r['comm_pred_s']:>7.1f}/{1e3 * r['comm_meas_s']:<7.1f} "
               f"{1e3 * r['step_pred_s']:>9.0f} "
               f"{(format(1e3 * r['step_pred_serial_s'], '.0f') if r['db'] == 'on' else ''):>9s} "
-              f"{1e3 * r['step_meas_s']:>9.0f} {r['measured_over_pred']:>9.2f}"
-              + (f" {1e3 * r.get('step_pred_capped_s', float('nan')):>8.0f}" if capped else ""))
+              f"{1e3 * r['step_meas_s']:>9.0f} {r['measured_over_pred']:>9.2f} "
+              f"{r['step_meas_s'] / r['step_pred_serial_s']:>7.2f}"
+              + (f" {1e3 * r.get('step_pred_capped_s', float('nan')):>8.0f} "
+                 f"{r['step_meas_s'] / r.get('step_pred_capped_s', float('nan')):>7.2f}"
+                 if capped else ""))

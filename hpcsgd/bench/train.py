@@ -361,17 +361,23 @@ def worker(argv):
         runs[name] = (ex, Optimizer(size, momentum_time_constant=MOMENTUM_TC,
                                     post_size=ex.state_size))
     rows, skip, roof = [], {}, {}
-    for n, db, parts in configs:
-        # rounds: the GEMMs alone, the loop without exchange and with each exchange, in turn,
-        # so that each figure and its limits see the same neighbours on a shared machine
-        gemm_s, samples = [], {name: [] for name in runs}
+    for n in ns:
+        modes = [(db, parts) for m, db, parts in configs if m == n]
+        # rounds: the GEMMs alone, the loop without exchange and with each exchange, with and
+        # without double buffering, in turn, so that each figure, its limits and the other
+        # mode see the same neighbours on a shared machine
+        gemm_s = {db: [] for db, _ in modes}
+        samples = {(name, db): [] for name in runs for db, _ in modes}
         for _ in range(args.rounds):
-            gemm_s.append(r.gemm_time(parts, args.steps))
-            for name, (ex, opt) in runs.items():
-                samples[name].append(r.loop(ex, opt, parts, args.steps, args.warmup, db))
-        roof[(n, db)] = statistics.median(gemm_s)
-        for name, (ex, opt) in runs.items():
-            row = dict(measure(r, samples[name], n, db, ex is not None), exchange=name)
+            for db, parts in modes:
+                gemm_s[db].append(r.gemm_time(parts, args.steps))
+                for name, (ex, opt) in runs.items():
+                    samples[(name, db)].append(r.loop(ex, opt, parts, args.steps, args.warmup,
+                                                      db))
+        for (db, parts), name in ((mode, name) for mode in modes for name in runs):
+            ex = runs[name][0]     # "none" first: the others' overhead needs its frames/s
+            roof[(n, db)] = statistics.median(gemm_s[db])
+            row = dict(measure(r, samples[(name, db)], n, db, ex is not None), exchange=name)
             if name == "none":
                 skip[(n, db)] = row["frames_per_s"]
             else:
