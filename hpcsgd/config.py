@@ -53,7 +53,15 @@ DEFAULTS = {
                                "striped + dettmers: 8-bit data type"),
     "exchange.double_buffering": (False, bool, None,
                                   "split each step in halves; exchange one while computing the next (paper 2.2)"),
+    "exchange.mpi_cuda_aware": ("auto", str, ("auto", "true", "false"),
+                                "GPU ranks: hand device buffers to MPI (auto = ask the library; "
+                                "else staged through pinned host memory)"),
+    "exchange.nccl": ("auto", str, ("auto", "true", "false"),
+                      "GPU ranks + allreduce: sum with NCCL (auto = when CuPy's NCCL loads)"),
     # --- the run ---
+    "train.device": ("cpu", str, ("cpu", "cuda"),
+                     "cuda = GPU ranks: model, gradients, optimizer and exchange on the GPU "
+                     "(one per local rank)"),
     "train.minibatch": (256, int, (1, 1 << 20), "global minibatch in frames, split over ranks"),
     "train.epochs": (4, int, (1, 100000), "passes over the training data"),
     "train.seed": (0, int, (0, 2**32 - 1), "seeds init, shuffling and everything random"),

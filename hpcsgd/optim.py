@@ -45,11 +45,18 @@ touched on the owner's stripe: with post_size = the owner's stripe length they a
 (hpcsgd/comm/exchange.py does). The "local" AdaGrad state stays full-size (every rank
 normalises its whole local gradient).
 Single process: opt.step(params, grad, lr, n) does all of it in one fused pass.
+
+GPU ranks (device="cuda"): the state lives in Numba device arrays and the same element
+arithmetic (one plain Python function per update, compiled by both @njit and @cuda.jit) runs
+as CUDA kernels over device slices, on the default stream without synchronizing. Results equal
+the CPU's to float tolerance (the GPU may fuse a multiply-add), and are bit-reproducible.
 """
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import cuda, njit, prange
+
+from hpcsgd.device import DEVICES, assign, host_copy, is_device, zeros
 
 ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
 _AGGREGATE, _AFTER = 1, 2   # kernel codes of the post-exchange AdaGrad placements
@@ -65,17 +72,18 @@ def momentum_time_constant(mu, n):
     return 0.0 if mu <= 0 else -n / math.log(mu)
 
 
-@njit(parallel=True, cache=True)
-def _adagrad_kernel(g, s, rho, c, inv_n, inv_q, eps):
-    """In place on g (a flat slice): s = rho s + c (g/n)^2; g /= sqrt(s / q) + eps."""
-    for i in prange(g.size):
-        x = g[i] * inv_n
-        si = rho * s[i] + c * (x * x)
-        s[i] = si
-        g[i] = g[i] / (math.sqrt(si * inv_q) + eps)
+# ---- element arithmetic: plain functions, compiled for the CPU (inlined) and as CUDA device
+# functions, so both targets do the same operations in the same order
 
 
-@njit(inline="always")
+def _adagrad(g, s, i, rho, c, inv_n, inv_q, eps):
+    """Element i of g (a flat slice), in place: s = rho s + c (g/n)^2; g /= sqrt(s / q) + eps."""
+    x = g[i] * inv_n
+    si = rho * s[i] + c * (x * x)
+    s[i] = si
+    g[i] = g[i] / (math.sqrt(si * inv_q) + eps)
+
+
 def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
     """The post-exchange arithmetic of element i: decay -> [AdaGrad] -> momentum -> [AdaGrad].
     Scalars are float64; the result is rounded to the buffers' dtype."""
@@ -96,6 +104,20 @@ def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m
     return w.dtype.type(x)
 
 
+_adagrad_cpu, _update_cpu = njit(inline="always")(_adagrad), njit(inline="always")(_update)
+_adagrad_cuda, _update_cuda = cuda.jit(device=True)(_adagrad), cuda.jit(device=True)(_update)
+
+
+# ---- Numba CPU kernels
+
+
+@njit(parallel=True, cache=True)
+def _adagrad_kernel(g, s, rho, c, inv_n, inv_q, eps):
+    """In place on g (a flat slice): AdaGrad "local" (see _adagrad)."""
+    for i in prange(g.size):
+        _adagrad_cpu(g, s, i, rho, c, inv_n, inv_q, eps)
+
+
 # Two kernels, not one with a "write the update" flag: a conditional store in the loop made
 # Numba's parallel loop 100x slower (3 s instead of 25 ms over 46M values).
 @njit(parallel=True, cache=True)
@@ -103,14 +125,14 @@ def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
     """g (a flat slice of the summed gradient) -> the update, in place; w read for decay.
     4-6 streams over memory (g, w, v, s): bandwidth-bound."""
     for i in prange(g.size):
-        g[i] = _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        g[i] = _update_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
 
 
 @njit(parallel=True, cache=True)
 def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, lr):
     """Single process, fused: W -= lr * update, g left unchanged. 5 streams with momentum."""
     for i in prange(g.size):
-        x = _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        x = _update_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
         w[i] = w[i] - lr * x
 
 
@@ -121,6 +143,54 @@ def _apply_kernel(w, u, lr):
         w[i] = w[i] - lr * u[i]
 
 
+# ---- CUDA kernels: the same, one grid-stride loop each (element-wise, so the launch
+# configuration does not change any result). On a GPU, NVVM may contract w - lr * x into an
+# FMA: GPU ranks agree with each other bit for bit, with CPU ranks to float tolerance.
+
+THREADS, MAX_BLOCKS = 256, 65535
+
+
+@cuda.jit
+def _adagrad_cuda_kernel(g, s, rho, c, inv_n, inv_q, eps):
+    for i in range(cuda.grid(1), g.size, cuda.gridsize(1)):
+        _adagrad_cuda(g, s, i, rho, c, inv_n, inv_q, eps)
+
+
+@cuda.jit
+def _post_cuda_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+    for i in range(cuda.grid(1), g.size, cuda.gridsize(1)):
+        g[i] = _update_cuda(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
+                            m)
+
+
+@cuda.jit
+def _step_cuda_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, lr):
+    for i in range(cuda.grid(1), g.size, cuda.gridsize(1)):
+        x = _update_cuda(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        w[i] = w[i] - lr * x
+
+
+@cuda.jit
+def _apply_cuda_kernel(w, u, lr):
+    for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
+        w[i] = w[i] - lr * u[i]
+
+
+_CUDA = {_adagrad_kernel: _adagrad_cuda_kernel, _post_kernel: _post_cuda_kernel,
+         _step_kernel: _step_cuda_kernel, _apply_kernel: _apply_cuda_kernel}
+
+
+def _launch_cuda(kernel, first, *args):
+    """The CUDA twin of a CPU kernel over device arrays; `first` (a flat slice) sets the
+    grid. Floats are passed as float64, as the GPU types them (the simulator would
+    otherwise compute with float32 where a Python float meets a float32 value)."""
+    if first.size == 0:          # an empty stripe: nothing to launch
+        return
+    args = [np.float64(a) if type(a) is float else a for a in args]
+    blocks = min(-(-first.size // THREADS), MAX_BLOCKS)
+    _CUDA[kernel][blocks, THREADS](first, *args)
+
+
 class Optimizer:
     """Optimizer state (flat buffers + scalars) and its per-step update functions.
 
@@ -128,13 +198,17 @@ class Optimizer:
     post_exchange sees (default size; the striped exchange passes its stripe length, so momentum
     and post-exchange AdaGrad state are 1/K of the model). momentum_time_constant: T in samples, 0 = off.
     adagrad: one of ADAGRAD_PLACES; adagrad_time_constant: T_a in samples (math.inf = all
-    history); adagrad_eps; weight_decay: per sample. State for checkpoints: `velocity` and
-    `sqr` (flat, like the params), `sqr_weight` (scalar q); see state_dict/load_state_dict.
+    history); adagrad_eps; weight_decay: per sample. device: "cpu" (NumPy state, Numba CPU
+    kernels) or "cuda" (device state; params, grads and updates passed in are device arrays).
+    State for checkpoints: `velocity` and `sqr` (flat, like the params), `sqr_weight` (scalar
+    q); see state_dict/host_state_dict/load_state_dict.
     """
 
     def __init__(self, size, momentum_time_constant=0.0, adagrad="off",
                  adagrad_time_constant=math.inf, adagrad_eps=1e-8, weight_decay=0.0,
-                 dtype=np.float32, post_size=None):
+                 dtype=np.float32, post_size=None, device="cpu"):
+        if device not in DEVICES:
+            raise ValueError(f"device={device!r}: expected one of {DEVICES}")
         if adagrad not in ADAGRAD_PLACES:
             raise ValueError(f"adagrad={adagrad!r}: expected one of {ADAGRAD_PLACES}")
         if momentum_time_constant < 0 or adagrad_time_constant <= 0 or adagrad_eps < 0 \
@@ -146,10 +220,11 @@ class Optimizer:
         self.adagrad_eps = float(adagrad_eps)
         self.weight_decay = float(weight_decay)
         self.use_momentum = self.momentum_time_constant > 0
+        self.device = device
         post_size = size if post_size is None else post_size
-        self.velocity = np.zeros(post_size if self.use_momentum else 1, dtype)
-        self.sqr = np.zeros((size if adagrad == "local" else post_size) if adagrad != "off" else 1,
-                            dtype)
+        self.velocity = zeros(post_size if self.use_momentum else 1, dtype, device)
+        self.sqr = zeros((size if adagrad == "local" else post_size) if adagrad != "off" else 1,
+                         dtype, device)
         self.sqr_weight = 0.0
         self._k = None   # per-step scalars from begin_step
 
@@ -183,21 +258,21 @@ class Optimizer:
             return
         k = self._k
         sl = slice(lo, grad.size if hi is None else hi)
-        _adagrad_kernel(grad[sl], self.sqr[sl], k["rho"], k["c"], k["inv_n"], k["inv_q"],
-                        self.adagrad_eps)
+        self._run(_adagrad_kernel, grad[sl], self.sqr[sl], k["rho"], k["c"], k["inv_n"],
+                  k["inv_q"], self.adagrad_eps)
 
     def post_exchange(self, agg, params, lo=0, hi=None):
         """Summed gradient agg[lo:hi] -> the update, in place (weight decay, AdaGrad
         "aggregate"/"after_momentum", momentum); params[lo:hi] is read for weight decay.
         Returns the view agg[lo:hi]. Only the owner of the range needs to call it."""
         sl = slice(lo, agg.size if hi is None else hi)
-        _post_kernel(agg[sl], params[sl], *self._state_slices(sl), *self._scalars())
+        self._run(_post_kernel, agg[sl], params[sl], *self._state_slices(sl), *self._scalars())
         return agg[sl]
 
     def apply(self, params, update, lr, lo=0, hi=None):
         """params[lo:hi] -= lr * update[lo:hi] (lr per sample; update summed over frames)."""
         sl = slice(lo, params.size if hi is None else hi)
-        _apply_kernel(params[sl], update[sl], float(lr))
+        self._run(_apply_kernel, params[sl], update[sl], float(lr))
 
     def step(self, params, grad, lr, n):
         """Single process: begin_step + pre_exchange + post_exchange + apply over the whole
@@ -205,7 +280,15 @@ class Optimizer:
         self.begin_step(n, n)
         self.pre_exchange(grad)
         sl = slice(0, grad.size)
-        _step_kernel(grad, params, *self._state_slices(sl), *self._scalars(), float(lr))
+        self._run(_step_kernel, grad, params, *self._state_slices(sl), *self._scalars(),
+                  float(lr))
+
+    def _run(self, kernel, *args):
+        """A CPU kernel, or on "cuda" its CUDA twin (queued on the default stream, no sync)."""
+        if self.device == "cpu":
+            kernel(*args)
+        else:
+            _launch_cuda(kernel, *args)
 
     def _state_slices(self, sl):
         """(velocity, sqr) views of the range; the unused ones are 1-element dummies."""
@@ -222,16 +305,25 @@ class Optimizer:
     # ---- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self):
-        """Arrays (by reference) and scalars that make a resumed run bit-exact."""
+        """Arrays (by reference: device arrays on "cuda") and scalars that make a resumed run
+        bit-exact."""
         return {"velocity": self.velocity, "sqr": self.sqr, "sqr_weight": self.sqr_weight}
 
+    def host_state_dict(self):
+        """state_dict with NumPy copies of the arrays (checkpoints, snapshots); on "cuda" a
+        device-to-host copy, a sync point."""
+        return {"velocity": host_copy(self.velocity), "sqr": host_copy(self.sqr),
+                "sqr_weight": self.sqr_weight}
+
     def load_state_dict(self, state):
+        """Copy a state (host arrays, h5py datasets or device arrays) into the buffers."""
         for name in ("velocity", "sqr"):
-            src = np.asarray(state[name])
-            if src.shape != getattr(self, name).shape:
-                raise ValueError(f"optimizer state {name}: shape {src.shape}, "
-                                 f"expected {getattr(self, name).shape}")
-            getattr(self, name)[...] = src
+            dst, src = getattr(self, name), state[name]
+            src = src if is_device(src) else np.asarray(src)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"optimizer state {name}: shape {tuple(src.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            assign(dst, src)
         self.sqr_weight = float(state["sqr_weight"])
 
 

@@ -37,9 +37,11 @@ import numpy as np
 
 from hpcsgd import checkpoint, config, optim
 from hpcsgd.comm import make_exchange
+from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.exchange import restripe_state
 from hpcsgd.data import archive
 from hpcsgd.data.loader import FrameLoader, local_batch_size
+from hpcsgd.device import assign, host_copy, to_host, zero
 from hpcsgd.errors import UserError
 from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta
@@ -49,7 +51,7 @@ from hpcsgd.timeline import Timeline
 
 EXIT_DIVERGED = 3
 PACKAGES = ("numpy", "numba", "numba-cuda", "mpi4py", "mpich", "h5py", "pyyaml",
-            "kaldi-native-fbank", "soundfile", "kaldiio")
+            "kaldi-native-fbank", "soundfile", "kaldiio", "cupy-cuda12x", "nvidia-nccl-cu12")
 
 
 def add_arguments(parser):
@@ -127,6 +129,11 @@ def train(cfg, comm, rank, world, stop):
     # a dead or stuck peer aborts the job instead of hanging it
     watchdog = Watchdog(cfg["train.watchdog_s"], rank, world, comm,
                         os.path.join(run_dir, "logs"), log)
+    # GPU ranks: one GPU per local rank, chosen before anything is allocated on one
+    device = cfg["train.device"]
+    if device == "cuda":
+        gpu, on_node, visible = bind_gpu(comm)
+        log.info(f"GPU {gpu} of {visible} visible ({on_node} rank(s) on this node)")
 
     # --- data: this rank's share of the global minibatch -------------------------------------
     global_batch = cfg["train.minibatch"]
@@ -155,7 +162,7 @@ def train(cfg, comm, rank, world, stop):
 
     # --- model, gradient and optimizer state: flat buffers with named views -------------------
     model = DNN(loader.input_dim, cfg["model.hidden"], loader.num_labels,
-                cfg["model.activation"], max_batch=max(max_local, 1024))
+                cfg["model.activation"], max_batch=max(max_local, 1024), device=device)
     params = model.new_params()
     # double buffering: two gradient buffers, one per half in flight (allreduce reduces the
     # gradient's own buffer in place while the next half's gradient is computed)
@@ -175,7 +182,8 @@ def train(cfg, comm, rank, world, stop):
                           adagrad=cfg["optim.adagrad"],
                           adagrad_time_constant=cfg["optim.adagrad_tc"] or float("inf"),
                           adagrad_eps=cfg["optim.adagrad_eps"],
-                          weight_decay=cfg["optim.weight_decay"], post_size=ex.state_size)
+                          weight_decay=cfg["optim.weight_decay"], post_size=ex.state_size,
+                          device=device)
     # optimizer state is per rank when ranks hold different state: owner stripes, local AdaGrad
     opt_per_rank = not ex.replicated_optimizer or cfg["optim.adagrad"] == "local"
     shape = {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
@@ -210,7 +218,7 @@ def train(cfg, comm, rank, world, stop):
                             f"optimizer stripes) can be re-striped for another K or aggregation "
                             f"only at an epoch end and without optim.adagrad=local: resume it "
                             f"with {saved['world']} ranks and exchange.aggregation={saved_agg}")
-        params.flat[:] = arrays["params"]
+        assign(params.flat, arrays["params"])
         if restripe:   # epoch end: re-slice the optimizer state, residuals start at zero
             names = ["opt/velocity", "opt/sqr"]
             names += [checkpoint.rank_prefix(r) + n for r in range(saved["world"]) for n in names]
@@ -257,19 +265,23 @@ def train(cfg, comm, rank, world, stop):
              f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
              f"{cfg['model.activation']} ({params.size:,} parameters), exchange "
              f"{cfg['exchange.aggregation']}"
-             f"{' + ' + cfg['exchange.codec'] if cfg['exchange.aggregation'] == 'striped' else ''}, train "
+             f"{' + ' + cfg['exchange.codec'] if cfg['exchange.aggregation'] == 'striped' else ''} "
+             f"on {device} ({ex.transport}), train "
              f"{index['total_frames']:,} frames ({index['hours']:.2f} h)")
-    log.record("start", world=world, parameters=params.size, config=cfg)
+    log.record("start", world=world, parameters=params.size, device=device,
+               transport=ex.transport, config=cfg)
 
     def save_checkpoint():
         """Collective: shared state from rank 0, per-rank state (residuals, owner stripes)
         from every rank, into one file."""
-        state = opt.state_dict()
-        shared = {"params": params.flat, "opt/sqr_weight": np.float64(state["sqr_weight"])}
-        own = {f"exchange/{k}": v for k, v in ex.state_dict().items()}
+        # GPU ranks: device -> host copies (sync points); host arrays are written as they are
+        state = {k: to_host(v) for k, v in opt.state_dict().items()}
+        shared = {"params": to_host(params.flat),
+                  "opt/sqr_weight": np.float64(state["sqr_weight"])}
+        own = {f"exchange/{k}": to_host(v) for k, v in ex.state_dict().items()}
         meta["pending"] = pending
         if pending:   # the exchange in flight, communication completed (a sync point)
-            own["exchange_pending"] = ex.pending_state()["pending"]
+            own["exchange_pending"] = to_host(ex.pending_state()["pending"])
         (own if opt_per_rank else shared).update({"opt/velocity": state["velocity"],
                                                   "opt/sqr": state["sqr"]})
         watchdog.beat("checkpoint")
@@ -345,7 +357,7 @@ def train(cfg, comm, rank, world, stop):
                                         f"No checkpoint was written after the divergence.")
                 else:
                     ce, correct = 0.0, 0
-                    grads.flat[:] = 0
+                    zero(grads.flat)
                 # double buffering: the previous half's exchange ran during that compute;
                 # complete it and apply its update now (delayed update, its own lr and
                 # per-step scalars: opt.begin_step has not been called since)
@@ -473,10 +485,10 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
         sizes.append(nxt)
     sizes = [c for c in sizes if c <= cap] or [current]
     # snapshot (host copies of everything a step changes)
-    saved_params = params.flat.copy()
-    saved_opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
+    saved_params = host_copy(params.flat)
+    saved_opt = {k: (host_copy(v) if hasattr(v, "shape") else v)
                  for k, v in opt.state_dict().items()}
-    saved_ex = {k: v.copy() for k, v in ex.state_dict().items()}
+    saved_ex = {k: host_copy(v) for k, v in ex.state_dict().items()}
     saved_times = (dict(ex.times), ex.steps, ex.timeline)
     ex.timeline = None   # the probe is one span on the timeline, not its inner steps
     criteria = {}
@@ -494,7 +506,7 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
                 ce, correct = model.forward_backward(params, grads, x, y, n)
             else:
                 ce, correct = 0.0, 0
-                grads.flat[:] = 0
+                zero(grads.flat)
             opt.begin_step(int(take.sum()), n)
             opt.pre_exchange(grads.flat)
             ex.step(grads.flat, params.flat, opt, lr)   # cross-rank sync points
@@ -504,7 +516,7 @@ def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epo
         totals = reduce_sum(comm, sums, world)
         criteria[size] = totals[0] / max(totals[2], 1)
         # restore the snapshot
-        params.flat[:] = saved_params
+        assign(params.flat, saved_params)
         opt.load_state_dict(saved_opt)
         ex.load_state_dict(saved_ex)
     loader.start_epoch(epoch, int(offsets[rank]))
@@ -545,7 +557,7 @@ def check_replicas(comm, flat, step, world):
     """All ranks must hold bit-identical weights: compare a CRC-32 of the parameter bytes."""
     if world == 1:
         return
-    crc = zlib.crc32(flat.view(np.uint8))
+    crc = zlib.crc32(to_host(flat).view(np.uint8))   # GPU ranks: device -> host copy
     crcs = comm.allgather(crc)   # lowercase: one small int per rank
     if len(set(crcs)) != 1:
         raise RuntimeError(f"replicas diverged at step {step}: parameter CRC-32 per rank {crcs}")

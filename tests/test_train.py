@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPIEXEC, REPO, make_archive, run_mpi
+from conftest import REPO, make_archive, run_mpi
 from hpcsgd import checkpoint, config
 from hpcsgd.errors import UserError
 

@@ -5,6 +5,7 @@ time measured in the same run.
 
     hpcsgd bench exchange [--small] [--json FILE] [--compare OLD] [--ranks 2,4]
                           [--codecs onebit,kbit4] [--repeats R] [--emulate 1,10,25]
+                          [--device cuda [--mpi-cuda-aware auto|true|false]]
 
 For each K it runs `mpiexec -n K python -m hpcsgd.bench.exchange_worker` through
 hpcsgd/bench/launch.py (threads per rank = cores // K, heavy yield when ranks outnumber
@@ -26,6 +27,10 @@ def add_arguments(parser):
                         help="striped codecs: onebit,kbit2,kbit4,kbit8,dettmers,float16,float32")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: GPU ranks, every buffer on the device (one GPU per local rank)")
+    parser.add_argument("--mpi-cuda-aware", default="auto", choices=("auto", "true", "false"),
+                        help="--device cuda: hand device buffers to MPI (auto = ask the library)")
 
 
 def run(args):
@@ -35,7 +40,8 @@ def run(args):
           f"is low)")
     out = {"runs": []}
     for K in [int(k) for k in args.ranks.split(",")]:
-        worker = ["--repeats", repeats, "--codecs", args.codecs]
+        worker = ["--repeats", repeats, "--codecs", args.codecs, "--device", args.device,
+                  "--mpi-cuda-aware", args.mpi_cuda_aware]
         worker += ["--small"] if args.small else []
         result = launch.mpirun(K, "hpcsgd.bench.exchange_worker", worker, args.timeout)
         result["numba_threads_per_rank"] = result["threads_per_rank"]

@@ -1,7 +1,7 @@
 """The rank side of `hpcsgd bench exchange` (run under mpiexec by hpcsgd/bench/exchange.py).
 
     mpiexec -n K python -m hpcsgd.bench.exchange_worker --json OUT [--small] [--repeats R]
-        [--codecs onebit,kbit4,...]
+        [--codecs onebit,kbit4,...] [--device cuda] [--mpi-cuda-aware auto|true|false]
 
 Every rank builds the model's flat gradient (random normal, scaled like a summed gradient,
 different per rank), a momentum optimizer, and runs the real exchange objects of the trainer
@@ -10,6 +10,12 @@ every other figure is divided by, measured in this same run), allreduce + post-p
 and striped with each codec. Per repetition every rank starts together (a barrier) and the
 phases are timed per rank; a repetition's time is the slowest rank's (the step waits for
 it), and the median over repetitions is reported. Rank 0 writes the JSON.
+
+--device cuda: GPU ranks (one GPU per local rank). Gradient, parameters, codec buffers and
+optimizer state live on the device; the baseline is the float32 in-place Allreduce of the
+device buffer as the trainer would do it without NCCL (CUDA-aware MPI, or staged through
+pinned host memory), and "allreduce_nccl" is NCCL's when CuPy's binding loads. Phase times
+include a device sync at each phase's end.
 """
 import argparse
 import time
@@ -21,6 +27,8 @@ from hpcsgd import optim
 from hpcsgd.bench import launch
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.exchange import Allreduce, Striped
+from hpcsgd.comm.gpu import Nccl, Staging, bind_gpu, mpi_cuda_aware, nccl_available
+from hpcsgd.device import assign, is_device, synchronize
 from hpcsgd.model.dnn import layout
 from hpcsgd.model.flat import FlatParams
 
@@ -35,7 +43,8 @@ def timed(comm, ex, grad, params, opt, source, repeats):
     """Median over repetitions of the slowest rank's per-phase seconds (and their total)."""
     rows = []
     for _ in range(repeats + 1):          # the first repetition warms up (JIT, page faults)
-        grad[:] = source
+        assign(grad, source)
+        synchronize("cuda" if is_device(grad) else "cpu")
         opt.begin_step(1024 * comm.Get_size(), 1024)
         comm.Barrier()                    # everyone starts together
         t = time.perf_counter()
@@ -55,19 +64,29 @@ def main():
     p.add_argument("--small", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--codecs", default="onebit,kbit4,float16,float32,dettmers")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--mpi-cuda-aware", default="auto", choices=("auto", "true", "false"))
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     rank, K = comm.Get_rank(), comm.Get_size()
-    params = FlatParams(layout(*(SMALL if args.small else PAPER)))
-    grad = FlatParams(params.layout).flat
+    dev = args.device
+    aware, how = False, "host buffers"
+    if dev == "cuda":
+        bind_gpu(comm)
+        aware, how = mpi_cuda_aware(args.mpi_cuda_aware)
+    params = FlatParams(layout(*(SMALL if args.small else PAPER)), device=dev)
+    grad = FlatParams(params.layout, device=dev).flat
     rng = np.random.default_rng(rank)
     source = (rng.standard_normal(params.size) * 0.05).astype(np.float32)
-    params.flat[:] = rng.standard_normal(params.size).astype(np.float32) * 0.01
-    comm.Bcast(params.flat, root=0)       # replicas start equal, as in training
-    out = {"ranks": K, "parameters": params.size, "repeats": args.repeats, "results": {}}
+    start = rng.standard_normal(params.size).astype(np.float32) * 0.01
+    comm.Bcast(start, root=0)             # replicas start equal, as in training
+    assign(params.flat, start)
+    out = {"ranks": K, "parameters": params.size, "repeats": args.repeats, "device": dev,
+           "mpi_cuda_aware": aware, "mpi_cuda_aware_how": how, "results": {}}
 
     def run(name, ex, post_size):
-        opt = optim.Optimizer(params.size, momentum_time_constant=10000.0, post_size=post_size)
+        opt = optim.Optimizer(params.size, momentum_time_constant=10000.0, post_size=post_size,
+                              device=dev)
         res = timed(comm, ex, grad, params.flat, opt, source, args.repeats)
         res["bytes_per_rank"] = wire(ex)
         out["results"][name] = res
@@ -80,14 +99,20 @@ def main():
         item = 2 if ex.dtype == "float16" else 4   # ring lower bound: 2 (K-1)/K of the data
         return int(2 * (K - 1) * params.size * item / K)
 
-    # baseline: the Allreduce alone, then with the post-processing every rank does after it
-    base = Allreduce(comm, params.size, "float32")
+    # baseline: the Allreduce alone (GPU ranks: of the device buffer, staged or CUDA-aware),
+    # then with the post-processing every rank does after it
+    base = Allreduce(comm, params.size, "float32", device=dev, cuda_aware=aware)
+    stage = Staging((params.size,), np.float32, dev, aware)
     res = {"total": []}
     for _ in range(args.repeats + 1):
-        grad[:] = source
+        assign(grad, source)
+        synchronize(dev)
         comm.Barrier()
         t = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)   # cross-rank sync point
+        buf = stage.to_mpi(grad)
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)   # cross-rank sync point
+        stage.from_mpi(grad)
+        synchronize(dev)
         res["total"].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
     out["results"]["allreduce_f32_inplace"] = {"total": float(np.median(res["total"][1:])),
                                                "bytes_per_rank": wire(base)}
@@ -95,11 +120,19 @@ def main():
         print(f"  K={K} {'allreduce_f32_inplace':22s} "
               f"{1e3 * out['results']['allreduce_f32_inplace']['total']:9.2f} ms", flush=True)
     run("allreduce_f32+post+apply", base, params.size)
-    run("allreduce_f16+post+apply", Allreduce(comm, params.size, "float16"), params.size)
+    run("allreduce_f16+post+apply", Allreduce(comm, params.size, "float16", device=dev,
+                                              cuda_aware=aware), params.size)
     del base
+    if dev == "cuda" and K > 1 and nccl_available()[0]:
+        nccl = Nccl(comm)
+        run("allreduce_nccl+post+apply", Allreduce(comm, params.size, "float32", device=dev,
+                                                   nccl=nccl), params.size)
+        run("allreduce_nccl16+post+apply", Allreduce(comm, params.size, "float16", device=dev,
+                                                     nccl=nccl), params.size)
     for name in args.codecs.split(","):
         codec_name, opts = CODECS[name]
-        ex = Striped(comm, params.matrices, make_codec(codec_name, "cpu", **opts))
+        ex = Striped(comm, params.matrices, make_codec(codec_name, dev, **opts), device=dev,
+                     cuda_aware=aware)
         run(f"striped_{name}", ex, ex.state_size)
         del ex
     launch.write_result(comm, out, args.json)

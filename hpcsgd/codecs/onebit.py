@@ -14,8 +14,6 @@ the two means makes decoding a select (no arithmetic, so exact on every backend)
 sequential bit order lets the CPU unpack a byte at a time (3x faster than per-word in Numba)
 while the GPU stays coalesced by reading one row per thread. See docs/codecs.md.
 """
-import math
-
 import numpy as np
 import numba
 from numba import cuda, njit, prange

@@ -30,17 +30,19 @@ striped    Seide et al. 2014's O(1) algorithm. Rank j owns a contiguous range of
 Codec separate from transport: this module sizes buffers with codec.packed_nbytes and moves
 bytes (MPI.BYTE); only the codec knows what the bytes mean.
 
-Buffers are allocated once in the constructor; a step allocates nothing large. Everything here
-is host memory. A GPU path would allocate the same buffers on the device (Numba/CuPy arrays,
-which mpi4py takes through __cuda_array_interface__ when the MPI library is CUDA-aware, or
-pinned host staging copies when not), use codec backend "cuda", and synchronise the stream
-before every MPI call; see docs/exchange.md ("GPU path: what is missing").
+Buffers are allocated once in the constructor; a step allocates nothing large. On GPU ranks
+(train.device=cuda) every buffer, both residuals and the optimizer stripe live on the device,
+the codec runs its CUDA kernels, and MPI gets device buffers when the library is CUDA-aware,
+else pinned host mirrors of them (hpcsgd/comm/gpu.py: Staging); the float allreduce uses NCCL
+when CuPy's binding loads (exchange.nccl). docs/exchange.md, "GPU ranks".
 """
 import time
 
 import numpy as np
 
 from hpcsgd.codecs import make_codec
+from hpcsgd.comm.gpu import Nccl, Staging, mpi_cuda_aware, nccl_available
+from hpcsgd.device import assign, cupy_module, synchronize, zero, zeros
 from hpcsgd.errors import UserError
 from hpcsgd.model.flat import stripe_ranges
 from hpcsgd.timeline import EXCHANGE_CATEGORY
@@ -49,16 +51,35 @@ AGGREGATIONS = ("allreduce", "striped")
 
 
 def make_exchange(cfg, comm, mats):
-    """The exchange the config asks for, over the flat layout `mats` (FlatParams.matrices)."""
+    """The exchange the config asks for, over the flat layout `mats` (FlatParams.matrices), on
+    the config's device. ex.transport says how its bytes move (for the log)."""
+    device = cfg["train.device"]
+    aware, why = False, ""
+    if device == "cuda":
+        aware, why = mpi_cuda_aware(cfg["exchange.mpi_cuda_aware"])
     if cfg["exchange.aggregation"] == "allreduce":
-        return Allreduce(comm, sum(m.size for m in mats), cfg["exchange.allreduce_dtype"])
-    options = {}
-    if cfg["exchange.codec"] == "kbit":
-        options = {"bits": cfg["exchange.bits"], "range": cfg["exchange.kbit_range"]}
-    elif cfg["exchange.codec"] == "dettmers":
-        options = {"dtype": cfg["exchange.dettmers_type"]}
-    codec = make_codec(cfg["exchange.codec"], "cpu", **options)
-    return Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"])
+        nccl = None
+        if device == "cuda" and comm.Get_size() > 1 and cfg["exchange.nccl"] != "false":
+            ok, version = nccl_available()
+            if ok:
+                nccl = Nccl(comm)
+                why = version
+            elif cfg["exchange.nccl"] == "true":
+                raise UserError(f"config key exchange.nccl: true, but NCCL does not load "
+                                f"({version}); install the 'gpu' extra (cupy, nvidia-nccl-cu12)")
+        ex = Allreduce(comm, sum(m.size for m in mats), cfg["exchange.allreduce_dtype"],
+                       device=device, cuda_aware=aware, nccl=nccl)
+    else:
+        options = {}
+        if cfg["exchange.codec"] == "kbit":
+            options = {"bits": cfg["exchange.bits"], "range": cfg["exchange.kbit_range"]}
+        elif cfg["exchange.codec"] == "dettmers":
+            options = {"dtype": cfg["exchange.dettmers_type"]}
+        codec = make_codec(cfg["exchange.codec"], device, **options)
+        ex = Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"],
+                     device=device, cuda_aware=aware)
+    ex.transport = ex.describe_transport(why)
+    return ex
 
 
 def restripe_state(old, old_world, old_striped, mats, rank, world, ex):
@@ -139,99 +160,136 @@ class Allreduce(_Timed):
     reported as an error. Gradients here are SUMMED over frames, so large minibatches push
     toward overflow; dividing by K first keeps the partial sums no larger than the largest
     rank's value. There is no error feedback on this path (use striped + float16 codec for it).
+
+    GPU ranks: with `nccl` (hpcsgd.comm.gpu.Nccl) the sum runs on the device, float16
+    natively, on NCCL's own stream (so a double-buffered exchange overlaps the next half's
+    compute). Without it, MPI sums the device buffer (CUDA-aware) or its pinned host mirror;
+    float16 is then always staged, because MPI runs the user op on the host.
     """
     PHASES = ("encode", "allreduce", "decode", "post_process", "apply")
     replicated_optimizer = True   # every rank holds and updates the full optimizer state
 
-    def __init__(self, comm, size, dtype="float32"):
+    def __init__(self, comm, size, dtype="float32", device="cpu", cuda_aware=False, nccl=None):
         if dtype not in ("float32", "float16"):
             raise UserError(f"config key exchange.allreduce_dtype: {dtype!r} is not float32 or float16")
         self.comm, self.world, self.size, self.dtype = comm, comm.Get_size(), size, dtype
+        self.device, self.nccl = device, nccl
         self.state_size = size        # post_exchange sees the whole flat buffer
-        self.half = np.empty(size if dtype == "float16" else 0, np.float16)
+        # the float16 sum's buffer: on the device with NCCL, else on the host (the MPI op)
+        half_on = device if nccl is not None else "cpu"
+        self.half = zeros(size if dtype == "float16" else 0, np.float16, half_on)
+        # GPU ranks without NCCL: what MPI reads for the gradient (float16: always the host)
+        self.stage = Staging((size,), np.float32, device, cuda_aware and dtype == "float32")
         self._op = None
-        self._inflight = None   # double buffering: (grad, request) between start and finish
+        self._inflight = None   # (grad, request) between start and finish
         self._reset_times()
+
+    def describe_transport(self, why):
+        if self.nccl is not None:
+            return f"NCCL on the device ({why})"
+        return self.stage.describe(why)
 
     def step(self, grad, params, opt, lr):
         """Local gradient (flat float32, pre_exchange done) -> sum -> update (in grad's
         buffer) -> params -= lr * update. Every rank does all of it."""
+        self.start(grad, blocking=True)
+        self.finish(params, opt, lr)
+
+    # ---- the exchange in two halves, so that double buffering (docs/exchange.md, "Double
+    # buffering") computes the next half's gradient while the sum is in flight ----
+
+    def start(self, grad, blocking=False):
+        """Begin summing grad (pre_exchange done) over ranks: Iallreduce in place (Allreduce
+        if `blocking`; NCCL on its stream on GPU ranks). grad must not be touched until
+        finish(); one exchange in flight at a time."""
         from mpi4py import MPI
         t0 = time.perf_counter()
-        if self.dtype == "float32":
-            t1 = t0
-            if self.world > 1:
-                self.comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)   # cross-rank sync point
-            t2 = t3 = time.perf_counter()
+        inv_k = np.float32(1.0 / self.world)
+        req = None
+        if self.nccl is not None:     # GPU ranks with NCCL (K > 1): all on the device
+            buf = grad
+            if self.dtype == "float16":
+                cp = cupy_module()
+                cp.multiply(cp.asarray(grad), inv_k, out=cp.asarray(self.half), casting="unsafe")
+                buf = self.half
+            t1 = time.perf_counter()
+            self.nccl.start_sum(buf)   # queued behind the gradient's kernels
+            req = "nccl"
         else:
-            np.multiply(grad, np.float32(1.0 / self.world), out=self.half, casting="unsafe")
+            buf = self.stage.to_mpi(grad)   # device sync point; staged: device -> host copy
+            op = MPI.SUM
+            if self.dtype == "float16":
+                np.multiply(buf, inv_k, out=self.half, casting="unsafe")
+                buf, op = [self.half, MPI.UINT16_T], self._half_sum()
             t1 = time.perf_counter()
             if self.world > 1:
-                self.comm.Allreduce(MPI.IN_PLACE, [self.half, MPI.UINT16_T], op=self._half_sum())
-            t2 = time.perf_counter()   # cross-rank sync point above
-            np.multiply(self.half, np.float32(self.world), out=grad)
-            if not np.isfinite(grad).all():
-                bad = int(np.argmax(~np.isfinite(grad)))
-                raise ValueError(f"float16 allreduce overflowed at flat index {bad} (a summed "
-                                 f"gradient above 65504 * {self.world}); use "
-                                 f"exchange.allreduce_dtype=float32 or a smaller minibatch")
-            t3 = time.perf_counter()
-        opt.post_exchange(grad, params)
-        t4 = time.perf_counter()
-        opt.apply(params, grad, lr)
-        t5 = time.perf_counter()
-        for name, a, b in zip(self.PHASES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
-            self._phase(name, a, b)
-        self.steps += 1
-
-    # ---- double buffering (docs/exchange.md, "Double buffering"): the same arithmetic as
-    # step(), split at the collective so the next half's gradient is computed meanwhile ----
-
-    def start(self, grad):
-        """Begin summing grad (pre_exchange done) over ranks: a nonblocking Iallreduce in
-        place. grad must not be touched until finish(); one exchange in flight at a time."""
-        from mpi4py import MPI
-        t0 = time.perf_counter()
-        buf = grad
-        if self.dtype == "float16":
-            np.multiply(grad, np.float32(1.0 / self.world), out=self.half, casting="unsafe")
-            buf = [self.half, MPI.UINT16_T]
-        t1 = time.perf_counter()
-        op = MPI.SUM if self.dtype == "float32" else self._half_sum()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op) if self.world > 1 else None
-        self._inflight = (grad, req)
+                req = (self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op) if not blocking else
+                       self.comm.Allreduce(MPI.IN_PLACE, buf, op=op))   # cross-rank sync point
+        self._inflight = (grad, req, True)
         self._phase("encode", t0, t1)
         self._phase("allreduce", t1, time.perf_counter())
+        if blocking:
+            self.wait()
 
     def test(self):
         """Drive MPI's progress engine once (MPICH progresses a nonblocking collective only
-        inside MPI calls unless async progress is on)."""
-        if self._inflight is not None and self._inflight[1] is not None:
+        inside MPI calls unless async progress is on). NCCL needs no help."""
+        if self._inflight is not None and self._inflight[1] not in (None, "nccl"):
             self._inflight[1].Test()
 
     def wait(self):
-        """Complete the communication of the exchange in flight (the sum is then in grad)."""
-        grad, req = self._inflight
+        """Complete the communication of the exchange in flight: the sum is then in grad."""
+        grad, req, undecoded = self._inflight
         t0 = time.perf_counter()
-        if req is not None:
+        if req == "nccl":
+            self.nccl.wait_sum()   # host waits for the NCCL stream: sync point
+        elif req is not None:
             req.Wait()   # cross-rank sync point
-            self._inflight = (grad, None)
+        t1 = time.perf_counter()
+        if undecoded:    # float16 back to float32 (x K); staged sums back to the device
             if self.dtype == "float16":
-                np.multiply(self.half, np.float32(self.world), out=grad)
-                if not np.isfinite(grad).all():
-                    raise ValueError("float16 allreduce overflowed; use "
-                                     "exchange.allreduce_dtype=float32 or a smaller minibatch")
-        self._phase("allreduce", t0, time.perf_counter())
+                self._from_half(grad)
+            elif self.nccl is None:
+                self.stage.from_mpi(grad)
+            synchronize(self.device)
+        self._inflight = (grad, None, False)
+        self._phase("allreduce", t0, t1)
+        self._phase("decode", t1, time.perf_counter())
+
+    def _from_half(self, grad):
+        """grad = K * the float16 sum; an overflow (Inf) is an error, not a silent NaN."""
+        k = np.float32(self.world)
+        if self.nccl is not None:
+            cp = cupy_module()
+            g = cp.asarray(grad)
+            cp.multiply(cp.asarray(self.half), k, out=g)
+            finite = bool(cp.isfinite(g).all())   # device -> host: sync point
+        else:
+            host = self.stage.mpi(grad)
+            np.multiply(self.half, k, out=host)
+            finite = bool(np.isfinite(host).all())
+            if not finite:
+                bad = int(np.argmax(~np.isfinite(host)))
+                raise ValueError(f"float16 allreduce overflowed at flat index {bad} (a summed "
+                                 f"gradient above 65504 * {self.world}); use "
+                                 f"exchange.allreduce_dtype=float32 or a smaller minibatch")
+            self.stage.from_mpi(grad)
+        if not finite:
+            raise ValueError(f"float16 allreduce overflowed (a summed gradient above 65504 * "
+                             f"{self.world}); use exchange.allreduce_dtype=float32 or a smaller "
+                             f"minibatch")
 
     def finish(self, params, opt, lr):
-        """Wait for the sum, post-process it and apply W -= lr * update (step()'s second half;
-        opt's per-step scalars must still be those of the step that started it)."""
+        """Wait for the sum, post-process it and apply W -= lr * update (opt's per-step
+        scalars must still be those of the step that started it)."""
         grad = self._inflight[0]
         self.wait()
         t0 = time.perf_counter()
         opt.post_exchange(grad, params)
+        synchronize(self.device)
         t1 = time.perf_counter()
         opt.apply(params, grad, lr)
+        synchronize(self.device)
         self._inflight = None
         self._phase("post_process", t0, t1)
         self._phase("apply", t1, time.perf_counter())
@@ -245,13 +303,17 @@ class Allreduce(_Timed):
 
     def load_pending(self, state, grad):
         """Resume an exchange whose communication had completed: its sum goes into grad."""
-        grad[...] = state["pending"]
-        self._inflight = (grad, None)
+        assign(grad, state["pending"])
+        self._inflight = (grad, None, False)
 
     def _communicate_blocking(self, scratch):
         from mpi4py import MPI
-        if self.dtype == "float32":
-            self.comm.Allreduce(MPI.IN_PLACE, scratch, op=MPI.SUM)
+        if self.nccl is not None:
+            self.nccl.start_sum(scratch if self.dtype == "float32" else self.half)
+            self.nccl.wait_sum()
+        elif self.dtype == "float32":
+            self.comm.Allreduce(MPI.IN_PLACE, self.stage.to_mpi(scratch), op=MPI.SUM)
+            self.stage.from_mpi(scratch)
         else:
             self.comm.Allreduce(MPI.IN_PLACE, [self.half, MPI.UINT16_T], op=self._half_sum())
 
@@ -285,8 +347,9 @@ class Striped(_Timed):
               "decode_apply")
     replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
 
-    def __init__(self, comm, mats, codec, error_feedback=True):
+    def __init__(self, comm, mats, codec, error_feedback=True, device="cpu", cuda_aware=False):
         self.comm, self.codec, self.error_feedback = comm, codec, bool(error_feedback)
+        self.device = device
         K, me = comm.Get_size(), comm.Get_rank()
         self.world, self.rank = K, me
         self.size = sum(m.size for m in mats)
@@ -309,17 +372,20 @@ class Striped(_Timed):
         self.counts = np.array(counts, np.int64)
         self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
         mine = int(self.counts[me])
-        self.send = np.zeros(offset, np.uint8)      # my whole gradient, encoded, by owner
-        self.gather = np.zeros(offset, np.uint8)    # every owner's encoded update
-        self.recv = np.zeros(K * mine, np.uint8)    # K contributions to my stripe
+        self.send = zeros(offset, np.uint8, device)      # my whole gradient, encoded, by owner
+        self.gather = zeros(offset, np.uint8, device)    # every owner's encoded update
+        self.recv = zeros(K * mine, np.uint8, device)    # K contributions to my stripe
+        # what MPI gets for each (GPU ranks: the device buffer or its pinned host mirror)
+        self.stages = {name: Staging((getattr(self, name).size,), np.uint8, device, cuda_aware)
+                       for name in ("send", "gather", "recv")}
         self.recv_counts = np.full(K, mine, np.int64)
         self.recv_displs = np.arange(K, dtype=np.int64) * mine
         # my stripe, compact: agg (float32 sum -> update), residual2, and (for weight decay) a
         # copy of my stripe's weights; views per matrix piece
         self.state_size = sum(p[2] - p[1] for p in self.pieces[me])
-        self.agg = np.zeros(self.state_size, np.float32)
-        self.residual2 = np.zeros(self.state_size, np.float32)
-        self.residual1 = np.zeros(self.size, np.float32)
+        self.agg = zeros(self.state_size, np.float32, device)
+        self.residual2 = zeros(self.state_size, np.float32, device)
+        self.residual1 = zeros(self.size, np.float32, device)
         self._wstripe = None
         self.mine, s = [], 0      # (piece, compact lo, compact hi)
         for p in self.pieces[me]:
@@ -327,6 +393,17 @@ class Striped(_Timed):
             s += p[2] - p[1]
         self._inflight = None   # (grad, Alltoallv request) between start and finish
         self._reset_times()
+
+    def describe_transport(self, why):
+        return self.stages["send"].describe(why)
+
+    def _mpi(self, name, lo=0, hi=None):
+        """Buffer `name` handed to MPI: its device writes complete (sync point) and, staged,
+        range [lo, hi) copied to its host mirror."""
+        return self.stages[name].to_mpi(getattr(self, name), lo, hi)
+
+    def _from_mpi(self, name, lo=0, hi=None):
+        self.stages[name].from_mpi(getattr(self, name), lo, hi)
 
     def bytes_on_wire(self):
         """Bytes this rank sends per step: Alltoallv to the K-1 others + its gathered stripe
@@ -348,20 +425,22 @@ class Striped(_Timed):
         from mpi4py import MPI
         codec, t0 = self.codec, time.perf_counter()
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
-            self.residual1[:] = 0
-            self.residual2[:] = 0
+            zero(self.residual1)
+            zero(self.residual2)
         # 1. encode my whole local gradient, grouped by owner
         for row in self.pieces:
             for m, lo, hi, cols, off, nb in row:
                 codec.encode(grad[lo:hi].reshape(cols, m.n_rows),
                              self.residual1[lo:hi].reshape(cols, m.n_rows), self.send[off:off + nb])
+        send = [self._mpi("send"), (self.counts, self.displs), MPI.BYTE]   # device sync point
         t1 = time.perf_counter()
         # 2. stripe j of every rank to rank j
-        send = [self.send, (self.counts, self.displs), MPI.BYTE]
-        recv = [self.recv, (self.recv_counts, self.recv_displs), MPI.BYTE]
+        recv = [self.stages["recv"].mpi(self.recv), (self.recv_counts, self.recv_displs),
+                MPI.BYTE]
         if blocking:
             self.comm.Alltoallv(send, recv)   # cross-rank sync point
             req = None
+            self._from_mpi("recv")
         else:
             req = self.comm.Ialltoallv(send, recv)
         self._inflight = (grad, req)
@@ -379,6 +458,7 @@ class Striped(_Timed):
         t0 = time.perf_counter()
         if req is not None:
             req.Wait()   # cross-rank sync point
+            self._from_mpi("recv")
             self._inflight = (grad, None)
         self._phase("alltoallv", t0, time.perf_counter())
 
@@ -401,24 +481,29 @@ class Striped(_Timed):
                     codec.decode(packed, out)
                 else:
                     codec.decode_accumulate(packed, out)
+        synchronize(self.device)   # GPU ranks: phase times are the kernels' times
         t.append(time.perf_counter())
         # 4. post-process my stripe only (weight decay reads my weights: copy them compact)
         weights = self.agg
         if opt.weight_decay:
             if self._wstripe is None:
-                self._wstripe = np.empty(self.state_size, np.float32)
+                self._wstripe = zeros(self.state_size, np.float32, self.device)
             for (m, lo, hi, *_), a, b in self.mine:
-                self._wstripe[a:b] = params[lo:hi]
+                assign(self._wstripe[a:b], params[lo:hi])
             weights = self._wstripe
         opt.post_exchange(self.agg, weights, 0, self.state_size)
+        synchronize(self.device)
         t.append(time.perf_counter())
         # 5. re-encode my updated stripe with my second residual, into my gather slot
         for (m, lo, hi, cols, off, nb), a, b in self.mine:
             codec.encode(self.agg[a:b].reshape(cols, m.n_rows),
                          self.residual2[a:b].reshape(cols, m.n_rows), self.gather[off:off + nb])
+        mine_lo = int(self.displs[me])
+        gather = self._mpi("gather", mine_lo, mine_lo + mine)   # device sync point
         t.append(time.perf_counter())
         # 6. every owner's stripe to every rank
-        self.comm.Allgatherv(MPI.IN_PLACE, [self.gather, (self.counts, self.displs), MPI.BYTE])
+        self.comm.Allgatherv(MPI.IN_PLACE, [gather, (self.counts, self.displs), MPI.BYTE])
+        self._from_mpi("gather")
         t.append(time.perf_counter())   # cross-rank sync point above
         # 7. decode every stripe and apply W -= lr * update: fused in one pass over W where
         #    the codec can (same arithmetic as Optimizer.apply, so the same bits), else decode
@@ -432,6 +517,7 @@ class Striped(_Timed):
                     codec.decode(self.gather[off:off + nb], grad[lo:hi].reshape(cols, m.n_rows))
         if not fused:
             opt.apply(params, grad, lr)
+        synchronize(self.device)
         t.append(time.perf_counter())
         self._inflight = None
         for name, a, b in zip(self.PHASES[2:], t[:-1], t[1:]):
@@ -440,9 +526,13 @@ class Striped(_Timed):
 
     def _communicate_blocking(self, scratch):
         from mpi4py import MPI
-        self.comm.Alltoallv([self.send, (self.counts, self.displs), MPI.BYTE],
-                            [self.recv, (self.recv_counts, self.recv_displs), MPI.BYTE])
-        self.comm.Allgatherv(MPI.IN_PLACE, [self.gather, (self.counts, self.displs), MPI.BYTE])
+        self.comm.Alltoallv([self._mpi("send"), (self.counts, self.displs), MPI.BYTE],
+                            [self.stages["recv"].mpi(self.recv),
+                             (self.recv_counts, self.recv_displs), MPI.BYTE])
+        self._from_mpi("recv")
+        gather = self._mpi("gather")
+        self.comm.Allgatherv(MPI.IN_PLACE, [gather, (self.counts, self.displs), MPI.BYTE])
+        self._from_mpi("gather")
 
     def pending_state(self):
         """The exchange in flight, Alltoallv completed, for a checkpoint: my K received
@@ -453,7 +543,7 @@ class Striped(_Timed):
     def load_pending(self, state, grad):
         """Resume an exchange whose Alltoallv had completed (grad: the buffer a non-fused
         codec decodes into)."""
-        self.recv[...] = state["pending"]
+        assign(self.recv, state["pending"])
         self._inflight = (grad, None)
 
     def state_dict(self):
@@ -462,8 +552,8 @@ class Striped(_Timed):
 
     def load_state_dict(self, state):
         for name in ("residual1", "residual2"):
-            src = np.asarray(state[name])
-            if src.shape != getattr(self, name).shape:
+            src = state[name]
+            if tuple(src.shape) != tuple(getattr(self, name).shape):
                 raise UserError(f"checkpoint: exchange {name} has shape {src.shape}, this rank "
                                 f"needs {getattr(self, name).shape} (another K or model?)")
-            getattr(self, name)[...] = src
+            assign(getattr(self, name), src)

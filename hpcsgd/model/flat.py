@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hpcsgd.device import zeros
+
 
 class Matrix(NamedTuple):
     """One named matrix of a layout, as the codec and the exchange see it."""
@@ -55,14 +57,16 @@ class FlatParams:
     """One contiguous 1-D buffer (`flat`) and its named 2-D views (`views[name]`).
 
     Used alike for parameters, gradients and any per-parameter state; `matrices` lists
-    (name, offset, n_cols, n_rows) for the codec. Zero-initialised.
+    (name, offset, n_cols, n_rows) for the codec. Zero-initialised, in host memory or on the
+    rank's GPU (device="cuda": Numba device arrays, whose slices and reshapes are views too).
     """
 
-    def __init__(self, layout, dtype=np.float32):
+    def __init__(self, layout, dtype=np.float32, device="cpu"):
         self.layout = [(name, tuple(int(s) for s in shape)) for name, shape in layout]
         self.matrices = matrices(self.layout)
         self.size = sum(m.size for m in self.matrices)
-        self.flat = np.zeros(self.size, dtype=dtype)
+        self.device = device
+        self.flat = zeros(self.size, dtype, device)
         self.views = {m.name: self.flat[m.offset:m.offset + m.size].reshape(m.n_cols, m.n_rows)
                       for m in self.matrices}
 

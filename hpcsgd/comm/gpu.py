@@ -1,0 +1,177 @@
+"""GPU ranks' plumbing: which GPU a rank drives, whether the MPI library takes device buffers
+(CUDA-aware MPI), how a device buffer goes through MPI either way, and NCCL for the float
+allreduce.
+
+    device_id = bind_gpu(comm)                  # local rank -> GPU, once, before any allocation
+    aware, why = mpi_cuda_aware("auto")         # ask the MPI library (or the config / env)
+    stage = Staging(shape, dtype, "cuda", aware)  # what MPI gets for a device array
+    comm.Allreduce(MPI.IN_PLACE, stage.to_mpi(dev_array)); stage.from_mpi(dev_array)
+    nccl = Nccl(comm)                           # float allreduce on the device, async on a stream
+
+CUDA-aware detection, in this order: the config key exchange.mpi_cuda_aware (true/false), the
+environment variable HPCSGD_MPI_CUDA_AWARE=0/1, then the library itself: MPICH >= 4's
+`MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)`, else Open MPI's / MVAPICH2's
+`MPIX_Query_cuda_support()`, found by ctypes in the libmpi this process loaded. A library
+with neither is taken as not CUDA-aware (the safe choice: staging always works).
+
+MPI does not follow CUDA streams: every buffer handed to MPI is synchronised first (a device
+sync point), whether MPI reads the device memory itself or a staged host copy of it.
+"""
+import ctypes
+import os
+
+import numpy as np
+
+from hpcsgd.device import cupy_module, synchronize
+
+MPIX_GPU_SUPPORT_CUDA = 0   # mpi.h of MPICH 4.x / 5.x
+ENV_CUDA_AWARE = "HPCSGD_MPI_CUDA_AWARE"
+
+
+def local_rank(comm):
+    """This rank's index among the ranks on its node (a shared-memory split of comm)."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def bind_gpu(comm):
+    """Select this rank's GPU: local rank modulo the GPUs it can see (a scheduler that gives
+    each task its own GPU through CUDA_VISIBLE_DEVICES leaves one visible: index 0).
+    Returns (device index, ranks on this node, GPUs visible). Call once, before any device
+    allocation. More ranks than GPUs share them (fine for correctness runs)."""
+    from numba import cuda
+    mine, on_node = local_rank(comm)
+    visible = len(cuda.gpus)
+    if not visible:
+        raise RuntimeError("train.device=cuda: no CUDA GPU is visible to this rank")
+    index = mine % visible
+    cuda.select_device(index)
+    return index, on_node, visible
+
+
+def _loaded_libmpi():
+    """The MPI library mpi4py loaded into this process, opened again by ctypes (the same
+    handle; /proc/self/maps names its file), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f
+                            if "/libmpi" in line and ".so" in line and "abi" not in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def mpi_cuda_aware(setting="auto"):
+    """(True/False, how it was decided) for this process's MPI library. MPI must be
+    initialised (the query functions need it)."""
+    if setting in ("true", "false"):
+        return setting == "true", f"exchange.mpi_cuda_aware={setting}"
+    env = os.environ.get(ENV_CUDA_AWARE, "")
+    if env in ("0", "1"):
+        return env == "1", f"{ENV_CUDA_AWARE}={env}"
+    if env:
+        raise ValueError(f"{ENV_CUDA_AWARE}={env!r}: expected 0 or 1")
+    lib = _loaded_libmpi()
+    if lib is None:
+        return False, "libmpi not found in this process: staging through host memory"
+    if hasattr(lib, "MPIX_GPU_query_support"):          # MPICH >= 4 (also exports the next)
+        query = lib.MPIX_GPU_query_support
+        query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        flag = ctypes.c_int(0)
+        ok = query(MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag)) == 0 and flag.value == 1
+        return ok, f"MPIX_GPU_query_support(CUDA) = {flag.value}"
+    if hasattr(lib, "MPIX_Query_cuda_support"):         # Open MPI, MVAPICH2
+        value = lib.MPIX_Query_cuda_support()
+        return value == 1, f"MPIX_Query_cuda_support() = {value}"
+    return False, "the MPI library has no CUDA query: staging through host memory"
+
+
+class Staging:
+    """How device buffers go through MPI. Host arrays, or device arrays with a CUDA-aware MPI:
+    MPI gets the array itself. Device arrays otherwise: a pinned host mirror of the same
+    layout, copied before a send (to_mpi) and after a receive (from_mpi); ranges [lo, hi)
+    copy only what MPI reads or wrote. Pinned memory makes those copies DMA at the bus's
+    rate. One Staging serves every array of its shape (one exchange in flight)."""
+
+    def __init__(self, shape, dtype, device, cuda_aware):
+        self.device = device
+        self.staged = device == "cuda" and not cuda_aware
+        self.host = None
+        if self.staged:
+            from numba import cuda
+            self.host = cuda.pinned_array(shape, dtype)
+
+    def mpi(self, array):
+        """The buffer MPI reads and writes for `array`."""
+        return self.host if self.staged else array
+
+    def to_mpi(self, array, lo=0, hi=None):
+        """The device's writes to array[lo:hi] are complete and visible to MPI (a device sync
+        point); returns mpi(array)."""
+        synchronize(self.device)
+        if self.staged:
+            array[lo:hi].copy_to_host(self.host[lo:hi])
+        return self.mpi(array)
+
+    def from_mpi(self, array, lo=0, hi=None):
+        """MPI's writes to [lo, hi) reach the device array (staged: a host -> device copy)."""
+        if self.staged:
+            array[lo:hi].copy_to_device(self.host[lo:hi])
+
+    def describe(self, why):
+        if self.device == "cpu":
+            return "MPI on host buffers"
+        return (f"MPI through pinned host buffers ({why})" if self.staged
+                else f"CUDA-aware MPI on device buffers ({why})")
+
+
+def nccl_available():
+    """(True, version) when CuPy's NCCL binding loads, else (False, why)."""
+    try:
+        from cupy.cuda import nccl
+        return True, f"NCCL {nccl.get_version()}"
+    except Exception as err:   # ImportError, or a CUDA/NCCL library that fails to load
+        return False, f"{type(err).__name__}: {err}"
+
+
+class Nccl:
+    """An NCCL communicator over the ranks of comm (the unique id from rank 0 by an MPI
+    broadcast), summing device buffers on its own non-blocking stream, so that a double-
+    buffered exchange really runs while the default stream computes the next half."""
+    DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float16): "NCCL_FLOAT16"}
+
+    def __init__(self, comm):
+        cupy = cupy_module()
+        from cupy.cuda import nccl
+        self._nccl, self._cupy = nccl, cupy
+        uid = nccl.get_unique_id() if comm.Get_rank() == 0 else None
+        uid = comm.bcast(uid, root=0)     # lowercase: a small tuple, once
+        self.comm = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._ready = cupy.cuda.Event(disable_timing=True)
+        self._done = cupy.cuda.Event(disable_timing=True)
+
+    def start_sum(self, array):
+        """Begin an in-place sum of a device array over the ranks: the NCCL stream waits for
+        the default stream's work so far (the gradient), then runs the allreduce."""
+        cp = self._cupy
+        self._ready.record(cp.cuda.Stream.null)
+        self.stream.wait_event(self._ready)
+        ptr = array.__cuda_array_interface__["data"][0]
+        self.comm.allReduce(ptr, ptr, array.size, getattr(self._nccl, self.DTYPES[array.dtype]),
+                            self._nccl.NCCL_SUM, self.stream.ptr)
+        self._done.record(self.stream)
+
+    def wait_sum(self):
+        """Complete it: the host waits for the NCCL stream (a sync point; the sum is then
+        readable by work on any stream)."""
+        self._done.synchronize()

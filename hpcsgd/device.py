@@ -1,0 +1,99 @@
+"""Where a rank's arrays live: host memory (NumPy) or its CUDA device (Numba device arrays),
+the few whole-array operations the trainer needs on either, and the device's GEMM.
+
+GPU ranks (`train.device: cuda`) keep parameters, gradients, optimizer state, codec buffers
+and residuals in Numba device arrays; CuPy is used only where it beats hand-written code:
+cuBLAS GEMMs (here) and NCCL (hpcsgd/comm/gpu.py). Numba and CuPy share the legacy default
+stream, so a kernel launched by one is ordered before work of the other without a sync.
+
+Under NUMBA_ENABLE_CUDASIM=1 (tests without a GPU) device arrays are Numba's simulated ones:
+host memory behind a device-array interface, every kernel interpreted in Python. The
+simulator has no cuBLAS, so `matmul` multiplies the wrapped host arrays with NumPy there; on
+a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
+"""
+import numpy as np
+
+DEVICES = ("cpu", "cuda")
+
+
+def simulated():
+    """True when Numba's CUDA simulator stands in for a GPU."""
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def is_device(a):
+    """A Numba device array (real or simulated)?"""
+    return hasattr(a, "copy_to_host")
+
+
+def zeros(shape, dtype, device):
+    """A zeroed array on the host ("cpu") or the rank's GPU ("cuda")."""
+    if device == "cpu":
+        return np.zeros(shape, dtype)
+    from numba import cuda
+    out = cuda.device_array(shape, dtype)
+    zero(out)
+    return out
+
+
+def zero(a):
+    """a[...] = 0 on either side."""
+    if is_device(a):
+        from hpcsgd.model.kernels_cuda import fill
+        fill(a, 0)
+    else:
+        a[...] = 0
+
+
+def to_host(a):
+    """A NumPy view (host array) or copy (device array) of a; for checkpoints and logs.
+    A device-to-host copy is a sync point."""
+    return a.copy_to_host() if is_device(a) else a
+
+
+def host_copy(a):
+    """A NumPy copy of a, never a view (snapshots that must not change)."""
+    return a.copy_to_host() if is_device(a) else np.array(a, copy=True)
+
+
+def assign(dst, src):
+    """dst[...] = src, where either may be on the device (same shape and dtype)."""
+    if is_device(dst):
+        dst.copy_to_device(src if is_device(src) else np.ascontiguousarray(src, dst.dtype))
+    else:
+        dst[...] = to_host(src)
+
+
+def synchronize(device):
+    """Wait for the device's queued work: before timing a phase or handing a buffer to a
+    library that does not follow the stream (MPI). A no-op on the host."""
+    if device == "cuda":
+        from numba import cuda
+        cuda.synchronize()
+
+
+def matmul(a, b, out, trans_a=False, trans_b=False):
+    """out = op(a) @ op(b), op = transpose where asked, for 2-D float32 arrays on one side.
+    Device arrays: cuBLAS SGEMM via CuPy (zero-copy views of the Numba arrays; a transpose is
+    a cuBLAS flag, not a copy). Host arrays: NumPy's BLAS."""
+    if not is_device(out):
+        np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        return
+    if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
+        x, y = a._ary, b._ary
+        np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
+        return
+    cp = cupy_module()
+    x, y = cp.asarray(a), cp.asarray(b)
+    cp.matmul(x.T if trans_a else x, y.T if trans_b else y, out=cp.asarray(out))
+
+
+def cupy_module():
+    """CuPy, imported on first use (GPU ranks only). Numba's arrays live on the legacy default
+    stream, as CuPy's work does, so CuPy need not synchronise when it wraps one (it would by
+    default: a host sync per GEMM)."""
+    import os
+    os.environ.setdefault("CUPY_CUDA_ARRAY_INTERFACE_SYNC", "0")
+    import cupy
+    return cupy

@@ -1,0 +1,277 @@
+"""CUDA counterparts of hpcsgd.model.kernels: the DNN's element-wise kernels for GPU ranks.
+
+Shape key: N = frames in the minibatch (rows), M = units of the layer (columns), T = ROW_THREADS.
+Wrappers take Numba device arrays (or any __cuda_array_interface__ array, e.g. CuPy) and launch
+on the default stream without synchronizing; only softmax_xent_backward, which returns host
+numbers, waits.
+
+How they differ from the CPU kernels: exp is CUDA's expf (math.exp on float32), not the Cephes
+polynomial `fexp`, and sums are accumulated in float64 and rounded once to the array's dtype
+(the CPU adds float32 chunk partials), so GPU and CPU results agree to float tolerance, not bit
+for bit. On the GPU itself every result is bit-reproducible for a given launch configuration:
+no atomics, and every reduction adds in a fixed order that does not depend on timing, so the
+GPU ranks of a data-parallel job stay bit-identical.
+
+- Element-wise kernels: a 2-D grid of 32 x 8 blocks, grid-stride in both dimensions; a warp
+  covers 32 consecutive columns of one row (coalesced).
+- Column sums (bias gradients): one block per COL_TILE = 32 columns; lane l of SUM_LANES adds
+  rows l, l + SUM_LANES, ... of its column in float64, then lane 0 adds the lanes in order.
+- Row reductions (softmax): one block of T threads per row; thread t covers columns t, t + T,
+  ...; thread 0 combines the T partials in thread order and shares the result.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from hpcsgd.codecs.common import as_device
+from hpcsgd.model.kernels import SIGMOID
+
+ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
+COL_TILE, SUM_LANES = 32, 16   # column sums: columns per block x row lanes (512 threads)
+ROW_THREADS = 128        # softmax: threads per row (block); thread 0 combines 128 partials
+FILL_THREADS = 256
+MAX_GRID = 65535         # grid dims are capped (grid-stride loops cover the rest)
+
+def _elem_grid(n, m):
+    bx, by = ELEM_BLOCK
+    return min(-(-m // bx), MAX_GRID), min(-(-n // by), MAX_GRID)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise kernels. `kind` is a runtime argument: the branch is uniform across the grid, so
+# it costs nothing on a GPU (unlike the CPU kernels, where it blocks vectorization).
+
+
+@cuda.jit
+def _bias_act_kernel(z, b, kind):
+    n, m = z.shape
+    j0, i0 = cuda.grid(2)
+    sj, si = cuda.gridsize(2)
+    one, zero = z.dtype.type(1), z.dtype.type(0)
+    for i in range(i0, n, si):
+        for j in range(j0, m, sj):
+            v = z[i, j] + b[0, j]
+            if kind == SIGMOID:
+                z[i, j] = one / (one + math.exp(-v))
+            else:
+                z[i, j] = max(v, zero)
+
+
+@cuda.jit
+def _act_backward_kernel(h, d, dz, kind):
+    n, m = d.shape
+    j0, i0 = cuda.grid(2)
+    sj, si = cuda.gridsize(2)
+    one, zero = d.dtype.type(1), d.dtype.type(0)
+    for i in range(i0, n, si):
+        for j in range(j0, m, sj):
+            hv = h[i, j]                 # read before dz (which may be h) is written
+            if kind == SIGMOID:
+                dz[i, j] = d[i, j] * (hv * (one - hv))
+            else:
+                dz[i, j] = d[i, j] if hv > zero else zero
+
+
+@cuda.jit
+def _exp_kernel(z):
+    n, m = z.shape
+    j0, i0 = cuda.grid(2)
+    sj, si = cuda.gridsize(2)
+    for i in range(i0, n, si):
+        for j in range(j0, m, sj):
+            z[i, j] = math.exp(z[i, j])
+
+
+@cuda.jit
+def _fill_kernel(a, value):
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = value
+
+
+@cuda.jit
+def _column_sums_kernel(a, out):
+    n, m = a.shape
+    tx, lane = cuda.threadIdx.x, cuda.threadIdx.y
+    col = cuda.blockIdx.x * COL_TILE + tx
+    part = cuda.shared.array((SUM_LANES, COL_TILE), np.float64)
+    acc = 0.0
+    if col < m:
+        for i in range(lane, n, SUM_LANES):
+            acc += a[i, col]
+    part[lane, tx] = acc
+    cuda.syncthreads()
+    if lane == 0 and col < m:
+        for k in range(1, SUM_LANES):
+            acc += part[k, tx]
+        out[0, col] = acc                # the only rounding to out's dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# output layer: one block per row. Each thread touches only its own columns (t, t + T, ...) in
+# every pass, so passes need no barrier on z; barriers are only around the shared partials.
+
+
+@cuda.jit(device=True)
+def _row_bias_max(z, b, i, label, smax, sarg, szy):
+    """z[i] += b; returns (max as float64, first argmax) of the row to every thread; szy[0]
+    gets (z + b)[i, label] (for the CE, read before later passes overwrite it)."""
+    t = cuda.threadIdx.x
+    m = z.shape[1]
+    best = -math.inf
+    arg = m                              # m = "no column yet" (threads t >= m keep it)
+    for j in range(t, m, ROW_THREADS):
+        v = z[i, j] + b[0, j]
+        z[i, j] = v
+        if arg == m or v > best:         # ascending j: the first max of this thread
+            best = v
+            arg = j
+        if j == label:
+            szy[0] = v
+    smax[t] = best
+    sarg[t] = arg
+    cuda.syncthreads()
+    if t == 0:                           # thread order; ties go to the lowest column
+        for k in range(1, ROW_THREADS):
+            if smax[k] > smax[0] or (smax[k] == smax[0] and sarg[k] < sarg[0]):
+                smax[0] = smax[k]
+                sarg[0] = sarg[k]
+    cuda.syncthreads()
+    return smax[0], sarg[0]
+
+
+@cuda.jit(device=True)
+def _row_sum(part, x):
+    """Sum of every thread's x (float64), added by thread 0 in thread order, to every thread."""
+    t = cuda.threadIdx.x
+    part[t] = x
+    cuda.syncthreads()
+    if t == 0:
+        for k in range(1, ROW_THREADS):
+            part[0] += part[k]
+    cuda.syncthreads()
+    return part[0]
+
+
+@cuda.jit(device=True)
+def _row_exp_sum(z, i, mx, store):
+    """This thread's float64 sum of exp(z[i, j] - mx) over its columns; z[i, j] <- the exp
+    if `store`."""
+    s = 0.0
+    for j in range(cuda.threadIdx.x, z.shape[1], ROW_THREADS):
+        e = math.exp(z[i, j] - mx)       # float32 in, expf
+        if store:
+            z[i, j] = e
+        s += e
+    return s
+
+
+@cuda.jit
+def _softmax_xent_kernel(z, b, y, ce_rows, correct_rows):
+    i = cuda.blockIdx.x
+    smax = cuda.shared.array(ROW_THREADS, np.float64)   # float64 holds any float32 exactly
+    sarg = cuda.shared.array(ROW_THREADS, np.int32)
+    ssum = cuda.shared.array(ROW_THREADS, np.float64)
+    szy = cuda.shared.array(1, np.float64)
+    label = y[i]
+    mx, arg = _row_bias_max(z, b, i, label, smax, sarg, szy)
+    s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), True))
+    inv = z.dtype.type(1.0 / s)
+    one = z.dtype.type(1)
+    for j in range(cuda.threadIdx.x, z.shape[1], ROW_THREADS):
+        g = z[i, j] * inv
+        if j == label:
+            g -= one
+        z[i, j] = g
+    if cuda.threadIdx.x == 0:
+        # log-sum-exp minus the label's logit: exact even where the posterior underflows
+        ce_rows[i] = math.log(s) + mx - szy[0]
+        correct_rows[i] = 1 if arg == label else 0
+
+
+@cuda.jit
+def _log_softmax_kernel(z, b):
+    i = cuda.blockIdx.x
+    smax = cuda.shared.array(ROW_THREADS, np.float64)
+    sarg = cuda.shared.array(ROW_THREADS, np.int32)
+    ssum = cuda.shared.array(ROW_THREADS, np.float64)
+    szy = cuda.shared.array(1, np.float64)
+    mx, _ = _row_bias_max(z, b, i, -1, smax, sarg, szy)
+    s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), False))
+    lse = z.dtype.type(mx + math.log(s))
+    for j in range(cuda.threadIdx.x, z.shape[1], ROW_THREADS):
+        z[i, j] = z[i, j] - lse
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side wrappers (default stream; no sync unless a host value is returned)
+
+
+def bias_act_forward(z, b, kind):
+    """z (N, M) in place: z = f(z + b), b (1, M); kind is kernels.SIGMOID or kernels.RELU."""
+    z, b = as_device(z), as_device(b)
+    n, m = z.shape
+    if n and m:
+        _bias_act_kernel[_elem_grid(n, m), ELEM_BLOCK](z, b, kind)
+
+
+def act_backward(h, d, dz, gb, kind):
+    """dz = d * f'(h) from the layer's output h (dz may be h); gb (1, M) = column sums of dz."""
+    h, d, dz = as_device(h), as_device(d), as_device(dz)
+    n, m = d.shape
+    if n and m:
+        _act_backward_kernel[_elem_grid(n, m), ELEM_BLOCK](h, d, dz, kind)
+    column_sums(dz, gb)
+
+
+def column_sums(a, out):
+    """out (1, M) = sums of a (N, M) over its rows, in a fixed order (float64, rounded once)."""
+    a, out = as_device(a), as_device(out)
+    n, m = a.shape
+    if n == 0:
+        fill(out, 0)
+    elif m:
+        _column_sums_kernel[-(-m // COL_TILE), (COL_TILE, SUM_LANES)](a, out)
+
+
+def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows):
+    """z (N, M) logits without bias in; posterior - onehot(y) of z + b out (in place). y (N,)
+    int32 labels; gb (1, M) = column sums of the gradient; ce_rows (>= N) float64 and
+    correct_rows (>= N) int32 scratch get each row's CE (nats) and hit (first argmax == y).
+    Returns (CE summed over the rows: float, hits: int): a device-to-host copy, a sync point."""
+    z, b, y, gb = as_device(z), as_device(b), as_device(y), as_device(gb)
+    ce_rows, correct_rows = as_device(ce_rows), as_device(correct_rows)
+    n, m = z.shape
+    if n == 0:
+        fill(gb, 0)
+        return 0.0, 0
+    _softmax_xent_kernel[n, ROW_THREADS](z, b, y, ce_rows, correct_rows)
+    column_sums(z, gb)
+    ce = ce_rows[:n].copy_to_host()      # waits for the kernels above
+    hits = correct_rows[:n].copy_to_host()
+    return float(np.sum(ce)), int(np.sum(hits))
+
+
+def log_softmax_forward(z, b):
+    """z (N, M) in place: (z + b) - logsumexp(z + b) per row (log-posteriors)."""
+    z, b = as_device(z), as_device(b)
+    n, m = z.shape
+    if n and m:
+        _log_softmax_kernel[n, ROW_THREADS](z, b)
+
+
+def exp_inplace(z):
+    """z (N, M) <- exp(z) (log-posteriors -> posteriors)."""
+    z = as_device(z)
+    n, m = z.shape
+    if n and m:
+        _exp_kernel[_elem_grid(n, m), ELEM_BLOCK](z)
+
+
+def fill(a, value):
+    """Every element of the C-contiguous device array a (any shape) <- value."""
+    a = as_device(a)
+    if a.size:
+        flat = a.reshape(a.size)
+        blocks = min(-(-a.size // FILL_THREADS), MAX_GRID)
+        _fill_kernel[blocks, FILL_THREADS](flat, value)

