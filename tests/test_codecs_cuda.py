@@ -3,6 +3,7 @@
 NUMBA_ENABLE_CUDASIM must be set before numba is first imported, and other test modules
 import numba earlier in the same process; so the parent test re-runs this file in a fresh
 pytest process with the variable set (HPCSGD_CUDASIM_CHILD=1 selects the real tests there).
+With HPCSGD_TEST_GPU=1 (tests/conftest.py) the child runs on the machine's GPU instead.
 Inputs are small: the simulator runs every CUDA thread as a Python thread.
 """
 import os
@@ -12,11 +13,13 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import CUDA_ENV
+
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 
 if not CHILD:
     def test_cuda_kernels_in_simulator_subprocess():
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", HPCSGD_CUDASIM_CHILD="1")
+        env = dict(os.environ, HPCSGD_CUDASIM_CHILD="1", **CUDA_ENV)   # the simulator, or a GPU
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "-x", __file__], env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]

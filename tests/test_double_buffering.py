@@ -60,6 +60,24 @@ def test_weights_follow_the_delayed_update_equations(K, extra, arch, tmp_path):
 
 @pytest.mark.parametrize("K, extra", [
     (2, ()),
+    (3, ("exchange.aggregation=striped", "exchange.codec=onebit")),
+])
+def test_progress_moves_bytes_earlier_not_the_result(K, extra, arch, tmp_path):
+    """exchange.progress: test (the default: MPI_Test on the exchange in flight after each
+    GEMM of the next half), thread (a thread calling MPI_Test every ms, with the spine's own
+    MPI calls at step boundaries meanwhile) and none give the same bits."""
+    extra = ("exchange.double_buffering=true", *extra)
+    runs = {mode: train(K, arch, str(tmp_path / mode), *extra, f"exchange.progress={mode}")
+            for mode in ("none", "test", "thread")}
+    for mode in ("test", "thread"):
+        assert set(runs[mode]) == set(runs["none"])
+        for name in runs["none"]:
+            np.testing.assert_array_equal(runs[mode][name], runs["none"][name],
+                                          err_msg=f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("K, extra", [
+    (2, ()),
     (3, ("exchange.aggregation=striped", "exchange.codec=onebit", "optim.adagrad=aggregate")),
 ])
 def test_a_run_cut_with_an_exchange_in_flight_resumes_bit_exactly(K, extra, arch, tmp_path):

@@ -485,7 +485,8 @@ def validate(train, latency_s, ceiling_gbps=None):
         runs = {r["ranks"]: r for r in link["runs"]}
         if 1 not in runs:
             raise ValueError("validate: the train JSON needs a K = 1 run (--ranks 1,...)")
-        base = {(r["minibatch"], r["exchange"], r["double_buffering"]): r for r in runs[1]["rows"]}
+        base = {(r["minibatch"], r["exchange"], (r["double_buffering"], r.get("progress"))): r
+                for r in runs[1]["rows"]}
         m = float(runs[1]["params"])
 
         def share(run):   # cores one rank of `run` computes on
@@ -498,10 +499,11 @@ def validate(train, latency_s, ceiling_gbps=None):
                 if row["exchange"] == "none":
                     continue
                 n, ex, db = row["minibatch"], row["exchange"], row["double_buffering"]
-                b = base[(n, ex, db)]
+                mode = (db, row.get("progress"))
+                b = base[(n, ex, mode)]
                 nex = row["exchanges_per_step"]
                 points = {r["minibatch"] / nex: r["seconds"]["compute"] / r["minibatch"]
-                          for key, r in base.items() if key[1] == "none" and key[2] == db}
+                          for key, r in base.items() if key[1] == "none" and key[2] == mode}
                 v1 = VarCost(points)
                 t_upd1, c_post1 = fixed_costs(b["phases_s"], not ex.startswith("allreduce"))
                 v = slow * v1(n / (nex * k))
@@ -517,7 +519,9 @@ def validate(train, latency_s, ceiling_gbps=None):
                 overlap = nex * max(v + u, c)
                 pred = overlap if db else serial
                 r = {"link": f"{gbps:g} Gbit/s" if gbps else "shared memory (comm measured)",
-                     "K": k, "N": n, "exchange": ex, "db": "on" if db else "off",
+                     "K": k, "N": n, "exchange": ex,
+                     "db": (f"on+{mode[1]}" if mode[1] not in (None, "none") else "on")
+                           if db else "off",
                      "core_share_slowdown": slow,
                      "compute_pred_s": nex * v, "compute_meas_s": row["seconds"]["compute"],
                      "fixed_pred_s": nex * u,
@@ -540,17 +544,17 @@ def print_validate(rows, path):
           f"sharing the cores (validate()); ms per step unless noted; DB on: predicted = "
           f"overlapped 2 max(v+u, c), [serial] = 2 (v+u+c)")
     capped = any("step_pred_capped_s" in r for r in rows)
-    print(f"{'link':>14s} {'K':>2s} {'N':>5s} {'exchange':>10s} {'DB':>3s} "
+    print(f"{'link':>14s} {'K':>2s} {'N':>5s} {'exchange':>10s} {'DB':>9s} "
           f"{'compute p/m':>13s} {'fixed p/m':>13s} {'comm/exch p/m':>15s} "
           f"{'step pred':>9s} {'[serial]':>9s} {'measured':>9s} {'meas/pred':>9s} "
           f"{'/serial':>7s}" + (f" {'capped':>8s} {'/capped':>7s}" if capped else ""))
     for r in rows:
-        print(f"{r['link'][:14]:>14s} {r['K']:>2d} {r['N']:>5d} {r['exchange']:>10s} {r['db']:>3s} "
+        print(f"{r['link'][:14]:>14s} {r['K']:>2d} {r['N']:>5d} {r['exchange']:>10s} {r['db']:>9s} "
               f"{1e3 * r['compute_pred_s']:>6.0f}/{1e3 * r['compute_meas_s']:<6.0f} "
               f"{1e3 * r['fixed_pred_s']:>6.0f}/{1e3 * r['fixed_meas_s']:<6.0f} "
               f"{1e3 * r['comm_pred_s']:>7.1f}/{1e3 * r['comm_meas_s']:<7.1f} "
               f"{1e3 * r['step_pred_s']:>9.0f} "
-              f"{(format(1e3 * r['step_pred_serial_s'], '.0f') if r['db'] == 'on' else ''):>9s} "
+              f"{(format(1e3 * r['step_pred_serial_s'], '.0f') if r['db'] != 'off' else ''):>9s} "
               f"{1e3 * r['step_meas_s']:>9.0f} {r['measured_over_pred']:>9.2f} "
               f"{r['step_meas_s'] / r['step_pred_serial_s']:>7.2f}"
               + (f" {1e3 * r.get('step_pred_capped_s', float('nan')):>8.0f} "

@@ -3,6 +3,7 @@ same run: the GEMM roofline and the same loop with the exchange skipped.
 
     hpcsgd bench train [--small] [--ranks 1,2,4] [--minibatch 256,512,1024,2048]
                        [--exchange allreduce,onebit] [--double-buffering off|on|both]
+                       [--progress test|none,test,thread]
                        [--rounds 3] [--json FILE] [--compare OLD.json] [--emulate 1,10,25]
 
 For each K, `mpiexec -n K` (hpcsgd/bench/launch.py: cores split evenly over the ranks) runs the
@@ -10,7 +11,9 @@ rank side below. It drives the trainer's own parts as hpcsgd/train.py's step loo
 rank's share of the global minibatch N (loader.local_batch_size), DNN.forward_backward,
 Optimizer.begin_step / pre_exchange, and the exchange make_exchange builds from the config --
 ex.step, or with double buffering the step's two halves (train.halves), each exchanged with
-ex.start and completed by ex.finish after the next half's gradient. Frames are random (the
+ex.start and completed by ex.finish after the next half's gradient, driven meanwhile as
+exchange.progress says (--progress: test = ex.test, MPI_Test, after each GEMM of that half;
+thread = a thread calling MPI_Test every ms; none). Frames are random (the
 loader's limit is `bench loader`); the model is the paper's 46M DNN (440-7x2048-9304, sigmoid)
 or, with --small, a 0.4M one. Exchanges: allreduce (float32 in place), allreduce16, or a
 striped codec (onebit, kbit2/4/8, dettmers, float16, float32).
@@ -31,7 +34,8 @@ Per (K, N, exchange, double buffering):
                  including waiting for the slowest rank), update (post-processing, apply,
                  fused decode-apply), other (the rest: Python, begin_step).
 With --double-buffering both, a Table 4 (the paper's: frames/s over N without and with
-double buffering) is printed per K and exchange.
+double buffering) is printed per K and exchange; --progress none,test,thread gives a
+double-buffered row per progress mode, measured in the same rounds.
 """
 import argparse
 import statistics
@@ -64,6 +68,9 @@ def add_arguments(parser):
                         help="allreduce, allreduce16, or striped codecs onebit,kbit4,float32,...")
     parser.add_argument("--double-buffering", default=None, choices=["off", "on", "both"],
                         help="half-batch double buffering (default off; --small both)")
+    parser.add_argument("--progress", default="test",
+                        help="double buffering: how the exchange in flight is driven, one or "
+                             "more of none,test,thread (exchange.progress; default test)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds over the configurations (GEMMs, no exchange, each exchange; "
                              "default 3, --small 2)")
@@ -76,24 +83,30 @@ def add_arguments(parser):
 
 
 def _settings(args):
-    """(ranks, minibatches, double-buffering modes) with the --small defaults filled in."""
+    """(ranks, minibatches, modes) with the --small defaults filled in. A mode is
+    (double buffering, progress): (False, None), or (True, "none" | "test")."""
     ranks = [int(k) for k in (args.ranks or ("1,2" if args.small else "1,2,4")).split(",")]
     ns = [int(n) for n in str(args.minibatch or (256 if args.small else 1024)).split(",")]
     db = args.double_buffering or ("both" if args.small else "off")
-    return ranks, ns, {"off": [False], "on": [True], "both": [False, True]}[db]
+    progress = args.progress.split(",")
+    if not set(progress) <= {"none", "test", "thread"}:
+        raise SystemExit(f"--progress {args.progress}: expected none, test and/or thread")
+    on = [(True, p) for p in progress]
+    return ranks, ns, {"off": [(False, None)], "on": on, "both": [(False, None)] + on}[db]
 
 
 def run(args):
-    ranks, ns, dbs = _settings(args)
+    ranks, ns, modes = _settings(args)
     shape = SMALL if args.small else PAPER
     print(f"hpcsgd bench train: {'small' if args.small else 'paper 46M'} model "
           f"{shape['input_dim']}-{'x'.join(map(str, shape['hidden']))}-{shape['num_labels']}, "
           f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
-          f"{'/'.join('on' if d else 'off' for d in dbs)}; {launch.cores()} cores, load average "
+          f"{'/'.join(_db_name(*m) for m in modes)}; {launch.cores()} cores, load average "
           f"{report.load_average():.2f}" + (f"; emulated link {launch.link_gbps():g} Gbit/s"
                                             if launch.link_gbps() else ""), flush=True)
     worker = ["--ranks", "0", "--minibatch", ",".join(map(str, ns)), "--exchange", args.exchange,
-              "--double-buffering", {1: "on" if dbs[0] else "off", 2: "both"}[len(dbs)],
+              "--double-buffering", args.double_buffering or ("both" if args.small else "off"),
+              "--progress", args.progress,
               "--steps", args.steps, "--rounds", args.rounds or (2 if args.small else 3),
               "--warmup", args.warmup,
               "--activation", args.activation]
@@ -114,7 +127,7 @@ def run(args):
     out = {"model": "small" if args.small else "paper-46M", "shape": shape,
            "params": runs[0]["params"], "minibatches": ns, "exchanges": args.exchange.split(","),
            "link_gbps": launch.link_gbps(), "runs": runs}
-    if len(dbs) == 2:
+    if len({db for db, _ in modes}) == 2:
         print_table4(out)
     # issue 3's figure, kept at the top: one rank's step (exchange skipped: forward + backward
     # + momentum update) against its GEMM roofline
@@ -127,9 +140,19 @@ def run(args):
     return out
 
 
+def _db_name(db, progress):
+    """off, on (no MPI call during compute), on+test (MPI_Test after each GEMM) or on+thread
+    (a thread calling MPI_Test)."""
+    return "off" if not db else ("on" if progress in (None, "none") else f"on+{progress}")
+
+
+def _mode(row):
+    """A row's (double buffering, progress); JSON written before --progress had no key."""
+    return row["double_buffering"], row.get("progress")
+
+
 def _label(row):
-    return (f"N={row['minibatch']} {row['exchange']} DB "
-            f"{'on' if row['double_buffering'] else 'off'}")
+    return f"N={row['minibatch']} {row['exchange']} DB {_db_name(*_mode(row))}"
 
 
 def figures(res):
@@ -155,15 +178,14 @@ def print_table(run):
     wire = any("wire_s" in r for r in run["rows"])
     if wire:
         print("comm ms = MPI time per step; wire ms = the step's bytes per rank at the link rate")
-    print(f"{'N':>6s} {'exchange':>11s} {'DB':>3s} {'frames/s':>9s} {'roofline':>9s} "
+    print(f"{'N':>6s} {'exchange':>11s} {'DB':>9s} {'frames/s':>9s} {'roofline':>9s} "
           f"{'of roof':>7s} {'no-exch':>8s} {'overhead':>8s} {'exch ms':>8s} "
           + (f"{'comm ms':>8s} {'wire ms':>8s} " if wire else "") +
           f"{'compute':>7s} {'encode':>6s} {'comm':>6s} {'update':>6s} {'other':>6s}")
     for r in run["rows"]:
         f = r["fractions"]
         none = r["exchange"] == "none"
-        db = "on" if r["double_buffering"] else "off"
-        print(f"{r['minibatch']:>6d} {r['exchange']:>11s} {db:>3s} "
+        print(f"{r['minibatch']:>6d} {r['exchange']:>11s} {_db_name(*_mode(r)):>9s} "
               f"{r['frames_per_s']:>9.1f} {r['roofline_frames_per_s']:>9.1f} "
               f"{r['roofline_fraction']:>7.1%} {r['skip_frames_per_s']:>8.1f} "
               f"{'' if none else format(r['comm_overhead'], '.1%'):>8s} "
@@ -182,16 +204,18 @@ def print_table4(res):
              else "one machine, shared memory")
     print(f"\nTable 4 ({where}): frames/s over minibatch size N, without and with half-batch "
           f"double buffering")
-    print(f"{'K':>2s} {'exchange':>11s} {'':>8s} " + " ".join(f"{n:>7d}" for n in ns))
+    print(f"{'K':>2s} {'exchange':>11s} {'':>14s} " + " ".join(f"{n:>7d}" for n in ns))
     for run in res["runs"]:
         for ex in res["exchanges"]:
-            fps = {(r["minibatch"], r["double_buffering"]): r["frames_per_s"]
+            fps = {(r["minibatch"], _mode(r)): r["frames_per_s"]
                    for r in run["rows"] if r["exchange"] == ex}
-            for db, name in ((False, "no DB"), (True, "DB")):
-                print(f"{run['ranks']:>2d} {ex:>11s} {name:>8s} "
-                      + " ".join(f"{fps[(n, db)]:>7.1f}" for n in ns))
-            print(f"{'':>2s} {'':>11s} {'DB gain':>8s} "
-                  + " ".join(f"{fps[(n, True)] / fps[(n, False)] - 1:>+7.1%}" for n in ns))
+            modes = sorted({m for _, m in fps}, key=lambda m: (m[0], str(m[1])))
+            for m in modes:
+                print(f"{run['ranks']:>2d} {ex:>11s} {'DB ' + _db_name(*m):>14s} "
+                      + " ".join(f"{fps[(n, m)]:>7.1f}" for n in ns))
+            for m in modes[1:]:
+                print(f"{'':>2s} {'':>11s} {'gain ' + _db_name(*m):>14s} "
+                      + " ".join(f"{fps[(n, m)] / fps[(n, modes[0])] - 1:>+7.1%}" for n in ns))
 
 
 # ---- rank side (under mpiexec, started by run() through launch.mpirun) -----------------------
@@ -249,12 +273,16 @@ class Rank:
             samples.append(self.slowest(time.perf_counter() - t))
         return statistics.median(samples[1:])
 
-    def loop(self, ex, opt, parts, steps, warmup, double_buffering):
+    def loop(self, ex, opt, parts, steps, warmup, double_buffering, progress=None):
         """The spine's step loop over `parts` (the step, or its two halves), as in
-        hpcsgd/train.py; ex None = the exchange skipped (Optimizer.step on the local gradient).
+        hpcsgd/train.py; ex None = the exchange skipped (Optimizer.step on the local gradient);
+        progress "test": ex.test after each GEMM while an exchange is in flight.
         Returns this rank's step times and its seconds per step by category and by exchange
         phase, over the timed steps."""
+        from hpcsgd.comm.progress import Poller
         model, params, rank = self.model, self.params, self.rank
+        if ex is not None:
+            ex.poller = Poller() if progress == "thread" else None
         compute = local_update = 0.0
         pending, marks, ce = False, [], 0.0
         self.comm.Barrier()
@@ -270,7 +298,8 @@ class Rank:
                 n = int(part[rank])
                 t = time.perf_counter()
                 if n:
-                    ce, _ = model.forward_backward(params, grads, self.x, self.y, n)
+                    poke = ex.test if pending and progress == "test" else None
+                    ce, _ = model.forward_backward(params, grads, self.x, self.y, n, poke)
                 else:
                     grads.flat[:] = 0
                 compute += time.perf_counter() - t
@@ -344,15 +373,15 @@ def worker(argv):
     add_arguments(parser)
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
-    _, ns, dbs = _settings(args)
+    _, ns, modes = _settings(args)
     comm = MPI.COMM_WORLD
     K = comm.Get_size()
     shape = SMALL if args.small else PAPER
     r = Rank(comm, shape, args.activation, max(local_batch_size(n, 0, K) for n in ns))
     size = r.params.size
     flop = gemm_flop_per_frame(**shape)
-    configs = [(n, db, [p for p in (halves(take) if db else [take]) if p.sum()])
-               for n in ns for db in dbs
+    configs = [(n, mode, [p for p in (halves(take) if mode[0] else [take]) if p.sum()])
+               for n in ns for mode in modes
                for take in [np.array([local_batch_size(n, j, K) for j in range(K)])]]
     # every exchange (and the skipped one: a replicated momentum optimizer) built once
     runs = {"none": (None, Optimizer(size, momentum_time_constant=MOMENTUM_TC))}
@@ -362,34 +391,35 @@ def worker(argv):
                                     post_size=ex.state_size))
     rows, skip, roof = [], {}, {}
     for n in ns:
-        modes = [(db, parts) for m, db, parts in configs if m == n]
+        here = [(mode, parts) for m, mode, parts in configs if m == n]
         # rounds: the GEMMs alone, the loop without exchange and with each exchange, with and
-        # without double buffering, in turn, so that each figure, its limits and the other
-        # mode see the same neighbours on a shared machine
-        gemm_s = {db: [] for db, _ in modes}
-        samples = {(name, db): [] for name in runs for db, _ in modes}
+        # without double buffering (and each progress mode), in turn, so that each figure, its
+        # limits and the other modes see the same neighbours on a shared machine
+        gemm_s = {mode: [] for mode, _ in here}
+        samples = {(name, mode): [] for name in runs for mode, _ in here}
         for _ in range(args.rounds):
-            for db, parts in modes:
-                gemm_s[db].append(r.gemm_time(parts, args.steps))
+            for mode, parts in here:
+                gemm_s[mode].append(r.gemm_time(parts, args.steps))
                 for name, (ex, opt) in runs.items():
-                    samples[(name, db)].append(r.loop(ex, opt, parts, args.steps, args.warmup,
-                                                      db))
-        for (db, parts), name in ((mode, name) for mode in modes for name in runs):
+                    samples[(name, mode)].append(r.loop(ex, opt, parts, args.steps, args.warmup,
+                                                        *mode))
+        for (mode, parts), name in ((m, name) for m in here for name in runs):
             ex = runs[name][0]     # "none" first: the others' overhead needs its frames/s
-            roof[(n, db)] = statistics.median(gemm_s[db])
-            row = dict(measure(r, samples[(name, db)], n, db, ex is not None), exchange=name)
+            roof[(n, mode)] = statistics.median(gemm_s[mode])
+            row = dict(measure(r, samples[(name, mode)], n, mode[0], ex is not None),
+                       exchange=name, progress=mode[1])
             if name == "none":
-                skip[(n, db)] = row["frames_per_s"]
+                skip[(n, mode)] = row["frames_per_s"]
             else:
                 nbytes, bits = wire(ex, K, size)
                 row.update(bytes_per_rank=nbytes, bits_per_value=bits,
                            exchanges_per_step=len(parts),
-                           comm_overhead=1.0 - row["frames_per_s"] / skip[(n, db)])
+                           comm_overhead=1.0 - row["frames_per_s"] / skip[(n, mode)])
             rows.append(row)
             if r.rank == 0:
                 print(f"  K={K} {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
     for row in rows:
-        key = (row["minibatch"], row["double_buffering"])
+        key = (row["minibatch"], _mode(row))
         row.update(skip_frames_per_s=skip[key], gemm_only_s=roof[key],
                    roofline_frames_per_s=row["minibatch"] / roof[key],
                    roofline_fraction=roof[key] / row["step_s"],

@@ -42,6 +42,7 @@ import numpy as np
 
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.gpu import Nccl, Staging, mpi_cuda_aware, nccl_available
+from hpcsgd.comm.progress import Poller
 from hpcsgd.device import assign, cupy_module, synchronize, zero, zeros
 from hpcsgd.errors import UserError
 from hpcsgd.model.flat import stripe_ranges
@@ -79,6 +80,8 @@ def make_exchange(cfg, comm, mats):
         ex = Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"],
                      device=device, cuda_aware=aware)
     ex.transport = ex.describe_transport(why)
+    if cfg["exchange.progress"] == "thread":
+        ex.poller = Poller()
     return ex
 
 
@@ -115,6 +118,16 @@ class _Timed:
     """Seconds per phase, accumulated until pop_times() (the spine logs them per log line),
     and each phase as a span on the rank's timeline when the spine sets one."""
     timeline = None   # hpcsgd.timeline.Timeline
+    poller = None     # hpcsgd.comm.progress.Poller, with exchange.progress=thread
+
+    def _poll(self, req):
+        """exchange.progress=thread: a thread drives the collective just posted until wait()."""
+        if self.poller is not None and req is not None and not isinstance(req, str):
+            self.poller.start(req)
+
+    def _stop_polling(self):
+        if self.poller is not None:
+            self.poller.stop()
 
     def _phase(self, name, t0, t1):
         self.times[name] += t1 - t0
@@ -226,6 +239,7 @@ class Allreduce(_Timed):
                 req = (self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op) if not blocking else
                        self.comm.Allreduce(MPI.IN_PLACE, buf, op=op))   # cross-rank sync point
         self._inflight = (grad, req, True)
+        self._poll(req)
         self._phase("encode", t0, t1)
         self._phase("allreduce", t1, time.perf_counter())
         if blocking:
@@ -241,6 +255,7 @@ class Allreduce(_Timed):
         """Complete the communication of the exchange in flight: the sum is then in grad."""
         grad, req, undecoded = self._inflight
         t0 = time.perf_counter()
+        self._stop_polling()
         if req == "nccl":
             self.nccl.wait_sum()   # host waits for the NCCL stream: sync point
         elif req is not None:
@@ -444,6 +459,7 @@ class Striped(_Timed):
         else:
             req = self.comm.Ialltoallv(send, recv)
         self._inflight = (grad, req)
+        self._poll(req)
         self._phase("encode", t0, t1)
         self._phase("alltoallv", t1, time.perf_counter())
 
@@ -456,6 +472,7 @@ class Striped(_Timed):
         """Complete the Alltoallv in flight: my K contributions are then in recv."""
         grad, req = self._inflight
         t0 = time.perf_counter()
+        self._stop_polling()
         if req is not None:
             req.Wait()   # cross-rank sync point
             self._from_mpi("recv")

@@ -143,22 +143,26 @@ class DNN:
                                 self.correct_part)
         return float(self.ce_part.sum()), int(self.correct_part.sum())
 
-    def _forward(self, params, x, n):
+    def _forward(self, params, x, n, progress=None):
         """Hidden layers: acts[l][:n] = f(a @ W_l + b_l); the last gets only the GEMM."""
         a = x[:n]
         for l in range(self.n_layers):
             out = self.acts[l][:n]
             matmul(a, params.views[f"W{l}"], out)                   # 2 n n_in n_out FLOP
+            if progress is not None:
+                progress()
             if l < self.n_layers - 1:
                 self._act_forward(out, params.views[f"b{l}"])
             a = out
 
-    def forward_backward(self, params, grads, x, y, n):
+    def forward_backward(self, params, grads, x, y, n, progress=None):
         """One minibatch: x[:n] (n, D) frames, y[:n] (n,) integer labels in [0, V) (host
         arrays; a GPU model copies them to the device). Overwrites every view of `grads` with
         the gradient of the cross-entropy SUMMED over the n frames. Returns (ce_sum: float,
         nats summed over the frames; n_correct: int, frames whose argmax posterior equals
-        the label)."""
+        the label). `progress`, if given, is called after every GEMM (3L+2 calls for L hidden
+        layers): double buffering drives the exchange in flight with it (MPI_Test), since
+        MPI progresses a nonblocking collective only inside MPI calls."""
         self._check(x, n)
         lab = y[:n]
         if not is_device(lab) and (lab.shape != (n,) or lab.min() < 0
@@ -166,7 +170,7 @@ class DNN:
             raise ValueError(f"labels: expected {n} integers in [0, {self.dims[-1]}), got "
                              f"shape {lab.shape}, range [{lab.min()}, {lab.max()}]")
         x, y = self._to_device(x, y, n)
-        self._forward(params, x, n)
+        self._forward(params, x, n, progress)
         top = self.n_layers - 1
         ce, correct = self._softmax_xent(self.acts[top][:n], params.views[f"b{top}"], y[:n],
                                          grads.views[f"b{top}"])
@@ -174,10 +178,14 @@ class DNN:
             dz = self.acts[l][:n]                                   # dZ_l (n, n_out)
             a = self.acts[l - 1][:n] if l > 0 else x[:n]           # input of layer l
             matmul(a, dz, grads.views[f"W{l}"], trans_a=True)       # dW_l = a.T @ dZ_l
+            if progress is not None:
+                progress()
             if l > 0:
                 h = self.acts[l - 1][:n]
                 dh = self.delta[:n * h.shape[1]].reshape(n, h.shape[1])
                 matmul(dz, params.views[f"W{l}"], dh, trans_b=True)  # dH = dZ_l @ W_l.T
+                if progress is not None:
+                    progress()
                 # dZ_{l-1} = dH * f'(.) written over h_{l-1}, which is not needed any more
                 self._act_backward(h, dh, h, grads.views[f"b{l - 1}"])
         return ce, correct
