@@ -94,6 +94,17 @@ def ensure_openmpi():
     return None
 
 
+def run_cuda_tests_in_child(test_file):
+    """Run test_file's CUDA tests in a fresh pytest process: NUMBA_ENABLE_CUDASIM must be set
+    before numba is first imported, which other test modules do earlier in this process
+    (HPCSGD_CUDASIM_CHILD=1 selects the child's tests; on a real GPU, CUDA_ENV is empty)."""
+    env = dict(os.environ, HPCSGD_CUDASIM_CHILD="1", **CUDA_ENV)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                        test_file], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert " passed" in p.stdout and "skipped" not in p.stdout.split("\n")[-2]
+
+
 @pytest.fixture(scope="session")
 def small_archive(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("archive"))

@@ -10,23 +10,17 @@ Inputs are tiny: the simulator runs every CUDA thread as a Python thread (a soft
 """
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import CUDA_ENV
+from conftest import run_cuda_tests_in_child
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 
 if not CHILD:
     def test_cuda_model_kernels_in_simulator_subprocess():
-        env = dict(os.environ, HPCSGD_CUDASIM_CHILD="1", **CUDA_ENV)   # the simulator, or a GPU
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-x", __file__], env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-        assert " passed" in p.stdout and "skipped" not in p.stdout.split("\n")[-2]
+        run_cuda_tests_in_child(__file__)   # the simulator, or a GPU with HPCSGD_TEST_GPU=1
 
 else:
     from numba import cuda
