@@ -202,52 +202,10 @@ def train(cfg, comm, rank, world, stop):
     resume = cfg["train.resume"]
     path = checkpoint.latest(run_dir) if resume == "auto" else (None if resume == "none" else resume)
     if path:
-        arrays, saved = checkpoint.load(path, rank=rank)
-        checkpoint.check_compatible(path, saved, {"model": shape,
-                                                  "label_inventory_hash": meta["label_inventory_hash"],
-                                                  "data": meta["data"]})
-        if saved["world"] != world and any(saved["offsets"]):
-            raise UserError(f"checkpoint {path}: written mid-epoch by {saved['world']} ranks; "
-                            f"resume it with {saved['world']} ranks (or from an epoch-end checkpoint)")
-        saved_agg = saved.get("aggregation", "allreduce")
-        restripe = (saved["world"] != world or saved_agg != meta["aggregation"]) \
-            and (saved.get("per_rank_state") or meta["per_rank_state"])
-        if restripe and (any(saved["offsets"]) or "local" in (cfg["optim.adagrad"],
-                                                              saved["config"]["optim.adagrad"])):
-            raise UserError(f"checkpoint {path}: written by {saved['world']} ranks with "
-                            f"exchange.aggregation={saved_agg}; its per-rank state (residuals, "
-                            f"optimizer stripes) can be re-striped for another K or aggregation "
-                            f"only at an epoch end and without optim.adagrad=local: resume it "
-                            f"with {saved['world']} ranks and exchange.aggregation={saved_agg}")
-        assign(params.flat, arrays["params"])
-        if restripe:   # epoch end: re-slice the optimizer state, residuals start at zero
-            names = ["opt/velocity", "opt/sqr"]
-            names += [checkpoint.rank_prefix(r) + n for r in range(saved["world"]) for n in names]
-            old = checkpoint.load(path, names=names)[0]
-            opt.load_state_dict(dict(restripe_state(old, saved["world"], saved_agg == "striped",
-                                                    grads.matrices, rank, world, ex),
-                                     sqr_weight=float(arrays["opt/sqr_weight"])))
-            log.info(f"re-striped the optimizer state of {path} from {saved['world']} ranks "
-                     f"({saved_agg}) to {world} ({meta['aggregation']}); error-feedback "
-                     f"residuals start at zero (CNTK resets them at every epoch start)")
-        else:
-            mine = checkpoint.rank_prefix(rank) if opt_per_rank else ""
-            opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
-                                 "sqr": arrays[mine + "opt/sqr"],
-                                 "sqr_weight": float(arrays["opt/sqr_weight"])})
-            ex.load_state_dict({k[len(checkpoint.rank_prefix(rank) + "exchange/"):]: v
-                                for k, v in arrays.items()
-                                if k.startswith(checkpoint.rank_prefix(rank) + "exchange/")})
-        pending = saved.get("pending")   # double buffering: an exchange was in flight
-        if pending:
-            mine = checkpoint.rank_prefix(rank)
-            # into buffer 0 (the next half computes into buffer 1), with its per-step scalars
-            ex.load_pending({"pending": arrays[mine + "exchange_pending"]}, grad_bufs[0].flat)
-            opt.sqr_weight = pending["sqr_weight"]
-            opt.begin_step(pending["n"], pending["n_local"])
-            if not double_buffering:   # switched off: apply it now, before the next step
-                ex.finish(params.flat, opt, pending["lr"])
-                pending = None
+        # weights, optimizer state, residuals and an exchange in flight, re-striped for another
+        # K or aggregation where that is possible (an epoch end); the data position below
+        saved, pending = restore(path, cfg, meta, params, opt, ex, grad_bufs, opt_per_rank,
+                                 rank, world, log)
         for key in ("epoch", "frames", "cv_history"):
             meta[key] = saved[key]
         meta["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world
@@ -466,6 +424,61 @@ def train(cfg, comm, rank, world, stop):
     log.info(f"training done: {meta['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
     return finish(0)
+
+
+def restore(path, cfg, meta, params, opt, ex, grad_bufs, opt_per_rank, rank, world, log):
+    """Load checkpoint `path` into this rank's weights, optimizer state and exchange state
+    (residuals; with double buffering the exchange that was in flight, its per-step scalars
+    replayed). A checkpoint of another K or aggregation is re-striped at an epoch end (the
+    optimizer state re-sliced, residuals from zero) and refused mid-epoch. Returns (the
+    checkpoint's meta, the pending exchange's record or None)."""
+    arrays, saved = checkpoint.load(path, rank=rank)
+    checkpoint.check_compatible(path, saved, {"model": meta["model"],
+                                              "label_inventory_hash": meta["label_inventory_hash"],
+                                              "data": meta["data"]})
+    if saved["world"] != world and any(saved["offsets"]):
+        raise UserError(f"checkpoint {path}: written mid-epoch by {saved['world']} ranks; "
+                        f"resume it with {saved['world']} ranks (or from an epoch-end checkpoint)")
+    saved_agg = saved.get("aggregation", "allreduce")
+    restripe = (saved["world"] != world or saved_agg != meta["aggregation"]) \
+        and (saved.get("per_rank_state") or meta["per_rank_state"])
+    if restripe and (any(saved["offsets"]) or "local" in (cfg["optim.adagrad"],
+                                                          saved["config"]["optim.adagrad"])):
+        raise UserError(f"checkpoint {path}: written by {saved['world']} ranks with "
+                        f"exchange.aggregation={saved_agg}; its per-rank state (residuals, "
+                        f"optimizer stripes) can be re-striped for another K or aggregation "
+                        f"only at an epoch end and without optim.adagrad=local: resume it "
+                        f"with {saved['world']} ranks and exchange.aggregation={saved_agg}")
+    assign(params.flat, arrays["params"])
+    if restripe:   # epoch end: re-slice the optimizer state, residuals start at zero
+        names = ["opt/velocity", "opt/sqr"]
+        names += [checkpoint.rank_prefix(r) + n for r in range(saved["world"]) for n in names]
+        old = checkpoint.load(path, names=names)[0]
+        opt.load_state_dict(dict(restripe_state(old, saved["world"], saved_agg == "striped",
+                                                grad_bufs[0].matrices, rank, world, ex),
+                                 sqr_weight=float(arrays["opt/sqr_weight"])))
+        log.info(f"re-striped the optimizer state of {path} from {saved['world']} ranks "
+                 f"({saved_agg}) to {world} ({meta['aggregation']}); error-feedback "
+                 f"residuals start at zero (CNTK resets them at every epoch start)")
+    else:
+        mine = checkpoint.rank_prefix(rank) if opt_per_rank else ""
+        opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
+                             "sqr": arrays[mine + "opt/sqr"],
+                             "sqr_weight": float(arrays["opt/sqr_weight"])})
+        ex.load_state_dict({k[len(checkpoint.rank_prefix(rank) + "exchange/"):]: v
+                            for k, v in arrays.items()
+                            if k.startswith(checkpoint.rank_prefix(rank) + "exchange/")})
+    pending = saved.get("pending")   # double buffering: an exchange was in flight
+    if pending:
+        mine = checkpoint.rank_prefix(rank)
+        # into buffer 0 (the next half computes into buffer 1), with its per-step scalars
+        ex.load_pending({"pending": arrays[mine + "exchange_pending"]}, grad_bufs[0].flat)
+        opt.sqr_weight = pending["sqr_weight"]
+        opt.begin_step(pending["n"], pending["n_local"])
+        if not cfg["exchange.double_buffering"]:   # switched off: apply it now
+            ex.finish(params.flat, opt, pending["lr"])
+            pending = None
+    return saved, pending
 
 
 def probe_minibatch(cfg, current, lr, model, params, grads, opt, ex, loader, epoch, offsets,
