@@ -108,6 +108,39 @@ def test_packed_size_formulas(n_cols, n_rows):
     assert make_codec("float16").packed_nbytes(n_cols, n_rows) == 2 * n + 2 * (n % 2)
 
 
+def test_float16_cpu_kernel_rounds_like_numpy_at_every_value_and_tie():
+    """The CPU kernel builds float16 bits without a float16 type (Numba has none on the CPU):
+    every finite half, every midpoint between neighbours (round half to even), subnormals,
+    the overflow edge (65519.99 -> 65504, 65520 -> inf is an error) and random values over
+    20 decades give NumPy's bytes, residuals and decoded values."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    exact = np.sort(halves[np.isfinite(halves)].astype(np.float32))
+    ties = ((exact[:-1].astype(np.float64) + exact[1:]) / 2).astype(np.float32)
+    rng = np.random.default_rng(5)
+    rand = (rng.standard_normal(100_000) * 10.0 ** rng.uniform(-12, 4.8, 100_000)).astype(np.float32)
+    edge = np.array([65519.99, -65519.99, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 1e-30],
+                    np.float32)
+    values = np.concatenate([exact, ties, rand[np.abs(rand) < 65504], edge])
+    values = np.concatenate([values, np.zeros(-values.size % 64, np.float32)]).reshape(-1, 64)
+    out = {}
+    for backend in ("reference", "cpu"):
+        codec = make_codec("float16", backend=backend)
+        r = np.zeros_like(values)
+        packed = np.zeros(codec.packed_nbytes(*values.shape), np.uint8)
+        codec.encode(values, r, packed)
+        dec = np.empty_like(values)
+        codec.decode(packed, dec)
+        acc = np.ones_like(values)
+        codec.decode_accumulate(packed, acc)
+        out[backend] = packed, r, dec, acc
+    for a, b in zip(out["reference"], out["cpu"]):
+        assert a.tobytes() == b.tobytes()
+    assert np.abs(out["cpu"][1]).max() > 0          # the residual holds the rounding error
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        make_codec("float16").encode(np.full((1, 4), 65520, np.float32), np.zeros((1, 4), np.float32),
+                                     np.zeros(8, np.uint8))
+
+
 def test_bits_per_value_includes_side_info():
     assert make_codec("onebit").bits_per_value(2048, 2048) == 1 + 64 / 2048
     assert make_codec("kbit", bits=3).bits_per_value(10, 32) == 3 + 64 / 32

@@ -62,13 +62,13 @@ def midpoints(table):
 
 def _code(v, scale, mids):
     """Index of the table value nearest to v / scale = number of midpoints <= v / scale,
-    by an 8-step binary search (ties go up)."""
+    by an 8-step binary search (ties go up). Branch-free: q + step - 1 <= 254 at every step,
+    and a comparison's 0/1 picks the step (no mispredicted branch per level)."""
     x = np.float64(v) / np.float64(scale) if scale > 0 else 0.0
     q = 0
     step = 128
     while step > 0:
-        if q + step <= 255 and mids[q + step - 1] <= x:
-            q += step
+        q += step * (mids[q + step - 1] <= x)
         step >>= 1
     return q
 
@@ -113,49 +113,76 @@ def decode_ref(codes, scales, table, out, block, accumulate):
 
 
 # ---------------------------------------------------------------- Numba CPU
+# Work is split into tasks of at most CHUNK values inside one normalisation block, so that a
+# whole-matrix block (block=0, the default) still runs on every thread; a block's abs-max is
+# the max of its tasks' maxima (max is exact: any order gives the same bits).
+CHUNK = 1 << 14
+
+
+@njit(inline="always")
+def _task_range(t, per_block, block, n):
+    """(normalisation block, first, end) of task t."""
+    b = t // per_block
+    lo = b * block + (t % per_block) * CHUNK
+    return b, lo, min(lo + CHUNK, (b + 1) * block, n)
+
+
 @njit(parallel=True, cache=True)
 def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
-    n = g.size
-    for b in prange(scales.size):
-        if not norm_absmax:
-            scales[b] = offset
-            continue
+    n, nb = g.size, scales.size
+    per_block = -(-block // CHUNK)
+    if not norm_absmax:
+        scales[:] = offset
+        return
+    keep = np.zeros(nb, np.bool_)
+    for b in range(nb):
         old = scales[b]
-        if refresh > 1 and 1 <= age < refresh and old - old == 0.0 and old > 0.0:
+        keep[b] = refresh > 1 and 1 <= age < refresh and old - old == 0.0 and old > 0.0
+    part = np.zeros(nb * per_block, np.float32)
+    for t in prange(nb * per_block):
+        b, lo, hi = _task_range(t, per_block, block, n)
+        if keep[b]:
             continue
         m = np.float32(0.0)
-        for i in range(b * block, min(n, (b + 1) * block)):
+        for i in range(lo, hi):
             v = g[i] + r[i] if ef else g[i]
             m = max(m, abs(v))
-        scales[b] = m
+        part[t] = m
+    for b in range(nb):
+        if not keep[b]:
+            scales[b] = part[b * per_block:(b + 1) * per_block].max()
 
 
 @njit(parallel=True, cache=True)
 def encode_cpu(g, r, ef, codes, scales, block, table, mids, bad):
-    n = g.size
-    for b in prange(scales.size):
+    """bad[b] = 1 where block b holds a NaN or Inf."""
+    n, nb = g.size, scales.size
+    per_block = -(-block // CHUNK)
+    flags = np.zeros(nb * per_block, np.uint8)
+    for t in prange(nb * per_block):
+        b, lo, hi = _task_range(t, per_block, block, n)
         s = scales[b]
-        for i in range(b * block, min(n, (b + 1) * block)):
+        for i in range(lo, hi):
             v = g[i] + r[i] if ef else g[i]
             if not v - v == 0.0:
-                bad[b] = 1
+                flags[t] = 1
             q = _code_cpu(v, s, mids)
             codes[i] = q
             if ef:
                 r[i] = v - _value_cpu(table[q], s)
+    for t in range(nb * per_block):
+        if flags[t]:
+            bad[t // per_block] = 1
 
 
 @njit(parallel=True, cache=True)
 def decode_cpu(codes, scales, table, out, block, accumulate):
-    n = out.size
-    for b in prange(scales.size):
-        s = scales[b]
-        for i in range(b * block, min(n, (b + 1) * block)):
-            val = _value_cpu(table[codes[i]], s)
-            if accumulate:
-                out[i] += val
-            else:
-                out[i] = val
+    for i in prange(out.size):
+        val = _value_cpu(table[codes[i]], scales[i // block])
+        if accumulate:
+            out[i] += val
+        else:
+            out[i] = val
 
 
 # ---------------------------------------------------------------- Numba CUDA

@@ -144,10 +144,23 @@ def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip):
         fcols[c, 1] = upper
         step = _step_cpu(lower, upper, maxq + 1)
         inv = _inv_cpu(step)
+        start = 0
+        if 32 % k == 0:   # k = 2, 4, 8: whole words of 32/k fields, a fixed-length inner loop
+            per = 32 // k
+            start = n_rows // per * per
+            for w in range(n_rows // per):
+                word = np.uint32(0)
+                for j in range(per):
+                    i = w * per + j
+                    v = g[c, i] + r[c, i]
+                    q = _code_cpu(v, lower, inv, maxq)
+                    r[c, i] = v - _value_cpu(q, lower, step)
+                    word |= np.uint32(q) << np.uint32(j * k)
+                cols[c, 2 + w] = word
         acc = np.uint64(0)  # bit accumulator: fields enter at bit nb, words leave at 32
         nb = 0
-        w = 2
-        for i in range(n_rows):
+        w = 2 + start * k // 32
+        for i in range(start, n_rows):
             v = g[c, i] + r[c, i]
             q = _code_cpu(v, lower, inv, maxq)
             r[c, i] = v - _value_cpu(q, lower, step)
@@ -169,10 +182,33 @@ def decode_cpu(cols, fcols, out, accumulate, k):
     for c in prange(n_cols):
         lower = fcols[c, 0]
         step = _step_cpu(lower, fcols[c, 1], 1 << k)
+        start = 0
+        if k == 8:        # one code per byte, little-endian: the word area as bytes
+            start = n_rows
+            codes = cols[c, 2:].view(np.uint8)
+            for i in range(n_rows):
+                val = _value_cpu(int(codes[i]), lower, step)
+                if accumulate:
+                    out[c, i] += val
+                else:
+                    out[c, i] = val
+        elif 32 % k == 0:   # k = 2, 4: whole words, as the encoder writes them
+            per = 32 // k
+            start = n_rows // per * per
+            m32 = np.uint32((1 << k) - 1)
+            for w in range(n_rows // per):
+                word = cols[c, 2 + w]
+                for j in range(per):
+                    q = int((word >> np.uint32(j * k)) & m32)
+                    val = _value_cpu(q, lower, step)
+                    if accumulate:
+                        out[c, w * per + j] += val
+                    else:
+                        out[c, w * per + j] = val
         acc = np.uint64(0)
         nb = 0
-        w = 2
-        for i in range(n_rows):
+        w = 2 + start * k // 32
+        for i in range(start, n_rows):
             if nb < k:
                 acc |= np.uint64(cols[c, w]) << np.uint64(nb)
                 nb += 32
