@@ -208,3 +208,22 @@ def test_dettmers_refresh_reuses_the_scale_and_error_feedback_carries_the_clip()
     c.encode(g, r, buf)
     c.encode(g, r, buf)  # fourth encode refreshes: abs-max of g + r = 4
     assert buf[4:8].view(np.float32)[0] == 4.0
+
+
+@pytest.mark.parametrize("m0, m1", [(-0.0, 1.5), (-2.0, -0.0), (-0.0, -0.0), (-1.0, 0.0)])
+def test_onebit_decode_keeps_the_sign_of_a_zero_mean(m0, m1):
+    """The CPU decode zeroes and adds unless a mean is -0.0 (a negative mean that
+    underflowed): the bits must match the reference's select either way."""
+    from hpcsgd.codecs.onebit import decode_ref
+    n_cols, n_rows = 3, 75
+    codec = make_codec("onebit")
+    packed = np.random.default_rng(0).integers(0, 256, codec.packed_nbytes(n_cols, n_rows),
+                                               dtype=np.uint8)
+    words = packed.view(np.float32).reshape(n_cols, -1)
+    words[:, 0], words[:, 1] = m0, m1
+    want = np.empty((n_cols, n_rows), np.float32)
+    decode_ref(packed, want, False)
+    got = np.full((n_cols, n_rows), 7.0, np.float32)
+    codec.decode(packed, got)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert (np.signbit(want) == np.signbit(np.float32(m0))).any()

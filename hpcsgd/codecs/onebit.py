@@ -82,103 +82,138 @@ def decode_ref(packed, out, accumulate):
 
 
 # ---------------------------------------------------------------- Numba CPU
-@njit(parallel=True, cache=True)
-def encode_cpu(g, r, cols, cols8, meancols, bad, nchunk):
-    """cols/cols8/meancols: the packed bytes as uint32 (n_cols, W), uint8 (n_cols, 4W) and
-    float32 (n_cols, W). Columns are dealt to `nchunk` tasks in contiguous runs so each task
-    allocates its scratch once (the result does not depend on nchunk)."""
-    n_cols, n_rows = g.shape
+# One column at a time: the kernels below and the striped exchange's fused owner pass
+# (hpcsgd/comm/owner.py) share these, so every path packs the same bytes.
+
+
+@njit(inline="always")
+def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
+    """Encode one column: g, r (n_rows,) float32 -> its packed bytes col8 (4W uint8; colf the
+    same bytes as float32), r <- the new residual. pos/neg (LANES float64) and signs
+    (ceil(n_rows/8)*8 uint8, its padding 0; signs64 the same as uint64) are the caller's
+    scratch. Returns False, writing nothing, if g + r has a NaN or Inf."""
+    n_rows = g.shape[0]
     nfull = n_rows // LANES
+    # pass 1: canonical lane sums of each side (reads grad and residual from memory)
+    pos[:] = 0.0
+    neg[:] = 0.0
+    n_pos = 0
+    for i in range(nfull):
+        for l in range(LANES):
+            x = np.float64(g[i * LANES + l] + r[i * LANES + l])
+            p = x if x >= 0.0 else 0.0
+            pos[l] += p
+            neg[l] += x - p
+            n_pos += x >= 0.0
+    for j in range(nfull * LANES, n_rows):
+        x = np.float64(g[j] + r[j])
+        p = x if x >= 0.0 else 0.0
+        pos[j - nfull * LANES] += p
+        neg[j - nfull * LANES] += x - p
+        n_pos += x >= 0.0
+    s_pos = lane_tree_cpu(pos)
+    s_neg = lane_tree_cpu(neg)
+    if not _finite_cpu(s_pos + s_neg):
+        return False
+    m0, m1 = _means_cpu(s_neg, s_pos, n_pos, n_rows)
+    colf[0] = m0
+    colf[1] = m1
+    # pass 2, from L1/L2 (the column is 8-74 KB): new residual and one sign byte per row, a
+    # plain vectorisable select and compare
+    for i in range(n_rows):
+        v = g[i] + r[i]
+        s = v >= 0
+        signs[i] = s
+        r[i] = v - (m1 if s else m0)
+    # pass 3: 8 sign bytes (0/1, little-endian in a uint64) -> 1 byte, row j at bit j, by one
+    # multiply: its partial products land on distinct bits, so nothing carries into the top
+    # byte (27% faster than 8 shifts on one thread)
     nbytes = (n_rows + 7) // 8
+    for b in range(nbytes):
+        col8[8 + b] = np.uint8((signs64[b] * np.uint64(0x0102040810204080)) >> np.uint64(56))
+    for b in range(8 + nbytes, col8.shape[0]):
+        col8[b] = 0   # zero padding to the word
+    return True
+
+
+SET, ADD, SUB_LR = 0, 1, 2   # decode_column_cpu's modes: out = d, out += d, out -= lr * d
+BIT = np.uint32(1) << np.arange(32, dtype=np.uint32)   # BIT[j]: bit j of a word
+
+
+@njit(inline="always")
+def _decode_words(colw, colf, out, mode, lr):
+    n_rows = out.shape[0]
+    m0 = colf[0]
+    m1 = colf[1]
+    nw = n_rows // 32
+    for w in range(nw):
+        word = colw[2 + w]
+        for j in range(32):
+            val = m1 if word & BIT[j] else m0
+            if mode == SET:
+                out[32 * w + j] = val
+            elif mode == ADD:
+                out[32 * w + j] += val
+            else:
+                out[32 * w + j] = out[32 * w + j] - lr * val
+    for i in range(nw * 32, n_rows):
+        val = m1 if colw[2 + nw] & BIT[i - nw * 32] else m0
+        if mode == SET:
+            out[i] = val
+        elif mode == ADD:
+            out[i] += val
+        else:
+            out[i] = out[i] - lr * val
+
+
+NEG_ZERO = np.uint32(0x80000000)   # -0.0's bits
+
+
+@njit(inline="always")
+def decode_column_cpu(colw, colf, out, mode, lr):
+    """Decode one column's packed words (colw uint32, colf the same as float32) into out
+    (n_rows,) float32 by `mode`; SUB_LR is the optimizer's apply: float64 lr times the
+    float32 value, rounded once. Row 32w + j is bit j of word 2 + w; testing it against
+    BIT[j], a constant vector, lets LLVM vectorise the 32 rows of a word (6x faster than
+    shifting the word by j). LLVM vectorises the select-and-add but not the select-and-store
+    (10x slower), so SET zeroes and adds: +0.0 + x is x for every mean but -0.0 (a negative
+    mean that underflowed), which takes the store loop."""
+    if mode == SET:
+        if colw[0] != NEG_ZERO and colw[1] != NEG_ZERO:
+            out[:] = 0.0
+            _decode_words(colw, colf, out, ADD, lr)
+        else:
+            _decode_words(colw, colf, out, SET, lr)
+    elif mode == ADD:
+        _decode_words(colw, colf, out, ADD, lr)
+    else:
+        _decode_words(colw, colf, out, SUB_LR, lr)
+
+
+@njit(parallel=True, cache=True)
+def encode_cpu(g, r, cols8, meancols, bad, nchunk):
+    """cols8/meancols: the packed bytes as uint8 (n_cols, 4W) and float32 (n_cols, W).
+    Columns are dealt to `nchunk` tasks in contiguous runs so each task allocates its scratch
+    once (the result does not depend on nchunk)."""
+    n_cols, n_rows = g.shape
     for t in prange(nchunk):
         pos = np.empty(LANES, np.float64)
         neg = np.empty(LANES, np.float64)
-        signs = np.zeros(nbytes * 8, np.uint8)   # one byte per row; the padding stays 0
+        signs = np.zeros((n_rows + 7) // 8 * 8, np.uint8)   # one byte per row; padding 0
         signs64 = signs.view(np.uint64)
         for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
-            # pass 1: canonical lane sums of each side (reads grad and residual from memory)
-            pos[:] = 0.0
-            neg[:] = 0.0
-            n_pos = 0
-            for i in range(nfull):
-                for l in range(LANES):
-                    x = np.float64(g[c, i * LANES + l] + r[c, i * LANES + l])
-                    p = x if x >= 0.0 else 0.0
-                    pos[l] += p
-                    neg[l] += x - p
-                    n_pos += x >= 0.0
-            for j in range(nfull * LANES, n_rows):
-                x = np.float64(g[c, j] + r[c, j])
-                p = x if x >= 0.0 else 0.0
-                pos[j - nfull * LANES] += p
-                neg[j - nfull * LANES] += x - p
-                n_pos += x >= 0.0
-            s_pos = lane_tree_cpu(pos)
-            s_neg = lane_tree_cpu(neg)
-            if not _finite_cpu(s_pos + s_neg):
+            if not encode_column_cpu(g[c], r[c], cols8[c], meancols[c], pos, neg, signs,
+                                     signs64):
                 bad[c] = 1
-                continue
-            m0, m1 = _means_cpu(s_neg, s_pos, n_pos, n_rows)
-            meancols[c, 0] = m0
-            meancols[c, 1] = m1
-            # pass 2, from L1/L2 (the column is 8-74 KB): new residual and one sign byte per
-            # row, a plain vectorisable select and compare
-            for i in range(n_rows):
-                v = g[c, i] + r[c, i]
-                s = v >= 0
-                signs[i] = s
-                r[c, i] = v - (m1 if s else m0)
-            # pass 3: 8 sign bytes (0/1, little-endian in a uint64) -> 1 byte, row j at bit j,
-            # by one multiply: its partial products land on distinct bits, so nothing carries
-            # into the top byte (27% faster than 8 shifts on one thread)
-            for b in range(nbytes):
-                cols8[c, 8 + b] = np.uint8((signs64[b] * np.uint64(0x0102040810204080))
-                                           >> np.uint64(56))
-            for b in range(nbytes, 4 * (cols.shape[1] - 2)):
-                cols8[c, 8 + b] = 0   # zero padding to the word
 
 
 @njit(parallel=True, cache=True)
-def decode_cpu(cols8, meancols, out, accumulate):
-    """Per-byte unpacking: byte b of a column's bit area holds rows 8b..8b+7."""
-    n_cols, n_rows = out.shape
-    nbytes = n_rows // 8
-    for c in prange(n_cols):
-        m0 = meancols[c, 0]
-        m1 = meancols[c, 1]
-        for b in range(nbytes):
-            byte = cols8[c, 8 + b]
-            for j in range(8):
-                val = m1 if (byte >> j) & 1 else m0
-                if accumulate:
-                    out[c, 8 * b + j] += val
-                else:
-                    out[c, 8 * b + j] = val
-        for i in range(nbytes * 8, n_rows):
-            val = m1 if (cols8[c, 8 + i // 8] >> (i % 8)) & 1 else m0
-            if accumulate:
-                out[c, i] += val
-            else:
-                out[c, i] = val
-
-
-@njit(parallel=True, cache=True)
-def decode_apply_cpu(cols8, meancols, w, lr):
-    """w -= lr * decoded, one pass (the final decode folded into the weight update). The
-    arithmetic is the optimizer's apply: float64 lr times the float32 value, rounded once."""
-    n_cols, n_rows = w.shape
-    nbytes = n_rows // 8
-    for c in prange(n_cols):
-        m0 = meancols[c, 0]
-        m1 = meancols[c, 1]
-        for b in range(nbytes):
-            byte = cols8[c, 8 + b]
-            for j in range(8):
-                val = m1 if (byte >> j) & 1 else m0
-                w[c, 8 * b + j] = w[c, 8 * b + j] - lr * val
-        for i in range(nbytes * 8, n_rows):
-            val = m1 if (cols8[c, 8 + i // 8] >> (i % 8)) & 1 else m0
-            w[c, i] = w[c, i] - lr * val
+def decode_cpu(cols, meancols, out, mode, lr):
+    """Every column by decode_column_cpu's `mode` (SUB_LR: the final decode folded into the
+    weight update, out being the weights). cols/meancols: the packed bytes as uint32 and
+    float32 (n_cols, W)."""
+    for c in prange(out.shape[0]):
+        decode_column_cpu(cols[c], meancols[c], out[c], mode, lr)
 
 
 # ---------------------------------------------------------------- Numba CUDA
@@ -239,13 +274,10 @@ def encode_cuda(g, r, words, means, bad):
         words[c * W + 2 + w] = word
 
 
-DECODE, ACCUMULATE, APPLY = 0, 1, 2   # decode_cuda's modes
-
-
 @cuda.jit
 def decode_cuda(words, means, out, mode, lr):
-    """One block per column, one thread per row (coalesced). mode DECODE: out = decoded;
-    ACCUMULATE: out += decoded; APPLY: out -= lr * decoded (the weights; decode_apply_cpu's
+    """One block per column, one thread per row (coalesced). mode SET: out = decoded;
+    ADD: out += decoded; SUB_LR: out -= lr * decoded (the weights; decode_column_cpu's
     arithmetic, float64 lr times the float32 value, rounded once -- but NVVM may contract
     the multiply-subtract into an FMA, so GPU ranks agree with each other bit for bit, not
     necessarily with CPU ranks; the simulator runs it exactly)."""
@@ -257,9 +289,9 @@ def decode_cuda(words, means, out, mode, lr):
     for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
         bit = (words[c * W + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
         val = m1 if bit else m0
-        if mode == APPLY:
+        if mode == SUB_LR:
             out[c, i] = out[c, i] - lr * val
-        elif mode == ACCUMULATE:
+        elif mode == ADD:
             out[c, i] += val
         else:
             out[c, i] = val
@@ -283,8 +315,8 @@ class OneBit(Codec):
         elif self.backend == "cpu":
             W = words_per_column(n_rows)
             flags = np.zeros(n_cols, np.uint8)
-            encode_cpu(grad, residual, out.view(np.uint32).reshape(n_cols, W),
-                       out.reshape(n_cols, 4 * W), out.view(np.float32).reshape(n_cols, W), flags,
+            encode_cpu(grad, residual, out.reshape(n_cols, 4 * W),
+                       out.view(np.float32).reshape(n_cols, W), flags,
                        min(n_cols, 8 * numba.get_num_threads()))
             bad = int(np.argmax(flags)) if flags.any() else -1
         else:
@@ -305,12 +337,13 @@ class OneBit(Codec):
             decode_ref(packed, out, accumulate)
         elif self.backend == "cpu":
             W = words_per_column(n_rows)
-            decode_cpu(packed.reshape(n_cols, 4 * W), packed.view(np.float32).reshape(n_cols, W),
-                       out, accumulate)
+            decode_cpu(packed.view(np.uint32).reshape(n_cols, W),
+                       packed.view(np.float32).reshape(n_cols, W), out, ADD if accumulate else SET,
+                       0.0)
         else:
             p = as_device(packed)
             decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(out),
-                                     ACCUMULATE if accumulate else DECODE, np.float64(0))
+                                     ADD if accumulate else SET, np.float64(0))
 
     def decode(self, packed, out):
         self._decode(packed, out, False)
@@ -332,9 +365,9 @@ class OneBit(Codec):
             w[:] = (w.astype(np.float64) - float(lr) * dec.astype(np.float64)).astype(np.float32)
         elif self.backend == "cpu":
             W = words_per_column(n_rows)
-            decode_apply_cpu(packed.reshape(n_cols, 4 * W),
-                             packed.view(np.float32).reshape(n_cols, W), w, float(lr))
+            decode_cpu(packed.view(np.uint32).reshape(n_cols, W),
+                       packed.view(np.float32).reshape(n_cols, W), w, SUB_LR, float(lr))
         else:
             p = as_device(packed)
-            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(w), APPLY,
+            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(w), SUB_LR,
                                      np.float64(lr))
