@@ -51,6 +51,9 @@ DEFAULTS = {
     "exchange.kbit_range": ("minmax", str, ("minmax", "rms"), "striped + kbit: per-column range rule"),
     "exchange.dettmers_type": ("dynamic_tree", str, ("linear", "mantissa", "static_tree", "dynamic_tree"),
                                "striped + dettmers: 8-bit data type"),
+    "exchange.fuse_owner": (True, bool, None,
+                            "striped + onebit, CPU ranks: decode-sum, post-process and re-encode "
+                            "the owner's stripe in one pass per column (same bits; false = 3 passes)"),
     "exchange.double_buffering": (False, bool, None,
                                   "split each step in halves; exchange one while computing the next (paper 2.2)"),
     "exchange.progress": ("test", str, ("none", "test", "thread"),

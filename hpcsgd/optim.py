@@ -59,7 +59,7 @@ from numba import cuda, njit, prange
 from hpcsgd.device import DEVICES, assign, host_copy, is_device, zeros
 
 ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
-_AGGREGATE, _AFTER = 1, 2   # kernel codes of the post-exchange AdaGrad placements
+AGGREGATE, AFTER_MOMENTUM = 1, 2   # kernel codes of the post-exchange AdaGrad placements
 
 
 def momentum_per_minibatch(time_constant, n):
@@ -88,7 +88,7 @@ def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m
     """The post-exchange arithmetic of element i: decay -> [AdaGrad] -> momentum -> [AdaGrad].
     Scalars are float64; the result is rounded to the buffers' dtype."""
     x = g[i] + wd_n * w[i]
-    if ada == _AGGREGATE:
+    if ada == AGGREGATE:
         y = x * inv_n
         si = rho * s[i] + c * (y * y)
         s[i] = si
@@ -96,7 +96,7 @@ def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m
     if use_momentum:
         x = m * v[i] + (1.0 - m) * x
         v[i] = x
-    if ada == _AFTER:
+    if ada == AFTER_MOMENTUM:
         y = x * inv_n
         si = rho * s[i] + c * (y * y)
         s[i] = si
@@ -104,7 +104,9 @@ def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m
     return w.dtype.type(x)
 
 
-_adagrad_cpu, _update_cpu = njit(inline="always")(_adagrad), njit(inline="always")(_update)
+# post_element_cpu is public: the striped exchange's fused owner pass (hpcsgd/comm/owner.py)
+# runs it inside its own per-column kernel, so both paths give the same bits
+_adagrad_cpu, post_element_cpu = njit(inline="always")(_adagrad), njit(inline="always")(_update)
 _adagrad_cuda, _update_cuda = cuda.jit(device=True)(_adagrad), cuda.jit(device=True)(_update)
 
 
@@ -125,14 +127,15 @@ def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
     """g (a flat slice of the summed gradient) -> the update, in place; w read for decay.
     4-6 streams over memory (g, w, v, s): bandwidth-bound."""
     for i in prange(g.size):
-        g[i] = _update_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        g[i] = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
+                                m)
 
 
 @njit(parallel=True, cache=True)
 def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, lr):
     """Single process, fused: W -= lr * update, g left unchanged. 5 streams with momentum."""
     for i in prange(g.size):
-        x = _update_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        x = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
         w[i] = w[i] - lr * x
 
 
@@ -269,6 +272,15 @@ class Optimizer:
         self._run(_post_kernel, agg[sl], params[sl], *self._state_slices(sl), *self._scalars())
         return agg[sl]
 
+    def post_operands(self):
+        """What post_exchange's kernel gets, for a kernel that runs post_element_cpu itself
+        over the compact post-exchange state (the striped exchange's fused owner pass):
+        (velocity, sqr, scalars), the arrays whole (1-element dummies where unused), the
+        scalars in post_element_cpu's order (wd_n, ada, rho, c, inv_n, inv_q, eps,
+        use_momentum, m)."""
+        v, s = self._state_slices(slice(0, None))
+        return v, s, self._scalars()
+
     def apply(self, params, update, lr, lo=0, hi=None):
         """params[lo:hi] -= lr * update[lo:hi] (lr per sample; update summed over frames)."""
         sl = slice(lo, params.size if hi is None else hi)
@@ -298,7 +310,7 @@ class Optimizer:
 
     def _scalars(self):
         k = self._k
-        ada = {"aggregate": _AGGREGATE, "after_momentum": _AFTER}.get(self.adagrad, 0)
+        ada = {"aggregate": AGGREGATE, "after_momentum": AFTER_MOMENTUM}.get(self.adagrad, 0)
         return (k["wd_n"], ada, k["rho"], k["c"], k["inv_n"], k["inv_q"], self.adagrad_eps,
                 self.use_momentum, k["m"])
 

@@ -11,7 +11,8 @@ the phase, with its category one of CATEGORIES -- the split `hpcsgd plot` summar
     encode       the codec's quantization (both passes of the striped exchange)
     communicate  the MPI collectives, or the wait for a nonblocking one (double buffering)
     decode       decode-and-sum of the K contributions (striped), float16 widening
-    post_process weight decay, aggregate AdaGrad, momentum
+    post_process weight decay, aggregate AdaGrad, momentum (the striped owner's fused pass,
+                 decode-sum + post-process + re-encode, counts here)
     update       W -= lr * update (fused with the final decode for onebit)
     checkpoint, cross_validation, probe   the occasional work between steps
 
@@ -31,7 +32,7 @@ CATEGORIES = ("batch", "compute", "encode", "communicate", "decode", "post_proce
 EXCHANGE_CATEGORY = {"encode": "encode", "reencode": "encode",
                      "allreduce": "communicate", "alltoallv": "communicate",
                      "allgatherv": "communicate", "decode": "decode", "decode_sum": "decode",
-                     "post_process": "post_process", "apply": "update",
+                     "post_process": "post_process", "owner": "post_process", "apply": "update",
                      "decode_apply": "update"}
 
 

@@ -14,7 +14,7 @@ from conftest import REPO
 from hpcsgd.bench import BENCHES, report
 
 EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it must print
-    "exchange": (["--ranks", "2", "--codecs", "onebit,float32", "--repeats", "1"],
+    "exchange": (["--ranks", "2", "--codecs", "onebit,onebit_unfused,float32", "--repeats", "1"],
                  "x = / float32 in-place Allreduce"),
     "kernels": (["--repeats", "1", "--codecs", "onebit,kbit4,dettmers,float16"], "triad"),
     "loader": ([], "raw HDF5 read (limit)"),
@@ -44,9 +44,10 @@ def scaled(obj, factor):
 def check_exchange(res):
     r = res["runs"][0]["results"]
     assert res["runs"][0]["ranks"] == 2 and r["allreduce_f32_inplace"]["total"] > 0
-    for phase in ("encode", "alltoallv", "decode_sum", "post_process", "reencode",
-                  "allgatherv", "decode_apply"):
-        assert r["striped_onebit"][phase] >= 0
+    for phase in ("encode", "alltoallv", "owner", "allgatherv", "decode_apply"):
+        assert r["striped_onebit"][phase] > 0
+    for phase in ("decode_sum", "post_process", "reencode"):
+        assert r["striped_onebit_unfused"][phase] > 0 and phase not in r["striped_onebit"]
     assert r["striped_onebit"]["bytes_per_rank"] * 20 < r["striped_float32"]["bytes_per_rank"]
 
 

@@ -116,8 +116,23 @@ def test_striped_onebit_replicas_agree_and_the_same_seed_gives_the_same_bits(K, 
     epoch = [r for r in ce if r["kind"] == "epoch"][-1]
     assert np.isfinite(epoch["train_ce"])
     phases = [r for r in ce if r["kind"] == "train"][-1]["exchange_s"]
-    assert set(phases) == {"encode", "alltoallv", "decode_sum", "post_process", "reencode",
-                           "allgatherv", "decode_apply"}
+    assert set(phases) == {"encode", "alltoallv", "owner", "allgatherv", "decode_apply"}
+
+
+@pytest.mark.parametrize("adagrad", ["aggregate", "after_momentum"])
+def test_the_fused_owner_pass_trains_the_same_bits_as_the_three_passes(adagrad, arch,
+                                                                       tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit", f"optim.adagrad={adagrad}",
+             "optim.weight_decay=0.0001")
+    fused = arrays(train(3, arch, tmp_path_factory, *extra))
+    three = arrays(train(3, arch, tmp_path_factory, *extra, "exchange.fuse_owner=false"))
+    assert set(fused) == set(three)
+    for name in fused:
+        np.testing.assert_array_equal(fused[name], three[name], err_msg=name)
+    phases = [json.loads(line) for line in open(os.path.join(
+        train(3, arch, tmp_path_factory, *extra, "exchange.fuse_owner=false"), "metrics.jsonl"))]
+    assert {"decode_sum", "post_process", "reencode"} <= set(
+        [r for r in phases if r["kind"] == "train"][-1]["exchange_s"])
 
 
 @pytest.mark.parametrize("K", [2, 3])

@@ -15,8 +15,8 @@ memory, so this measures the codec passes against a memory copy, not a cluster l
 """
 from hpcsgd.bench import launch, report
 
-PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
-          "decode_apply", "allreduce", "decode", "apply")
+PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "owner",
+          "allgatherv", "decode_apply", "allreduce", "decode", "apply")
 USES_MPI = True   # bench --emulate runs it across the emulated cluster
 
 
@@ -24,7 +24,8 @@ def add_arguments(parser):
     parser.add_argument("--small", action="store_true", help="a tiny model, for a CI smoke test")
     parser.add_argument("--ranks", default="2,4", help="comma-separated K values (default 2,4)")
     parser.add_argument("--codecs", default="onebit,kbit4,float16,float32,dettmers",
-                        help="striped codecs: onebit,kbit2,kbit4,kbit8,dettmers,float16,float32")
+                        help="striped codecs: onebit,kbit2,kbit4,kbit8,dettmers,float16,float32; "
+                             "onebit_unfused: the owner's 3 passes instead of the fused one")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),

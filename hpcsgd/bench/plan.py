@@ -28,7 +28,9 @@ the speed. Derived communication (--link-gbps, --latency-us): a node sends and r
 hpcsgd's costs per codec (from `bench exchange` JSON, phases of one rank at the JSON's K):
 float32 allreduce: T_upd = post_process + apply (every rank post-processes the whole model),
 C*T_post = 0. Striped codec: T_upd = encode + decode_sum + decode_apply (each a pass over all M
-values on every rank, whatever K), C*T_post = K * (post_process + reencode) (the owner's 1/K).
+values on every rank, whatever K), C*T_post = K * (post_process + reencode) (the owner's 1/K);
+with the owner's fused pass (phase "owner") C*T_post = K * owner: its memory traffic is the
+stripe's optimizer state and residual (1/K), the K packed contributions 1 bit per value.
 T_frm from `bench train` JSON, or measured here per sub-batch size (--measure; --small: a tiny
 model, seconds).
 """
@@ -188,8 +190,9 @@ def costs_from_json(train_json, exchange_json):
         if name.startswith("striped_"):
             codecs[name[len("striped_"):]] = {
                 "bits": 8.0 * r["bytes_per_rank"] / m,
-                "t_upd": r["encode"] + r["decode_sum"] + r["decode_apply"],
-                "c_post": k * (r["post_process"] + r["reencode"])}
+                "t_upd": r["encode"] + r.get("decode_sum", 0) + r["decode_apply"],
+                "c_post": k * (r.get("post_process", 0) + r.get("reencode", 0)
+                               + r.get("owner", 0))}
     if "runs" in tr:   # bench train at K ranks: one rank's step with the exchange skipped
         one = [r for r in tr["runs"][0]["rows"]
                if r["exchange"] == "none" and not r["double_buffering"]]
@@ -461,7 +464,8 @@ def fixed_costs(phases, striped):
     p = phases
     if striped:
         return (p.get("encode", 0) + p.get("decode_sum", 0) + p.get("decode_apply", 0)
-                + p.get("decode", 0)), p.get("post_process", 0) + p.get("reencode", 0)
+                + p.get("decode", 0)), (p.get("post_process", 0) + p.get("reencode", 0)
+                                        + p.get("owner", 0))
     return (p.get("encode", 0) + p.get("decode", 0) + p.get("post_process", 0)
             + p.get("apply", 0)), 0.0
 

@@ -54,7 +54,7 @@ MOMENTUM_TC = 9719.0            # samples: momentum 0.9 per 1024-frame minibatch
 # exchange phases (hpcsgd/comm/exchange.py) -> the four categories reported
 CATEGORIES = {"encode": ("encode", "decode_sum", "reencode", "decode"),
               "communicate": ("alltoallv", "allgatherv", "allreduce"),
-              "update": ("post_process", "apply", "decode_apply")}
+              "update": ("post_process", "owner", "apply", "decode_apply")}
 
 
 def add_arguments(parser):

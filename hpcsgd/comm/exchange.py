@@ -20,6 +20,8 @@ striped    Seide et al. 2014's O(1) algorithm. Rank j owns a contiguous range of
                          aggregate AdaGrad state are 1/K of the model (compact, per owner);
              5. re-encode the owner quantizes its updated stripe with its second residual
                          straight into its slot of the gather buffer;
+                         onebit on CPU ranks does 3-5 in one pass per column, the column in
+                         cache (hpcsgd/comm/owner.py; phase "owner", the same bits);
              6. Allgatherv brings every stripe to every rank (same layout as the send buffer);
              7. decode-apply  every rank decodes all stripes and applies W -= lr * update; a
                          codec with decode_apply (onebit) does both in one pass over W, the
@@ -41,6 +43,7 @@ import time
 import numpy as np
 
 from hpcsgd.codecs import make_codec
+from hpcsgd.comm import owner
 from hpcsgd.comm.gpu import Nccl, Staging, mpi_cuda_aware, nccl_available
 from hpcsgd.comm.progress import Poller
 from hpcsgd.device import assign, cupy_module, synchronize, zero, zeros
@@ -78,7 +81,7 @@ def make_exchange(cfg, comm, mats):
             options = {"dtype": cfg["exchange.dettmers_type"]}
         codec = make_codec(cfg["exchange.codec"], device, **options)
         ex = Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"],
-                     device=device, cuda_aware=aware)
+                     device=device, cuda_aware=aware, fuse_owner=cfg["exchange.fuse_owner"])
     ex.transport = ex.describe_transport(why)
     if cfg["exchange.progress"] == "thread":
         ex.poller = Poller()
@@ -356,15 +359,21 @@ class Striped(_Timed):
     Per-rank state (differs between ranks, checkpointed per rank): residual1 (full size, this
     rank's first error feedback) and residual2 (this rank's stripe, the owner's second error
     feedback). The optimizer's post-exchange state is compact over the stripe: build it with
-    Optimizer(size, post_size=ex.state_size).
+    Optimizer(size, post_size=ex.state_size). fuse_owner: run phases 3-5 as one pass per
+    column where the codec allows (owner.fusable), timed as the phase "owner".
     """
     PHASES = ("encode", "alltoallv", "decode_sum", "post_process", "reencode", "allgatherv",
               "decode_apply")
+    FUSED_PHASES = ("encode", "alltoallv", "owner", "allgatherv", "decode_apply")
     replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
 
-    def __init__(self, comm, mats, codec, error_feedback=True, device="cpu", cuda_aware=False):
+    def __init__(self, comm, mats, codec, error_feedback=True, device="cpu", cuda_aware=False,
+                 fuse_owner=True):
         self.comm, self.codec, self.error_feedback = comm, codec, bool(error_feedback)
         self.device = device
+        self.fused_owner = bool(fuse_owner) and owner.fusable(codec)
+        if self.fused_owner:
+            self.PHASES = self.FUSED_PHASES
         K, me = comm.Get_size(), comm.Get_rank()
         self.world, self.rank = K, me
         self.size = sum(m.size for m in mats)
@@ -395,10 +404,10 @@ class Striped(_Timed):
                        for name in ("send", "gather", "recv")}
         self.recv_counts = np.full(K, mine, np.int64)
         self.recv_displs = np.arange(K, dtype=np.int64) * mine
-        # my stripe, compact: agg (float32 sum -> update), residual2, and (for weight decay) a
+        # my stripe, compact: agg (float32 sum -> update; unfused only), residual2, and (for weight decay) a
         # copy of my stripe's weights; views per matrix piece
         self.state_size = sum(p[2] - p[1] for p in self.pieces[me])
-        self.agg = zeros(self.state_size, np.float32, device)
+        self.agg = zeros(0 if self.fused_owner else self.state_size, np.float32, device)
         self.residual2 = zeros(self.state_size, np.float32, device)
         self.residual1 = zeros(self.size, np.float32, device)
         self._wstripe = None
@@ -481,47 +490,25 @@ class Striped(_Timed):
 
     def finish(self, params, opt, lr):
         """Phases 3-7 of the exchange started by start(): decode-sum, owner post-processing
-        (opt's per-step scalars must be the started step's), re-encode, Allgatherv, apply."""
+        (opt's per-step scalars must be the started step's), re-encode (3-5 fused into one
+        pass where fused_owner), Allgatherv, apply."""
         from mpi4py import MPI
         codec, me, grad = self.codec, self.rank, self._inflight[0]
         self.wait()
-        t = [time.perf_counter()]
-        # 3. decode and sum the K contributions to my stripe (the first overwrites, so no
-        #    zeroing pass), in source order 0..K-1 so every run adds in the same order
-        mine = int(self.counts[me])
-        for (m, lo, hi, cols, off, nb), a, b in self.mine:
-            out = self.agg[a:b].reshape(cols, m.n_rows)
-            at = off - self.displs[me]
-            for src in range(self.world):
-                packed = self.recv[src * mine + at:src * mine + at + nb]
-                if src == 0:
-                    codec.decode(packed, out)
-                else:
-                    codec.decode_accumulate(packed, out)
-        synchronize(self.device)   # GPU ranks: phase times are the kernels' times
-        t.append(time.perf_counter())
-        # 4. post-process my stripe only (weight decay reads my weights: copy them compact)
-        weights = self.agg
-        if opt.weight_decay:
-            if self._wstripe is None:
-                self._wstripe = zeros(self.state_size, np.float32, self.device)
-            for (m, lo, hi, *_), a, b in self.mine:
-                assign(self._wstripe[a:b], params[lo:hi])
-            weights = self._wstripe
-        opt.post_exchange(self.agg, weights, 0, self.state_size)
-        synchronize(self.device)
-        t.append(time.perf_counter())
-        # 5. re-encode my updated stripe with my second residual, into my gather slot
-        for (m, lo, hi, cols, off, nb), a, b in self.mine:
-            codec.encode(self.agg[a:b].reshape(cols, m.n_rows),
-                         self.residual2[a:b].reshape(cols, m.n_rows), self.gather[off:off + nb])
-        mine_lo = int(self.displs[me])
+        marks = [(None, time.perf_counter())]   # (phase that just ended, when)
+        mine_lo, mine = int(self.displs[me]), int(self.counts[me])
+        if self.fused_owner:   # 3-5 in one pass per column (hpcsgd/comm/owner.py)
+            owner.owner_pass(codec, self.recv, self.world, (mine_lo, mine_lo + mine), self.mine,
+                             params, opt, self.residual2, self.gather)
+            marks.append(("owner", time.perf_counter()))
+        else:
+            self._owner_phases(params, opt, marks)
         gather = self._mpi("gather", mine_lo, mine_lo + mine)   # device sync point
-        t.append(time.perf_counter())
+        marks[-1] = (marks[-1][0], time.perf_counter())
         # 6. every owner's stripe to every rank
         self.comm.Allgatherv(MPI.IN_PLACE, [gather, (self.counts, self.displs), MPI.BYTE])
         self._from_mpi("gather")
-        t.append(time.perf_counter())   # cross-rank sync point above
+        marks.append(("allgatherv", time.perf_counter()))   # cross-rank sync point above
         # 7. decode every stripe and apply W -= lr * update: fused in one pass over W where
         #    the codec can (same arithmetic as Optimizer.apply, so the same bits), else decode
         #    into grad's buffer (the local gradient is spent) and apply
@@ -535,11 +522,45 @@ class Striped(_Timed):
         if not fused:
             opt.apply(params, grad, lr)
         synchronize(self.device)
-        t.append(time.perf_counter())
+        marks.append(("decode_apply", time.perf_counter()))
         self._inflight = None
-        for name, a, b in zip(self.PHASES[2:], t[:-1], t[1:]):
+        for (_, a), (name, b) in zip(marks[:-1], marks[1:]):
             self._phase(name, a, b)
         self.steps += 1
+
+    def _owner_phases(self, params, opt, marks):
+        """Phases 3-5 unfused, each a pass over my stripe (marks: their end times)."""
+        codec, me = self.codec, self.rank
+        # 3. decode and sum the K contributions to my stripe (the first overwrites, so no
+        #    zeroing pass), in source order 0..K-1 so every run adds in the same order
+        mine = int(self.counts[me])
+        for (m, lo, hi, cols, off, nb), a, b in self.mine:
+            out = self.agg[a:b].reshape(cols, m.n_rows)
+            at = off - self.displs[me]
+            for src in range(self.world):
+                packed = self.recv[src * mine + at:src * mine + at + nb]
+                if src == 0:
+                    codec.decode(packed, out)
+                else:
+                    codec.decode_accumulate(packed, out)
+        synchronize(self.device)   # GPU ranks: phase times are the kernels' times
+        marks.append(("decode_sum", time.perf_counter()))
+        # 4. post-process my stripe only (weight decay reads my weights: copy them compact)
+        weights = self.agg
+        if opt.weight_decay:
+            if self._wstripe is None:
+                self._wstripe = zeros(self.state_size, np.float32, self.device)
+            for (m, lo, hi, *_), a, b in self.mine:
+                assign(self._wstripe[a:b], params[lo:hi])
+            weights = self._wstripe
+        opt.post_exchange(self.agg, weights, 0, self.state_size)
+        synchronize(self.device)
+        marks.append(("post_process", time.perf_counter()))
+        # 5. re-encode my updated stripe with my second residual, into my gather slot
+        for (m, lo, hi, cols, off, nb), a, b in self.mine:
+            codec.encode(self.agg[a:b].reshape(cols, m.n_rows),
+                         self.residual2[a:b].reshape(cols, m.n_rows), self.gather[off:off + nb])
+        marks.append(("reencode", time.perf_counter()))
 
     def _communicate_blocking(self, scratch):
         from mpi4py import MPI
