@@ -56,6 +56,7 @@ def save(run_dir, frames, arrays, meta, keep=3, comm=None, rank_arrays=None):
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"ckpt-{frames:014d}.h5")
     tmp = path + f".tmp.{os.getpid()}"
+    src = None   # the rank whose state is being received
     try:
         with h5py.File(tmp, "w") as f:
             for name, array in arrays.items():
@@ -67,6 +68,7 @@ def save(run_dir, frames, arrays, meta, keep=3, comm=None, rank_arrays=None):
                     buf = np.empty(shape, np.dtype(dtype))
                     comm.Recv(buf, source=src, tag=72)
                     f.create_dataset(rank_prefix(src) + name, data=buf)
+            src = None
             f.attrs["meta"] = json.dumps(meta)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -81,7 +83,13 @@ def save(run_dir, frames, arrays, meta, keep=3, comm=None, rank_arrays=None):
         if os.path.exists(tmp):
             os.unlink(tmp)
         previous = latest(run_dir)
-        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        if src is not None:   # an MPI error receiving a rank's state: that rank, not the disk
+            mpi = lines[0] + (f" ... {lines[-1].strip()}" if len(lines) > 1 else "")
+            raise UserError(f"checkpoint {path}: not written: rank {src} failed or was killed "
+                            f"before sending its state (MPI: {mpi}); the previous checkpoint "
+                            f"{previous or '(none)'} is intact") from None
+        reason = getattr(err, "strerror", None) or lines[0]
         raise UserError(f"checkpoint {path}: write failed ({reason}); the previous "
                         f"checkpoint {previous or '(none)'} is intact") from None
     for old in sorted(n for n in os.listdir(directory)

@@ -238,6 +238,38 @@ print("LATEST", checkpoint.latest(run) == first)
     assert meta["frames"] == 100 and arrays["params"].sum() == 1000
 
 
+def test_a_rank_lost_during_a_checkpoint_is_named_and_the_previous_one_kept(tmp_path):
+    """Rank 0 receiving a rank's state gets MPI's error (that rank died): the message names
+    that rank, not the disk, and nothing half-written is left."""
+    from mpi4py import MPI
+    from hpcsgd.errors import UserError
+    run = str(tmp_path)
+    first = checkpoint.save(run, 100, {"params": np.ones(10, np.float32)}, {"frames": 100})
+
+    class LostRank2:   # rank 0 of 3 whose rank 2 is gone: MPI reports it on the receive
+        def Get_size(self):
+            return 3
+
+        def Get_rank(self):
+            return 0
+
+        def recv(self, source, tag):
+            if source == 2:
+                raise MPI.Exception(MPI.ERR_OTHER)
+            return [("exchange/residual1", (4,), "<f4")]
+
+        def Recv(self, buf, source, tag):
+            buf[:] = 1
+
+    with pytest.raises(UserError, match=r"rank 2 failed or was killed before sending its state"
+                                        r".*previous checkpoint .*ckpt-00000000000100.h5 is intact"):
+        checkpoint.save(run, 200, {"params": np.ones(10, np.float32)}, {"frames": 200},
+                        comm=LostRank2(), rank_arrays={"exchange/residual1": np.zeros(4, np.float32)})
+    assert checkpoint.latest(run) == first
+    assert sorted(os.listdir(checkpoint.checkpoint_dir(run))) == sorted(
+        [checkpoint.LATEST, os.path.basename(first)])
+
+
 # --- K ranks under a real mpiexec -------------------------------------------------------------
 
 @pytest.mark.parametrize("ranks", [2, 3])
