@@ -85,6 +85,9 @@ DEFAULTS = {
     "train.probe_max_minibatch": (8192, int, (1, 1 << 20),
                                   "probe cap on the global minibatch; sizes the preallocated workspaces"),
     "train.check_every_steps": (0, int, (0, 1 << 30), "cross-rank weight checksum every N steps (0 = epoch ends)"),
+    "train.diverged_ce_factor": (3.0, float, (0.0, 1e6),
+                                 "stop with an error once a log window's or an epoch's train cross-entropy "
+                                 "exceeds this x ln(labels) nats/frame (untrained: about 1x; 0 = never)"),
     "train.timeline": (False, bool, None,
                        "write a Chrome trace per rank to run_dir/timeline/ (Perfetto, chrome://tracing)"),
     "train.timeline_steps": (200, int, (0, 1 << 40), "steps the timeline records (0 = all)"),

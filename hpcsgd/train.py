@@ -354,7 +354,9 @@ def train(cfg, comm, rank, world, stop):
             if check_every and step % check_every == 0:
                 check_replicas(comm, params.flat, step, world)
             if meta["frames"] // log_every != (meta["frames"] - take.sum()) // log_every:
-                totals = reduce_sum(comm, sums, world)
+                totals = reduce_sum(comm, sums, world)   # the same on every rank
+                check_divergence(cfg, totals, loader.num_labels,
+                                 f"step {step} (epoch {epoch}, frame {meta['frames']:,})")
                 now = time.perf_counter()
                 fps = totals[2] / max(now - t_log, 1e-9)
                 done = int(offsets.sum())
@@ -399,6 +401,7 @@ def train(cfg, comm, rank, world, stop):
             pending = None
         check_replicas(comm, params.flat, step, world)
         totals = reduce_sum(comm, epoch_sums, world)
+        check_divergence(cfg, totals, loader.num_labels, f"epoch {epoch} end (step {step})")
         record = {"epoch": epoch, "frames": meta["frames"],
                   "train_ce": totals[0] / max(totals[2], 1),
                   "train_frame_accuracy": totals[1] / max(totals[2], 1),
@@ -568,6 +571,24 @@ def reduce_sum(comm, local, world):
     total = np.empty_like(local)
     comm.Allreduce(local, total, op=MPI.SUM)   # cross-rank sync point
     return total
+
+
+def check_divergence(cfg, totals, num_labels, where):
+    """Stop a run whose training criterion has blown up (a diverged run can go on for hours at
+    a fraction of its speed, never producing a non-finite loss). totals: (CE sum, correct,
+    frames) over all ranks, so every rank decides the same. An untrained model's CE is about
+    ln(num_labels); train.diverged_ce_factor times that is far above anything a training run
+    that can still recover reaches."""
+    factor = cfg["train.diverged_ce_factor"]
+    ce, frames = totals[0] / max(totals[2], 1), int(totals[2])
+    limit = factor * math.log(max(num_labels, 2))
+    if factor and frames and ce > limit:
+        raise UserError(f"{where}: training diverged: cross-entropy is {ce:.4g} nats/frame over "
+                        f"the last {frames:,} frames, above train.diverged_ce_factor {factor:g} x "
+                        f"ln({num_labels} labels) = {limit:.3g}; lower optim.lr (or "
+                        f"train.minibatch, or turn exchange.double_buffering off) and resume "
+                        f"from a checkpoint written before the cross-entropy rose (the log "
+                        f"lines show where), or set train.diverged_ce_factor=0 to go on")
 
 
 def check_replicas(comm, flat, step, world):

@@ -2,6 +2,7 @@
 divergence, checkpoint safety, eval/infer round trips, and K ranks under a real mpiexec."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -210,6 +211,26 @@ def test_diverging_loss_stops_naming_the_step_without_a_bad_checkpoint(synth, tm
         if name.endswith(".h5"):
             arrays, _ = checkpoint.load(os.path.join(checkpoint.checkpoint_dir(run), name))
             assert np.isfinite(arrays["params"]).all(), name
+
+
+@pytest.mark.parametrize("factor, stops", [(0.5, True), (0, False)])
+def test_a_blown_up_cross_entropy_stops_the_run_at_the_first_log_line(synth, tmp_path, factor,
+                                                                      stops):
+    """An untrained model's CE is about ln(labels): with the limit at half of that, the first
+    log window is 'diverged'; factor 0 never stops."""
+    run = str(tmp_path / "run")
+    proc = hpcsgd(*train_args(synth, run, f"train.diverged_ce_factor={factor}",
+                              "train.epochs=1"), check=False)
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    if not stops:
+        assert proc.returncode == 0, proc.stderr
+        assert [r for r in records if r["kind"] == "epoch"]
+        return
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(r"step \d+ \(epoch 0, frame 1,0\d\d\): training diverged: cross-entropy "
+                     r"is [\d.]+ nats/frame over the last 1,0\d\d frames, above "
+                     r"train.diverged_ce_factor 0.5 x ln\(\d+ labels\)", proc.stderr), proc.stderr
+    assert not [r for r in records if r["kind"] in ("train", "epoch")]
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path):
