@@ -8,6 +8,7 @@ import difflib
 
 import yaml
 
+from hpcsgd.data import BLOCK_FRAMES, BUFFER_FRAMES
 from hpcsgd.errors import UserError
 
 # key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, or a tuple
@@ -18,8 +19,8 @@ DEFAULTS = {
     "data.cv": ("", str, None, "cross-validation archive of held-out speakers ('' = none)"),
     "data.context": (5, int, (0, 50), "splice +-C frames around each frame (11 frames, as Kaldi DNNs)"),
     "data.cmvn": ("meanvar", str, ("none", "mean", "meanvar"), "per-speaker normalisation at load time"),
-    "data.block_frames": (8192, int, (1, 1 << 24), "frames per block dealt to ranks"),
-    "data.buffer_frames": (1 << 18, int, (1, 1 << 28), "frames shuffled together in RAM"),
+    "data.block_frames": (BLOCK_FRAMES, int, (1, 1 << 24), "frames per block dealt to ranks"),
+    "data.buffer_frames": (BUFFER_FRAMES, int, (1, 1 << 28), "frames shuffled together in RAM"),
     "data.prefetch": (True, bool, None, "load the next buffer in a background thread"),
     # --- model ---
     "model.hidden": ([512, 512, 512], list, (1, 1 << 16), "hidden layer sizes of the DNN"),

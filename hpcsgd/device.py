@@ -12,6 +12,7 @@ simulator has no cuBLAS, so `matmul` multiplies the wrapped host arrays with Num
 a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
 import numpy as np
+from numba import cuda
 
 DEVICES = ("cpu", "cuda")
 
@@ -31,7 +32,6 @@ def zeros(shape, dtype, device):
     """A zeroed array on the host ("cpu") or the rank's GPU ("cuda")."""
     if device == "cpu":
         return np.zeros(shape, dtype)
-    from numba import cuda
     out = cuda.device_array(shape, dtype)
     zero(out)
     return out
@@ -40,10 +40,35 @@ def zeros(shape, dtype, device):
 def zero(a):
     """a[...] = 0 on either side."""
     if is_device(a):
-        from hpcsgd.model.kernels_cuda import fill
         fill(a, 0)
     else:
         a[...] = 0
+
+
+def as_device(a):
+    """Numba view of any __cuda_array_interface__ array (Numba, CuPy) without a copy."""
+    if isinstance(a, np.ndarray):
+        raise TypeError("backend='cuda' takes device arrays (__cuda_array_interface__), got a "
+                        "NumPy array; copy it with numba.cuda.to_device first")
+    return a if hasattr(a, "copy_to_host") else cuda.as_cuda_array(a)  # Numba as is; CuPy wrapped
+
+
+FILL_THREADS, MAX_GRID = 256, 65535
+
+
+@cuda.jit
+def fill_kernel(out, value):
+    """out (1-D) <- value, grid-stride."""
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = value
+
+
+def fill(a, value):
+    """Every element of the C-contiguous device array a (any shape) <- value."""
+    a = as_device(a)
+    if a.size:
+        fill_kernel[min(-(-a.size // FILL_THREADS), MAX_GRID), FILL_THREADS](a.reshape(a.size),
+                                                                             value)
 
 
 def to_host(a):
@@ -69,7 +94,6 @@ def synchronize(device):
     """Wait for the device's queued work: before timing a phase or handing a buffer to a
     library that does not follow the stream (MPI). A no-op on the host."""
     if device == "cuda":
-        from numba import cuda
         cuda.synchronize()
 
 

@@ -13,9 +13,10 @@ import numpy as np
 
 from hpcsgd import checkpoint
 from hpcsgd.data import archive
-from hpcsgd.data.loader import BLOCK_FRAMES, FrameLoader
+from hpcsgd.data import BLOCK_FRAMES
+from hpcsgd.data.loader import FrameLoader
 from hpcsgd.errors import UserError
-from hpcsgd.model.dnn import DNN
+from hpcsgd.model import build
 
 EVAL_BATCH = 1024
 
@@ -30,13 +31,11 @@ def load_model(path, max_batch=EVAL_BATCH):
     arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
     if "params" not in arrays:
         raise UserError(f"checkpoint {path}: no 'params' dataset")
-    shape = meta["model"]
-    model = DNN(shape["input_dim"], shape["hidden"], shape["num_labels"], shape["activation"],
-                max_batch=max_batch)
+    model = build(meta["model"], max_batch=max_batch)
     params = model.new_params()
     if arrays["params"].shape != params.flat.shape:
         raise UserError(f"checkpoint {path}: {arrays['params'].size} parameters, the model "
-                        f"{shape} needs {params.size}")
+                        f"{meta['model']} needs {params.size}")
     params.flat[:] = arrays["params"]
     meta["path"] = path
     return model, params, meta
@@ -59,7 +58,7 @@ def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=No
              heartbeat=None):
     """Sums over the whole archive (reduced over ranks): ce, correct, frames, confusion (V, V).
     `heartbeat()`, when given, is called per batch (the trainer's watchdog)."""
-    V = model.dims[-1]
+    V = model.num_labels
     # blocks small enough that every rank gets one: a CV set may be smaller than K blocks of
     # the default size (the frames are only summed, so block size does not change the result)
     total = archive.read_index(archive_dir)["total_frames"]

@@ -28,13 +28,13 @@ def log_priors(label_counts):
 
 def utterance_outputs(model, params, archive_dir, context, cmvn, output, priors):
     """Yield (utt_id, (T, V) float32) in archive order; long utterances go in max_batch pieces."""
-    out = np.empty((model.max_batch, model.dims[0]), np.float32)
+    out = np.empty((model.max_batch, model.input_dim), np.float32)
     for utt, feats, _labels in iter_utterances(archive_dir, cmvn=cmvn, shuffle=False):
         feats = np.ascontiguousarray(feats, np.float32)
         T = len(feats)
         src = np.arange(T)
         lo, hi = np.zeros(T, np.int64), np.full(T, T - 1, np.int64)
-        values = np.empty((T, model.dims[-1]), np.float32)
+        values = np.empty((T, model.num_labels), np.float32)
         for start in range(0, T, model.max_batch):
             order = src[start:start + model.max_batch]
             n = len(order)
@@ -71,9 +71,9 @@ def run(args):
         utt_ids, offsets, frames = [], [0], 0
         if want_h5:
             h5 = h5py.File(h5_tmp, "w")
-            values_ds = h5.create_dataset("values", (0, model.dims[-1]), np.float32,
-                                          maxshape=(None, model.dims[-1]),
-                                          chunks=(1024, model.dims[-1]))
+            values_ds = h5.create_dataset("values", (0, model.num_labels), np.float32,
+                                          maxshape=(None, model.num_labels),
+                                          chunks=(1024, model.num_labels))
         for utt, values in utterance_outputs(model, params, args.data, context, cmvn,
                                              args.output, priors):
             utt_ids.append(utt)

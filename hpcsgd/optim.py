@@ -104,7 +104,7 @@ def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m
     return w.dtype.type(x)
 
 
-# post_element_cpu is public: the striped exchange's fused owner pass (hpcsgd/comm/owner.py)
+# post_element_cpu is public: the 1-bit codec's fused owner pass (hpcsgd/codecs/onebit_owner.py)
 # runs it inside its own per-column kernel, so both paths give the same bits
 _adagrad_cpu, post_element_cpu = njit(inline="always")(_adagrad), njit(inline="always")(_update)
 _adagrad_cuda, _update_cuda = cuda.jit(device=True)(_adagrad), cuda.jit(device=True)(_update)
@@ -291,6 +291,11 @@ class Optimizer:
         flat buffers in one fused pass (grad is left unchanged unless AdaGrad is "local")."""
         self.begin_step(n, n)
         self.pre_exchange(grad)
+        self.fused_update(params, grad, lr)
+
+    def fused_update(self, params, grad, lr):
+        """post_exchange + apply over the whole flat buffers in one pass, W -= lr * update,
+        with the per-step scalars of begin_step (grad is left unchanged)."""
         sl = slice(0, grad.size)
         self._run(_step_kernel, grad, params, *self._state_slices(sl), *self._scalars(),
                   float(lr))
@@ -337,6 +342,16 @@ class Optimizer:
                                  f"expected {tuple(dst.shape)}")
             assign(dst, src)
         self.sqr_weight = float(state["sqr_weight"])
+
+
+def from_config(cfg, size, post_size=None, device="cpu"):
+    """The optimizer the config's optim.* keys describe, over `size` parameters (post_size:
+    the exchange's state_size, the owner's stripe in the striped exchange)."""
+    return Optimizer(size, momentum_time_constant=cfg["optim.momentum_tc"],
+                     adagrad=cfg["optim.adagrad"],
+                     adagrad_time_constant=cfg["optim.adagrad_tc"] or math.inf,
+                     adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"],
+                     post_size=post_size, device=device)
 
 
 # ---- learning-rate schedules (lr per sample) ---------------------------------------------------

@@ -155,20 +155,17 @@ def test_gpu_double_buffering_equals_cpu_double_buffering(arch, tmp_path):
     np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=2e-6)
 
 
-def test_cuda_aware_detection_asks_the_library_unless_told(monkeypatch):
+def test_cuda_aware_detection_asks_the_library_unless_told():
     """The MPICH wheel has no GPU support: its MPIX_GPU_query_support says so. The config
     key wins over the environment variable, which wins over the library; a bad value fails."""
     from mpi4py import MPI
     assert MPI.Is_initialized()   # the query needs MPI initialised (importing mpi4py does)
-    monkeypatch.delenv(ENV_CUDA_AWARE, raising=False)
     aware, how = mpi_cuda_aware("auto")
     assert aware is False and how == "MPIX_GPU_query_support(CUDA) = 0"
-    monkeypatch.setenv(ENV_CUDA_AWARE, "1")
-    assert mpi_cuda_aware("auto") == (True, f"{ENV_CUDA_AWARE}=1")
-    assert mpi_cuda_aware("false") == (False, "exchange.mpi_cuda_aware=false")
-    monkeypatch.setenv(ENV_CUDA_AWARE, "yes")
+    assert mpi_cuda_aware("auto", "1") == (True, f"{ENV_CUDA_AWARE}=1")
+    assert mpi_cuda_aware("false", "1") == (False, "exchange.mpi_cuda_aware=false")
     with pytest.raises(ValueError, match=ENV_CUDA_AWARE):
-        mpi_cuda_aware("auto")
+        mpi_cuda_aware("auto", "yes")
 
 
 def test_cuda_aware_detection_with_open_mpi():

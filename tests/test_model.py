@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from hpcsgd.model import kernels as K
-from hpcsgd.model.dnn import DNN, gemm_flop_per_frame, layout
-from hpcsgd.model.flat import FlatParams, stripe_ranges
+from hpcsgd.comm.stripes import stripe_ranges
+from hpcsgd.model.dnn import dnn, gemm_flop_per_frame, layout
+from hpcsgd.model.flat import FlatParams
 from hpcsgd.optim import Optimizer
 
 
@@ -109,7 +110,7 @@ def test_softmax_xent_kernel_matches_numpy(dtype):
 
 
 def _small(act, dtype=np.float64, max_batch=16):
-    model = DNN(7, [6, 5], 4, act, max_batch=max_batch, dtype=dtype)
+    model = dnn(7, [6, 5], 4, act, max_batch=max_batch, dtype=dtype)
     params = model.new_params()
     model.init(params, np.random.default_rng(3))
     rng = np.random.default_rng(4)
@@ -172,7 +173,7 @@ def test_progress_is_called_after_every_gemm_and_changes_nothing():
 
 def test_float32_model_agrees_with_float64():
     model64, params64, x, y = _small("sigmoid")
-    model32 = DNN(7, [6, 5], 4, "sigmoid", max_batch=16, dtype=np.float32)
+    model32 = dnn(7, [6, 5], 4, "sigmoid", max_batch=16, dtype=np.float32)
     params32 = model32.new_params()
     params32.flat[:] = params64.flat
     g64, g32 = model64.new_params(), model32.new_params()
@@ -191,7 +192,7 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="labels"):
         model.forward_backward(params, model.new_params(), x, np.full(16, 4), 16)
     with pytest.raises(ValueError, match="activation"):
-        DNN(3, [2], 2, "tanh")
+        dnn(3, [2], 2, "tanh")
 
 
 @pytest.mark.parametrize("act", ["sigmoid", "relu"])
@@ -201,7 +202,7 @@ def test_tiny_model_learns_separable_problem(act):
     centres = rng.standard_normal((4, 10)) * 3
     labels = rng.integers(0, 4, 4096)
     feats = (centres[labels] + rng.standard_normal((4096, 10))).astype(np.float32)
-    model = DNN(10, [32, 32], 4, act, max_batch=128)
+    model = dnn(10, [32, 32], 4, act, max_batch=128)
     params, grads = model.new_params(), model.new_params()
     model.init(params, np.random.default_rng(6))
     opt = Optimizer(params.size, momentum_time_constant=1200.0)

@@ -26,6 +26,7 @@ else:
     from numba import cuda
 
     from hpcsgd.model import kernels as K
+    from hpcsgd.device import fill
     from hpcsgd.model import kernels_cuda as KC
     from hpcsgd.optim import ADAGRAD_PLACES, Optimizer
 
@@ -140,9 +141,9 @@ else:
                                              ((2, 2, 2), np.int32), ((0,), np.float32)])
     def test_fill(shape, dtype):
         a = cuda.to_device(np.ones(shape, dtype))
-        KC.fill(a, 0)
+        fill(a, 0)
         np.testing.assert_array_equal(a.copy_to_host(), np.zeros(shape, dtype))
-        KC.fill(a, 3)
+        fill(a, 3)
         np.testing.assert_array_equal(a.copy_to_host(), np.full(shape, 3, dtype))
 
     def test_column_sums_of_zero_rows():

@@ -6,8 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from hpcsgd.model.dnn import DNN
-from hpcsgd.model.flat import FlatParams, stripe_ranges
+from hpcsgd.comm.stripes import stripe_ranges
+from hpcsgd.model.dnn import dnn
+from hpcsgd.model.flat import FlatParams
 from hpcsgd.optim import (Optimizer, learning_rate, momentum_per_minibatch,
                           momentum_time_constant, newbob_lr, step_decay_lr)
 
@@ -157,7 +158,7 @@ def test_per_sample_learning_rate_with_a_real_model():
     """The gradient of a minibatch is the sum of its frames' gradients, and lr is per sample:
     one step on n frames equals lr times the sum of the per-frame gradients, so a step on 2n
     frames of the same kind is twice as long as one on n."""
-    model = DNN(5, [4], 3, "sigmoid", max_batch=8, dtype=np.float64)
+    model = dnn(5, [4], 3, "sigmoid", max_batch=8, dtype=np.float64)
     params = model.new_params()
     model.init(params, np.random.default_rng(3))
     rng = np.random.default_rng(4)

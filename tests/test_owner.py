@@ -1,5 +1,5 @@
-"""The striped exchange's fused owner pass (hpcsgd/comm/owner.py) against its plain
-reference: the three unfused phases (decode-sum, Optimizer.post_exchange, encode) with the
+"""The 1-bit codec's fused owner pass (hpcsgd/codecs/onebit_owner.py, the striped exchange's
+phases 3-5 in one pass per column) against its plain reference: the three unfused phases (decode-sum, Optimizer.post_exchange, encode) with the
 NumPy reference codec and with the Numba codec. Same bits, every optimizer setting."""
 import math
 from types import SimpleNamespace
@@ -9,7 +9,6 @@ import pytest
 
 from hpcsgd import optim
 from hpcsgd.codecs import make_codec
-from hpcsgd.comm import owner
 
 SHAPES = [(5, 2048), (3, 37), (2, 9304), (4, 64)]   # (columns, rows) of each matrix piece
 OPTIMIZERS = {
@@ -89,7 +88,7 @@ def test_the_fused_owner_pass_gives_the_bits_of_the_three_unfused_passes(K, opt_
     want_r2, want_gather = r2.copy(), gather.copy()
     unfused(backend, K, recv, slot, pieces, params, want_opt, want_r2, want_gather)
     before = params.copy()
-    owner.owner_pass(codec, recv, K, slot, pieces, params, opt, r2, gather)
+    codec.owner_pass(recv, K, slot, pieces, params, opt, r2, gather)
     np.testing.assert_array_equal(gather, want_gather)     # the slot, and nothing outside it
     np.testing.assert_array_equal(r2, want_r2)
     np.testing.assert_array_equal(opt.velocity, want_opt.velocity)
@@ -109,10 +108,13 @@ def test_a_non_finite_sum_names_the_matrix_and_column():
     opt = make_opt(stripe, OPTIMIZERS["momentum"], rng)
     with pytest.raises(ValueError, match=r"onebit encode: NaN or Inf .* matrix \(2, 9304\), "
                                          r"column 1"):
-        owner.owner_pass(codec, recv, 2, slot, pieces, params, opt, r2, gather)
+        codec.owner_pass(recv, 2, slot, pieces, params, opt, r2, gather)
 
 
-def test_only_the_cpu_onebit_codec_is_fused():
-    assert owner.fusable(make_codec("onebit", "cpu"))
-    assert not owner.fusable(make_codec("onebit", "reference"))
-    assert not owner.fusable(make_codec("kbit", "cpu", bits=4))
+def test_only_the_cpu_onebit_codec_declares_a_fused_owner_pass():
+    assert make_codec("onebit", "cpu").fused_owner
+    assert not make_codec("onebit", "reference").fused_owner
+    assert not make_codec("onebit", "cuda").fused_owner
+    assert not make_codec("kbit", "cpu", bits=4).fused_owner
+    assert make_codec("onebit", "reference").fused_apply   # decode_apply on every backend
+    assert not make_codec("float32", "cpu").fused_apply

@@ -23,11 +23,11 @@ import subprocess
 import tempfile
 import time
 
-import h5py
 import numpy as np
 import pytest
 
 from conftest import REPO, VENV, ensure_openmpi, family_env
+from hpcsgd import checkpoint
 
 SLURM_CLUSTER = os.path.join(REPO, "bin", "slurm-cluster")
 TRAIN_SBATCH = os.path.join(REPO, "jobs", "train.sbatch")
@@ -207,12 +207,8 @@ def rank_pid(run_dir, rank):
 
 def final_state(run_dir):
     """{dataset: array} of the newest checkpoint, and its file name."""
-    d = os.path.join(run_dir, "checkpoints")
-    name = open(os.path.join(d, "latest")).read().strip()
-    arrays = {}
-    with h5py.File(os.path.join(d, name), "r") as f:
-        f.visititems(lambda n, o: arrays.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
-    return name, arrays
+    path = checkpoint.latest(run_dir)
+    return os.path.basename(path), checkpoint.load(path)[0]
 
 
 def test_prep_array_job_builds_a_valid_archive(cluster, prep_jobs):

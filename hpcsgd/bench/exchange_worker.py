@@ -5,7 +5,7 @@
 
 Every rank builds the model's flat gradient (random normal, scaled like a summed gradient,
 different per rank), a momentum optimizer, and runs the real exchange objects of the trainer
-(hpcsgd/comm/exchange.py) R times each: the float32 in-place Allreduce alone (the baseline
+(hpcsgd/comm/exchange.py, driven by hpcsgd/step.py's exchange_update) R times each: the float32 in-place Allreduce alone (the baseline
 every other figure is divided by, measured in this same run), allreduce + post-processing,
 and striped with each codec. Per repetition every rank starts together (a barrier) and the
 phases are timed per rank; a repetition's time is the slowest rank's (the step waits for
@@ -18,6 +18,7 @@ pinned host memory), and "allreduce_nccl" is NCCL's when CuPy's binding loads. P
 include a device sync at each phase's end.
 """
 import argparse
+import os
 import time
 
 import numpy as np
@@ -27,10 +28,13 @@ from hpcsgd import optim
 from hpcsgd.bench import launch
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.exchange import Allreduce, Striped
-from hpcsgd.comm.gpu import Nccl, Staging, bind_gpu, mpi_cuda_aware, nccl_available
+from hpcsgd.comm.gpu import (ENV_CUDA_AWARE, Nccl, Staging, bind_gpu, mpi_cuda_aware,
+                             nccl_available)
+from hpcsgd.comm.grid import Grid
 from hpcsgd.device import assign, is_device, synchronize
 from hpcsgd.model.dnn import layout
 from hpcsgd.model.flat import FlatParams
+from hpcsgd.step import Phases, exchange_update
 
 PAPER = (440, [2048] * 7, 9304)    # the paper's 46M model: 440-7x2048-9304
 SMALL = (44, [256] * 3, 930)
@@ -40,19 +44,22 @@ CODECS = {"onebit": ("onebit", {}), "kbit2": ("kbit", {"bits": 2}), "kbit4": ("k
 
 
 def timed(comm, ex, grad, params, opt, source, repeats):
-    """Median over repetitions of the slowest rank's per-phase seconds (and their total)."""
+    """Median over repetitions of the slowest rank's per-phase seconds (and their total):
+    the trainer's exchange and update (hpcsgd/step.py: exchange_update)."""
     rows = []
+    device = "cuda" if is_device(grad) else "cpu"
+    phases = Phases(device)
     for _ in range(repeats + 1):          # the first repetition warms up (JIT, page faults)
         assign(grad, source)
-        synchronize("cuda" if is_device(grad) else "cpu")
+        synchronize(device)
         opt.begin_step(1024 * comm.Get_size(), 1024)
         comm.Barrier()                    # everyone starts together
         t = time.perf_counter()
-        ex.step(grad, params, opt, 1e-6)
+        exchange_update(ex, opt, params, grad, 1e-6, phases)
         total = time.perf_counter() - t
-        phases = ex.pop_times()
-        phases["total"] = total
-        worst = {k: comm.allreduce(v, op=MPI.MAX) for k, v in phases.items()}
+        times = phases.pop()
+        times["total"] = total
+        worst = {k: comm.allreduce(v, op=MPI.MAX) for k, v in times.items()}
         rows.append(worst)
     rows = rows[1:]
     return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
@@ -72,8 +79,8 @@ def main():
     dev = args.device
     aware, how = False, "host buffers"
     if dev == "cuda":
-        bind_gpu(comm)
-        aware, how = mpi_cuda_aware(args.mpi_cuda_aware)
+        bind_gpu(Grid(comm).node_rank)
+        aware, how = mpi_cuda_aware(args.mpi_cuda_aware, os.environ.get(ENV_CUDA_AWARE, ""))
     params = FlatParams(layout(*(SMALL if args.small else PAPER)), device=dev)
     grad = FlatParams(params.layout, device=dev).flat
     rng = np.random.default_rng(rank)

@@ -1,6 +1,6 @@
 """This machine's GEMM limits: float32 matmul GFLOP/s for a DNN's training shapes, the BLAS's
-best on a large square product, and the step's GEMMs alone (the roofline of any BLAS-based
-trainer, which `bench train` divides by). OpenBLAS threads are set at run time through the
+best on a large square product (`bench train` times the step's GEMMs alone itself, the
+model's forward and backward with hpcsgd.model.ops.GemmOnly). OpenBLAS threads are set at run time through the
 library numpy loaded (ctypes), so one process can measure 1 thread and all cores.
 """
 import ctypes
@@ -54,18 +54,3 @@ def training_shapes(dims, n):
         if l > 0:
             out.setdefault(f"dX {n}x{o} @ {o}x{i}", (n, o, i, False, True))
     return out
-
-
-def gemm_only(model, params, grads, x, n):
-    """The matmuls of one training step, in the step's order, into the step's buffers."""
-    a = x[:n]
-    for l in range(model.n_layers):
-        np.matmul(a, params.views[f"W{l}"], out=model.acts[l][:n])
-        a = model.acts[l][:n]
-    for l in range(model.n_layers - 1, -1, -1):
-        dz = model.acts[l][:n]
-        a = model.acts[l - 1][:n] if l > 0 else x[:n]
-        np.matmul(a.T, dz, out=grads.views[f"W{l}"])
-        if l > 0:
-            m = model.dims[l]
-            np.matmul(dz, params.views[f"W{l}"].T, out=model.delta[:n * m].reshape(n, m))

@@ -226,12 +226,12 @@ def measure_costs(small, repeats=3):
     over all M values: momentum post-processing, update, onebit encode/decode-accumulate."""
     from hpcsgd.bench.train import PAPER, SMALL
     from hpcsgd.codecs import make_codec
-    from hpcsgd.model.dnn import DNN
+    from hpcsgd.model.dnn import dnn
     from hpcsgd.optim import Optimizer
 
     shape = SMALL if small else PAPER
     sizes = (64, 128, 256) if small else (256, 512, 1024)
-    model = DNN(**shape, activation="sigmoid", max_batch=max(sizes))
+    model = dnn(**shape, activation="sigmoid", max_batch=max(sizes))
     params, grads = model.new_params(), model.new_params()
     rng = np.random.default_rng(0)
     model.init(params, rng)

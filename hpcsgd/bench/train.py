@@ -7,13 +7,11 @@ same run: the GEMM roofline and the same loop with the exchange skipped.
                        [--rounds 3] [--json FILE] [--compare OLD.json] [--emulate 1,10,25]
 
 For each K, `mpiexec -n K` (hpcsgd/bench/launch.py: cores split evenly over the ranks) runs the
-rank side below. It drives the trainer's own parts as hpcsgd/train.py's step loop does: this
-rank's share of the global minibatch N (loader.local_batch_size), DNN.forward_backward,
-Optimizer.begin_step / pre_exchange, and the exchange make_exchange builds from the config --
-ex.step, or with double buffering the step's two halves (train.halves), each exchanged with
-ex.start and completed by ex.finish after the next half's gradient, driven meanwhile as
-exchange.progress says (--progress: test = ex.test, MPI_Test, after each GEMM of that half;
-thread = a thread calling MPI_Test every ms; none). Frames are random (the
+rank side below. It runs the trainer's own step (hpcsgd/step.py, the one hpcsgd/train.py runs)
+on this rank's share of the global minibatch N (loader.batch_split) with the exchange
+make_exchange builds from the config, with or without double buffering, the exchange in
+flight driven as exchange.progress says (--progress: test = MPI_Test after each GEMM of the
+next half; thread = a thread calling MPI_Test every ms; none). Frames are random (the
 loader's limit is `bench loader`); the model is the paper's 46M DNN (440-7x2048-9304, sigmoid)
 or, with --small, a 0.4M one. Exchanges: allreduce (float32 in place), allreduce16, or a
 striped codec (onebit, kbit2/4/8, dettmers, float16, float32).
@@ -24,11 +22,13 @@ Per (K, N, exchange, double buffering):
                  buffering runs through them). The rounds go through the GEMMs alone, the
                  loop without exchange and with each exchange in turn, so that a figure and
                  its limits see the same neighbours on a shared machine.
-  roofline       the step's matmuls alone (gemm.gemm_only on every rank at once, sharing the
-                 cores as the step does; per half with double buffering): frames/s ÷ that.
+  roofline       the step's matmuls alone (the same forward and backward with every
+                 element-wise kernel skipped, model.ops.GemmOnly, on every rank at once,
+                 sharing the cores as the step does; per half with double buffering):
+                 frames/s ÷ that.
   overhead       communication overhead, 1 - frames/s ÷ frames/s with the exchange skipped
-                 (the same loop, each rank applying its local gradient with Optimizer.step:
-                 compute + a local update, no codec, no MPI).
+                 (the same step, each rank applying its local gradient in the optimizer's
+                 fused pass: compute + a local update, no codec, no MPI; Local below).
   fractions      of the step time: compute (forward + backward), encode (codec passes:
                  encode, decode-sum, re-encode, float16 casts), communicate (MPI calls,
                  including waiting for the slowest rank), update (post-processing, apply,
@@ -44,7 +44,9 @@ import time
 
 import numpy as np
 
-from hpcsgd.bench import gemm, launch, report
+from hpcsgd.bench import launch, report
+from hpcsgd.model.ops import GemmOnly
+from hpcsgd.step import Step, gradient_buffers, halves
 
 PAPER = dict(input_dim=440, hidden=[2048] * 7, num_labels=9304)
 SMALL = dict(input_dim=440, hidden=[256] * 3, num_labels=500)
@@ -233,20 +235,55 @@ def exchange_config(name):
     return config.load(None, ["data.train=unused"] + over)   # data.train: required, unused here
 
 
+class Local:
+    """The exchange skipped (the no-exch limit): each rank applies its own local gradient,
+    post-processing and update in the optimizer's one fused pass (Optimizer.fused_update).
+    The exchange interface of hpcsgd/comm/exchange.py with no communication at all."""
+    PHASE = {"encode": None, "send": None, "owner": None, "gather": None, "update": "apply"}
+    fuses_owner = fuses_apply = True
+    poller = None
+
+    def __init__(self, opt):
+        self.opt, self.grad = opt, None
+
+    def encode(self, grad):
+        self.grad = grad
+
+    def send(self, blocking=False):
+        pass
+
+    def test(self):
+        pass
+
+    def wait(self):
+        pass
+
+    def owner_pass(self, params, opt):
+        pass      # in fused_update
+
+    def gather(self):
+        pass
+
+    def decode_apply(self, params, lr):
+        self.opt.fused_update(params, self.grad, lr)
+
+
 class Rank:
     """This rank's model, buffers and random frames, and the timed step loops."""
 
     def __init__(self, comm, shape, activation, max_local):
-        from hpcsgd.model.dnn import DNN
+        from hpcsgd.model.dnn import dnn
         self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
-        self.model = DNN(**shape, activation=activation, max_batch=max_local)
+        self.model = dnn(**shape, activation=activation, max_batch=max_local)
         self.params = self.model.new_params()
         self.model.init(self.params, np.random.default_rng(0))      # replicas start equal
-        self.bufs = [self.model.new_params(), self.model.new_params()]   # double buffering: 2
+        self.grads = gradient_buffers(self.model, True)   # double buffering: 2
         rng = np.random.default_rng(1 + self.rank)
         self.x = rng.standard_normal((max_local, shape["input_dim"]), dtype=np.float32)
         self.y = rng.integers(0, shape["num_labels"], max_local).astype(np.int32)
-        self.slot = 0
+
+    def batch(self, n):
+        return self.x, self.y[:n]
 
     def slowest(self, seconds):
         from mpi4py import MPI
@@ -261,74 +298,47 @@ class Rank:
         return dict(zip(keys, (v / self.world).tolist()))
 
     def gemm_time(self, parts, repeats):
-        """The parts' matmuls alone on every rank at once: median of the slowest rank."""
+        """The parts' matmuls alone on every rank at once: median of the slowest rank (the
+        step's forward and backward with every element-wise kernel skipped)."""
         samples = []
         for _ in range(repeats + 1):
             self.comm.Barrier()
             t = time.perf_counter()
             for part in parts:
-                if part[self.rank]:
-                    gemm.gemm_only(self.model, self.params, self.bufs[0], self.x,
-                                   int(part[self.rank]))
+                n = int(part[self.rank])
+                if n:
+                    self.model.forward_backward(self.params, self.grads[0], self.x, self.y, n,
+                                                ops=GemmOnly())
             samples.append(self.slowest(time.perf_counter() - t))
         return statistics.median(samples[1:])
 
-    def loop(self, ex, opt, parts, steps, warmup, double_buffering, progress=None):
-        """The spine's step loop over `parts` (the step, or its two halves), as in
-        hpcsgd/train.py; ex None = the exchange skipped (Optimizer.step on the local gradient);
-        progress "test": ex.test after each GEMM while an exchange is in flight.
-        Returns this rank's step times and its seconds per step by category and by exchange
-        phase, over the timed steps."""
+    def loop(self, ex, opt, take, steps, warmup, double_buffering, progress=None):
+        """The trainer's step (hpcsgd/step.py), `steps` times after `warmup`, on take[r] frames
+        per rank; ex a Local = the exchange skipped. Returns this rank's step times and its
+        seconds per step by category and by exchange phase, over the timed steps."""
         from hpcsgd.comm.progress import Poller
-        model, params, rank = self.model, self.params, self.rank
-        if ex is not None:
+        if not isinstance(ex, Local):
             ex.poller = Poller() if progress == "thread" else None
-        compute = local_update = 0.0
-        pending, marks, ce = False, [], 0.0
+        step = Step(self.model, self.params, self.grads, opt, ex, double_buffering,
+                    progress or "none")
+        marks, ce = [], 0.0
         self.comm.Barrier()
         for s in range(warmup + steps):
             if s == warmup:       # timing starts here; the pipeline keeps running through
-                compute = local_update = 0.0
-                if ex is not None:
-                    ex.pop_times()
+                step.phases.pop()
+                step.pop_compute()
             marks.append(time.perf_counter())
-            for part in parts:
-                self.slot = (self.slot + 1) % 2    # not the buffer of the exchange in flight
-                grads = self.bufs[self.slot]
-                n = int(part[rank])
-                t = time.perf_counter()
-                if n:
-                    poke = ex.test if pending and progress == "test" else None
-                    ce, _ = model.forward_backward(params, grads, self.x, self.y, n, poke)
-                else:
-                    grads.flat[:] = 0
-                compute += time.perf_counter() - t
-                if ex is None:
-                    t = time.perf_counter()
-                    opt.step(params.flat, grads.flat, LR, n)
-                    local_update += time.perf_counter() - t
-                    continue
-                if pending:                        # the previous half's update, delayed
-                    ex.finish(params.flat, opt, LR)
-                    pending = False
-                opt.begin_step(int(part.sum()), n)
-                opt.pre_exchange(grads.flat)
-                if double_buffering:
-                    ex.start(grads.flat)
-                    pending = True
-                else:
-                    ex.step(grads.flat, params.flat, opt, LR)
+            ce = step.run(self.batch, take, self.rank, LR, "bench train")[0]
         marks.append(time.perf_counter())
-        phases = dict(ex.times) if ex is not None else {}
-        if pending:                                # drain (not timed)
-            ex.finish(params.flat, opt, LR)
-        phases = {p: v / steps for p, v in phases.items()}
+        exchanges = step.phases.exchanges
+        phases = {p: v * exchanges / steps for p, v in step.phases.pop().items()}
+        compute = step.pop_compute()
+        step.drain()                               # drain (not timed)
         cats = {"compute": compute / steps}
         for cat, names in CATEGORIES.items():
             cats[cat] = sum(phases.get(p, 0.0) for p in names)
-        cats["update"] += local_update / steps
         if not np.isfinite(ce):
-            raise FloatingPointError(f"rank {rank}: cross-entropy {ce} (lower bench LR)")
+            raise FloatingPointError(f"rank {self.rank}: cross-entropy {ce} (lower bench LR)")
         return np.diff(marks)[warmup:], cats, phases
 
 
@@ -355,7 +365,7 @@ def measure(r, samples, n, db, exchanged):
 def wire(ex, world, size):
     """(bytes this rank sends per exchange, bits per value on the wire)."""
     if hasattr(ex, "bytes_on_wire"):
-        return ex.bytes_on_wire(), 8.0 * ex.send.size / size
+        return ex.bytes_on_wire(), 8.0 * ex.send_buf.size / size
     item = 2 if ex.dtype == "float16" else 4        # ring allreduce: 2(K-1)/K of the data
     return int(2 * (world - 1) * size * item / world), 8.0 * item
 
@@ -364,10 +374,9 @@ def worker(argv):
     from mpi4py import MPI
 
     from hpcsgd.comm import make_exchange
-    from hpcsgd.data.loader import local_batch_size
+    from hpcsgd.data.loader import batch_split
     from hpcsgd.model.dnn import gemm_flop_per_frame
     from hpcsgd.optim import Optimizer
-    from hpcsgd.train import halves
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -377,36 +386,37 @@ def worker(argv):
     comm = MPI.COMM_WORLD
     K = comm.Get_size()
     shape = SMALL if args.small else PAPER
-    r = Rank(comm, shape, args.activation, max(local_batch_size(n, 0, K) for n in ns))
+    r = Rank(comm, shape, args.activation, max(int(batch_split(n, K)[0]) for n in ns))
     size = r.params.size
     flop = gemm_flop_per_frame(**shape)
-    configs = [(n, mode, [p for p in (halves(take) if mode[0] else [take]) if p.sum()])
-               for n in ns for mode in modes
-               for take in [np.array([local_batch_size(n, j, K) for j in range(K)])]]
+    configs = [(n, mode, batch_split(n, K)) for n in ns for mode in modes]
     # every exchange (and the skipped one: a replicated momentum optimizer) built once
-    runs = {"none": (None, Optimizer(size, momentum_time_constant=MOMENTUM_TC))}
+    local_opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC)
+    runs = {"none": (Local(local_opt), local_opt)}
     for name in args.exchange.split(","):
-        ex = make_exchange(exchange_config(name), comm, r.bufs[0].matrices)
+        ex = make_exchange(exchange_config(name), comm, r.params.matrices)
         runs[name] = (ex, Optimizer(size, momentum_time_constant=MOMENTUM_TC,
                                     post_size=ex.state_size))
     rows, skip, roof = [], {}, {}
     for n in ns:
-        here = [(mode, parts) for m, mode, parts in configs if m == n]
+        here = [(mode, take) for m, mode, take in configs if m == n]
         # rounds: the GEMMs alone, the loop without exchange and with each exchange, with and
         # without double buffering (and each progress mode), in turn, so that each figure, its
         # limits and the other modes see the same neighbours on a shared machine
         gemm_s = {mode: [] for mode, _ in here}
         samples = {(name, mode): [] for name in runs for mode, _ in here}
         for _ in range(args.rounds):
-            for mode, parts in here:
+            for mode, take in here:
+                parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]
                 gemm_s[mode].append(r.gemm_time(parts, args.steps))
                 for name, (ex, opt) in runs.items():
-                    samples[(name, mode)].append(r.loop(ex, opt, parts, args.steps, args.warmup,
+                    samples[(name, mode)].append(r.loop(ex, opt, take, args.steps, args.warmup,
                                                         *mode))
-        for (mode, parts), name in ((m, name) for m in here for name in runs):
+        for (mode, take), name in ((m, name) for m in here for name in runs):
             ex = runs[name][0]     # "none" first: the others' overhead needs its frames/s
+            parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]
             roof[(n, mode)] = statistics.median(gemm_s[mode])
-            row = dict(measure(r, samples[(name, mode)], n, mode[0], ex is not None),
+            row = dict(measure(r, samples[(name, mode)], n, mode[0], name != "none"),
                        exchange=name, progress=mode[1])
             if name == "none":
                 skip[(n, mode)] = row["frames_per_s"]

@@ -69,18 +69,22 @@ def nonfinite_error(codec_name, shape, col):
                       f"must stop or resume from a checkpoint")
 
 
-def as_device(a):
-    """Numba view of any __cuda_array_interface__ array (Numba, CuPy) without a copy."""
-    if isinstance(a, np.ndarray):
-        raise TypeError("backend='cuda' takes device arrays (__cuda_array_interface__), got a "
-                        "NumPy array; copy it with numba.cuda.to_device first")
-    return a if hasattr(a, "copy_to_host") else cuda.as_cuda_array(a)  # Numba as is; CuPy wrapped
-
-
 class Codec:
-    """Shared argument handling; a subclass holds its options and implements the kernels."""
+    """Shared argument handling; a subclass holds its options and implements the kernels.
+
+    Every codec: packed_nbytes(n_cols, n_rows), encode(grad, residual, out), decode(packed,
+    out), decode_accumulate(packed, out). Fusions a codec may declare, which the striped
+    exchange offers to the step (hpcsgd/comm/exchange.py):
+      fused_apply  decode_apply(packed, w, lr): w -= lr * decoded in one pass over w, the
+                   same bits as decode followed by Optimizer.apply
+      fused_owner  owner_pass(recv, K, slot, pieces, params, opt, residual2, gather): the
+                   owner's decode-sum, the optimizer's post-exchange element arithmetic and
+                   the re-encode in one pass per column, the same bits as the three passes
+    """
     name = "?"
     error_feedback = True
+    fused_apply = False
+    fused_owner = False
 
     def __init__(self, backend="cpu"):
         if backend not in ("cpu", "cuda", "reference"):

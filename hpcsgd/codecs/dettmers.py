@@ -23,7 +23,8 @@ same matrix each step (the exchange's preallocated buffers); a fresh buffer reco
 import numpy as np
 from numba import cuda, njit, prange
 
-from hpcsgd.codecs.common import Codec, as_device, nonfinite_error
+from hpcsgd.codecs.common import Codec, nonfinite_error
+from hpcsgd.device import as_device
 
 DTYPES = ("linear", "mantissa", "static_tree", "dynamic_tree")
 

@@ -89,7 +89,8 @@ def _decode16_cpu(p, out, accumulate):
         else:
             out[i] = val
 
-from hpcsgd.codecs.common import Codec, as_device, nonfinite_error
+from hpcsgd.codecs.common import Codec, nonfinite_error
+from hpcsgd.device import as_device
 
 
 @njit(parallel=True, cache=True)

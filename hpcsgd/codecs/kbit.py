@@ -19,8 +19,9 @@ fields may straddle two words (k = 3, 5, 6, 7).
 import numpy as np
 from numba import cuda, njit, prange
 
-from hpcsgd.codecs.common import (LANES, Codec, as_device, lane_tree_cpu, lane_tree_cuda,
-                                  nonfinite_error, ref_lane_sums)
+from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
+                                  ref_lane_sums)
+from hpcsgd.device import as_device
 
 
 

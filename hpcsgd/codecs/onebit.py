@@ -18,8 +18,9 @@ import numpy as np
 import numba
 from numba import cuda, njit, prange
 
-from hpcsgd.codecs.common import (LANES, Codec, as_device, lane_tree_cpu, lane_tree_cuda,
-                                  nonfinite_error, ref_lane_sums)
+from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
+                                  ref_lane_sums)
+from hpcsgd.device import as_device
 
 
 def _means(s_neg, s_pos, n_pos, n):
@@ -83,7 +84,7 @@ def decode_ref(packed, out, accumulate):
 
 # ---------------------------------------------------------------- Numba CPU
 # One column at a time: the kernels below and the striped exchange's fused owner pass
-# (hpcsgd/comm/owner.py) share these, so every path packs the same bytes.
+# (hpcsgd/codecs/onebit_owner.py) share these, so every path packs the same bytes.
 
 
 @njit(inline="always")
@@ -299,8 +300,20 @@ def decode_cuda(words, means, out, mode, lr):
 
 # ---------------------------------------------------------------- the codec
 class OneBit(Codec):
-    """Seide's 1-bit codec; always uses error feedback (it is what makes 1 bit work)."""
+    """Seide's 1-bit codec; always uses error feedback (it is what makes 1 bit work).
+    Fusions (see Codec): decode_apply on every backend, the owner pass on the CPU
+    (hpcsgd/codecs/onebit_owner.py)."""
     name = "onebit"
+    fused_apply = True
+
+    @property
+    def fused_owner(self):
+        return self.backend == "cpu"
+
+    def owner_pass(self, recv, world, slot, pieces, params, opt, residual2, gather):
+        """The striped exchange's owner phases in one pass per column (onebit_owner.py)."""
+        from hpcsgd.codecs.onebit_owner import owner_pass
+        owner_pass(self.name, recv, world, slot, pieces, params, opt, residual2, gather)
 
     def packed_nbytes(self, n_cols, n_rows):
         return 4 * n_cols * words_per_column(n_rows) if n_rows else 0

@@ -2,7 +2,7 @@
 (CUDA-aware MPI), how a device buffer goes through MPI either way, and NCCL for the float
 allreduce.
 
-    device_id = bind_gpu(comm)                  # local rank -> GPU, once, before any allocation
+    device_id, _ = bind_gpu(grid.node_rank)     # local rank -> GPU, once, before any allocation
     aware, why = mpi_cuda_aware("auto")         # ask the MPI library (or the config / env)
     stage = Staging(shape, dtype, "cuda", aware)  # what MPI gets for a device array
     comm.Allreduce(MPI.IN_PLACE, stage.to_mpi(dev_array)); stage.from_mpi(dev_array)
@@ -18,7 +18,6 @@ MPI does not follow CUDA streams: every buffer handed to MPI is synchronised fir
 sync point), whether MPI reads the device memory itself or a staged host copy of it.
 """
 import ctypes
-import os
 
 import numpy as np
 
@@ -28,29 +27,18 @@ MPIX_GPU_SUPPORT_CUDA = 0   # mpi.h of MPICH 4.x / 5.x
 ENV_CUDA_AWARE = "HPCSGD_MPI_CUDA_AWARE"
 
 
-def local_rank(comm):
-    """This rank's index among the ranks on its node (a shared-memory split of comm)."""
-    from mpi4py import MPI
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
-
-
-def bind_gpu(comm):
-    """Select this rank's GPU: local rank modulo the GPUs it can see (a scheduler that gives
-    each task its own GPU through CUDA_VISIBLE_DEVICES leaves one visible: index 0).
-    Returns (device index, ranks on this node, GPUs visible). Call once, before any device
+def bind_gpu(node_rank):
+    """Select this rank's GPU: its rank on the node (Grid.node_rank) modulo the GPUs it can see
+    (a scheduler that gives each task its own GPU through CUDA_VISIBLE_DEVICES leaves one
+    visible: index 0). Returns (device index, GPUs visible). Call once, before any device
     allocation. More ranks than GPUs share them (fine for correctness runs)."""
     from numba import cuda
-    mine, on_node = local_rank(comm)
     visible = len(cuda.gpus)
     if not visible:
         raise RuntimeError("train.device=cuda: no CUDA GPU is visible to this rank")
-    index = mine % visible
+    index = node_rank % visible
     cuda.select_device(index)
-    return index, on_node, visible
+    return index, visible
 
 
 def _loaded_libmpi():
@@ -70,12 +58,13 @@ def _loaded_libmpi():
     return None
 
 
-def mpi_cuda_aware(setting="auto"):
-    """(True/False, how it was decided) for this process's MPI library. MPI must be
+def mpi_cuda_aware(setting="auto", env=""):
+    """(True/False, how it was decided) for this process's MPI library: the config key's
+    setting, else the value of the environment variable ENV_CUDA_AWARE (`env`, which the
+    caller reads: make_exchange passes os.environ's), else the library. MPI must be
     initialised (the query functions need it)."""
     if setting in ("true", "false"):
         return setting == "true", f"exchange.mpi_cuda_aware={setting}"
-    env = os.environ.get(ENV_CUDA_AWARE, "")
     if env in ("0", "1"):
         return env == "1", f"{ENV_CUDA_AWARE}={env}"
     if env:

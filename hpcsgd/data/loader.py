@@ -23,12 +23,9 @@ import threading
 
 import numpy as np
 
-from hpcsgd.data import archive
+from hpcsgd.data import BLOCK_FRAMES, BUFFER_FRAMES, archive
 from hpcsgd.data.splice import apply_cmvn, cmvn_from_stats, splice_gather
 from hpcsgd.errors import UserError
-
-BLOCK_FRAMES = 8192        # unit dealt to ranks: ~80 s of speech at 10 ms
-BUFFER_FRAMES = 1 << 18    # frames shuffled together in RAM: 262k x 40 x 4 B = 42 MB
 
 
 def _rng(seed, *keys):
@@ -39,6 +36,11 @@ def _rng(seed, *keys):
 def local_batch_size(global_batch, rank, world):
     """This rank's share of a global minibatch: the first N mod K ranks take one more frame."""
     return global_batch // world + (1 if rank < global_batch % world else 0)
+
+
+def batch_split(global_batch, world):
+    """Every data rank's share of a global minibatch (local_batch_size of each), as int64."""
+    return np.array([local_batch_size(global_batch, r, world) for r in range(world)], np.int64)
 
 
 class Plan:

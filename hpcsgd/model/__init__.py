@@ -1,1 +1,19 @@
-"""Acoustic models: flat parameter buffers (flat), element-wise kernels (kernels), the DNN (dnn)."""
+"""Acoustic models: parameter specs and flat buffers (flat), layers (layers) over the
+element-wise ops of a device (ops, kernels, kernels_cuda), a model as a stack of layers
+(network), and the builders of the models the trainer knows (dnn).
+
+    net = build({"type": "dnn", "input_dim": 440, "hidden": [512] * 3, "num_labels": 40,
+                 "activation": "sigmoid"}, max_batch=1024)
+"""
+
+
+def build(describe, max_batch=1024, device="cpu"):
+    """The Network a checkpoint's or a run's model description names ("type" defaults to
+    "dnn": checkpoints written before there was a choice)."""
+    from hpcsgd.model.dnn import dnn
+    builders = {"dnn": dnn}
+    args = {k: v for k, v in describe.items() if k != "type"}
+    kind = describe.get("type", "dnn")
+    if kind not in builders:
+        raise ValueError(f"model type {kind!r}: expected one of {sorted(builders)}")
+    return builders[kind](**args, max_batch=max_batch, device=device)

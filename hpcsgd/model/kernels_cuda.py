@@ -24,13 +24,12 @@ import math
 import numpy as np
 from numba import cuda
 
-from hpcsgd.codecs.common import as_device
+from hpcsgd.device import as_device, fill  # noqa: F401  (fill: re-exported)
 from hpcsgd.model.kernels import SIGMOID
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
 COL_TILE, SUM_LANES = 32, 16   # column sums: columns per block x row lanes (512 threads)
 ROW_THREADS = 128        # softmax: threads per row (block); thread 0 combines 128 partials
-FILL_THREADS = 256
 MAX_GRID = 65535         # grid dims are capped (grid-stride loops cover the rest)
 
 def _elem_grid(n, m):
@@ -81,12 +80,6 @@ def _exp_kernel(z):
     for i in range(i0, n, si):
         for j in range(j0, m, sj):
             z[i, j] = math.exp(z[i, j])
-
-
-@cuda.jit
-def _fill_kernel(a, value):
-    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
-        a[i] = value
 
 
 @cuda.jit
@@ -266,12 +259,3 @@ def exp_inplace(z):
     n, m = z.shape
     if n and m:
         _exp_kernel[_elem_grid(n, m), ELEM_BLOCK](z)
-
-
-def fill(a, value):
-    """Every element of the C-contiguous device array a (any shape) <- value."""
-    a = as_device(a)
-    if a.size:
-        flat = a.reshape(a.size)
-        blocks = min(-(-a.size // FILL_THREADS), MAX_GRID)
-        _fill_kernel[blocks, FILL_THREADS](flat, value)

@@ -1,4 +1,5 @@
-"""The striped exchange's owner pass for the 1-bit codec, fused into one pass per column.
+"""The 1-bit codec's fused owner pass (its declared `fused_owner` capability): the striped
+exchange's phases 3-5 in one pass per column.
 
 Unfused, the owner of a stripe makes three passes over it (hpcsgd/comm/exchange.py, phases
 3-5): decode-and-sum the K contributions into the float32 aggregate, post-process it
@@ -13,9 +14,9 @@ compute-bound rather than memory-bound, so it pays only where LLVM vectorises ea
 (docs/exchange.md, "Fusions tried").
 
 Bit-identical to the unfused phases: the same column functions (hpcsgd/codecs/onebit.py:
-decode_column_cpu, encode_column_cpu) and element arithmetic (hpcsgd/optim.py:
-post_element_cpu), in the same order (sources 0..K-1, rows in order). CPU ranks only; GPU
-ranks run the unfused phases as CUDA kernels.
+decode_column_cpu, encode_column_cpu) and the optimizer's public element arithmetic
+(hpcsgd/optim.py: post_element_cpu, with Optimizer.post_operands), in the same order (sources
+0..K-1, rows in order). CPU ranks only; GPU ranks run the unfused phases as CUDA kernels.
 """
 import numba
 import numpy as np
@@ -95,12 +96,7 @@ def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf
                 bad[j] = 1
 
 
-def fusable(codec):
-    """Whether the striped exchange can run its owner pass fused for this codec."""
-    return codec.name == "onebit" and codec.backend == "cpu"
-
-
-def owner_pass(codec, recv, world, slot, pieces, params, opt, residual2, gather):
+def owner_pass(codec_name, recv, world, slot, pieces, params, opt, residual2, gather):
     """Phases 3-5 of the striped exchange in one pass per column: for each of this rank's
     matrix pieces ((matrix, flat lo, flat hi, columns, gather offset, nbytes), compact lo,
     compact hi), decode-and-sum the K contributions in recv (K blocks laid out like this
@@ -122,4 +118,4 @@ def owner_pass(codec, recv, world, slot, pieces, params, opt, residual2, gather)
                               gather[off:off + nb].view(np.float32).reshape(cols, W), bad,
                               min(cols, 8 * numba.get_num_threads()), *scalars)
         if bad.any():
-            raise nonfinite_error(codec.name, (cols, m.n_rows), int(np.argmax(bad)))
+            raise nonfinite_error(codec_name, (cols, m.n_rows), int(np.argmax(bad)))

@@ -1,0 +1,141 @@
+"""A model: a stack of layers (hpcsgd.model.layers) on flat parameter buffers, with the
+preallocated workspaces its forward and backward passes run in.
+
+    net = dnn(440, [2048] * 7, 9304, "sigmoid", max_batch=1024)   # hpcsgd.model.dnn
+    params, grads = net.new_params(), net.new_params()               # FlatParams of net.specs
+    net.init(params, np.random.default_rng(seed))
+    ce, correct = net.forward_backward(params, grads, x, y, n)     # grads overwritten
+
+Workspaces: acts[i] (max_batch, n_out of layer i) holds layer i's output; backward writes the
+layer's dz over it. delta (max_batch * the widest hidden input) holds dLoss/dx of the layer
+being differentiated, read by the layer below before it writes its own. Any n <= max_batch
+works on views of them; nothing is allocated per call but small result scalars.
+
+GPU ranks (device="cuda"): every buffer on the device; batches come from the host and are
+copied into x_in / y_in; forward() copies its result back to the host.
+"""
+import numpy as np
+
+from hpcsgd.device import assign, is_device, zeros
+from hpcsgd.model.flat import FlatParams, as_specs
+from hpcsgd.model.ops import make_ops
+
+
+def gemm_flop_per_frame(layers):
+    """FLOP of the GEMMs of one training frame: forward, dW and dX (none for the input)."""
+    macs = [layer.gemm_macs for layer in layers]
+    return 2 * (3 * sum(macs) - macs[0])
+
+
+class Network:
+    def __init__(self, layers, max_batch=1024, dtype=np.float32, device="cpu", describe=None):
+        self.layers = list(layers)
+        self.specs = as_specs([s for layer in self.layers for s in layer.specs()])
+        self.input_dim, self.num_labels = self.layers[0].n_in, self.layers[-1].n_out
+        self.max_batch, self.dtype, self.device = int(max_batch), np.dtype(dtype), device
+        self.describe = describe or {}   # the builder's arguments (checkpoints, logs)
+        self.acts = [zeros((self.max_batch, layer.n_out), self.dtype, device)
+                     for layer in self.layers]
+        self.delta = zeros(self.max_batch * max([layer.n_in for layer in self.layers[1:]],
+                                                default=1), self.dtype, device)
+        widest = max(layer.n_out for layer in self.layers)
+        self.ops = make_ops(device, self.max_batch, widest, self.dtype)
+        if device == "cuda":
+            self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
+            self.y_in = zeros(self.max_batch, np.int32, "cuda")
+            self.out_host = np.empty((self.max_batch, self.num_labels), self.dtype)
+
+    # ---- parameters ------------------------------------------------------------------------
+
+    def new_params(self):
+        """A zeroed FlatParams of this model's specs and dtype (params, grads, state), on the
+        model's device."""
+        return FlatParams(self.specs, self.dtype, self.device)
+
+    def init(self, params, rng):
+        """Every layer's init, in layer order, from the numpy Generator `rng`. On a GPU: drawn
+        on the host, then copied (the same weights as a CPU run with the same seed)."""
+        host = params if self.device == "cpu" else FlatParams(self.specs, self.dtype)
+        for layer in self.layers:
+            layer.init(host.views, rng)
+        if host is not params:
+            assign(params.flat, host.flat)
+
+    @property
+    def size(self):
+        return sum(s.shape[0] * s.shape[1] for s in self.specs)
+
+    def gemm_flop_per_frame(self):
+        return gemm_flop_per_frame(self.layers)
+
+    # ---- passes ----------------------------------------------------------------------------
+
+    def _check(self, x, n):
+        if not 0 < n <= self.max_batch:
+            raise ValueError(f"minibatch of {n} frames: expected 1..{self.max_batch} (max_batch)")
+        if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.input_dim \
+                or x.shape[0] < n or not (is_device(x) or x.flags.c_contiguous):
+            raise ValueError(f"input {x.dtype}{x.shape}: expected C-contiguous {self.dtype} "
+                             f"(>= {n}, {self.input_dim})")
+
+    def _to_device(self, x, y, n):
+        """GPU ranks: host frames (and labels) -> the device input buffers; device arrays pass
+        through. Host-to-device copies, queued on the default stream."""
+        if self.device == "cpu" or is_device(x):
+            return x, y
+        self.x_in[:n].copy_to_device(x[:n])
+        if y is None:
+            return self.x_in, None
+        self.y_in[:n].copy_to_device(np.ascontiguousarray(y[:n], np.int32))
+        return self.x_in, self.y_in
+
+    def _forward(self, params, x, n, ops, progress=None):
+        a = x[:n]
+        for layer, out in zip(self.layers, self.acts):
+            layer.forward(params, a, out[:n], ops, progress)
+            a = out[:n]
+        return a
+
+    def forward_backward(self, params, grads, x, y, n, progress=None, ops=None):
+        """One minibatch: x[:n] (n, input_dim) frames, y[:n] (n,) integer labels in
+        [0, num_labels) (host arrays; a GPU model copies them to the device). Overwrites every
+        view of `grads` with the gradient of the cross-entropy SUMMED over the n frames.
+        Returns (ce_sum: float, nats summed over the frames; n_correct: int, frames whose
+        argmax posterior equals the label). `progress`, if given, is called after every GEMM.
+        `ops` replaces the element-wise kernels (model.ops.GemmOnly: the GEMMs alone)."""
+        ops = ops or self.ops
+        self._check(x, n)
+        lab = y[:n]
+        if not is_device(lab) and (lab.shape != (n,) or lab.min() < 0
+                                   or lab.max() >= self.num_labels):
+            raise ValueError(f"labels: expected {n} integers in [0, {self.num_labels}), got "
+                             f"shape {lab.shape}, range [{lab.min()}, {lab.max()}]")
+        x, y = self._to_device(x, y, n)
+        logits = self._forward(params, x, n, ops, progress)
+        ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops)
+        dy = None                      # the loss has turned the logits into dLoss/dz
+        for i in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[i]
+            inp = self.acts[i - 1][:n] if i > 0 else x[:n]
+            dx = self.delta[:n * layer.n_in].reshape(n, layer.n_in) if i > 0 else None
+            layer.backward(params, grads, inp, self.acts[i][:n], dy, dx, ops, progress)
+            dy = dx
+        return ce, correct
+
+    def forward(self, params, x, n, out=None, log=True):
+        """Log-posteriors (log=True) or posteriors of x[:n], shape (n, num_labels). Written
+        into `out` (a C-contiguous (>= n, num_labels) host array of the model's dtype) if
+        given, else returned as a view of the model's workspace (a GPU model's host copy),
+        valid until the next call."""
+        self._check(x, n)
+        x, _ = self._to_device(x, None, n)
+        z = self._forward(params, x, n, self.ops)
+        self.layers[-1].posteriors(params, z, self.ops, log)
+        if self.device == "cuda":
+            host = out[:n] if out is not None else self.out_host[:n]
+            z.copy_to_host(host)   # a device -> host copy: sync point
+            return host
+        if out is None:
+            return z
+        out[:n] = z
+        return out[:n]

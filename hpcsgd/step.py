@@ -1,0 +1,213 @@
+"""One training step, the only one: what `hpcsgd train`, the minibatch probe and
+`hpcsgd bench train` all run.
+
+    step = Step(model, params, grads, opt, ex, double_buffering=False, progress="test")
+    sums = step.run(batch, take, data_rank, lr, where)   # -> [CE sum, correct, frames] here
+    step.drain()                                          # double buffering: the last update
+
+In data-path order, for this rank's share of the global minibatch (take[data_rank] frames):
+  batch     batch(n) -> (x, y): spliced, normalised frames and their labels
+  forward + backward -> the gradient SUMMED over the rank's frames, in grads
+  pre_exchange  the optimizer's local part (AdaGrad "local")
+  exchange  encode + send (hpcsgd/comm/exchange.py); then, when it completes:
+  update    reduce -> Optimizer.post_exchange -> reencode -> gather -> Optimizer.apply:
+            W -= lr * update, identically on every data rank. Where the codec declares a
+            fusion, the exchange runs it in place of the phases it covers (the owner's
+            decode-sum + post-processing + re-encode; the final decode + apply).
+The spine (hpcsgd/train.py) only chooses take and lr and reads the sums.
+
+Double buffering (exchange.double_buffering, the paper's Sec. 2.2; equations in
+docs/exchange.md): each rank's share is split in two halves, (take + 1) // 2 frames then the
+rest (a pure function of take, so every rank knows every rank's halves). A half's exchange is
+started (nonblocking) right after its gradient and completed -- its update applied -- only
+after the NEXT half's gradient has been computed, on weights that lack that update (N/2
+samples stale). Meanwhile MPI is driven by MPI_Test after each GEMM (progress "test"), by a
+thread (the exchange's Poller, progress "thread") or not at all ("none"). Two gradient
+buffers: the next half computes into the one not in flight. `pending` is the exchange in
+flight (its lr and per-step scalars), part of the training state (hpcsgd/state.py).
+"""
+import time
+
+import numpy as np
+
+from hpcsgd.device import synchronize, zero
+from hpcsgd.errors import UserError
+from hpcsgd.timeline import EXCHANGE_CATEGORY
+
+
+def halves(take):
+    """Double buffering: a step's per-rank frame counts split in two halves, (take + 1) // 2
+    then the rest (a pure function of take, so every rank knows every rank's halves)."""
+    first = (take + 1) // 2
+    return [first, take - first]
+
+
+def gradient_buffers(model, double_buffering):
+    """The gradient buffers a step needs: two with double buffering (one in flight)."""
+    return [model.new_params() for _ in range(2 if double_buffering else 1)]
+
+
+class Phases:
+    """Seconds per exchange phase, accumulated until pop() (the spine logs them per log line),
+    each also a span on the rank's timeline. mark(name) ends the phase that began at the
+    previous mark; a phase named None is not recorded. GPU ranks synchronise the device at
+    each mark, so a phase's time is its kernels' time."""
+
+    def __init__(self, device="cpu", timeline=None):
+        self.device, self.timeline = device, timeline
+        self.times, self.exchanges, self._t = {}, 0, 0.0
+
+    def start(self):
+        self._t = time.perf_counter()
+
+    def mark(self, name):
+        synchronize(self.device)
+        now = time.perf_counter()
+        if name is not None:
+            self.times[name] = self.times.get(name, 0.0) + now - self._t
+            if self.timeline is not None:
+                self.timeline.span(name, self._t, now, EXCHANGE_CATEGORY[name])
+        self._t = now
+
+    def pop(self):
+        """{phase: mean seconds per exchange} since the last call, then reset."""
+        out = {k: v / max(self.exchanges, 1) for k, v in self.times.items()}
+        self.times, self.exchanges = {}, 0
+        return out
+
+
+def communicate_seconds(phases):
+    """The communication phases of a Phases.pop() result: time this rank was blocked in MPI
+    (a blocking collective, posting a nonblocking one, or waiting for it)."""
+    return sum(v for k, v in phases.items() if EXCHANGE_CATEGORY[k] == "communicate")
+
+
+def start_exchange(ex, grad, phases, blocking):
+    """Encode grad and post its collective (blocking: wait for it)."""
+    phases.start()
+    ex.encode(grad)
+    phases.mark(ex.PHASE["encode"])
+    ex.send(blocking)
+    phases.mark(ex.PHASE["send"])
+
+
+def finish_exchange(ex, opt, params, lr, phases):
+    """Complete the exchange in flight and apply its update, W -= lr * U(sum): every data rank
+    the same bytes. opt's per-step scalars must still be those of the step that started it."""
+    phases.start()
+    ex.wait()
+    phases.mark(ex.PHASE["send"])
+    if ex.fuses_owner:                 # the codec's decode-sum + post-process + re-encode
+        ex.owner_pass(params, opt)
+        phases.mark(ex.PHASE["owner"])
+    else:
+        total, weights = ex.reduce(params, opt.weight_decay != 0)
+        phases.mark(ex.PHASE["reduce"])
+        opt.post_exchange(total, weights)
+        phases.mark(ex.PHASE["post_process"])
+        ex.reencode()
+        phases.mark(ex.PHASE["reencode"])
+    ex.gather()
+    phases.mark(ex.PHASE["gather"])
+    if ex.fuses_apply:                 # the codec's final decode fused with W -= lr * update
+        ex.decode_apply(params, lr)
+    else:
+        update = ex.update()
+        opt.apply(params[:update.size], update, lr)
+    phases.mark(ex.PHASE["update"])
+    phases.exchanges += 1
+
+
+def exchange_update(ex, opt, params, grad, lr, phases):
+    """One blocking exchange of grad (pre_exchange done) and its update."""
+    start_exchange(ex, grad, phases, blocking=True)
+    finish_exchange(ex, opt, params, lr, phases)
+
+
+class Step:
+    """One training step over a model, its parameters and gradient buffers, the optimizer and
+    the exchange (see the module docstring). Holds the exchange in flight between steps.
+    check_finite: a non-finite cross-entropy stops the run (the minibatch probe lets a
+    diverging candidate finish and discards it)."""
+
+    def __init__(self, model, params, grads, opt, ex, double_buffering=False, progress="test",
+                 timeline=None, device="cpu", check_finite=True):
+        if double_buffering and len(grads) < 2:
+            raise ValueError("double buffering needs two gradient buffers")
+        self.model, self.params, self.grads, self.opt, self.ex = model, params, grads, opt, ex
+        self.double_buffering = bool(double_buffering)
+        self.test_between_gemms = self.double_buffering and progress == "test"
+        self.timeline, self.check_finite = timeline, check_finite
+        self.phases = Phases(device, timeline)
+        self.pending = None      # the exchange in flight: {"lr", "n", "n_local", "sqr_weight"}
+        self.slot = 0            # the gradient buffer of the last half computed
+        self.compute_s = 0.0     # forward + backward seconds since the last pop_compute()
+
+    def run(self, batch, take, rank, lr, where=""):
+        """One step: take[r] frames on data rank r (a half with no frames anywhere is
+        skipped). Returns this rank's [CE sum, correct frames, frames] as float64."""
+        sums = np.zeros(3)
+        for part in (halves(take) if self.double_buffering else [take]):
+            if part.sum():
+                sums += self._half(batch, part, rank, lr, where)
+        return sums
+
+    def _half(self, batch, part, rank, lr, where):
+        timeline = self.timeline
+        self.slot = (self.slot + 1) % len(self.grads)
+        grads = self.grads[self.slot]   # not the buffer of the exchange in flight
+        t0 = time.perf_counter()
+        x, y = batch(int(part[rank]))
+        n = len(y)
+        t1 = time.perf_counter()
+        if timeline:
+            timeline.span("batch", t0, t1, frames=n)
+        # forward + backward: the gradient SUMMED over this rank's n frames (double
+        # buffering: on weights that lack the previous half's update)
+        if n:
+            # MPI progresses the exchange in flight only inside MPI calls: an MPI_Test after
+            # each GEMM lets a link transfer run during this compute
+            poke = self.ex.test if self.pending and self.test_between_gemms else None
+            ce, correct = self.model.forward_backward(self.params, grads, x, y, n, poke)
+            if self.check_finite and not np.isfinite(ce):
+                raise UserError(f"{where}: cross-entropy is {ce} on rank {rank}; lower "
+                                f"optim.lr. No checkpoint was written after the divergence.")
+        else:
+            ce, correct = 0.0, 0
+            zero(grads.flat)
+        t2 = time.perf_counter()
+        self.compute_s += t2 - t1
+        if timeline:
+            timeline.span("forward_backward", t1, t2, "compute")
+        # double buffering: the previous half's exchange ran during that compute; complete it
+        # and apply its update now (delayed update, its own lr and per-step scalars:
+        # opt.begin_step has not been called since)
+        self.drain()
+        # the optimizer's local part (AdaGrad placed on the raw local gradient)
+        t2 = time.perf_counter()
+        sqr_weight = self.opt.sqr_weight   # before this step's scalars (resume replays them)
+        self.opt.begin_step(int(part.sum()), n)
+        self.opt.pre_exchange(grads.flat)
+        if timeline:
+            timeline.span("pre_exchange", t2, time.perf_counter(), "compute")
+        # exchange + update: sum over the data ranks, then weight decay, aggregate AdaGrad,
+        # momentum -> the update, and W -= lr * update identically on every data rank
+        start_exchange(self.ex, grads.flat, self.phases, blocking=not self.double_buffering)
+        if self.double_buffering:   # finished after the next half's gradient
+            self.pending = {"lr": lr, "n": int(part.sum()), "n_local": n,
+                            "sqr_weight": sqr_weight}
+        else:
+            finish_exchange(self.ex, self.opt, self.params.flat, lr, self.phases)
+        return ce, correct, n
+
+    def drain(self):
+        """Complete the exchange in flight, if any, and apply its update (epoch ends, before
+        a probe or a checkpoint's end of run)."""
+        if self.pending:
+            finish_exchange(self.ex, self.opt, self.params.flat, self.pending["lr"],
+                            self.phases)
+            self.pending = None
+
+    def pop_compute(self):
+        out, self.compute_s = self.compute_s, 0.0
+        return out
