@@ -47,6 +47,19 @@ class TrainState:
         self.per_rank_opt = not ex.replicated_optimizer or opt.adagrad == "local"
         self.per_rank_state = self.per_rank_opt or bool(ex.state_dict())
 
+    # ---- progress ----------------------------------------------------------------------------
+
+    def advance(self, take):
+        """A step trained take[r] frames on data rank r."""
+        self.progress["offsets"] = (np.array(self.progress["offsets"]) + take).tolist()
+        self.progress["frames"] += int(take.sum())
+
+    def end_epoch(self, cv_accuracy=None):
+        if cv_accuracy is not None:
+            self.progress["cv_history"].append(cv_accuracy)
+        self.progress["epoch"] += 1
+        self.progress["offsets"] = [0] * self.grid.data_size
+
     # ---- in memory -------------------------------------------------------------------------
 
     def snapshot(self):

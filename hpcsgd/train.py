@@ -89,40 +89,21 @@ def run(args):
 
 
 def train(cfg, comm, stop):
-    # --- the grid, the run directory, logs and the watchdog --------------------------------
+    # --- the grid, the run directory, logs, the watchdog ------------------------------------
     grid = Grid(comm)
     run_dir, device, db = cfg["train.run_dir"], cfg["train.device"], cfg["exchange.double_buffering"]
-    if grid.rank == 0:
-        write_run_info(run_dir, cfg)
-    comm.Barrier()   # the run directory exists before any rank opens its log
-    log = RunLog(run_dir, grid.rank, grid.size)
-    # a dead or stuck peer aborts the job instead of hanging it
-    watchdog = Watchdog(cfg["train.watchdog_s"], grid.rank, grid.size, comm,
-                        os.path.join(run_dir, "logs"), log)
-    if device == "cuda":   # one GPU per local rank, chosen before anything is allocated on one
-        gpu, visible = bind_gpu(grid.node_rank)
-        log.info(f"GPU {gpu} of {visible} visible ({grid.node_size} rank(s) on this node)")
+    log, watchdog, timeline = open_run(cfg, grid)
 
     # --- data: this data rank's share of every global minibatch -----------------------------
-    check_minibatch(cfg, grid.data_size)
-    cap = cfg["train.probe_max_minibatch"] if cfg["train.probe_every_frames"] else 0
-    max_local = int(batch_split(max(cap, cfg["train.minibatch"]), grid.data_size)[0])
-    loader = FrameLoader(cfg["data.train"], grid.data_rank, grid.data_size,
-                         context=cfg["data.context"], cmvn=cfg["data.cmvn"], seed=cfg["train.seed"],
-                         max_batch=max_local, block_frames=cfg["data.block_frames"],
-                         buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
-    index = loader.index
-    check_cv_archive(cfg, index)
+    loader = open_loader(cfg, grid)
 
     # --- model, exchange, optimizer, step: flat buffers with named views ---------------------
     shape = {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
              "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
-    model = build(shape, max_batch=max(max_local, 1024), device=device)
+    model = build(shape, max_batch=max(loader.max_batch, 1024), device=device)
     params = model.new_params()
     grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
     ex = make_exchange(cfg, grid.data, params.matrices)   # preallocates every exchange buffer
-    timeline = Timeline(os.path.join(run_dir, "timeline", f"rank{grid.rank:04d}.json")
-                        if cfg["train.timeline"] else None, grid.rank, cfg["train.timeline_steps"])
     # double buffering: the communication timed blocking once, the reference that turns the
     # exposed time into an overlap
     comm_blocking = ex.blocking_seconds(grads[1].flat) if db and grid.data_size > 1 else None
@@ -131,30 +112,20 @@ def train(cfg, comm, stop):
 
     # --- the training state: a fresh start, or the latest checkpoint -------------------------
     state = TrainState(grid, params, opt, ex, step, {
-        "model": shape, "label_inventory_hash": index["label_inventory_hash"],
+        "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
         "data": {"context": cfg["data.context"], "cmvn": cfg["data.cmvn"],
                  "feature_dim": loader.feature_dim},
-        "label_counts": label_counts(index).tolist(), "config": cfg,
+        "label_counts": label_counts(loader.index).tolist(), "config": cfg,
         "aggregation": cfg["exchange.aggregation"]})
-    resume = cfg["train.resume"]
-    path = checkpoint.latest(run_dir) if resume == "auto" else (None if resume == "none" else resume)
+    path = {"auto": checkpoint.latest(run_dir), "none": None}.get(cfg["train.resume"],
+                                                                   cfg["train.resume"])
     if path:
         state.load(path, log)
         log.info(f"resumed from {path}: epoch {state.progress['epoch']}, "
                  f"{state.progress['frames']} frames")
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
-    log.info(f"{grid.size} rank(s), minibatch {state.decisions['minibatch']} "
-             f"({batch_split(state.decisions['minibatch'], grid.data_size)[grid.data_rank]} here, "
-             f"pid {os.getpid()} on {socket.gethostname()}), model "
-             f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
-             f"{cfg['model.activation']} ({params.size:,} parameters), exchange "
-             f"{cfg['exchange.aggregation']}"
-             f"{' + ' + cfg['exchange.codec'] if cfg['exchange.aggregation'] == 'striped' else ''} "
-             f"on {device} ({ex.transport}), train "
-             f"{index['total_frames']:,} frames ({index['hours']:.2f} h)")
-    log.record("start", world=grid.size, parameters=params.size, device=device,
-               transport=ex.transport, config=cfg)
+    log_start(log, cfg, grid, loader, state, ex)
 
     def save():
         watchdog.beat("checkpoint")
@@ -164,29 +135,19 @@ def train(cfg, comm, stop):
         log.info(f"checkpoint {saved}")
         return saved
 
-    def finish(code):
-        watchdog.stop()
-        timeline.close()
-        loader.close()
-        log.close()
-        return code
-
     def reduce(local):
         return reduce_sum(grid.data, local)
 
     # --- epochs -----------------------------------------------------------------------------
-    progress = state.progress
-    log_every, ckpt_every = cfg["train.log_every_frames"], cfg["train.checkpoint_every_frames"]
-    window = Window(log, time.perf_counter())
-    n_step = 0
+    progress, window = state.progress, Window(log, time.perf_counter())
     while progress["epoch"] < cfg["train.epochs"]:
         epoch = progress["epoch"]
         rank_frames = loader.plan.rank_frames(epoch)
-        offsets = np.array(progress["offsets"], np.int64)
-        loader.start_epoch(epoch, int(offsets[grid.data_rank]))
+        loader.start_epoch(epoch, progress["offsets"][grid.data_rank])
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
-        while (rank_frames - offsets).sum() > 0:
-            watchdog.beat(f"step {n_step} (epoch {epoch}, frame {progress['frames']})")
+        while (rank_frames - progress["offsets"]).sum() > 0:
+            where = f"step {window.steps} (epoch {epoch}, frame {progress['frames']})"
+            watchdog.beat(where)
             lr = learning_rate(cfg, progress)
             # between-step decisions: the automatic minibatch size (no exchange in flight)
             if probe_due(cfg, state):
@@ -201,84 +162,166 @@ def train(cfg, comm, stop):
                 log.record("probe", epoch=epoch, frames=progress["frames"], **record)
             # one step: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size),
-                              rank_frames - offsets)
-            sums = step.run(loader.next_batch, take, grid.data_rank, lr,
-                            f"step {n_step} (epoch {epoch}, frame {progress['frames']})")
-            window.sums += sums
+                              rank_frames - progress["offsets"])
+            sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
+            state.advance(take)
+            window.add(sums)
             epoch_sums += sums
-            offsets += take
-            progress["offsets"] = offsets.tolist()
-            progress["frames"] += int(take.sum())
-            n_step += 1
             timeline.end_step()
             # bookkeeping: replica check, log line, checkpoint, stop
             frames, before = progress["frames"], progress["frames"] - int(take.sum())
-            if cfg["train.check_every_steps"] and n_step % cfg["train.check_every_steps"] == 0:
-                check_replicas(grid.data, params.flat, n_step)
-            if frames // log_every != before // log_every:
+            if cfg["train.check_every_steps"] and window.steps % cfg["train.check_every_steps"] == 0:
+                check_replicas(grid.data, params.flat, window.steps)
+            if crossed(before, frames, cfg["train.log_every_frames"]):
                 totals = reduce(window.sums)   # the same on every rank
                 check_divergence(cfg, totals, loader.num_labels,
-                                 f"step {n_step} (epoch {epoch}, frame {frames:,})")
-                window.line(epoch, frames, int(offsets.sum()), int(rank_frames.sum()), n_step,
-                            lr, totals, step.phases.pop(), comm_blocking)
-            log.progress(int(offsets.sum()), int(rank_frames.sum()), f"epoch {epoch}")
-            saved = None
-            if ckpt_every and frames // ckpt_every != before // ckpt_every:
-                saved = save()
+                                 f"step {window.steps} (epoch {epoch}, frame {frames:,})")
+                window.line(epoch, progress, rank_frames, lr, totals, step.phases.pop(),
+                            comm_blocking)
+            log.progress(int(sum(progress["offsets"])), int(rank_frames.sum()), f"epoch {epoch}")
+            saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
             if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
                 saved = saved or save()
                 log.info(f"stopping after {frames} frames (train.stop_after_frames)")
-                return finish(0)
+                return close_run(0, watchdog, timeline, loader, log)
             # a stop signal (Slurm's time-limit warning, preemption) on any rank: all ranks
             # checkpoint here, at the same step, and the batch script requeues the job
             if stop.agreed(comm, grid.size):   # cross-rank sync point
                 saved = saved or save()
                 log.info(f"stopping on {stop.received or 'a signal to another rank'} at step "
-                         f"{n_step}, frame {frames:,}: checkpoint {saved}; exit "
+                         f"{window.steps}, frame {frames:,}: checkpoint {saved}; exit "
                          f"{EXIT_REQUEUE} (requeue; the run resumes from it)")
-                return finish(EXIT_REQUEUE)
+                return close_run(EXIT_REQUEUE, watchdog, timeline, loader, log)
 
         # --- epoch end: replicas agree, cross-validation, schedule, checkpoint -------------
         step.drain()   # double buffering: apply the last half's update before CV
-        check_replicas(grid.data, params.flat, n_step)
+        check_replicas(grid.data, params.flat, window.steps)
         totals = reduce(epoch_sums)
-        check_divergence(cfg, totals, loader.num_labels, f"epoch {epoch} end (step {n_step})")
-        record = {"epoch": epoch, "frames": progress["frames"],
-                  "train_ce": totals[0] / max(totals[2], 1),
-                  "train_frame_accuracy": totals[1] / max(totals[2], 1),
-                  "seconds": time.perf_counter() - t_epoch, "lr": learning_rate(cfg, progress)}
-        line = (f"epoch {epoch} done in {record['seconds']:.1f} s: train ce "
-                f"{record['train_ce']:.4f} acc {100 * record['train_frame_accuracy']:.2f}%")
-        if cfg["data.cv"]:
-            t0 = time.perf_counter()
-            cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
-                          grid.data_rank, grid.data_size, grid.data,
-                          heartbeat=lambda: watchdog.beat("cross-validation"))
-            timeline.span("cross_validation", t0, time.perf_counter())
-            majority = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
-            record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
-                          cv_majority=majority)
-            line += (f" | cv ce {cv['ce']:.4f} acc {100 * cv['frame_accuracy']:.2f}% "
-                     f"(majority class {100 * majority:.2f}%)")
-            progress["cv_history"].append(cv["frame_accuracy"])
-        log.info(line)
-        log.record("epoch", **record)
-        progress["epoch"], progress["offsets"] = epoch + 1, [0] * grid.data_size
+        check_divergence(cfg, totals, loader.num_labels, f"epoch {epoch} end (step {window.steps})")
+        t0 = time.perf_counter()
+        cv = cross_validate(cfg, model, params, grid, watchdog) if cfg["data.cv"] else None
+        timeline.span("cross_validation", t0, time.perf_counter())
+        log_epoch(log, epoch, progress, totals, time.perf_counter() - t_epoch,
+                  learning_rate(cfg, progress), cv)
+        state.end_epoch(cv["frame_accuracy"] if cv else None)
         save()
     log.info(f"training done: {progress['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
-    return finish(0)
+    return close_run(0, watchdog, timeline, loader, log)
+
+
+def open_run(cfg, grid):
+    """The run directory (rank 0 writes the resolved config and versions), every rank's log,
+    its watchdog, its timeline, and on GPU ranks the GPU bound to it."""
+    run_dir = cfg["train.run_dir"]
+    if grid.rank == 0:
+        write_run_info(run_dir, cfg)
+    grid.world.Barrier()   # the run directory exists before any rank opens its log
+    log = RunLog(run_dir, grid.rank, grid.size)
+    # a dead or stuck peer aborts the job instead of hanging it
+    watchdog = Watchdog(cfg["train.watchdog_s"], grid.rank, grid.size, grid.world,
+                        os.path.join(run_dir, "logs"), log)
+    timeline = Timeline(os.path.join(run_dir, "timeline", f"rank{grid.rank:04d}.json")
+                        if cfg["train.timeline"] else None, grid.rank, cfg["train.timeline_steps"])
+    if cfg["train.device"] == "cuda":   # one GPU per local rank, before any allocation on one
+        gpu, visible = bind_gpu(grid.node_rank)
+        log.info(f"GPU {gpu} of {visible} visible ({grid.node_size} rank(s) on this node)")
+    return log, watchdog, timeline
+
+
+def close_run(code, watchdog, timeline, loader, log):
+    watchdog.stop()
+    timeline.close()
+    loader.close()
+    log.close()
+    return code
+
+
+def open_loader(cfg, grid):
+    """This data rank's loader, its batch workspace sized for the largest minibatch the run
+    may use (the probe's cap when probing); the CV archive must match its labels."""
+    global_batch, cap = cfg["train.minibatch"], cfg["train.probe_max_minibatch"]
+    if global_batch < grid.data_size:
+        raise UserError(f"config key train.minibatch: {global_batch} frames cannot be split over "
+                        f"{grid.data_size} ranks")
+    probing = bool(cfg["train.probe_every_frames"])
+    if probing and global_batch > cap:
+        raise UserError(f"config key train.minibatch: {global_batch} is above "
+                        f"train.probe_max_minibatch={cap} (automatic minibatch size)")
+    max_local = int(batch_split(cap if probing else global_batch, grid.data_size)[0])
+    loader = FrameLoader(cfg["data.train"], grid.data_rank, grid.data_size,
+                         context=cfg["data.context"], cmvn=cfg["data.cmvn"], seed=cfg["train.seed"],
+                         max_batch=max_local, block_frames=cfg["data.block_frames"],
+                         buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
+    if cfg["data.cv"]:
+        cv_index = archive.read_index(cfg["data.cv"])
+        if cv_index["label_inventory_hash"] != loader.index["label_inventory_hash"] \
+                or cv_index["feature_dim"] != loader.index["feature_dim"]:
+            raise UserError(f"{cfg['data.cv']}: labels or feature dim differ from the training "
+                            f"archive {cfg['data.train']}; prep both with the same labels.txt")
+    return loader
+
+
+def log_start(log, cfg, grid, loader, state, ex):
+    minibatch = state.decisions["minibatch"]
+    aggregation = cfg["exchange.aggregation"]
+    log.info(f"{grid.size} rank(s), minibatch {minibatch} "
+             f"({batch_split(minibatch, grid.data_size)[grid.data_rank]} here, pid {os.getpid()} "
+             f"on {socket.gethostname()}), model "
+             f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
+             f"{cfg['model.activation']} ({state.params.size:,} parameters), exchange "
+             f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
+             f"on {cfg['train.device']} ({ex.transport}), train "
+             f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
+    log.record("start", world=grid.size, parameters=state.params.size,
+               device=cfg["train.device"], transport=ex.transport, config=cfg)
+
+
+def crossed(before, after, every):
+    """Whether a step from `before` to `after` frames crossed a multiple of `every` (0: never)."""
+    return bool(every) and after // every != before // every
+
+
+def cross_validate(cfg, model, params, grid, watchdog):
+    """The CV archive's sums over the data ranks (hpcsgd/evaluate.py), and the share of its
+    most frequent label (the majority-class baseline)."""
+    cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
+                  grid.data_rank, grid.data_size, grid.data,
+                  heartbeat=lambda: watchdog.beat("cross-validation"))
+    cv["majority"] = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
+    return cv
+
+
+def log_epoch(log, epoch, progress, totals, seconds, lr, cv):
+    record = {"epoch": epoch, "frames": progress["frames"],
+              "train_ce": totals[0] / max(totals[2], 1),
+              "train_frame_accuracy": totals[1] / max(totals[2], 1), "seconds": seconds, "lr": lr}
+    line = (f"epoch {epoch} done in {seconds:.1f} s: train ce {record['train_ce']:.4f} acc "
+            f"{100 * record['train_frame_accuracy']:.2f}%")
+    if cv is not None:
+        record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
+                      cv_majority=cv["majority"])
+        line += (f" | cv ce {cv['ce']:.4f} acc {100 * cv['frame_accuracy']:.2f}% "
+                 f"(majority class {100 * cv['majority']:.2f}%)")
+    log.info(line)
+    log.record("epoch", **record)
 
 
 class Window:
-    """The frames between two log lines: this rank's [CE, correct, frames] sums and when it
-    began; line() writes the log line and the metrics record and starts the next window."""
+    """The steps between two log lines: this rank's [CE, correct, frames] sums, the steps of
+    the run so far, and when the window began; line() writes the log line and the metrics
+    record and starts the next window."""
 
     def __init__(self, log, t0):
-        self.log, self.t0, self.sums = log, t0, np.zeros(3)
+        self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(3), 0
 
-    def line(self, epoch, frames, done, total, n_step, lr, totals, phases, comm_blocking):
+    def add(self, sums):
+        self.sums += sums
+        self.steps += 1
+
+    def line(self, epoch, progress, rank_frames, lr, totals, phases, comm_blocking):
         now = time.perf_counter()
+        done, total = int(sum(progress["offsets"])), int(rank_frames.sum())
         fps = totals[2] / max(now - self.t0, 1e-9)
         ce, acc = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
         self.log.info(f"epoch {epoch} {done:,}/{total:,} frames  ce {ce:.4f}  "
@@ -289,31 +332,11 @@ class Window:
         if comm_blocking:   # double buffering: the share of communication hidden
             overlap = {"comm_blocking_s": comm_blocking,
                        "overlap": min(max(1 - exposed / comm_blocking, 0.0), 1.0)}
-        self.log.record("train", epoch=epoch, frames=frames, step=n_step, ce=ce,
+        self.log.record("train", epoch=epoch, frames=progress["frames"], step=self.steps, ce=ce,
                         frame_accuracy=acc, lr=lr, frames_per_s=fps, exchange_s=phases,
                         exchange_total_s=sum(phases.values()), comm_exposed_s=exposed, **overlap)
         self.sums[:] = 0
         self.t0 = now
-
-
-def check_minibatch(cfg, data_size):
-    """The global minibatch (and the probe's cap) must give every data rank a frame."""
-    global_batch, cap = cfg["train.minibatch"], cfg["train.probe_max_minibatch"]
-    if global_batch < data_size:
-        raise UserError(f"config key train.minibatch: {global_batch} frames cannot be split over "
-                        f"{data_size} ranks")
-    if cfg["train.probe_every_frames"] and global_batch > cap:
-        raise UserError(f"config key train.minibatch: {global_batch} is above "
-                        f"train.probe_max_minibatch={cap} (automatic minibatch size)")
-
-
-def check_cv_archive(cfg, index):
-    if cfg["data.cv"]:
-        cv_index = archive.read_index(cfg["data.cv"])
-        if cv_index["label_inventory_hash"] != index["label_inventory_hash"] \
-                or cv_index["feature_dim"] != index["feature_dim"]:
-            raise UserError(f"{cfg['data.cv']}: labels or feature dim differ from the training "
-                            f"archive {cfg['data.train']}; prep both with the same labels.txt")
 
 
 def write_run_info(run_dir, cfg):

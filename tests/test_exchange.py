@@ -177,28 +177,6 @@ def test_a_striped_checkpoint_is_re_striped_at_an_epoch_end_and_refused_mid_epoc
     assert "mid-epoch by 2 ranks" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("old_world, world", [(3, 2), (2, 4), (1, 3)])
-def test_restripe_state_moves_every_owner_stripe_to_its_new_owner(old_world, world):
-    from hpcsgd.comm.stripes import restripe, stripe_ranges
-    from hpcsgd.model.flat import matrices
-    mats = matrices([("W0", (7, 5)), ("b0", (1, 5)), ("W1", (5, 3)), ("b1", (1, 3))])
-    full = np.arange(sum(m.size for m in mats), dtype=np.float32)
-    old = {}
-    for r in range(old_world):
-        old[f"rank{r:04d}/opt/velocity"] = np.concatenate(
-            [full[lo:hi] for lo, hi in stripe_ranges(mats, r, old_world)])
-        old[f"rank{r:04d}/opt/sqr"] = np.zeros(1, np.float32)   # AdaGrad off: placeholder
-    old = {name: [old[f"rank{r:04d}/opt/{name}"] for r in range(old_world)]
-           for name in ("velocity", "sqr")}
-    for rank in range(world):
-        got = restripe(old, old_world, True, mats, rank, world, striped=True)
-        want = np.concatenate([full[lo:hi] for lo, hi in stripe_ranges(mats, rank, world)])
-        np.testing.assert_array_equal(got["velocity"], want)
-        assert got["sqr"].size == 1
-    np.testing.assert_array_equal(restripe(old, old_world, True, mats, 0, world,
-                                           striped=False)["velocity"], full)
-
-
 @pytest.mark.parametrize("codec", ["kbit", "dettmers", "float16"])
 def test_other_codecs_through_the_striped_exchange_keep_replicas_identical(codec, arch,
                                                                            tmp_path_factory):
@@ -234,3 +212,12 @@ def test_onebit_decode_apply_equals_decode_then_optimizer_apply(backend, shape):
     optim.Optimizer(max(w.size, 1)).apply(want.reshape(-1), u.reshape(-1), 0.0123)
     codec.decode_apply(packed, w, 0.0123)
     np.testing.assert_array_equal(w, want)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "onebit", "kbit"])
+def test_parameters_are_exchanged_as_their_specs_say(mode):
+    """A "float" parameter is summed exactly (never through the 1-bit codec), a "none" one is
+    never touched, the codec ones are updated, and replicas agree (tests/mpi/exchange_specs.py)."""
+    script = os.path.join(os.path.dirname(__file__), "mpi", "exchange_specs.py")
+    proc = run_mpi(3, [script, mode], timeout=120)
+    assert proc.returncode == 0 and f"OK {mode} K=3" in proc.stdout, proc.stdout + proc.stderr

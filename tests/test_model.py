@@ -10,38 +10,8 @@ import numpy as np
 import pytest
 
 from hpcsgd.model import kernels as K
-from hpcsgd.comm.stripes import stripe_ranges
 from hpcsgd.model.dnn import dnn, gemm_flop_per_frame, layout
-from hpcsgd.model.flat import FlatParams
 from hpcsgd.optim import Optimizer
-
-
-def test_layout_flat_views_and_codec_columns():
-    lay = layout(6, [5, 4], 3)
-    assert lay == [("W0", (6, 5)), ("b0", (1, 5)), ("W1", (5, 4)), ("b1", (1, 4)),
-                   ("W2", (4, 3)), ("b2", (1, 3))]
-    p = FlatParams(lay)
-    assert p.flat.dtype == np.float32 and p.size == 6 * 5 + 5 + 5 * 4 + 4 + 4 * 3 + 3
-    p.flat[:] = np.arange(p.size)
-    offset = 0
-    for m, (name, shape) in zip(p.matrices, lay):
-        v = p.views[name]
-        assert v.shape == shape and v.flags.c_contiguous and np.shares_memory(v, p.flat)
-        assert (m.name, m.offset, m.n_cols, m.n_rows) == (name, offset, shape[0], shape[1])
-        for j in range(m.n_cols):   # codec column j = fan-out of input unit j, contiguous
-            np.testing.assert_array_equal(
-                v[j], p.flat[m.offset + j * m.n_rows:m.offset + (j + 1) * m.n_rows])
-        offset += m.size
-    # stripes: every rank a contiguous column range of every matrix, together all columns once
-    for size in (1, 2, 3, 7):
-        covered = np.zeros(p.size, int)
-        for rank in range(size):
-            rs = stripe_ranges(p.matrices, rank, size)
-            assert len(rs) == len(p.matrices)
-            for (lo, hi), m in zip(rs, p.matrices):
-                assert (lo - m.offset) % m.n_rows == 0 and (hi - lo) % m.n_rows == 0
-                covered[lo:hi] += 1
-        assert (covered == 1).all()
 
 
 def test_fexp_float32_within_one_ulp():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_archive, run_mpi
-from hpcsgd import checkpoint, config
+from hpcsgd import checkpoint
 from hpcsgd.errors import UserError
 
 DEMO = os.path.join(REPO, "data_prep", "demo", "so762")
@@ -55,26 +55,6 @@ def demo_archive(tmp_path_factory):
 
 
 # --- configuration -------------------------------------------------------------------------
-
-def test_config_errors_name_the_dotted_key(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("data:\n  train: x\noptim:\n  lrr: 0.1\n")
-    with pytest.raises(UserError, match=r"unknown config key optim\.lrr.*optim\.lr"):
-        config.load(str(path))
-    with pytest.raises(UserError, match=r"optim\.lr: expected float"):
-        config.load(None, ["data.train=x", "optim.lr=fast"])
-    with pytest.raises(UserError, match=r"train\.minibatch: 0 outside"):
-        config.load(None, ["data.train=x", "train.minibatch=0"])
-    with pytest.raises(UserError, match=r"model\.activation: 'tanh' is not one of"):
-        config.load(None, ["data.train=x", "model.activation=tanh"])
-    with pytest.raises(UserError, match=r"data\.train: required"):
-        config.load(None, [])
-    cfg = config.load(None, ["data.train=123", "model.hidden=[8, 4]", "optim.lr=1"])
-    assert cfg["data.train"] == "123" and cfg["model.hidden"] == [8, 4] and cfg["optim.lr"] == 1.0
-    path.write_text("data:\n  train: x\noptim:\n  lr: 2e-6\n")   # YAML 1.1 reads this as a string
-    assert config.load(str(path), ["optim.adagrad_eps=1e-9"])["optim.lr"] == 2e-6
-    assert config.load(str(path), ["optim.adagrad_eps=1e-9"])["optim.adagrad_eps"] == 1e-9
-
 
 def test_resolved_config_and_versions_are_saved(synth, tmp_path):
     run = str(tmp_path / "run")

@@ -122,6 +122,7 @@ class FrameLoader:
         self.input_dim = (2 * context + 1) * self.feature_dim
         self.num_labels = int(self.index["num_labels"])
         self._meta = {}     # shard number -> (utt_offsets, row speaker ids, cmvn shift, scale)
+        self.max_batch = int(max_batch)
         self._out_x = np.empty((max_batch, self.input_dim), np.float32)
         self._out_y = np.empty(max_batch, np.int32)
         self._epoch = None
