@@ -6,6 +6,7 @@ which makes features deterministic. Audio is read with soundfile (WAV, FLAC) and
 int16 range, as Kaldi reads 16-bit PCM (float sample * 32768).
 """
 import json
+import os
 
 import kaldi_native_fbank as knf
 import numpy as np
@@ -75,6 +76,8 @@ def num_frames(num_samples, sample_rate):
 
 def read_audio(utt, path, start, end, sample_rate):
     """Samples (float32, int16 range) of [start, end) seconds of `path`; BadUtterance on failure."""
+    if not os.path.isfile(path):   # libsndfile would only say "System error."
+        raise BadUtterance("unreadable audio", f"{utt}: {path}: no such file")
     try:
         info = sf.info(path)
         if info.samplerate != sample_rate:

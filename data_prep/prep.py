@@ -10,10 +10,9 @@ Cluster use (one shard per Slurm array task, then the index; see jobs/prep.sbatc
 
 Speakers are dealt whole to shards (balanced by alignment frames). Frame label convention: a
 segment [start, end) covers frames round(start/shift) .. round(end/shift)-1 (data_prep/kaldi_dir.py,
-docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 1,
+docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 2,
 no index.json) when more than --max-bad-fraction of all utterances were skipped.
 """
-import argparse
 import glob
 import json
 import os
@@ -34,7 +33,6 @@ MAX_LISTED = 10                  # skipped utterances printed per reason (the re
 
 
 def add_arguments(p):
-    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the usage examples' lines
     p.add_argument("data_dir", nargs="?", metavar="DATA_DIR",
                    help="Kaldi data directory: wav.scp, utt2spk, optional segments and text")
     p.add_argument("out", nargs="?", metavar="OUT", help="archive directory to write")

@@ -1,7 +1,8 @@
 """The `hpcsgd` command: one entry point, one module per subcommand.
 
-Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported
-only when chosen, so `hpcsgd inspect` does not pay for numba-compiling the trainer.
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`, and for its
+--help a USAGE text (else its docstring's first paragraph) and EXAMPLES; it is imported only
+when chosen, so `hpcsgd inspect` does not pay for numba-compiling the trainer.
 """
 import argparse
 import importlib
@@ -22,6 +23,30 @@ SUBCOMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown where there is one to show; description and examples kept as written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def usage(module):
+    """What --help says above the options: the module's USAGE, else its docstring's title and
+    the indented command lines after it (the internals further down are for readers of the
+    code)."""
+    if getattr(module, "USAGE", None):
+        return module.USAGE
+    paragraphs = (module.__doc__ or "").split("\n\n")
+    keep = paragraphs[:1]
+    for paragraph in paragraphs[1:]:
+        if not all(line.startswith("    ") for line in paragraph.strip("\n").splitlines()):
+            break
+        keep.append(paragraph)
+    return "\n\n".join(keep)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="hpcsgd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -34,8 +59,14 @@ def main(argv=None):
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name = argv[0]
+    if name == "train" and not {"-h", "--help", "--help-config"} & set(argv[1:]):
+        # before numpy and numba start their thread pools (hpcsgd/threads.py)
+        from hpcsgd import threads
+        threads.for_train(argv[1:])
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub_parser = argparse.ArgumentParser(prog=f"hpcsgd {name}", description=module.__doc__)
+    sub_parser = argparse.ArgumentParser(prog=f"hpcsgd {name}", description=usage(module),
+                                         epilog=getattr(module, "EXAMPLES", None),
+                                         formatter_class=HelpFormatter)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
     try:

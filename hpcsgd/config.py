@@ -69,11 +69,16 @@ DEFAULTS = {
     "train.device": ("cpu", str, ("cpu", "cuda"),
                      "cuda = GPU ranks: model, gradients, optimizer and exchange on the GPU "
                      "(one per local rank)"),
+    "train.threads": (0, int, (0, 1024),
+                      "BLAS and Numba threads per rank; 0 = decide: OMP_NUM_THREADS, else "
+                      "SLURM_CPUS_PER_TASK, else this rank's cores / the ranks sharing them"),
     "train.minibatch": (256, int, (1, 1 << 20), "global minibatch in frames, split over ranks"),
     "train.epochs": (4, int, (1, 100000), "passes over the training data"),
     "train.seed": (0, int, (0, 2**32 - 1), "seeds init, shuffling and everything random"),
     "train.run_dir": ("runs/run", str, None, "logs, metrics, checkpoints and plots go here"),
     "train.log_every_frames": (20000, int, (1, 1 << 50), "console/metrics line every this many frames"),
+    "train.log_every_seconds": (30.0, float, (0.0, 1e7),
+                                "... and at least this often (rank 0's clock; 0 = by frames only)"),
     "train.checkpoint_every_frames": (0, int, (0, 1 << 50), "checkpoint mid-epoch (0 = epoch ends only)"),
     "train.keep_checkpoints": (3, int, (1, 1000), "how many recent checkpoints to keep"),
     "train.resume": ("auto", str, None, "auto = latest checkpoint in run_dir if any; none; or a path"),
@@ -135,10 +140,33 @@ def _flatten(tree, prefix=""):
     return flat
 
 
+# names users bring from other trainers -> our key
+SYNONYMS = {"learning_rate": "optim.lr", "lr": "optim.lr", "momentum": "optim.momentum_tc",
+            "batch_size": "train.minibatch", "minibatch_size": "train.minibatch",
+            "batch": "train.minibatch", "num_epochs": "train.epochs", "max_epochs": "train.epochs",
+            "hidden_sizes": "model.hidden", "layers": "model.hidden", "num_threads": "train.threads",
+            "weight_decay": "optim.weight_decay", "l2": "optim.weight_decay",
+            "codec": "exchange.codec", "compression": "exchange.codec", "seed": "train.seed"}
+
+
+def suggest(key):
+    """The key a user most likely meant: a known synonym of the last part, else the closest
+    key, else the closest by its last part."""
+    section, _, name = key.rpartition(".")
+    if name in SYNONYMS:
+        return SYNONYMS[name]
+    close = difflib.get_close_matches(key, DEFAULTS, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    by_name = {k.split(".", 1)[1]: k for k in DEFAULTS if not section or k.startswith(section + ".")}
+    close = difflib.get_close_matches(name, by_name, n=1, cutoff=0.6)
+    return by_name[close[0]] if close else None
+
+
 def _set(config, key, value, origin):
     if key not in DEFAULTS:
-        close = difflib.get_close_matches(key, DEFAULTS, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]}?)" if close else " (hpcsgd train --help-config lists all)"
+        close = suggest(key)
+        hint = f" (did you mean {close}?)" if close else " (hpcsgd train --help-config lists all)"
         raise UserError(f"{origin}: unknown config key {key}{hint}")
     config[key] = _check(key, value)
 
@@ -184,5 +212,15 @@ def dump(config):
 
 
 def describe():
-    """All options with defaults and comments (for `hpcsgd train --help-config`)."""
-    return "\n".join(f"  {k} = {v[0]!r}\n      {v[3]}" for k, v in DEFAULTS.items())
+    """All options with defaults, allowed values and comments (`hpcsgd train --help-config`)."""
+    lines = []
+    for key, (default, kind, constraint, comment) in DEFAULTS.items():
+        if isinstance(constraint, tuple) and constraint and isinstance(constraint[0], str):
+            allowed = "one of " + ", ".join(constraint)
+        elif constraint is not None:
+            allowed = (f"integers in {constraint[0]}..{constraint[1]}" if kind is list
+                       else f"{kind.__name__} in {constraint[0]}..{constraint[1]}")
+        else:
+            allowed = kind.__name__
+        lines.append(f"  {key} = {default!r}    ({allowed})\n      {comment}")
+    return "\n".join(lines)

@@ -57,7 +57,7 @@ def probe_minibatch(cfg, state, step, loader, rank_frames, lr, reduce, beat):
     for size in sizes:
         batch_of = batch_split(size, state.grid.data_size)
         offs = offsets.copy()
-        loader.start_epoch(epoch, int(offs[rank]))
+        loader.start_epoch(epoch, int(offs[rank]), state.progress["deal"])
         sums, done = np.zeros(3), 0
         while done < cfg["train.probe_frames"] and (rank_frames - offs).sum() > 0:
             beat(f"minibatch-size probe ({size})")
@@ -68,7 +68,7 @@ def probe_minibatch(cfg, state, step, loader, rank_frames, lr, reduce, beat):
         totals = reduce(sums)
         criteria[size] = totals[0] / max(totals[2], 1)
         state.restore(snap)
-    loader.start_epoch(epoch, int(offsets[rank]))
+    loader.start_epoch(epoch, int(offsets[rank]), state.progress["deal"])
     best = min(criteria.values())
     ok = [c for c in sizes
           if np.isfinite(criteria[c]) and criteria[c] <= best * (1 + cfg["train.probe_margin"])]

@@ -51,7 +51,8 @@ def add_arguments(parser):
     parser.add_argument("--out", required=True, help="output path without extension")
     parser.add_argument("--output", choices=("loglik", "posteriors", "logpost"), default="loglik",
                         help="scaled log-likelihoods (for a hybrid decoder), posteriors, or log-posteriors")
-    parser.add_argument("--format", choices=("hdf5", "ark", "both"), default="both")
+    parser.add_argument("--format", choices=("hdf5", "ark", "both"), default="both",
+                        help="OUT.h5, Kaldi OUT.ark + OUT.scp, or both")
 
 
 def run(args):

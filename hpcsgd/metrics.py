@@ -3,11 +3,56 @@
 Console and log lines say epoch, frames done/total, train CE and frame accuracy, learning
 rate, frames/s and ETA. A live progress bar is drawn only when stdout is a TTY (never in
 batch logs). Every record also goes to RUN/metrics.jsonl (rank 0) for `hpcsgd plot`.
+
+A run directory holds one run: prepare_run_dir() gives a fresh start a clean one and a
+resumed run the metrics of its own past only (see there).
 """
 import json
 import os
+import shutil
 import sys
 import time
+
+from hpcsgd.errors import UserError
+
+METRICS = "metrics.jsonl"
+LEFTOVERS = (METRICS, "logs", "timeline", "plots")   # what a run writes besides checkpoints
+
+
+def prepare_run_dir(run_dir, resume_frames, has_checkpoints, modify):
+    """Before a run opens its logs. Resuming (resume_frames: the checkpoint's frames): the
+    metrics records of frames after the checkpoint are dropped -- they belong to the
+    interrupted attempt, which the resumed run trains again. A fresh start in a directory with
+    checkpoints is refused (it would mix two runs; the checkpoints are not deleted); one in a
+    directory with only logs and metrics (an earlier run that never reached a checkpoint)
+    removes them. Returns what was done, for the log. Only the rank with `modify` writes."""
+    metrics = os.path.join(run_dir, METRICS)
+    if resume_frames is not None:
+        if modify and os.path.exists(metrics):
+            keep = []
+            with open(metrics) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:    # a line cut by a killed run
+                        continue
+                    if record.get("frames", 0) <= resume_frames:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+            with open(metrics + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(metrics + ".tmp", metrics)
+        return None
+    if has_checkpoints:
+        raise UserError(f"{run_dir} holds checkpoints of another run and train.resume does not "
+                        f"resume them: use a new train.run_dir, delete {run_dir}, or resume "
+                        f"(train.resume=auto)")
+    found = [name for name in LEFTOVERS if os.path.exists(os.path.join(run_dir, name))]
+    if found and modify:
+        for name in found:
+            path = os.path.join(run_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+    return (f"{run_dir} held an earlier run that never reached a checkpoint: removed its "
+            f"{', '.join(found)}") if found else None
 
 
 class RunLog:
@@ -15,7 +60,7 @@ class RunLog:
         self.rank, self.world = rank, world
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         self.log = open(os.path.join(run_dir, "logs", f"rank{rank:04d}.log"), "a", buffering=1)
-        self.metrics = (open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self.metrics = (open(os.path.join(run_dir, METRICS), "a", buffering=1)
                         if rank == 0 else None)
         self.tty = rank == 0 and sys.stdout.isatty()
         self.start = time.perf_counter()

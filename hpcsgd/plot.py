@@ -60,7 +60,7 @@ def run(args):
     ax_ce.set(xlabel="frames", ylabel="cross-entropy (nats/frame)", title="cross-entropy")
     ax_acc.set(xlabel="frames", ylabel="frame accuracy (%)", title="frame accuracy")
     for ax in (ax_ce, ax_acc):
-        ax.grid(alpha=0.3)
+        frames_axis(ax)
         ax.legend()
     fig.tight_layout()
     curves = os.path.join(out_dir, "learning_curves.png")
@@ -73,7 +73,7 @@ def run(args):
     ax_lr.plot(frames, [r["lr"] for r in train])
     ax_lr.set(xlabel="frames", ylabel="learning rate per sample", title="learning rate")
     for ax in (ax_fps, ax_lr):
-        ax.grid(alpha=0.3)
+        frames_axis(ax)
     fig.tight_layout()
     throughput = os.path.join(out_dir, "throughput.png")
     fig.savefig(throughput, dpi=100)
@@ -82,6 +82,14 @@ def run(args):
     if glob.glob(os.path.join(args.run_dir, "timeline", "rank*.json")):
         time_breakdown(args.run_dir, out_dir, plt)
     return 0
+
+
+def frames_axis(ax):
+    """Frames as 50k, 1.2M (six-digit tick labels ran into each other), at most 6 ticks."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(6))
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.grid(alpha=0.3)
 
 
 def time_breakdown(run_dir, out_dir, plt):

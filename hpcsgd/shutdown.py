@@ -1,10 +1,17 @@
 """How a run ends early: a stop signal all ranks agree on, and a watchdog for dead peers.
 
 Stop signals. Slurm warns a job before its time limit or a preemption with a signal
-(`#SBATCH --signal=B:USR1@300`, SIGTERM on scancel/preemption). The handler only sets a flag;
-the training loop asks `StopSignal.agreed(comm)` at every step boundary, a one-int Allreduce
-(MAX), so a signal on ANY rank stops ALL ranks at the same step: they write one checkpoint and
-exit with EXIT_REQUEUE, which jobs/train.sbatch turns into `scontrol requeue`.
+(`#SBATCH --signal=B:USR1@300`, SIGTERM on scancel/preemption); a user presses Ctrl-C
+(SIGINT, which mpiexec forwards to every rank). The handler only sets a flag; the training
+loop agrees on it at every step boundary (`agree`, one small Allreduce: MAX), so a signal on
+ANY rank stops ALL ranks at the same step: they write one checkpoint and exit, with
+EXIT_REQUEUE (75, which jobs/train.sbatch turns into `scontrol requeue`) for SIGUSR1/SIGTERM
+and EXIT_INTERRUPTED (130, the shell's code for Ctrl-C) for SIGINT. The first SIGINT also
+restores the default action, so a second Ctrl-C ends the process at once (no traceback, no
+checkpoint: the previous one is intact).
+
+The same per-step Allreduce carries rank 0's clock: when train.log_every_seconds have passed
+since its last log line, every rank writes one at this step (the line needs a collective).
 
 Watchdog. When a rank dies, the launcher (hydra's mpiexec, `srun --kill-on-bad-exit`) normally
 ends the others. When it does not -- a rank stuck in a collective whose peer vanished, a hung
@@ -23,37 +30,56 @@ import time
 
 import numpy as np
 
-EXIT_REQUEUE = 75    # sysexits EX_TEMPFAIL: checkpointed on a signal, run me again
-EXIT_WATCHDOG = 4    # a rank made no progress for train.watchdog_s seconds
+EXIT_REQUEUE = 75      # sysexits EX_TEMPFAIL: checkpointed on a signal, run me again
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: checkpointed on Ctrl-C
+EXIT_WATCHDOG = 4      # a rank made no progress for train.watchdog_s seconds
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+HEARTBEAT_BYTES = 512       # a heartbeat file's fixed size (one record)
+REQUEUE, INTERRUPT = 1, 2   # what a stop signal asks for (the larger wins across ranks)
 
 
 class StopSignal:
-    """SIGUSR1/SIGTERM set a flag; `agreed` turns the flags of all ranks into one decision."""
+    """SIGUSR1/SIGTERM/SIGINT set a flag; `agree` turns the flags of all ranks into one
+    decision. `say` prints what a signal does, once, on the rank that got it."""
 
-    def __init__(self):
+    def __init__(self, say=None):
         self.received = None   # the name of the first signal, e.g. "SIGUSR1"
-        self._flag = np.zeros(1, np.int32)
-        self._any = np.zeros(1, np.int32)
+        self.code = 0          # REQUEUE or INTERRUPT once a signal came
+        self.say = say
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)   # a second Ctrl-C: end at once
+            self.code = INTERRUPT
+            if self.say:
+                self.say("SIGINT: checkpointing at the next step, then stopping (Ctrl-C again "
+                         "to abort at once, without a checkpoint)")
+        else:
+            self.code = max(self.code, REQUEUE)
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received = name
 
-    def agreed(self, comm, world):
-        """Collective (every rank, every step boundary): True when any rank got a signal."""
-        self._flag[0] = self.received is not None
-        if world == 1:
-            return bool(self._flag[0])
-        from mpi4py import MPI
-        comm.Allreduce(self._flag, self._any, op=MPI.MAX)   # cross-rank sync point
-        return bool(self._any[0])
+    def exit_code(self, agreed):
+        return EXIT_INTERRUPTED if agreed == INTERRUPT else EXIT_REQUEUE
 
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def agree(comm, stop_code, log_due, buffers=(np.zeros(2, np.int32), np.zeros(2, np.int32))):
+    """Collective, every rank at every step boundary: (the largest stop code of any rank,
+    whether rank 0 says a log line is due). One Allreduce (MAX) of two ints."""
+    mine, agreed = buffers
+    mine[0], mine[1] = stop_code, log_due if comm.Get_rank() == 0 else 0
+    if comm.Get_size() == 1:
+        return int(mine[0]), bool(mine[1])
+    from mpi4py import MPI
+    comm.Allreduce(mine, agreed, op=MPI.MAX)   # cross-rank sync point
+    return int(agreed[0]), bool(agreed[1])
 
 
 class Watchdog:
@@ -84,12 +110,17 @@ class Watchdog:
         return os.path.join(self.dir, f"rank{rank:04d}.heartbeat")
 
     def _write(self, now):
-        path = self._path(self.rank)
+        """One write at offset 0 of a fixed-size record, in place: no temporary file to leave
+        behind when the job is killed, and a reader sees a whole record or an old one (a
+        record that does not parse is taken as not written yet)."""
+        line = f"{now:.3f} {self.last:.3f} {os.getpid()} {socket.gethostname()} {self.phase}"
+        record = line.encode()[:HEARTBEAT_BYTES - 1].ljust(HEARTBEAT_BYTES - 1) + b"\n"
         try:
-            with open(path + ".tmp", "w") as f:
-                f.write(f"{now:.3f} {self.last:.3f} {os.getpid()} {socket.gethostname()} "
-                        f"{self.phase}\n")
-            os.replace(path + ".tmp", path)
+            fd = os.open(self._path(self.rank), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, record, 0)
+            finally:
+                os.close(fd)
         except OSError:   # a full or vanished file system must not kill training
             pass
 
@@ -105,7 +136,7 @@ class Watchdog:
                 continue
             try:
                 with open(self._path(r)) as f:
-                    written, last, pid, host, phase = f.read().split(" ", 4)
+                    written, last, pid, host, phase = f.read().rstrip().split(" ", 4)
                 what = f"pid {pid} on {host}, last in {phase.strip()}"
                 if now - float(written) > 3 * self.write_every:
                     out.append((r, "not running", now - float(written), what))

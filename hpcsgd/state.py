@@ -1,7 +1,7 @@
 """The training state of one rank, in one place: what a checkpoint holds, what the minibatch
 probe snapshots and restores, and how it moves to another number of data ranks.
 
-    state = TrainState(grid, params, opt, ex, step, static)
+    state = TrainState(grid, params, opt, ex, step, loader, static)
     state.snapshot() / state.restore(snap)     in memory (the minibatch probe)
     state.save(run_dir, keep)                  a checkpoint (collective over the job)
     state.load(path)                           resume, re-striped for another K where possible
@@ -22,26 +22,34 @@ Parts:
 The static part (model shape, features, label inventory and counts, config) identifies what
 the state belongs to; a checkpoint of another model or label inventory is refused.
 
-Re-striping. A checkpoint written by another number of data ranks (or another aggregation)
-resumes at an epoch end: the optimizer's stripes are re-sliced to the new owners
-(hpcsgd/comm/stripes.py); the residuals restart at zero. Mid-epoch it is refused.
+Another number of data ranks or another aggregation, at an epoch end or mid-epoch: the
+optimizer's owner stripes are re-sliced to the new owners, both error-feedback residuals are
+folded into the new stripes so that nothing a rank has not yet sent is lost
+(hpcsgd/comm/stripes.py), and mid-epoch the frames no rank has trained yet are re-dealt to
+the new ranks (hpcsgd/data/loader.py: redeal; the deal is part of the progress until the
+epoch ends). Refused: a checkpoint with double buffering's exchange in flight, and AdaGrad
+"local" (a whole per-rank state that cannot be merged). A run resumed at another K is not
+bit-identical to an uninterrupted one (other partial sums), by construction.
 """
 import copy
 
 import numpy as np
 
 from hpcsgd import checkpoint
-from hpcsgd.comm.stripes import restripe
+from hpcsgd.comm.stripes import fold_residuals, folded_from, restripe
+from hpcsgd.data.loader import redeal
 from hpcsgd.device import assign, host_copy, to_host
 from hpcsgd.errors import UserError
 
 
 class TrainState:
-    def __init__(self, grid, params, opt, ex, step, static):
+    def __init__(self, grid, params, opt, ex, step, loader, static):
         self.grid, self.params, self.opt, self.ex, self.step = grid, params, opt, ex, step
+        self.loader = loader    # its block plans: where every rank is in the epoch
         self.static = static    # model, data, label_inventory_hash, label_counts, config, ...
+        # deal: None, or the epoch re-dealt over these ranks (data/loader.py: redeal)
         self.progress = {"epoch": 0, "frames": 0, "offsets": [0] * grid.data_size,
-                         "cv_history": []}
+                         "cv_history": [], "deal": None}
         self.decisions = {"minibatch": static["config"]["train.minibatch"], "next_probe": 0}
         # optimizer state differs between ranks: owner stripes, or AdaGrad on local gradients
         self.per_rank_opt = not ex.replicated_optimizer or opt.adagrad == "local"
@@ -59,6 +67,7 @@ class TrainState:
             self.progress["cv_history"].append(cv_accuracy)
         self.progress["epoch"] += 1
         self.progress["offsets"] = [0] * self.grid.data_size
+        self.progress["deal"] = None
 
     # ---- in memory -------------------------------------------------------------------------
 
@@ -102,35 +111,37 @@ class TrainState:
 
     def load(self, path, log):
         """This rank's weights, optimizer state, exchange state, progress and decisions from
-        checkpoint `path` (see the module docstring for another K)."""
+        checkpoint `path`; one of another number of data ranks or aggregation is re-striped
+        (see the module docstring)."""
         rank, world = self.grid.data_rank, self.grid.data_size
         arrays, saved = checkpoint.load(path, rank=rank)
         checkpoint.check_compatible(path, saved, {
             "model": self.static["model"], "data": self.static["data"],
             "label_inventory_hash": self.static["label_inventory_hash"]})
         cfg, old_cfg = self.static["config"], saved["config"]
-        old_agg = saved.get("aggregation", "allreduce")
-        if saved["world"] != world and any(saved["offsets"]):
-            raise UserError(f"checkpoint {path}: written mid-epoch by {saved['world']} ranks; "
-                            f"resume it with {saved['world']} ranks (or from an epoch-end "
-                            f"checkpoint)")
-        moved = (saved["world"] != world or old_agg != self.static["aggregation"]) \
+        old_world, old_agg = saved["world"], saved.get("aggregation", "allreduce")
+        agg = self.static["aggregation"]
+        moved = (old_world != world or old_agg != agg) \
             and (saved.get("per_rank_state") or self.per_rank_state)
-        if moved and (any(saved["offsets"]) or "local" in (cfg["optim.adagrad"],
-                                                           old_cfg["optim.adagrad"])):
-            raise UserError(f"checkpoint {path}: written by {saved['world']} ranks with "
-                            f"exchange.aggregation={old_agg}; its per-rank state (residuals, "
-                            f"optimizer stripes) can be re-striped for another K or aggregation "
-                            f"only at an epoch end and without optim.adagrad=local: resume it "
-                            f"with {saved['world']} ranks and exchange.aggregation={old_agg}")
+        if moved and (saved.get("pending") or "local" in (cfg["optim.adagrad"],
+                                                          old_cfg["optim.adagrad"])):
+            why = ("an exchange was in flight (exchange.double_buffering)" if saved.get("pending")
+                   else "optim.adagrad=local keeps a whole AdaGrad state per rank")
+            raise UserError(f"checkpoint {path}: written by {old_world} ranks with "
+                            f"exchange.aggregation={old_agg}; its per-rank state cannot move to "
+                            f"{world} ranks with exchange.aggregation={agg}: {why}. Resume it "
+                            f"with {old_world} ranks and exchange.aggregation={old_agg}, or from "
+                            f"another checkpoint")
         assign(self.params.flat, arrays["params"])
         sqr_weight = float(arrays["opt/sqr_weight"])
-        if moved:   # epoch end: re-slice the optimizer state, residuals start at zero
+        if moved:   # the optimizer state re-sliced, the residuals folded into the new stripes
             self.opt.load_state_dict(dict(self._restriped_opt(path, saved, old_agg),
                                           sqr_weight=sqr_weight))
-            log.info(f"re-striped the optimizer state of {path} from {saved['world']} ranks "
-                     f"({old_agg}) to {world} ({self.static['aggregation']}); error-feedback "
-                     f"residuals start at zero (CNTK resets them at every epoch start)")
+            folded = self._fold_residuals(path, old_world, old_agg)
+            log.info(f"re-striped the optimizer state of {path} from {old_world} ranks "
+                     f"({old_agg}) to {world} ({agg}); the error-feedback residuals "
+                     + ("folded into the new stripes (nothing lost)" if folded else
+                        "start at zero (the old or the new exchange keeps none)"))
         else:
             mine = checkpoint.rank_prefix(rank) if self.per_rank_opt else ""
             self.opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
@@ -140,7 +151,17 @@ class TrainState:
                                      if k.startswith(prefix)})
         for key in ("epoch", "frames", "cv_history"):
             self.progress[key] = saved[key]
-        self.progress["offsets"] = saved["offsets"] if saved["world"] == world else [0] * world
+        self.progress["offsets"], self.progress["deal"] = saved["offsets"], saved.get("deal")
+        if old_world != world:   # the rest of the epoch dealt to the new ranks
+            if any(saved["offsets"]):
+                standard = self.loader.plan_for(old_world).rank_frames(saved["epoch"])
+                self.progress["deal"] = redeal(saved.get("deal"), saved["offsets"], world,
+                                               standard)
+                log.info(f"epoch {saved['epoch']} re-dealt from {old_world} to {world} ranks at "
+                         f"frame {saved['frames']:,}: every frame not yet trained, once")
+            else:
+                self.progress["deal"] = None
+            self.progress["offsets"] = [0] * world
         if cfg["train.probe_every_frames"] and "next_probe" in saved:   # a probed size
             self.decisions.update(minibatch=saved["minibatch"], next_probe=saved["next_probe"])
         pending = saved.get("pending")   # double buffering: an exchange was in flight
@@ -154,6 +175,24 @@ class TrainState:
             self.step.pending = pending
             if not self.step.double_buffering:   # switched off: apply it now
                 self.step.drain()
+
+    def _fold_residuals(self, path, old_world, old_agg):
+        """Both residuals of a striped checkpoint of another K, folded into this rank's new
+        stripes (comm/stripes.py: fold_residuals). False when either exchange keeps none."""
+        if old_agg != "striped" or not self.ex.state_dict():
+            return False
+        rank, world = self.grid.data_rank, self.grid.data_size
+        mine = folded_from(rank, old_world, world)
+        names = [checkpoint.rank_prefix(r) + "exchange/residual1" for r in mine]
+        names += [checkpoint.rank_prefix(r) + "exchange/residual2" for r in range(old_world)]
+        old = checkpoint.load(path, names=names)[0]
+        r1, r2 = fold_residuals([old[checkpoint.rank_prefix(r) + "exchange/residual1"]
+                                 for r in mine],
+                                [old[checkpoint.rank_prefix(r) + "exchange/residual2"]
+                                 for r in range(old_world)],
+                                self.params.matrices, old_world, rank, world)
+        self.ex.load_state_dict({"residual1": r1, "residual2": r2})
+        return True
 
     def _restriped_opt(self, path, saved, old_agg):
         """The optimizer arrays of a checkpoint of another K or aggregation, for this rank."""

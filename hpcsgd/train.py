@@ -26,10 +26,11 @@ import sys
 import time
 import traceback
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
-from hpcsgd import checkpoint, config, optim
+from hpcsgd import checkpoint, config, jit, optim, threads
 from hpcsgd.comm.exchange import make_exchange
 from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.grid import Grid
@@ -39,13 +40,25 @@ from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import to_host
 from hpcsgd.errors import UserError
 from hpcsgd.evaluate import evaluate
-from hpcsgd.metrics import RunLog, format_eta
+from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
-from hpcsgd.shutdown import EXIT_REQUEUE, StopSignal, Watchdog
+from hpcsgd.shutdown import StopSignal, Watchdog, agree
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
 from hpcsgd.timeline import Timeline
 
+USAGE = """Train an acoustic model: one process per rank under mpiexec or srun (one process
+without). Options come from a YAML --config and key=value overrides; --help-config lists every
+option with its default and allowed values."""
+EXAMPLES = """examples:
+  hpcsgd train --config jobs/configs/demo.yaml                       one process
+  mpiexec -n 2 python -m mpi4py -m hpcsgd.cli train --config jobs/configs/so762.yaml \\
+      exchange.aggregation=striped exchange.codec=onebit                 2 ranks, 1-bit SGD
+  hpcsgd train --config jobs/configs/demo.yaml train.run_dir=runs/other optim.lr=0.002
+  hpcsgd train --help-config
+Ctrl-C, SIGTERM or SIGUSR1 write a checkpoint and stop; the same command resumes from it.
+Logs, metrics and checkpoints go to train.run_dir; `hpcsgd plot RUN_DIR` draws the curves."""
+ADAGRAD_LR_WARN = 1e-4   # a per-sample rate this large is plain SGD's, not AdaGrad's
 PACKAGES = ("numpy", "numba", "numba-cuda", "mpi4py", "mpich", "h5py", "pyyaml",
             "kaldi-native-fbank", "soundfile", "kaldiio", "cupy-cuda12x", "nvidia-nccl-cu12")
 
@@ -63,36 +76,54 @@ def run(args):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    stop = StopSignal()   # SIGUSR1/SIGTERM from here on: checkpoint at the next step, exit 75
+    # SIGUSR1/SIGTERM/SIGINT from here on: every rank checkpoints at the next step and exits
+    stop = StopSignal(say=lambda message: report(None, rank, message))
+    cfg = None
     try:
         cfg = config.load(args.config, args.overrides)
         code = train(cfg, comm, stop)
-        if code == EXIT_REQUEUE:
+        if code:
             # every rank is here (they agreed): end MPI cleanly, so that under
             # `python -m mpi4py` exit 75 stays an exit, not an MPI_Abort(75) that srun
             # reports as killed tasks
             MPI.Finalize()
         return code
     except UserError as err:
-        if world == 1:
-            raise
-        print(f"hpcsgd train: rank {rank}: error: {err}", file=sys.stderr, flush=True)
-        comm.Abort(2)   # a failing rank ends the job instead of leaving the others in a collective
+        report(cfg, rank, f"error: {err}")
+        if world > 1:
+            comm.Abort(2)   # a failing rank ends the job instead of leaving the others waiting
+        return 2
     except BaseException:
-        if world == 1:
-            raise
-        print(f"hpcsgd train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
-              flush=True)
-        comm.Abort(1)
+        report(cfg, rank, f"failed:\n{traceback.format_exc()}")
+        if world > 1:
+            comm.Abort(1)
+        return 1
     finally:
         stop.restore()
+
+
+def report(cfg, rank, message):
+    """A rank's error on stderr, one write per line with the rank in front (lines of ranks
+    printing at once stay whole), and in its log file when the run directory is known."""
+    lines = [f"hpcsgd train: rank {rank}: {line}" for line in message.rstrip().splitlines()]
+    for line in lines:
+        os.write(2, (line + "\n").encode())
+    if cfg is not None:
+        try:
+            logs = os.path.join(cfg["train.run_dir"], "logs")
+            os.makedirs(logs, exist_ok=True)
+            with open(os.path.join(logs, f"rank{rank:04d}.log"), "a") as f:
+                f.write("".join(f"[{time.strftime('%H:%M:%S')}] {line}\n" for line in lines))
+        except OSError:
+            pass
 
 
 def train(cfg, comm, stop):
     # --- the grid, the run directory, logs, the watchdog ------------------------------------
     grid = Grid(comm)
     run_dir, device, db = cfg["train.run_dir"], cfg["train.device"], cfg["exchange.double_buffering"]
-    log, watchdog, timeline = open_run(cfg, grid)
+    run = open_run(cfg, grid)
+    log, watchdog, timeline = run.log, run.watchdog, run.timeline
 
     # --- data: this data rank's share of every global minibatch -----------------------------
     loader = open_loader(cfg, grid)
@@ -111,17 +142,15 @@ def train(cfg, comm, stop):
     step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device)
 
     # --- the training state: a fresh start, or the latest checkpoint -------------------------
-    state = TrainState(grid, params, opt, ex, step, {
+    state = TrainState(grid, params, opt, ex, step, loader, {
         "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
         "data": {"context": cfg["data.context"], "cmvn": cfg["data.cmvn"],
                  "feature_dim": loader.feature_dim},
         "label_counts": label_counts(loader.index).tolist(), "config": cfg,
         "aggregation": cfg["exchange.aggregation"]})
-    path = {"auto": checkpoint.latest(run_dir), "none": None}.get(cfg["train.resume"],
-                                                                   cfg["train.resume"])
-    if path:
-        state.load(path, log)
-        log.info(f"resumed from {path}: epoch {state.progress['epoch']}, "
+    if run.resume:
+        state.load(run.resume, log)
+        log.info(f"resumed from {run.resume}: epoch {state.progress['epoch']}, "
                  f"{state.progress['frames']} frames")
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
@@ -142,8 +171,8 @@ def train(cfg, comm, stop):
     progress, window = state.progress, Window(log, time.perf_counter())
     while progress["epoch"] < cfg["train.epochs"]:
         epoch = progress["epoch"]
-        rank_frames = loader.plan.rank_frames(epoch)
-        loader.start_epoch(epoch, progress["offsets"][grid.data_rank])
+        rank_frames = loader.epoch_frames(epoch, progress["deal"])
+        loader.start_epoch(epoch, progress["offsets"][grid.data_rank], progress["deal"])
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
         while (rank_frames - progress["offsets"]).sum() > 0:
             where = f"step {window.steps} (epoch {epoch}, frame {progress['frames']})"
@@ -166,13 +195,16 @@ def train(cfg, comm, stop):
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
             window.add(sums)
+            run.compiles.summary()   # once, after the first step compiled most kernels
             epoch_sums += sums
             timeline.end_step()
             # bookkeeping: replica check, log line, checkpoint, stop
             frames, before = progress["frames"], progress["frames"] - int(take.sum())
             if cfg["train.check_every_steps"] and window.steps % cfg["train.check_every_steps"] == 0:
                 check_replicas(grid.data, params.flat, window.steps)
-            if crossed(before, frames, cfg["train.log_every_frames"]):
+            # one small collective: any rank's stop signal, rank 0's clock for the log line
+            stop_code, log_due = agree(comm, stop.code, window.due(cfg["train.log_every_seconds"]))
+            if log_due or crossed(before, frames, cfg["train.log_every_frames"]):
                 totals = reduce(window.sums)   # the same on every rank
                 check_divergence(cfg, totals, loader.num_labels,
                                  f"step {window.steps} (epoch {epoch}, frame {frames:,})")
@@ -183,15 +215,16 @@ def train(cfg, comm, stop):
             if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
                 saved = saved or save()
                 log.info(f"stopping after {frames} frames (train.stop_after_frames)")
-                return close_run(0, watchdog, timeline, loader, log)
-            # a stop signal (Slurm's time-limit warning, preemption) on any rank: all ranks
-            # checkpoint here, at the same step, and the batch script requeues the job
-            if stop.agreed(comm, grid.size):   # cross-rank sync point
+                return run.close(0, loader)
+            # a stop signal (Slurm's time-limit warning, preemption, Ctrl-C) on any rank: all
+            # ranks checkpoint here, at the same step, and the batch script requeues the job
+            if stop_code:
                 saved = saved or save()
+                code = stop.exit_code(stop_code)
                 log.info(f"stopping on {stop.received or 'a signal to another rank'} at step "
-                         f"{window.steps}, frame {frames:,}: checkpoint {saved}; exit "
-                         f"{EXIT_REQUEUE} (requeue; the run resumes from it)")
-                return close_run(EXIT_REQUEUE, watchdog, timeline, loader, log)
+                         f"{window.steps}, frame {frames:,}: checkpoint {saved}; exit {code} "
+                         f"(run the same command again, or requeue: it resumes from there)")
+                return run.close(code, loader)
 
         # --- epoch end: replicas agree, cross-validation, schedule, checkpoint -------------
         step.drain()   # double buffering: apply the last half's update before CV
@@ -207,17 +240,45 @@ def train(cfg, comm, stop):
         save()
     log.info(f"training done: {progress['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
-    return close_run(0, watchdog, timeline, loader, log)
+    return run.close(0, loader)
+
+
+class Run(NamedTuple):
+    """What every rank opens once for a run: its log, watchdog, timeline, compile notices,
+    and the checkpoint it resumes from (None: a fresh start)."""
+    log: RunLog
+    watchdog: Watchdog
+    timeline: Timeline
+    compiles: object
+    resume: str
+
+    def close(self, code, loader):
+        self.watchdog.stop()
+        self.timeline.close()
+        loader.close()
+        self.log.close()
+        return code
 
 
 def open_run(cfg, grid):
-    """The run directory (rank 0 writes the resolved config and versions), every rank's log,
-    its watchdog, its timeline, and on GPU ranks the GPU bound to it."""
+    """The run directory (rank 0 writes the resolved config and versions, and tidies what an
+    earlier attempt left: metrics.prepare_run_dir), every rank's log with the threads it
+    runs, its watchdog, its timeline, and on GPU ranks the GPU bound to it."""
     run_dir = cfg["train.run_dir"]
+    resume = {"auto": checkpoint.latest(run_dir), "none": None}.get(cfg["train.resume"],
+                                                                     cfg["train.resume"])
+    tidied = prepare_run_dir(run_dir, checkpoint.read_meta(resume)["frames"] if resume else None,
+                             bool(checkpoint.all_checkpoints(run_dir)), modify=grid.rank == 0)
     if grid.rank == 0:
         write_run_info(run_dir, cfg)
     grid.world.Barrier()   # the run directory exists before any rank opens its log
     log = RunLog(run_dir, grid.rank, grid.size)
+    if tidied:
+        log.info(tidied)
+    # threads per rank: decided by the CLI before numpy/numba started (hpcsgd/threads.py)
+    chosen, message = threads.CHOSEN or threads.choose(cfg["train.threads"], grid.world)
+    pools = threads.enforce(chosen)
+    log.info(f"threads: {message}; Numba {pools['numba']}, OpenBLAS {pools['blas']}")
     # a dead or stuck peer aborts the job instead of hanging it
     watchdog = Watchdog(cfg["train.watchdog_s"], grid.rank, grid.size, grid.world,
                         os.path.join(run_dir, "logs"), log)
@@ -226,15 +287,7 @@ def open_run(cfg, grid):
     if cfg["train.device"] == "cuda":   # one GPU per local rank, before any allocation on one
         gpu, visible = bind_gpu(grid.node_rank)
         log.info(f"GPU {gpu} of {visible} visible ({grid.node_size} rank(s) on this node)")
-    return log, watchdog, timeline
-
-
-def close_run(code, watchdog, timeline, loader, log):
-    watchdog.stop()
-    timeline.close()
-    loader.close()
-    log.close()
-    return code
+    return Run(log, watchdog, timeline, jit.announce(log.info), resume)
 
 
 def open_loader(cfg, grid):
@@ -273,6 +326,11 @@ def log_start(log, cfg, grid, loader, state, ex):
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
+    if cfg["optim.adagrad"] != "off" and cfg["optim.lr"] > ADAGRAD_LR_WARN:
+        log.info(f"warning: optim.adagrad={cfg['optim.adagrad']} with optim.lr={cfg['optim.lr']:g}: "
+                 f"AdaGrad divides each gradient by its RMS, so its per-sample rate is about 500x "
+                 f"smaller than plain SGD's (2e-6 on speechocean762, "
+                 f"jobs/configs/so762_adagrad.yaml); this rate will likely diverge")
     log.record("start", world=grid.size, parameters=state.params.size,
                device=cfg["train.device"], transport=ex.transport, config=cfg)
 
@@ -314,6 +372,10 @@ class Window:
 
     def __init__(self, log, t0):
         self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(3), 0
+
+    def due(self, seconds):
+        """Whether `seconds` have passed since the last line (0: never by time)."""
+        return bool(seconds) and time.perf_counter() - self.t0 >= seconds
 
     def add(self, sums):
         self.sums += sums

@@ -22,7 +22,7 @@ set -uo pipefail   # not -e: the launcher's exit code is examined below
 CONFIG=${CONFIG:-jobs/configs/so762.yaml}   # YAML config; key=value arguments override it
 NP=${NP:-2}                                 # ranks in all
 HOSTFILE=${HOSTFILE:-}                      # empty: all ranks on this machine
-THREADS=${THREADS:-1}                       # BLAS/Numba threads per rank (cores per host / ranks per host)
+THREADS=${THREADS:-}                        # threads per rank (empty: the trainer decides: cores / ranks per host)
 MPIEXEC=${MPIEXEC:-mpiexec}                 # which launcher (path if not the first on PATH)
 MPIEXEC_ARGS=${MPIEXEC_ARGS:-}              # more launcher options, e.g. Open MPI: "--map-by ppr:4:node"
 VENV=${VENV:-.venv}                         # environment with hpcsgd installed (same path on every host)
@@ -32,7 +32,6 @@ say() { printf '%(%F %T)T train_mpirun.sh: %s\n' -1 "$*"; }
 
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-export OMP_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS NUMBA_NUM_THREADS=$THREADS
 export PYTHONUNBUFFERED=1 HDF5_USE_FILE_LOCKING=FALSE
 # Network and GPU settings (UCX_*, FI_PROVIDER, NCCL_*, MPIR_CVAR_ENABLE_HEAVY_YIELD) go here as
 # in jobs/train.sbatch, which documents them. GPU ranks: every rank sees all GPUs of its host and
@@ -47,7 +46,7 @@ EOF
 ) || { say "error: cannot import mpi4py from $VENV"; exit 1; }
 
 # `python -m mpi4py`: an exception on any rank aborts them all (exit 75 stays 75: see train.sbatch).
-RANK_CMD=(python -m mpi4py -m hpcsgd.cli train --config "$CONFIG" "$@")
+RANK_CMD=(python -m mpi4py -m hpcsgd.cli train --config "$CONFIG" ${THREADS:+train.threads=$THREADS} "$@")
 # shellcheck disable=SC2206
 EXTRA=($MPIEXEC_ARGS)
 case "$mpi_family" in

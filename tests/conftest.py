@@ -58,6 +58,24 @@ def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,
     return all_feats
 
 
+def assert_float32_close(got, ref32, ref64, factor=10.0):
+    """A float32 run that adds in another order than the float32 reference (K partial sums
+    instead of one sum, another BLAS blocking on another CPU) is as far from the exact result
+    as the reference is: both are the float64 trajectory plus float32 rounding, amplified by
+    the same training dynamics. So the tolerance is the float32 reference's own distance to
+    the float64 reference (in the 2-norm over all weights, which averages the rounding
+    instead of betting on the worst weight), times `factor` for the spread of two such
+    random walks; a real error (a lost or doubled contribution, a stale update) is orders of
+    magnitude larger. A floor of 1e-7 of the weights' norm covers a float32 reference that
+    happens to land on the float64 one."""
+    got, ref32, ref64 = (np.asarray(a, np.float64) for a in (got, ref32, ref64))
+    noise = np.linalg.norm(ref32 - ref64) + 1e-7 * np.linalg.norm(ref64)
+    dist = np.linalg.norm(got - ref64)
+    assert dist <= factor * noise, (f"|got - float64 reference| = {dist:.3g}, more than {factor:g}"
+                                    f" x the float32 reference's {noise:.3g}")
+    return dist / noise
+
+
 def run_mpi(num_ranks, args, timeout=120, env=None):
     """Run `mpiexec -n K python ARGS` for real; a hang becomes a failure after `timeout` s."""
     full_env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONUNBUFFERED="1",

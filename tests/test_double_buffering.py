@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import make_archive, run_mpi
+from conftest import assert_float32_close, make_archive, run_mpi
 from hpcsgd import checkpoint
 
 TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
@@ -37,6 +37,14 @@ def train(K, arch, run, *extra):
     return checkpoint.load(checkpoint.latest(run))[0]
 
 
+def reference(K, arch, tmp_path, extra, float64):
+    out = str(tmp_path / f"ref{'64' if float64 else ''}.npz")
+    proc = run_mpi(1, REFERENCE + [out, str(K)] + ["--float64"] * float64 + options(arch, *extra),
+                   timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return np.load(out)["params"]
+
+
 @pytest.mark.parametrize("K, extra", [
     (1, ()), (2, ()), (3, ()),
     (2, ("exchange.aggregation=striped", "exchange.codec=float32")),
@@ -45,14 +53,11 @@ def train(K, arch, run, *extra):
 def test_weights_follow_the_delayed_update_equations(K, extra, arch, tmp_path):
     extra = ("train.epochs=2", *extra)
     got = train(K, arch, str(tmp_path / "db"), "exchange.double_buffering=true", *extra)["params"]
-    out = str(tmp_path / "ref.npz")
-    proc = run_mpi(1, REFERENCE + [out, str(K)] + options(arch, *extra), timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    want = np.load(out)["params"]
+    want, want64 = (reference(K, arch, tmp_path, extra, float64) for float64 in (False, True))
     if K == 1 and not extra[1:]:
         np.testing.assert_array_equal(got, want)   # same arithmetic in the same order
     else:   # K partial sums vs one sum over the union: rounding only
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert_float32_close(got, want, want64)
     # the delay is real: without double buffering the weights differ by more than rounding
     plain = train(K, arch, str(tmp_path / "plain"), *extra)["params"]
     assert np.abs(plain - want).max() > 100 * np.abs(got - want).max() + 1e-6
@@ -94,3 +99,14 @@ def test_a_run_cut_with_an_exchange_in_flight_resumes_bit_exactly(K, extra, arch
     for name in full:
         np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
     assert not np.array_equal(mid["params"], full["params"])
+
+
+def test_an_exchange_in_flight_does_not_move_to_another_number_of_ranks(arch, tmp_path):
+    cut = str(tmp_path / "cut")
+    total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
+    extra = ("exchange.double_buffering=true", "exchange.aggregation=striped",
+             "exchange.codec=onebit")
+    train(2, arch, cut, *extra, f"train.stop_after_frames={total // 2}")
+    proc = run_mpi(3, TRAIN + options(arch, f"train.run_dir={cut}", *extra), timeout=180)
+    assert proc.returncode != 0
+    assert "an exchange was in flight" in proc.stderr and "Resume it with 2 ranks" in proc.stderr

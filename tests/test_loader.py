@@ -206,3 +206,52 @@ def test_ranks_cover_every_frame_exactly_once_under_mpiexec(small_archive, ranks
                            out, "2"], timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK frames=" in proc.stdout
+
+
+@pytest.mark.parametrize("worlds", [(2, 3, 2), (3, 1, 4), (1, 2, 2)])
+def test_an_epoch_re_dealt_mid_way_trains_every_frame_once(small_archive, worlds):
+    """K ranks read part of an epoch, the rest is re-dealt to K' ranks (redeal), they read
+    part of it, it is re-dealt again: every frame of the epoch comes out exactly once, and
+    every rank of a deal reads as many frames as the others (one more at most)."""
+    from hpcsgd.data.loader import redeal
+    path, _ = small_archive
+    kw = dict(context=CONTEXT, cmvn="none", block_frames=500, buffer_frames=1500, seed=3,
+              max_batch=97)
+    epoch, seen, deal = 1, [], None
+    first = worlds[0]
+    loaders = [FrameLoader(path, r, first, **kw) for r in range(first)]
+    standard = loaders[0].plan.rank_frames(epoch)
+    for step, world in enumerate(worlds):
+        if step:   # the rest of the epoch, dealt to `world` ranks
+            deal = redeal(deal, offsets, world, standard)
+            loaders = [FrameLoader(path, r, world, **kw) for r in range(world)]
+            frames = loaders[0].epoch_frames(epoch, deal)
+            assert frames.max() - frames.min() <= 1
+        offsets = [0] * world
+        for r, loader in enumerate(loaders):
+            loader.start_epoch(epoch, 0, deal)
+            budget = loader.remaining if step == len(worlds) - 1 else loader.remaining // 3
+            while offsets[r] < budget:
+                x, _ = loader.next_batch(min(97, budget - offsets[r]))
+                seen.append(centre_ids(x))
+                offsets[r] += len(x)
+            loader.close()
+    seen = np.concatenate(seen)
+    total = FrameLoader(path, 0, 1, **kw).plan.rank_frames(epoch).sum()
+    assert len(seen) == total and len(np.unique(seen)) == total
+
+
+def test_a_re_dealt_stream_resumes_at_an_offset(small_archive):
+    """A deal's stream started at a saved offset continues exactly where it stopped."""
+    from hpcsgd.data.loader import redeal
+    path, _ = small_archive
+    kw = dict(context=CONTEXT, cmvn="none", block_frames=500, buffer_frames=1500, seed=3,
+              max_batch=64)
+    standard = FrameLoader(path, 0, 2, **kw).plan.rank_frames(0)
+    deal = redeal(None, [100, 37], 3, standard)
+    whole = FrameLoader(path, 1, 3, **kw)
+    whole.start_epoch(0, 0, deal)
+    ids = np.concatenate([centre_ids(whole.next_batch(64)[0]) for _ in range(5)])
+    later = FrameLoader(path, 1, 3, **kw)
+    later.start_epoch(0, 150, deal)
+    np.testing.assert_array_equal(centre_ids(later.next_batch(64)[0]), ids[150:214])

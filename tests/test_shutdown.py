@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MPIEXEC, REPO, make_archive, run_mpi
 from hpcsgd import checkpoint
-from hpcsgd.shutdown import EXIT_REQUEUE, EXIT_WATCHDOG
+from hpcsgd.shutdown import EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_WATCHDOG
 
 ENV = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONUNBUFFERED="1",
            OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
@@ -161,3 +161,46 @@ def test_killed_rank_ends_the_job_at_once(archive, tmp_path):
     assert code != 0 and time.monotonic() - t0 < 10
     assert f"PID {pid}" in out   # hydra names the dead process; the rank log maps pid -> rank
     assert checkpoint.load(checkpoint.latest(run))[1]["frames"] > 0
+    # heartbeats are rewritten in place: a killed job leaves no temporary file behind
+    assert not [f for f in os.listdir(os.path.join(run, "logs")) if ".tmp" in f]
+
+
+def test_ctrl_c_checkpoints_every_rank_and_stops_without_a_traceback(archive, tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group (mpiexec and every
+    rank): all ranks checkpoint at one step and exit 130; no KeyboardInterrupt anywhere."""
+    run = str(tmp_path / "run")
+    proc = start(2, archive, run)
+    wait_for_training(run, 1, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out = finish(proc, 60)
+    assert code == EXIT_INTERRUPTED, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    logs = [open(os.path.join(run, "logs", f"rank{r:04d}.log")).read() for r in (0, 1)]
+    stops = [re.search(r"stopping on SIGINT at step (\d+), frame ([\d,]+): checkpoint (\S+);", t)
+             for t in logs]
+    assert all(stops) and stops[0].groups() == stops[1].groups(), logs
+    assert checkpoint.latest(run) == stops[0].group(3)
+    assert "Ctrl-C again to abort at once" in out
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    """After the first SIGINT the default action is back: the second one ends the process
+    (killed by SIGINT), wherever it is, with nothing printed but the first notice."""
+    code = """
+import os, signal, time
+from hpcsgd.shutdown import StopSignal
+stop = StopSignal(say=lambda m: print("said:", m, flush=True))
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.2)
+print("code", stop.code, stop.received, signal.getsignal(signal.SIGINT) == signal.SIG_DFL,
+      flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(5)
+print("still running", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env=ENV)
+    assert proc.returncode == -signal.SIGINT, proc.stdout + proc.stderr
+    assert "said: SIGINT: checkpointing at the next step" in proc.stdout
+    assert "code 2 SIGINT True" in proc.stdout and "still running" not in proc.stdout
+    assert "Traceback" not in proc.stderr

@@ -35,7 +35,7 @@ def make_state(double_buffering=False, seed=0):
               "label_counts": [1, 2, 3], "aggregation": "striped",
               "config": {"train.minibatch": N, "optim.adagrad": "aggregate",
                          "train.probe_every_frames": 100}}
-    return TrainState(Grid(MPI.COMM_SELF), params, opt, ex, step, static), step
+    return TrainState(Grid(MPI.COMM_SELF), params, opt, ex, step, None, static), step
 
 
 def train(state, step, steps, seed=1):

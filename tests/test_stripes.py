@@ -3,7 +3,8 @@ matrix; per-rank state moves to another number of ranks without losing anything.
 import numpy as np
 import pytest
 
-from hpcsgd.comm.stripes import fold_residuals, restripe, stripe_of, stripe_ranges, unstripe
+from hpcsgd.comm.stripes import (fold_residuals, folded_from, restripe, stripe_of, stripe_ranges,
+                                 unstripe)
 from hpcsgd.model.flat import ParamSpec, matrices
 
 MATS = matrices([("W0", (7, 5)), ("b0", (1, 5)), ("W1", (5, 3)), ("b1", (1, 3))])
@@ -33,7 +34,8 @@ def test_folded_residuals_keep_what_no_rank_has_sent(old_world, world):
     old1 = [rng.standard_normal(size).astype(np.float32) for _ in range(old_world)]
     full2 = rng.standard_normal(size).astype(np.float32)
     old2 = [stripe_of(full2, MATS, r, old_world) for r in range(old_world)]
-    new = [fold_residuals(old1, old2, MATS, old_world, r, world) for r in range(world)]
+    new = [fold_residuals([old1[k] for k in folded_from(r, old_world, world)], old2, MATS,
+                          old_world, r, world) for r in range(world)]
     np.testing.assert_allclose(sum(r1 for r1, _ in new), sum(old1), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(unstripe([r2 for _, r2 in new], MATS, world), full2)
     for r, (_, r2) in enumerate(new):

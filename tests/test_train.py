@@ -253,3 +253,53 @@ def test_a_cv_set_smaller_than_one_block_per_rank_is_evaluated_by_three_ranks(sy
     result = json.load(open(out))
     assert result["frame_accuracy"] == pytest.approx(epoch["cv_frame_accuracy"], abs=1e-12)
     assert result["ce"] == pytest.approx(epoch["cv_ce"], rel=1e-9)
+
+
+# --- the run directory ---------------------------------------------------------------------
+
+def test_a_fresh_start_cleans_what_a_run_without_a_checkpoint_left(synth, tmp_path):
+    """An earlier attempt that died before its first checkpoint left logs and metrics: a
+    fresh start removes them (and says so), so `hpcsgd plot` shows one run."""
+    run = str(tmp_path / "run")
+    os.makedirs(os.path.join(run, "logs"))
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"kind": "train", "frames": 999999, "ce": 9.9}) + "\n")
+    open(os.path.join(run, "logs", "rank0000.log"), "w").write("an old attempt\n")
+    hpcsgd(*train_args(synth, run, "train.epochs=1"))
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert records[0]["kind"] == "start" and max(r.get("frames", 0) for r in records) < 999999
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert "an old attempt" not in log and "never reached a checkpoint: removed" in log
+
+
+def test_a_resumed_run_keeps_only_its_own_metrics(synth, tmp_path):
+    """Records the interrupted attempt wrote after its last checkpoint are dropped: the
+    resumed run trains those frames again and records them once."""
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run, "train.stop_after_frames=1500"))
+    frames = final_params(run)[1]["frames"]
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:   # the attempt went on, then died
+        f.write(json.dumps({"kind": "train", "frames": frames + 10, "ce": 9.9}) + "\n")
+    hpcsgd(*train_args(synth, run))
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert not [r for r in records if r.get("ce") == 9.9]
+    train = [r["frames"] for r in records if r["kind"] == "train"]
+    assert train == sorted(train) and len(train) == len(set(train))
+
+
+def test_a_fresh_start_over_another_runs_checkpoints_is_refused(synth, tmp_path):
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run, "train.epochs=1"))
+    proc = hpcsgd(*train_args(synth, run, "train.resume=none"), check=False)
+    assert proc.returncode == 2
+    assert f"{run} holds checkpoints of another run" in proc.stderr, proc.stderr
+    assert checkpoint.latest(run)   # nothing deleted
+
+
+def test_an_error_is_in_the_rank_log_too(synth, tmp_path):
+    run = str(tmp_path / "run")
+    proc = hpcsgd(*train_args(synth, run, "optim.lr=10", "model.activation=relu",
+                              "model.hidden=[256, 256]", "optim.momentum_tc=0"), check=False)
+    assert proc.returncode == 2
+    assert "hpcsgd train: rank 0: error:" in proc.stderr
+    assert "error:" in open(os.path.join(run, "logs", "rank0000.log")).read()

@@ -11,6 +11,22 @@ import argparse
 import importlib
 import sys
 
+USAGE = """Benchmarks: each figure beside the machine limit it is measured against in the same run
+(memory bandwidth, GEMM rate, float32 Allreduce, the link), with the exact command recorded.
+
+benchmarks (hpcsgd bench NAME --help for each one's options):
+  exchange  exchange time per phase vs float32 in-place Allreduce
+  kernels   codec encode/decode-accumulate GB/s vs memory bandwidth
+  loader    spliced+CMVN frames/s vs raw HDF5 read rate
+  machine   memory, GEMM and MPI collective limits of this machine
+  plan      Eq. 4: K-hat, predicted speed-ups, check against bench train
+  train     frames/s at K ranks vs the GEMM roofline and no exchange"""
+EXAMPLES = """examples:
+  hpcsgd bench train --config jobs/configs/so762.yaml --ranks 1,2     the model users train
+  hpcsgd bench exchange --ranks 2 --json ex.json --compare docs/bench/exchange.json
+  hpcsgd bench kernels --small                                         seconds
+Results and the commands behind them: docs/benchmarks.md."""
+
 BENCHES = {
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
@@ -29,8 +45,10 @@ def add_arguments(parser):
 def run(args):
     from hpcsgd.bench import emucluster, launch, report
     module = importlib.import_module(BENCHES[args.name][0])
-    parser = argparse.ArgumentParser(prog=f"hpcsgd bench {args.name}", description=module.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hpcsgd.cli import HelpFormatter, usage
+    parser = argparse.ArgumentParser(prog=f"hpcsgd bench {args.name}", description=usage(module),
+                                     epilog=getattr(module, "EXAMPLES", None),
+                                     formatter_class=HelpFormatter)
     module.add_arguments(parser)
     report.add_arguments(parser)
     mpi = getattr(module, "USES_MPI", False)

@@ -1,36 +1,10 @@
 """This machine's GEMM limits: float32 matmul GFLOP/s for a DNN's training shapes, the BLAS's
 best on a large square product (`bench train` times the step's GEMMs alone itself, the
-model's forward and backward with hpcsgd.model.ops.GemmOnly). OpenBLAS threads are set at run time through the
-library numpy loaded (ctypes), so one process can measure 1 thread and all cores.
+model's forward and backward with hpcsgd.model.ops.GemmOnly). OpenBLAS threads are set at
+run time through the library numpy loaded (hpcsgd.threads.blas_threads), so one process can
+measure 1 thread and all cores.
 """
-import ctypes
-import glob
-import os
-
 import numpy as np
-
-_BLAS = None
-
-
-def _blas():
-    """numpy's bundled OpenBLAS (scipy-openblas wheel) or None if it cannot be found."""
-    global _BLAS
-    if _BLAS is None:
-        libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-        found = glob.glob(os.path.join(libs, "libscipy_openblas*.so*"))
-        _BLAS = ctypes.CDLL(found[0]) if found else False
-    return _BLAS or None
-
-
-def blas_threads(n=None):
-    """Set OpenBLAS's thread count (if n) and return it (None: not an OpenBLAS we know)."""
-    lib = _blas()
-    if lib is None:
-        return None
-    if n:
-        lib.scipy_openblas_set_num_threads64_(int(n))
-    return int(lib.scipy_openblas_get_num_threads64_())
-
 
 def gemm_timer(m, k, n, transpose_a=False, transpose_b=False):
     """(run, flop): one product C(m,n) = A(m,k) @ B(k,n) into a preallocated C (A or B read

@@ -2,8 +2,9 @@
 
     mpiexec [emulated-cluster options] -n K python -m MODULE ARGS --json OUT
 
-with the venv's MPICH (the mpiexec beside this Python). The cores are split evenly over the
-ranks (NUMBA/OpenBLAS/OMP threads = max(1, cores // K)); with more ranks than cores
+with the venv's MPICH (the mpiexec beside this Python). Threads per rank follow the trainer's
+rule (hpcsgd/threads.py: --threads, OMP_NUM_THREADS, SLURM_CPUS_PER_TASK, else this
+process's cores // K), set in every thread variable of the ranks; with more ranks than cores
 MPIR_CVAR_ENABLE_HEAVY_YIELD=1, because a waiting MPICH rank busy-polls a core otherwise.
 Inside an emulated cluster (hpcsgd/bench/emucluster.py: cluster() sets EMUCLUSTER_MPIEXEC_ARGS)
 the command gets the hydra options that put rank i in network namespace i, so every MPI
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+from hpcsgd import threads
+
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
@@ -26,11 +29,13 @@ class LaunchError(RuntimeError):
 
 
 def cores():
-    return os.cpu_count() or 1
+    """The cores this process may run on (its affinity mask), which the ranks share."""
+    return len(threads.affinity())
 
 
 def threads_per_rank(k):
-    return max(1, cores() // k)
+    """The trainer's rule (hpcsgd/threads.py) for k ranks sharing these cores."""
+    return threads.plan(threads.affinity(), k)[0]
 
 
 def link_gbps():
@@ -55,11 +60,10 @@ def run_group(cmd, env=None, timeout=None):
         raise
 
 
-def mpirun(k, module, args, timeout=1800, threads=None):
+def mpirun(k, module, args, timeout=1800, n_threads=None):
     """`mpiexec -n k python -m module args --json OUT` -> the dict rank 0 wrote to OUT."""
-    t = str(threads or threads_per_rank(k))
-    env = dict(os.environ, NUMBA_NUM_THREADS=t, OMP_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t,
-               PYTHONUNBUFFERED="1")
+    t = str(n_threads or threads_per_rank(k))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **dict.fromkeys(threads.VARIABLES, t))
     if k > cores():
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     extra = shlex.split(os.environ.get("EMUCLUSTER_MPIEXEC_ARGS", ""))

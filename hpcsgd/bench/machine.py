@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from hpcsgd.bench import gemm, launch, membw, report
+from hpcsgd.threads import blas_threads
 
 USES_MPI = True
 COLLECTIVES = {"allreduce": lambda k: 2 * (k - 1) / k, "alltoall": lambda k: (k - 1) / k,
@@ -77,14 +78,14 @@ def run(args):
 
     # 2. GEMM: the model's shapes on all cores, each timed in alternation with a square
     # product (the BLAS's best here) so that shape and limit see the same neighbours
-    blas0 = gemm.blas_threads()
+    blas0 = blas_threads()
     side = 1024 if small else 4096
     square = {}
     for t in sorted({1, cores}):
-        gemm.blas_threads(t)
+        blas_threads(t)
         run, flop = gemm.gemm_timer(side, side, side)
         square[t] = flop / membw.best_time(run, repeats) / 1e9
-    gemm.blas_threads(cores)
+    blas_threads(cores)
     alt, alt_flop = gemm.gemm_timer(side // 2, side // 2, side // 2)
     dims = [shape["input_dim"], *shape["hidden"], shape["num_labels"]]
     shapes, beside = {}, {}
@@ -95,7 +96,7 @@ def run(args):
             t_alt = min(t_alt, membw.best_time(alt, 1))
             t_shape = min(t_shape, membw.best_time(run, 1))
         shapes[label], beside[label] = flop / t_shape / 1e9, alt_flop / t_alt / 1e9
-    gemm.blas_threads(blas0)
+    blas_threads(blas0)
     print(f"\nfloat32 GEMM, OpenBLAS, best of {repeats}: {side}^3 product {square[1]:.1f} GFLOP/s "
           f"on 1 thread, {square[cores]:.1f} on {cores}; each training shape beside a "
           f"{side // 2}^3 product timed in alternation with it (the limit)")

@@ -38,6 +38,7 @@ double buffering) is printed per K and exchange; --progress none,test,thread giv
 double-buffered row per progress mode, measured in the same rounds.
 """
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ import time
 import numpy as np
 
 from hpcsgd.bench import launch, report
+from hpcsgd.device import synchronize
 from hpcsgd.model.ops import GemmOnly
 from hpcsgd.step import Step, gradient_buffers, halves
 
@@ -62,6 +64,13 @@ CATEGORIES = {"encode": ("encode", "decode_sum", "reencode", "decode"),
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true",
                         help="a 0.4M-parameter model, K = 1,2, N = 256: a CI smoke test (seconds)")
+    parser.add_argument("--config", metavar="YAML",
+                        help="the model of a training config instead of the paper's 46M one: "
+                             "its model.hidden, model.activation and train.minibatch, the "
+                             "input and label sizes from its archive (e.g. "
+                             "jobs/configs/so762.yaml)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: GPU ranks, one GPU per local rank, as train.device=cuda")
     parser.add_argument("--ranks", default=None, help="K values (default 1,2,4; --small 1,2)")
     parser.add_argument("--minibatch", "--batch", default=None,
                         help="global minibatch sizes N, comma-separated (default 1024; "
@@ -78,17 +87,34 @@ def add_arguments(parser):
                              "default 3, --small 2)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per round (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    parser.add_argument("--activation", default="sigmoid", choices=["sigmoid", "relu"])
+    parser.add_argument("--activation", default=None, choices=["sigmoid", "relu"],
+                        help="hidden nonlinearity (default: the config's, else sigmoid)")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads per rank (default: cores // K)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
+
+
+def model_of(args):
+    """(name, shape, activation, default minibatch) of the benchmarked model."""
+    if args.config:
+        from hpcsgd import config
+        from hpcsgd.data import archive
+        cfg = config.load(args.config, [])
+        index = archive.read_index(cfg["data.train"])   # the input and label sizes
+        shape = dict(input_dim=(2 * cfg["data.context"] + 1) * index["feature_dim"],
+                     hidden=cfg["model.hidden"], num_labels=index["num_labels"])
+        return (os.path.basename(args.config), shape,
+                args.activation or cfg["model.activation"], cfg["train.minibatch"])
+    if args.small:
+        return "small", SMALL, args.activation or "sigmoid", 256
+    return "paper 46M", PAPER, args.activation or "sigmoid", 1024
 
 
 def _settings(args):
     """(ranks, minibatches, modes) with the --small defaults filled in. A mode is
     (double buffering, progress): (False, None), or (True, "none" | "test")."""
     ranks = [int(k) for k in (args.ranks or ("1,2" if args.small else "1,2,4")).split(",")]
-    ns = [int(n) for n in str(args.minibatch or (256 if args.small else 1024)).split(",")]
+    ns = [int(n) for n in str(args.minibatch or model_of(args)[3]).split(",")]
     db = args.double_buffering or ("both" if args.small else "off")
     progress = args.progress.split(",")
     if not set(progress) <= {"none", "test", "thread"}:
@@ -99,8 +125,8 @@ def _settings(args):
 
 def run(args):
     ranks, ns, modes = _settings(args)
-    shape = SMALL if args.small else PAPER
-    print(f"hpcsgd bench train: {'small' if args.small else 'paper 46M'} model "
+    name, shape, activation, _ = model_of(args)
+    print(f"hpcsgd bench train: {name} model "
           f"{shape['input_dim']}-{'x'.join(map(str, shape['hidden']))}-{shape['num_labels']}, "
           f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
           f"{'/'.join(_db_name(*m) for m in modes)}; {launch.cores()} cores, load average "
@@ -111,8 +137,9 @@ def run(args):
               "--progress", args.progress,
               "--steps", args.steps, "--rounds", args.rounds or (2 if args.small else 3),
               "--warmup", args.warmup,
-              "--activation", args.activation]
+              "--activation", activation, "--device", args.device]
     worker += ["--small"] if args.small else []
+    worker += ["--config", args.config] if args.config else []
     runs = []
     for k in ranks:
         # --small: 1 thread per rank; a 2-thread Numba kernel on a tiny model mostly waits for
@@ -126,7 +153,7 @@ def run(args):
                 row["wire_s"] = row["exchanges_per_step"] * row["bytes_per_rank"] * 8 / (gbps * 1e9)
         runs.append(res)
         print_table(res)
-    out = {"model": "small" if args.small else "paper-46M", "shape": shape,
+    out = {"model": name, "shape": shape, "activation": activation, "device": args.device,
            "params": runs[0]["params"], "minibatches": ns, "exchanges": args.exchange.split(","),
            "link_gbps": launch.link_gbps(), "runs": runs}
     if len({db for db, _ in modes}) == 2:
@@ -221,7 +248,7 @@ def print_table4(res):
 
 
 # ---- rank side (under mpiexec, started by run() through launch.mpirun) -----------------------
-def exchange_config(name):
+def exchange_config(name, device="cpu"):
     """The trainer's config for an exchange name (make_exchange builds the object from it)."""
     from hpcsgd import config
     if name == "allreduce":
@@ -232,7 +259,7 @@ def exchange_config(name):
         over = ["exchange.aggregation=striped", "exchange.codec=kbit", f"exchange.bits={name[4:]}"]
     else:
         over = ["exchange.aggregation=striped", f"exchange.codec={name}"]
-    return config.load(None, ["data.train=unused"] + over)   # data.train: required, unused here
+    return config.load(None, ["data.train=unused", f"train.device={device}"] + over)
 
 
 class Local:
@@ -271,10 +298,11 @@ class Local:
 class Rank:
     """This rank's model, buffers and random frames, and the timed step loops."""
 
-    def __init__(self, comm, shape, activation, max_local):
+    def __init__(self, comm, shape, activation, max_local, device="cpu"):
         from hpcsgd.model.dnn import dnn
         self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
-        self.model = dnn(**shape, activation=activation, max_batch=max_local)
+        self.device = device
+        self.model = dnn(**shape, activation=activation, max_batch=max_local, device=device)
         self.params = self.model.new_params()
         self.model.init(self.params, np.random.default_rng(0))      # replicas start equal
         self.grads = gradient_buffers(self.model, True)   # double buffering: 2
@@ -309,6 +337,7 @@ class Rank:
                 if n:
                     self.model.forward_backward(self.params, self.grads[0], self.x, self.y, n,
                                                 ops=GemmOnly())
+            synchronize(self.device)   # GPU ranks: the GEMMs queued on the device are done
             samples.append(self.slowest(time.perf_counter() - t))
         return statistics.median(samples[1:])
 
@@ -320,7 +349,7 @@ class Rank:
         if not isinstance(ex, Local):
             ex.poller = Poller() if progress == "thread" else None
         step = Step(self.model, self.params, self.grads, opt, ex, double_buffering,
-                    progress or "none")
+                    progress or "none", device=self.device)
         marks, ce = [], 0.0
         self.comm.Barrier()
         for s in range(warmup + steps):
@@ -384,19 +413,23 @@ def worker(argv):
     args = parser.parse_args(argv)
     _, ns, modes = _settings(args)
     comm = MPI.COMM_WORLD
-    K = comm.Get_size()
-    shape = SMALL if args.small else PAPER
-    r = Rank(comm, shape, args.activation, max(int(batch_split(n, K)[0]) for n in ns))
+    K, dev = comm.Get_size(), args.device
+    _, shape, activation, _ = model_of(args)
+    if dev == "cuda":   # one GPU per local rank, before any allocation on one
+        from hpcsgd.comm.gpu import bind_gpu
+        from hpcsgd.comm.grid import Grid
+        bind_gpu(Grid(comm).node_rank)
+    r = Rank(comm, shape, activation, max(int(batch_split(n, K)[0]) for n in ns), dev)
     size = r.params.size
     flop = gemm_flop_per_frame(**shape)
     configs = [(n, mode, batch_split(n, K)) for n in ns for mode in modes]
     # every exchange (and the skipped one: a replicated momentum optimizer) built once
-    local_opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC)
+    local_opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC, device=dev)
     runs = {"none": (Local(local_opt), local_opt)}
     for name in args.exchange.split(","):
-        ex = make_exchange(exchange_config(name), comm, r.params.matrices)
+        ex = make_exchange(exchange_config(name, dev), comm, r.params.matrices)
         runs[name] = (ex, Optimizer(size, momentum_time_constant=MOMENTUM_TC,
-                                    post_size=ex.state_size))
+                                    post_size=ex.state_size, device=dev))
     rows, skip, roof = [], {}, {}
     for n in ns:
         here = [(mode, take) for m, mode, take in configs if m == n]

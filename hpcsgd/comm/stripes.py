@@ -67,16 +67,23 @@ def restripe(arrays, old_size, old_striped, mats, rank, size, striped):
     return out
 
 
+def folded_from(rank, old_size, size):
+    """The old ranks whose first residuals new rank `rank` of `size` takes over."""
+    return list(range(rank, old_size, size))
+
+
 def fold_residuals(old1, old2, mats, old_size, rank, size):
     """Error feedback across a change of data ranks, nothing lost: the sum over ranks of the
     first residuals (what no rank has sent yet) and every owner's second residual (what no
     owner has sent yet) are both preserved.
-      residual1  new rank j takes the sum of the old ranks r with r % size == j (full size)
+      residual1  new rank j takes the sum of the old ranks r with r % size == j
+                 (folded_from; none for a new rank beyond the old ones: zeros)
       residual2  the owners' compact stripes laid back into the full vector, cut into the new
                  stripes
-    old1, old2: lists of every old rank's arrays. Returns (residual1, residual2) of `rank`."""
-    r1 = np.zeros_like(np.asarray(old1[0]))
-    for r in range(rank, old_size, size):
-        r1 += np.asarray(old1[r])
+    old1: the first residuals of folded_from(rank, old_size, size), in that order; old2: every
+    old rank's second residual. Returns (residual1, residual2) of `rank`."""
+    r1 = np.zeros(sum(m.size for m in exchanged(mats)), np.float32)
+    for part in old1:
+        r1 += np.asarray(part)
     r2 = stripe_of(unstripe(old2, mats, old_size), mats, rank, size)
     return r1, r2

@@ -163,9 +163,15 @@ def write_index(out_dir):
 def read_index(archive_dir):
     """Load OUT/index.json; every shard it names must exist."""
     path = os.path.join(archive_dir, INDEX_NAME)
+    if not os.path.isdir(archive_dir):
+        raise UserError(f"{archive_dir}: no such archive directory (make it with `hpcsgd prep "
+                        f"DATA_DIR {archive_dir} --alignments ALI`; the README's pipeline shows how)")
     if not os.path.isfile(path):
-        raise UserError(f"{archive_dir}: no {INDEX_NAME} (not an hpcsgd archive, or prep's "
-                        f"index step did not run: `hpcsgd prep --write-index {archive_dir}`)")
+        shards = [n for n in os.listdir(archive_dir) if n.startswith("shard-") and n.endswith(".h5")]
+        hint = (f"its shards are there but the index step did not run: `hpcsgd prep --write-index "
+                f"{archive_dir}`" if shards else f"not an hpcsgd archive: make one with "
+                f"`hpcsgd prep DATA_DIR {archive_dir} --alignments ALI`")
+        raise UserError(f"{archive_dir}: no {INDEX_NAME} ({hint})")
     try:
         with open(path) as f:
             index = json.load(f)

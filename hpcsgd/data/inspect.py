@@ -9,7 +9,6 @@ across shards and the index; index frame/utterance/speaker counts vs the shards;
 utterance in exactly one shard; labels.txt matching the inventory hash. Exits 1 naming every
 problem. Summary: hours, frames, utterances, speakers, features, label histogram.
 """
-import argparse
 import glob
 import os
 
@@ -22,7 +21,6 @@ TOP_LABELS = 10  # labels listed in the histogram
 
 
 def add_arguments(p):
-    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the usage examples' lines
     p.add_argument("archive", metavar="ARCHIVE", help="archive directory (holds index.json)")
     p.add_argument("--no-values", action="store_true",
                    help="skip the full read of feats/labels (NaN/Inf, label range): metadata only")

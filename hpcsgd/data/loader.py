@@ -43,6 +43,39 @@ def batch_split(global_batch, world):
     return np.array([local_batch_size(global_batch, r, world) for r in range(world)], np.int64)
 
 
+def redeal(deal, offsets, world, standard):
+    """An epoch dealt anew to `world` ranks mid-way, nothing trained twice or skipped: what
+    every old rank has not yet read -- its segments from its offset on, in old rank order --
+    is cut into `world` contiguous parts of as equal frames as possible (the first ranks one
+    frame more). deal: the old deal, or None for the standard one, whose rank r reads
+    [0, standard[r]) of its own plan's stream (standard: the old plan's rank_frames, of
+    old_world = len(offsets) ranks). A segment is (plan world, plan rank, lo, hi). Returns
+    the new deal: a list of `world` segment lists. Pure: every rank computes the same."""
+    old_world = len(offsets)
+    if deal is None:
+        deal = [[(old_world, r, 0, int(standard[r]))] for r in range(old_world)]
+    rest = []   # every unread segment, in order
+    for segs, offset in zip(deal, offsets):
+        skip = int(offset)
+        for plan_world, plan_rank, lo, hi in segs:
+            done = min(skip, hi - lo)     # read already
+            skip -= done
+            if lo + done < hi:
+                rest.append((plan_world, plan_rank, lo + done, hi))
+    total = sum(hi - lo for *_, lo, hi in rest)
+    share = [total // world + (1 if r < total % world else 0) for r in range(world)]
+    new, k = [[] for _ in range(world)], 0
+    for plan_world, plan_rank, lo, hi in rest:
+        while lo < hi:
+            while k < world and share[k] == 0:
+                k += 1
+            take = min(hi - lo, share[k])
+            new[k].append((plan_world, plan_rank, lo, lo + take))
+            share[k] -= take
+            lo += take
+    return new
+
+
 class Plan:
     """Blocks of the archive and their assignment to ranks, computed from index.json only."""
 
@@ -118,6 +151,7 @@ class FrameLoader:
         self.rank, self.world, self.context, self.seed = rank, world, context, seed
         self.cmvn, self.prefetch = cmvn, prefetch
         self.plan = Plan(self.index, world, seed, block_frames, buffer_frames)
+        self.plan_block_frames, self._plans = block_frames, {}
         self.feature_dim = int(self.index["feature_dim"])
         self.input_dim = (2 * context + 1) * self.feature_dim
         self.num_labels = int(self.index["num_labels"])
@@ -151,8 +185,11 @@ class FrameLoader:
             self._files[s] = archive.open_shard(path)
         return self._files[s]
 
-    def _load_buffer(self, epoch, number, blocks):
-        """Read, normalise and shuffle one buffer (runs in the prefetch thread)."""
+    def _load_buffer(self, epoch, job):
+        """Read, normalise and shuffle one buffer (runs in the prefetch thread); job =
+        (plan world, plan rank, buffer number, blocks, first, end): the buffer is that rank's
+        under that plan, so its frame order is too."""
+        _, plan_rank, number, blocks = job[:4]
         C = self.context
         frames = int((blocks[:, 2] - blocks[:, 1]).sum())
         rows = int(sum(min(self.index["shards"][s]["frames"], e + C) - max(0, b - C)
@@ -184,31 +221,62 @@ class FrameLoader:
             hi[pos:pos + n] = row + np.minimum(offsets[utt + 1], w1) - 1 - w0
             row += w1 - w0
             pos += n
-        order = _rng(self.seed, epoch, self.rank, number).permutation(frames)
+        order = _rng(self.seed, epoch, plan_rank, number).permutation(frames)
         return Buffer(feats, labels, src, lo, hi, order)
 
     # --- the epoch stream ---------------------------------------------------------------
-    def start_epoch(self, epoch, offset=0):
-        """Begin streaming `epoch` at frame `offset` of this rank's stream (0, or a saved one)."""
+    def plan_for(self, world):
+        """The block plan for `world` ranks (this loader's own, or another's for a re-dealt
+        epoch: hpcsgd/data/loader.py, redeal)."""
+        if world == self.world:
+            return self.plan
+        if world not in self._plans:
+            self._plans[world] = Plan(self.index, world, self.seed, self.plan_block_frames,
+                                      self.plan.buffer_frames)
+        return self._plans[world]
+
+    def segments(self, epoch, deal=None):
+        """This rank's stream in `epoch` as segments (plan world, plan rank, lo, hi): the
+        standard one, or its part of a deal (see redeal)."""
+        if deal is not None:
+            return [tuple(seg) for seg in deal[self.rank]]
+        return [(self.world, self.rank, 0, int(self.plan.rank_frames(epoch)[self.rank]))]
+
+    def epoch_frames(self, epoch, deal=None):
+        """Frames every rank streams in `epoch` (the same on all ranks, no communication)."""
+        if deal is None:
+            return self.plan.rank_frames(epoch)
+        return np.array([sum(hi - lo for _, _, lo, hi in segs) for segs in deal], np.int64)
+
+    def start_epoch(self, epoch, offset=0, deal=None):
+        """Begin streaming `epoch` at frame `offset` of this rank's stream (0, or a saved one);
+        deal: the epoch re-dealt over this world (None: every rank its own plan's stream)."""
         self.close()
-        buffers = self.plan.rank_buffers(epoch, self.rank)
-        sizes = [int((b[:, 2] - b[:, 1]).sum()) for b in buffers]
-        total = sum(sizes)
+        jobs = []   # (plan world, plan rank, buffer number, blocks, first, end)
+        for world, rank, lo, hi in self.segments(epoch, deal):
+            at = 0
+            for number, blocks in enumerate(self.plan_for(world).rank_buffers(epoch, rank)):
+                size = int((blocks[:, 2] - blocks[:, 1]).sum())
+                first, end = max(lo - at, 0), min(hi - at, size)
+                if first < end:
+                    jobs.append((world, rank, number, blocks, first, end))
+                at += size
+        total = sum(end - first for *_, first, end in jobs)
         if not 0 <= offset <= total:
             raise UserError(f"loader: saved offset {offset} outside epoch {epoch} of rank "
                             f"{self.rank} ({total} frames); was the archive or world size changed?")
-        first, skipped = 0, 0
-        while first < len(sizes) and skipped + sizes[first] <= offset:
-            skipped += sizes[first]
-            first += 1
+        skipped = 0
+        while jobs and skipped + jobs[0][5] - jobs[0][4] <= offset:   # whole buffers done
+            skipped += jobs[0][5] - jobs[0][4]
+            jobs.pop(0)
+        if jobs:   # the first buffer starts at the resume point
+            jobs[0] = jobs[0][:4] + (jobs[0][4] + offset - skipped, jobs[0][5])
         self._epoch = epoch
         self._total = total
         self._offset = offset
-        self._in_buffer = offset - skipped
         self._current = None
         self._queue = queue.Queue(maxsize=1)   # one buffer ahead: memory stays at 2-3 buffers
         self._stop = threading.Event()
-        jobs = [(i, buffers[i]) for i in range(first, len(buffers))]
         if self.prefetch:
             self._thread = threading.Thread(target=self._producer, args=(epoch, jobs), daemon=True)
             self._thread.start()
@@ -218,8 +286,8 @@ class FrameLoader:
 
     def _producer(self, epoch, jobs):
         try:
-            for number, blocks in jobs:
-                if not self._put(self._load_buffer(epoch, number, blocks)):
+            for job in jobs:
+                if not self._put((self._load_buffer(epoch, job), job[4], job[5])):
                     return
             self._put(None)  # end of this rank's stream
         except BaseException as err:  # handed to the trainer's thread, raised there
@@ -236,9 +304,10 @@ class FrameLoader:
         return False
 
     def _next_buffer(self):
+        """(buffer, first, end): the next buffer and the range of its order to stream."""
         if self._thread is None:
-            number, blocks = next(self._jobs)
-            return self._load_buffer(self._epoch, number, blocks)
+            job = next(self._jobs)
+            return self._load_buffer(self._epoch, job), job[4], job[5]
         item = self._queue.get()   # waits only if the trainer outruns the prefetch thread
         if isinstance(item, BaseException):
             raise item
@@ -265,17 +334,17 @@ class FrameLoader:
         filled = 0
         while filled < n:
             if self._current is None:
-                self._current = self._next_buffer()  # _in_buffer is 0, or the resume point
+                self._current, self._in_buffer, self._end = self._next_buffer()
             buf = self._current
-            take = min(n - filled, len(buf) - self._in_buffer)
+            take = min(n - filled, self._end - self._in_buffer)
             order = buf.order[self._in_buffer:self._in_buffer + take]
             splice_gather(buf.feats, buf.src, buf.lo, buf.hi, order, self.context,
                           self._out_x[filled:filled + take])
             self._out_y[filled:filled + take] = buf.labels[order]
             self._in_buffer += take
             filled += take
-            if self._in_buffer == len(buf):
-                self._current, self._in_buffer = None, 0
+            if self._in_buffer == self._end:
+                self._current = None
         self._offset += n
         return self._out_x[:n], self._out_y[:n]
 

@@ -2,7 +2,7 @@
 docs/exchange.md ("Double buffering") written out plainly, on the SAME global half-minibatches
 that `hpcsgd train exchange.double_buffering=true` sees with K ranks.
 
-    python tests/mpi/double_buffering_reference.py OUT.npz K key=value ...
+    python tests/mpi/double_buffering_reference.py OUT.npz K [--float64] key=value ...
 
 K loaders in one process, built as the K ranks build theirs. Per step every rank's share is
 split in halves ((take + 1) // 2, then the rest); half h's global minibatch is the ranks' half
@@ -19,11 +19,12 @@ import numpy as np
 
 from hpcsgd import config, optim
 
-from reference_setup import build
+from reference_setup import batch, build, float64_flag
 
+dtype = float64_flag(sys.argv)
 out_path, K = sys.argv[1], int(sys.argv[2])
 cfg = config.load(None, sys.argv[3:])
-batch_of, loaders, model, params, opt = build(cfg, K)
+batch_of, loaders, model, params, opt = build(cfg, K, dtype)
 grads = [model.new_params(), model.new_params()]   # G_h in flight, G_{h+1} being computed
 
 
@@ -49,7 +50,7 @@ for epoch in range(cfg["train.epochs"]):
             if not part.sum():
                 continue
             batches = [ld.next_batch(int(t)) for ld, t in zip(loaders, part)]
-            x = np.ascontiguousarray(np.concatenate([b[0] for b in batches]))
+            x = batch(np.ascontiguousarray(np.concatenate([b[0] for b in batches])), dtype)
             y = np.concatenate([b[1] for b in batches])
             slot ^= 1
             model.forward_backward(params, grads[slot], x, y, len(y))   # G_h at W_h

@@ -1,7 +1,7 @@
 """Single-process reference for the exchange tests: train on the SAME global minibatches that
 `hpcsgd train` sees with K ranks, without MPI.
 
-    python tests/mpi/exchange_reference.py OUT.npz K MODE key=value ...
+    python tests/mpi/exchange_reference.py OUT.npz K MODE [--float64] key=value ...
 
 The config overrides are the trainer's (same keys, same defaults). K loaders are built in this
 one process exactly as the K ranks build theirs (rank r of K, the rank's local minibatch); each
@@ -21,12 +21,14 @@ import numpy as np
 from hpcsgd import config, optim
 from hpcsgd.codecs import make_codec
 
-from reference_setup import build
+from reference_setup import batch, build, float64_flag
 
+dtype = float64_flag(sys.argv)
 out_path, K, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = config.load(None, sys.argv[4:])
 assert mode in ("float", "onebit") and (mode == "float" or K == 1)
-batch_of, loaders, model, params, opt = build(cfg, K)
+batch_of, loaders, model, params, opt = build(cfg, K, dtype)
+assert mode == "float" or dtype == np.float32
 grads = model.new_params()
 codec = make_codec("onebit", "reference")
 res1, res2 = np.zeros(params.size, np.float32), np.zeros(params.size, np.float32)
@@ -53,7 +55,7 @@ for epoch in range(cfg["train.epochs"]):
     while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
         take = np.minimum(batch_of, rank_frames - offsets)
         parts = [ld.next_batch(int(t)) for ld, t in zip(loaders, take)]
-        x = np.ascontiguousarray(np.concatenate([p[0] for p in parts]))
+        x = batch(np.ascontiguousarray(np.concatenate([p[0] for p in parts])), dtype)
         y = np.concatenate([p[1] for p in parts])
         n = len(y)
         model.forward_backward(params, grads, x, y, n)

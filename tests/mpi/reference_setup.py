@@ -1,5 +1,11 @@
 """What both single-process reference loops build from a trainer config: K ranks' loaders in
-one process (exactly as the K ranks build theirs), the model, initial params and optimizer."""
+one process (exactly as the K ranks build theirs), the model, initial params and optimizer.
+
+dtype float64 (the references' --float64): the same initial weights (drawn in float32 as the
+trainer draws them, then widened), the same float32 frames widened per batch, and every
+operation in float64 -- the trajectory the float32 runs approximate, so a test's tolerance is
+the distance of the float32 reference to it (tests/conftest.py: assert_float32_close)."""
+
 import numpy as np
 
 from hpcsgd import optim
@@ -7,7 +13,20 @@ from hpcsgd.data.loader import FrameLoader, batch_split
 from hpcsgd.model import build as build_model
 
 
-def build(cfg, K):
+def float64_flag(argv):
+    """--float64 in argv (removed from it): the dtype of the reference."""
+    if "--float64" in argv:
+        argv.remove("--float64")
+        return np.float64
+    return np.float32
+
+
+def batch(x, dtype):
+    """The loader's float32 frames, as the reference computes with them."""
+    return x if dtype == np.float32 else x.astype(dtype)
+
+
+def build(cfg, K, dtype=np.float32):
     """(batch_of, loaders, model, params, opt) for the config `cfg` and K ranks."""
     gb = cfg["train.minibatch"]
     batch_of = batch_split(gb, K)
@@ -16,11 +35,23 @@ def build(cfg, K):
                            max_batch=int(batch_of[r]), block_frames=cfg["data.block_frames"],
                            buffer_frames=cfg["data.buffer_frames"], prefetch=False)
                for r in range(K)]
-    model = build_model({"input_dim": loaders[0].input_dim, "hidden": cfg["model.hidden"],
-                         "num_labels": loaders[0].num_labels, "activation": cfg["model.activation"]},
-                        max_batch=max(gb, 1024))
-    params = model.new_params()
-    model.init(params, np.random.default_rng(cfg["train.seed"]))
+    describe = {"input_dim": loaders[0].input_dim, "hidden": cfg["model.hidden"],
+                "num_labels": loaders[0].num_labels, "activation": cfg["model.activation"]}
+    model32 = build_model(describe, max_batch=max(gb, 1024))
+    params = model32.new_params()
+    model32.init(params, np.random.default_rng(cfg["train.seed"]))
+    model = model32
+    if dtype != np.float32:   # the float32 initial weights, widened
+        from hpcsgd.model.dnn import dnn
+        model = dnn(**describe, max_batch=max(gb, 1024), dtype=dtype)
+        wide = model.new_params()
+        wide.flat[:] = params.flat
+        params = wide
     assert cfg["optim.adagrad"] != "local"   # per-rank state: not a single-process quantity
     opt = optim.from_config(cfg, params.size)
+    if dtype != np.float32:
+        opt = optim.Optimizer(params.size, momentum_time_constant=opt.momentum_time_constant,
+                              adagrad=opt.adagrad, adagrad_time_constant=opt.adagrad_time_constant,
+                              adagrad_eps=opt.adagrad_eps, weight_decay=opt.weight_decay,
+                              dtype=dtype)
     return batch_of, loaders, model, params, opt
