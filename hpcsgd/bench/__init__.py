@@ -15,6 +15,7 @@ USAGE = """Benchmarks: each figure beside the machine limit it is measured again
 (memory bandwidth, GEMM rate, float32 Allreduce, the link), with the exact command recorded.
 
 benchmarks (hpcsgd bench NAME --help for each one's options):
+  cuda      every CUDA kernel compiled for sm_80/sm_90 (no GPU needed): registers, spills
   exchange  exchange time per phase vs float32 in-place Allreduce
   kernels   codec encode/decode-accumulate GB/s vs memory bandwidth
   loader    spliced+CMVN frames/s vs raw HDF5 read rate
@@ -28,6 +29,7 @@ EXAMPLES = """examples:
 Results and the commands behind them: docs/benchmarks.md."""
 
 BENCHES = {
+    "cuda": ("hpcsgd.bench.cuda", "every CUDA kernel compiled for sm_80/sm_90: registers, spills"),
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),

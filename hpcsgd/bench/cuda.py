@@ -1,0 +1,243 @@
+"""`hpcsgd bench cuda`: every Numba CUDA kernel of the project compiled for real GPUs (sm_80,
+sm_90) by NVVM, with the argument types the trainer launches it with, and the registers per
+thread and spills ptxas reports -- on a machine without a GPU.
+
+    hpcsgd bench cuda [--cc 80,90] [--json FILE]
+
+No GPU has run this project's CUDA kernels (none was lent to it); Numba's simulator runs them
+(every test) but does not compile them. So this:
+  1. records: a child process under NUMBA_ENABLE_CUDASIM=1 runs the GPU paths of the trainer
+     itself -- a GPU model's forward, backward and posteriors, the step with the striped
+     exchange and every codec, the float32 and float16 allreduce, the optimizer's kernels --
+     on tiny shapes, and notes the Numba type of every argument of every kernel launch;
+  2. compiles each (kernel, signature) with numba.cuda.compile_ptx for each target, and links
+     the PTX with nvJitLink (-verbose: ptxas's report of registers, spill stores and loads).
+Every module-level CUDA kernel of hpcsgd must appear among the launches: a kernel the
+recording does not reach is an error, not a silent gap. Needs the NVVM/NVRTC/nvJitLink wheels
+(`pip install "numba-cuda[cu13]"`, in the test extra); no GPU, no CUDA driver.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+KERNEL_MODULES = ("hpcsgd.device", "hpcsgd.optim", "hpcsgd.model.kernels_cuda",
+                  "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit", "hpcsgd.codecs.dettmers",
+                  "hpcsgd.codecs.floats")
+USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--json FILE]"
+EXAMPLES = """examples:
+  hpcsgd bench cuda                     every kernel for sm_80 and sm_90
+  hpcsgd bench cuda --cc 90 --json cuda.json"""
+
+
+def add_arguments(parser):
+    parser.add_argument("--small", action="store_true", help="the same (it takes seconds)")
+    parser.add_argument("--cc", default="80,90",
+                        help="compute capabilities to compile for, e.g. 80,90 (A100, H100)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds for the recording")
+    parser.add_argument("--launches", metavar="JSON",
+                        help="the recorded launches: read from this file if it exists, else "
+                             "recorded and written to it (a second run compiles them again "
+                             "without the minute in the simulator)")
+
+
+# ---- 1. recording, in the simulator (a child process) --------------------------------------
+
+def _arg_type(arg):
+    """(dtype name, ndim, layout) for an array argument, or ("scalar", numba type name)."""
+    import numpy as np
+    if hasattr(arg, "_ary"):          # the simulator's device arrays wrap a NumPy array
+        arg = arg._ary
+    if isinstance(arg, np.ndarray):
+        layout = "C" if arg.flags.c_contiguous else ("F" if arg.flags.f_contiguous else "A")
+        return [arg.dtype.name, arg.ndim, layout]
+    import numba
+    return ["scalar", str(numba.typeof(arg))]
+
+
+def record(out_path):
+    """Run the trainer's GPU paths under the simulator; write {kernel: [signature, ...]}."""
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "record() runs in the simulator"
+    import numpy as np
+    from mpi4py import MPI
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    seen = {}
+    launch = FakeCUDAKernel.__call__
+
+    def recording(self, *args):
+        from numba.cuda.simulator import kernel as sim
+        if not self._device and not sim._kernel_context:   # a launch from the host
+            key = f"{self.fn.__module__}.{self.fn.__name__}"
+            sig = [_arg_type(a) for a in args]
+            if sig not in seen.setdefault(key, []):
+                seen[key].append(sig)
+        return launch(self, *args)
+    FakeCUDAKernel.__call__ = recording
+
+    from hpcsgd.codecs import make_codec
+    from hpcsgd.comm.exchange import Allreduce, Striped
+    from hpcsgd.model.dnn import dnn
+    from hpcsgd.optim import Optimizer
+    from hpcsgd.step import Phases, Step, exchange_update, gradient_buffers
+
+    rng = np.random.default_rng(0)
+    n = 8
+    x = rng.standard_normal((n, 6)).astype(np.float32)
+    y = rng.integers(0, 3, n).astype(np.int32)
+    # every codec once: bit widths, range rules and Dettmers' types are run-time values of
+    # the same argument types (and the simulator runs each CUDA thread as a Python thread)
+    codecs = [("onebit", {}), ("float32", {}), ("float16", {}), ("kbit", {"bits": 4}),
+              ("dettmers", {"dtype": "dynamic_tree"})]
+    # the argument types do not depend on the activation, the AdaGrad placement or the
+    # values (those are run-time ints and floats): one model, and one step per exchange,
+    # AdaGrad "local" where it adds its own kernel, "aggregate" elsewhere
+    model = dnn(6, [5], 3, "sigmoid", max_batch=n, device="cuda")
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    model.forward(params, x, n, log=True)
+    model.forward(params, x, n, log=False)
+    exchanges = [Allreduce(MPI.COMM_SELF, params.size, dtype, device="cuda")
+                 for dtype in ("float32", "float16")]
+    exchanges += [Striped(MPI.COMM_SELF, params.matrices, make_codec(name, "cuda", **kw),
+                          device="cuda") for name, kw in codecs]
+    # the whole step once (model kernels, AdaGrad "local"), then each exchange and its update
+    # on that gradient (the model's launches would only repeat)
+    opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="local",
+                    weight_decay=1e-4, post_size=exchanges[0].state_size, device="cuda")
+    step = Step(model, params, gradient_buffers(model, False), opt, exchanges[0], device="cuda")
+    step.run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
+    opt.fused_update(params.flat, step.grads[0].flat, 1e-3)   # bench train's no-exchange step
+    for ex in exchanges[1:]:
+        opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
+                        weight_decay=1e-4, post_size=ex.state_size, device="cuda")
+        opt.begin_step(n, n)
+        exchange_update(ex, opt, params.flat, step.grads[0].flat, 1e-3, Phases("cuda"))
+    with open(out_path, "w") as f:
+        json.dump(seen, f, indent=1, sort_keys=True)
+
+
+# ---- 2. compiling, for real targets (this process) -----------------------------------------
+
+def project_kernels():
+    """{module.name: CUDA dispatcher} of every module-level kernel (not device function)."""
+    import importlib
+
+    from numba.cuda.dispatcher import CUDADispatcher
+    out = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(name)
+        for attr, obj in vars(module).items():
+            if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"):
+                out[f"{obj.py_func.__module__}.{obj.py_func.__name__}"] = obj
+    return out
+
+
+def numba_signature(sig):
+    from numba import types
+    out = []
+    for arg in sig:
+        if arg[0] == "scalar":
+            out.append(getattr(types, arg[1]) if hasattr(types, arg[1])
+                       else types.boolean if arg[1] == "bool" else None)
+        else:
+            dtype, ndim, layout = arg
+            out.append(types.Array(getattr(types, dtype), ndim, layout))
+    if None in out:
+        raise ValueError(f"cannot type {sig}")
+    return tuple(out)
+
+
+def ptxas_report(ptx, cc):
+    """Link PTX for sm_<cc> with nvJitLink; ptxas's registers, spill stores and loads."""
+    from cuda.bindings import nvjitlink
+    handle = nvjitlink.create(3, [f"-arch=sm_{cc}", "-verbose", "-O3"])
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+        cubin = nvjitlink.get_linked_cubin_size(handle)
+    finally:
+        nvjitlink.destroy(handle)
+    text = log.decode(errors="replace")
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else None,
+            "spill_loads": int(spills.group(2)) if spills else None, "cubin_bytes": cubin}
+
+
+class _Target:
+    """What numba-cuda asks the current device for when it compiles the device functions a
+    kernel calls (its compute capability); here there is no device, so the target answers."""
+    compute_capability = (9, 0)
+
+
+def compile_all(recorded, ccs):
+    from numba import cuda
+    from numba.cuda import dispatcher
+    dispatcher.get_current_device = lambda: _Target
+    kernels = project_kernels()
+    missing = sorted(set(kernels) - set(recorded))
+    if missing:
+        raise SystemExit(f"hpcsgd bench cuda: kernels no recorded launch reached: {missing}")
+    rows = []
+    for name in sorted(recorded):
+        for sig in recorded[name]:
+            nsig = numba_signature(sig)
+            for cc in ccs:
+                _Target.compute_capability = divmod(cc, 10)
+                ptx, _ = cuda.compile_ptx(kernels[name].py_func, nsig, cc=divmod(cc, 10))
+                rows.append({"kernel": name, "signature": [str(t) for t in nsig], "cc": cc,
+                             **ptxas_report(ptx, cc)})
+    return rows
+
+
+def run(args):
+    import tempfile
+    ccs = [int(c) for c in args.cc.split(",")]
+    with tempfile.TemporaryDirectory(prefix="hpcsgd-cuda-") as tmp:
+        out = args.launches or os.path.join(tmp, "launches.json")
+        if not os.path.exists(out):
+            env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+            proc = subprocess.run([sys.executable, "-m", "hpcsgd.bench.cuda", "--record", out],
+                                  env=env, capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode != 0:
+                print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+                return 1
+        with open(out) as f:
+            recorded = json.load(f)
+    rows = compile_all(recorded, ccs)
+    print(f"hpcsgd bench cuda: {len(recorded)} kernels, {len(rows)} compilations "
+          f"(signatures as launched x sm_{', sm_'.join(map(str, ccs))})")
+    print(f"{'kernel':<46s} {'args':>4s} {'cc':>3s} {'regs':>5s} {'spill st':>8s} {'spill ld':>8s}")
+    worst = {}
+    for r in rows:   # the worst signature of each kernel and target
+        key = (r["kernel"], r["cc"])
+        if key not in worst or (r["registers"] or 0) > (worst[key]["registers"] or 0):
+            worst[key] = r
+    for (name, cc), r in sorted(worst.items()):
+        print(f"{name.replace('hpcsgd.', ''):<46s} {len(r['signature']):>4d} {cc:>3d} "
+              f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8}")
+    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    print(f"spills: {len(spilling)} of {len(rows)} compilations")
+    return {"kernels": sorted(recorded), "ccs": ccs, "compilations": rows,
+            "spilling": len(spilling)}
+
+
+def figures(result):
+    """The register count of each kernel's heaviest signature per target (as a float, like
+    every figure --compare shows)."""
+    out = {}
+    for r in result["compilations"]:
+        key = f"{r['kernel']} sm_{r['cc']} registers"
+        out[key] = max(out.get(key, 0.0), float(r["registers"]))
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--record"]:
+        record(sys.argv[2])
