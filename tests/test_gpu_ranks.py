@@ -51,8 +51,8 @@ def arch(tmp_path_factory):
 
 def options(arch, *extra):
     """A tiny model, a few steps, momentum on; every step checks that replicas agree."""
-    return [f"data.train={arch}", "data.context=1", "model.hidden=[8]", "train.minibatch=32",
-            "train.epochs=1", "train.stop_after_frames=160", "data.block_frames=100",
+    return [f"data.train={arch}", "data.context=1", "model.hidden=[8]", "train.minibatch=16",
+            "train.epochs=1", "train.stop_after_frames=64", "data.block_frames=100",
             "data.buffer_frames=400", "train.log_every_frames=1000", "optim.lr=0.01",
             "optim.momentum_tc=100", "schedule.type=constant", "train.check_every_steps=1",
             *extra]
@@ -75,7 +75,7 @@ def log_of(run_dir):
 
 @pytest.fixture(scope="module")
 def cpu_allreduce(arch, tmp_path_factory):
-    """The reference: float32 allreduce on CPU ranks, K = 2, 160 frames."""
+    """The reference: float32 allreduce on CPU ranks, K = 2, 64 frames (4 steps of 16)."""
     return train(2, arch, tmp_path_factory.mktemp("cpu_allreduce"))["params"]
 
 
@@ -105,13 +105,23 @@ def test_gpu_allreduce_with_nccl_equals_cpu_ranks(arch, cpu_allreduce, tmp_path)
     assert "NCCL on the device" in log_of(run)
 
 
-def test_gpu_striped_onebit_staged_equals_cuda_aware_bit_for_bit_and_tracks_cpu(arch, tmp_path):
+STRIPED = ("exchange.aggregation=striped", "exchange.codec=onebit")
+
+
+@pytest.fixture(scope="module")
+def gpu_striped(arch, tmp_path_factory):
+    """Striped 1-bit on GPU ranks, staged, K = 2, 64 frames: shared by the tests below."""
+    return train(2, arch, tmp_path_factory.mktemp("gpu_striped"), "train.device=cuda", *STRIPED,
+                 aware=False)
+
+
+def test_gpu_striped_onebit_staged_equals_cuda_aware_bit_for_bit_and_tracks_cpu(arch, gpu_striped,
+                                                                               tmp_path):
     """Striped 1-bit, K = 2: the transport only moves bytes, so staging and CUDA-aware MPI
     give the same bits (where CUDA-aware MPI can run); the run stays near the CPU ranks' (a
     value at the 1-bit threshold may flip, so not to float tolerance: within 5% of the largest
     weight)."""
-    striped = ("exchange.aggregation=striped", "exchange.codec=onebit")
-    staged = train(2, arch, tmp_path / "staged", "train.device=cuda", *striped, aware=False)
+    striped, staged = STRIPED, gpu_striped
     cpu = train(2, arch, tmp_path / "cpu", *striped)["params"]
     assert np.abs(staged["params"] - cpu).max() < 0.05 * np.abs(cpu).max()
     skip_unless_aware_possible()
@@ -124,13 +134,12 @@ def test_gpu_striped_onebit_staged_equals_cuda_aware_bit_for_bit_and_tracks_cpu(
             assert np.array_equal(staged[key], direct[key]), key
 
 
-def test_gpu_striped_resumes_bit_exactly(arch, tmp_path):
-    """Checkpoint at 96 frames, resume, end at 160: the same bits as an uninterrupted GPU run
+def test_gpu_striped_resumes_bit_exactly(arch, gpu_striped, tmp_path):
+    """Checkpoint at 32 frames, resume, end at 64: the same bits as an uninterrupted GPU run
     (device state -> host checkpoint -> device, both residuals included)."""
-    striped = ("train.device=cuda", "exchange.aggregation=striped", "exchange.codec=onebit")
-    whole = train(2, arch, tmp_path / "whole", *striped, aware=False)
+    striped, whole = ("train.device=cuda", *STRIPED), gpu_striped
     run = tmp_path / "resumed"
-    train(2, arch, run, *striped, "train.stop_after_frames=96", aware=False)
+    train(2, arch, run, *striped, "train.stop_after_frames=32", aware=False)
     resumed = train(2, arch, run, *striped, aware=False)
     assert set(whole) == set(resumed)
     for key in whole:
@@ -138,10 +147,10 @@ def test_gpu_striped_resumes_bit_exactly(arch, tmp_path):
 
 
 def test_checkpoint_moves_from_cpu_to_gpu_ranks(arch, cpu_allreduce, tmp_path):
-    """A CPU run checkpointed at 96 frames resumes on GPU ranks (the same file, host state
+    """A CPU run checkpointed at 32 frames resumes on GPU ranks (the same file, host state
     copied to the device) and ends where the uninterrupted CPU run ends, to float tolerance."""
     run = tmp_path / "moved"
-    train(2, arch, run, "train.stop_after_frames=96")
+    train(2, arch, run, "train.stop_after_frames=32")
     moved = train(2, arch, run, "train.device=cuda", aware=False)["params"]
     np.testing.assert_allclose(moved, cpu_allreduce, rtol=1e-4, atol=2e-6)
 

@@ -16,8 +16,9 @@ GPU ranks of a data-parallel job stay bit-identical.
   covers 32 consecutive columns of one row (coalesced).
 - Column sums (bias gradients): one block per COL_TILE = 32 columns; lane l of SUM_LANES adds
   rows l, l + SUM_LANES, ... of its column in float64, then lane 0 adds the lanes in order.
-- Row reductions (softmax): one block of T threads per row; thread t covers columns t, t + T,
-  ...; thread 0 combines the T partials in thread order and shares the result.
+- Row reductions (softmax): one block of T threads per row (row_threads: 32..ROW_THREADS by
+  the row's width); thread t covers columns t, t + T, ...; thread 0 combines the T partials
+  in thread order and shares the result.
 """
 import math
 
@@ -29,7 +30,17 @@ from hpcsgd.model.kernels import SIGMOID
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
 COL_TILE, SUM_LANES = 32, 16   # column sums: columns per block x row lanes (512 threads)
-ROW_THREADS = 128        # softmax: threads per row (block); thread 0 combines 128 partials
+ROW_THREADS = 128        # softmax: threads per row (block) at most; thread 0 combines them
+
+
+def row_threads(m):
+    """Threads per row of m columns: a warp at least, ROW_THREADS at most, else the next
+    power of two (40 labels need 64 threads, not 128 mostly idle ones)."""
+    t = 32
+    while t < min(m, ROW_THREADS):
+        t *= 2
+    return t
+
 MAX_GRID = 65535         # grid dims are capped (grid-stride loops cover the rest)
 
 def _elem_grid(n, m):
@@ -86,7 +97,7 @@ def _exp_kernel(z):
 def _column_sums_kernel(a, out):
     n, m = a.shape
     tx, lane = cuda.threadIdx.x, cuda.threadIdx.y
-    col = cuda.blockIdx.x * COL_TILE + tx
+    col = cuda.blockIdx.x * cuda.blockDim.x + tx
     part = cuda.shared.array((SUM_LANES, COL_TILE), np.float64)
     acc = 0.0
     if col < m:
@@ -113,7 +124,7 @@ def _row_bias_max(z, b, i, label, smax, sarg, szy):
     m = z.shape[1]
     best = -math.inf
     arg = m                              # m = "no column yet" (threads t >= m keep it)
-    for j in range(t, m, ROW_THREADS):
+    for j in range(t, m, cuda.blockDim.x):
         v = z[i, j] + b[0, j]
         z[i, j] = v
         if arg == m or v > best:         # ascending j: the first max of this thread
@@ -125,7 +136,7 @@ def _row_bias_max(z, b, i, label, smax, sarg, szy):
     sarg[t] = arg
     cuda.syncthreads()
     if t == 0:                           # thread order; ties go to the lowest column
-        for k in range(1, ROW_THREADS):
+        for k in range(1, cuda.blockDim.x):
             if smax[k] > smax[0] or (smax[k] == smax[0] and sarg[k] < sarg[0]):
                 smax[0] = smax[k]
                 sarg[0] = sarg[k]
@@ -140,7 +151,7 @@ def _row_sum(part, x):
     part[t] = x
     cuda.syncthreads()
     if t == 0:
-        for k in range(1, ROW_THREADS):
+        for k in range(1, cuda.blockDim.x):
             part[0] += part[k]
     cuda.syncthreads()
     return part[0]
@@ -151,7 +162,7 @@ def _row_exp_sum(z, i, mx, store):
     """This thread's float64 sum of exp(z[i, j] - mx) over its columns; z[i, j] <- the exp
     if `store`."""
     s = 0.0
-    for j in range(cuda.threadIdx.x, z.shape[1], ROW_THREADS):
+    for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
         e = math.exp(z[i, j] - mx)       # float32 in, expf
         if store:
             z[i, j] = e
@@ -171,7 +182,7 @@ def _softmax_xent_kernel(z, b, y, ce_rows, correct_rows):
     s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), True))
     inv = z.dtype.type(1.0 / s)
     one = z.dtype.type(1)
-    for j in range(cuda.threadIdx.x, z.shape[1], ROW_THREADS):
+    for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
         g = z[i, j] * inv
         if j == label:
             g -= one
@@ -192,7 +203,7 @@ def _log_softmax_kernel(z, b):
     mx, _ = _row_bias_max(z, b, i, -1, smax, sarg, szy)
     s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), False))
     lse = z.dtype.type(mx + math.log(s))
-    for j in range(cuda.threadIdx.x, z.shape[1], ROW_THREADS):
+    for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
         z[i, j] = z[i, j] - lse
 
 
@@ -224,7 +235,8 @@ def column_sums(a, out):
     if n == 0:
         fill(out, 0)
     elif m:
-        _column_sums_kernel[-(-m // COL_TILE), (COL_TILE, SUM_LANES)](a, out)
+        tile = min(COL_TILE, m)   # a narrow matrix: no idle columns of threads
+        _column_sums_kernel[-(-m // tile), (tile, SUM_LANES)](a, out)
 
 
 def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows):
@@ -238,7 +250,7 @@ def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows):
     if n == 0:
         fill(gb, 0)
         return 0.0, 0
-    _softmax_xent_kernel[n, ROW_THREADS](z, b, y, ce_rows, correct_rows)
+    _softmax_xent_kernel[n, row_threads(m)](z, b, y, ce_rows, correct_rows)
     column_sums(z, gb)
     ce = ce_rows[:n].copy_to_host()      # waits for the kernels above
     hits = correct_rows[:n].copy_to_host()
@@ -250,7 +262,7 @@ def log_softmax_forward(z, b):
     z, b = as_device(z), as_device(b)
     n, m = z.shape
     if n and m:
-        _log_softmax_kernel[n, ROW_THREADS](z, b)
+        _log_softmax_kernel[n, row_threads(m)](z, b)
 
 
 def exp_inplace(z):
