@@ -33,3 +33,13 @@ def test_dump_round_trips_and_describe_lists_every_key(tmp_path):
     assert config.load(str(path)) == cfg
     text = config.describe()
     assert all(key in text for key in config.DEFAULTS)
+
+
+@pytest.mark.parametrize("wrong, meant", [("optim.learning_rate", "optim.lr"),
+                                          ("train.batch_size", "train.minibatch"),
+                                          ("optim.momentum", "optim.momentum_tc"),
+                                          ("exchange.codecs", "exchange.codec"),
+                                          ("model.hiden", "model.hidden")])
+def test_an_unknown_key_suggests_the_one_meant(wrong, meant):
+    with pytest.raises(UserError, match=rf"unknown config key {wrong} \(did you mean {meant}\?\)"):
+        config.load(None, ["data.train=x", f"{wrong}=1"])

@@ -255,3 +255,15 @@ def test_a_re_dealt_stream_resumes_at_an_offset(small_archive):
     later = FrameLoader(path, 1, 3, **kw)
     later.start_epoch(0, 150, deal)
     np.testing.assert_array_equal(centre_ids(later.next_batch(64)[0]), ids[150:214])
+
+
+def test_a_missing_archive_says_how_to_make_one(tmp_path):
+    with pytest.raises(UserError, match=r"no such archive directory \(make it with `hpcsgd prep"):
+        FrameLoader(str(tmp_path / "nowhere"))
+    os.makedirs(tmp_path / "shards")
+    open(tmp_path / "shards" / "shard-00000.h5", "w").close()
+    with pytest.raises(UserError, match=r"the index step did not run: `hpcsgd prep --write-index"):
+        FrameLoader(str(tmp_path / "shards"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(UserError, match=r"not an hpcsgd archive: make one with `hpcsgd prep"):
+        FrameLoader(str(tmp_path / "empty"))

@@ -239,7 +239,8 @@ def run_bad(tmp_path, capsys, *extra, fraction=None):
 
 BAD_CASES = {
     # name: (how to break utterance spk0-u04, reason printed, text naming the culprit)
-    "missing audio": (lambda d: os.unlink(d / "wav" / "spk0-u04.wav"), "unreadable audio", "spk0-u04"),
+    "missing audio": (lambda d: os.unlink(d / "wav" / "spk0-u04.wav"), "unreadable audio",
+                      "spk0-u04.wav: no such file"),
     "unreadable audio": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b"RIFF garbage" * 10),
                          "unreadable audio", "spk0-u04"),
     "sample rate": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(4000), 8000),

@@ -90,7 +90,8 @@ def add_arguments(parser):
     parser.add_argument("--activation", default=None, choices=["sigmoid", "relu"],
                         help="hidden nonlinearity (default: the config's, else sigmoid)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="threads per rank (default: cores // K)")
+                        help="threads per rank (default: the trainer's rule, hpcsgd/threads.py: "
+                             "OMP_NUM_THREADS, SLURM_CPUS_PER_TASK, else cores // K)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
 
 
