@@ -14,7 +14,13 @@ command decides its threads itself, in this order:
      mask, one that does not gives all of them the node's cores, to be divided.
 
 and sets OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS and NUMBA_NUM_THREADS to it
-before numpy or numba is imported (the thread pools start with those numbers). `describe`
+before numpy or numba is imported (the thread pools start with those numbers).
+
+With more than one thread it also sets OMP_WAIT_POLICY=PASSIVE (unless the environment sets
+it): Numba's kernels run on the OpenMP pool (libgomp), whose threads otherwise spin for a
+while after every parallel loop -- on the cores OpenBLAS's threads need for the next GEMM.
+Measured on the so762 model (440-1024x4-40, minibatch 256, one process, 2 threads): 2,150
+frames/s spinning, 9,090 passive, against 9,220 for the step's GEMMs alone (docs/benchmarks.md). `describe`
 says what was chosen and why for the log; `check` reads back what the pools really use.
 When more ranks than cores share a node, each gets one thread and the run is still
 oversubscribed: MPICH ranks then need MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (a waiting rank yields
@@ -57,11 +63,19 @@ def sharers_on_node(node_comm, mask):
     return sum(1 for other in masks if mask & set(other))
 
 
+def environment(threads, env=None):
+    """The variables that give a process `threads` threads (see the module docstring)."""
+    env = os.environ if env is None else env
+    out = dict.fromkeys(VARIABLES, str(threads))
+    if threads > 1 and "OMP_WAIT_POLICY" not in env:
+        out["OMP_WAIT_POLICY"] = "PASSIVE"   # OpenMP threads sleep between Numba's loops
+    return out
+
+
 def apply(threads):
     """Set the thread variables, before numpy/numba start their pools (it is too late for a
-    pool that has started: check() tells)."""
-    for name in VARIABLES:
-        os.environ[name] = str(threads)
+    pool that has started: enforce() does what can still be done)."""
+    os.environ.update(environment(threads))
 
 
 CHOSEN = None   # what choose() decided in this process: (threads, message for the log)

@@ -63,7 +63,7 @@ def run_group(cmd, env=None, timeout=None):
 def mpirun(k, module, args, timeout=1800, n_threads=None):
     """`mpiexec -n k python -m module args --json OUT` -> the dict rank 0 wrote to OUT."""
     t = str(n_threads or threads_per_rank(k))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **dict.fromkeys(threads.VARIABLES, t))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **threads.environment(int(t)))
     if k > cores():
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     extra = shlex.split(os.environ.get("EMUCLUSTER_MPIEXEC_ARGS", ""))

@@ -55,6 +55,7 @@ SMALL = dict(input_dim=440, hidden=[256] * 3, num_labels=500)
 USES_MPI = True
 LR = 1e-6                       # per sample: small, so random labels do not blow weights up
 MOMENTUM_TC = 9719.0            # samples: momentum 0.9 per 1024-frame minibatch (CNTK's usual)
+MOMENTUM = 0.9                  # the same, as PyTorch's per-step coefficient (--pytorch)
 # exchange phases (hpcsgd/comm/exchange.py) -> the four categories reported
 CATEGORIES = {"encode": ("encode", "decode_sum", "reencode", "decode"),
               "communicate": ("alltoallv", "allgatherv", "allreduce"),
@@ -92,6 +93,10 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="threads per rank (default: the trainer's rule, hpcsgd/threads.py: "
                              "OMP_NUM_THREADS, SLURM_CPUS_PER_TASK, else cores // K)")
+    parser.add_argument("--pytorch", action="store_true",
+                        help="also time the same model trained by PyTorch in the same rounds "
+                             "(DistributedDataParallel over gloo at K > 1; needs torch "
+                             "installed: hpcsgd/bench/pytorch.py), without double buffering")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
 
 
@@ -139,6 +144,7 @@ def run(args):
               "--steps", args.steps, "--rounds", args.rounds or (2 if args.small else 3),
               "--warmup", args.warmup,
               "--activation", activation, "--device", args.device]
+    worker += ["--pytorch"] if args.pytorch else []
     worker += ["--small"] if args.small else []
     worker += ["--config", args.config] if args.config else []
     runs = []
@@ -431,6 +437,13 @@ def worker(argv):
         ex = make_exchange(exchange_config(name, dev), comm, r.params.matrices)
         runs[name] = (ex, Optimizer(size, momentum_time_constant=MOMENTUM_TC,
                                     post_size=ex.state_size, device=dev))
+    torch_rank = None
+    if args.pytorch:   # what users would run instead, the same threads per rank
+        import numba
+
+        from hpcsgd.bench.pytorch import TorchRank
+        torch_rank = TorchRank(comm, shape, activation, r.x.shape[0], numba.get_num_threads(),
+                               LR, MOMENTUM)
     rows, skip, roof = [], {}, {}
     for n in ns:
         here = [(mode, take) for m, mode, take in configs if m == n]
@@ -446,16 +459,24 @@ def worker(argv):
                 for name, (ex, opt) in runs.items():
                     samples[(name, mode)].append(r.loop(ex, opt, take, args.steps, args.warmup,
                                                         *mode))
-        for (mode, take), name in ((m, name) for m in here for name in runs):
-            ex = runs[name][0]     # "none" first: the others' overhead needs its frames/s
-            parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]
+                if torch_rank is not None and not mode[0]:
+                    samples.setdefault(("pytorch", mode), []).append(
+                        torch_rank.loop(take, args.steps, args.warmup))
+        names = list(runs) + (["pytorch"] if torch_rank is not None else [])
+        for (mode, take), name in ((m, name) for m in here for name in names):
+            if (name, mode) not in samples:   # PyTorch: without double buffering only
+                continue
+            ex = runs[name][0] if name in runs else None   # "none" first: the others'
+            parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]  # overhead
             roof[(n, mode)] = statistics.median(gemm_s[mode])
-            row = dict(measure(r, samples[(name, mode)], n, mode[0], name != "none"),
+            row = dict(measure(r, samples[(name, mode)], n, mode[0],
+                               name not in ("none", "pytorch")),
                        exchange=name, progress=mode[1])
             if name == "none":
                 skip[(n, mode)] = row["frames_per_s"]
             else:
-                nbytes, bits = wire(ex, K, size)
+                nbytes, bits = ((torch_rank.bytes_on_wire(size), 32.0) if name == "pytorch"
+                                else wire(ex, K, size))
                 row.update(bytes_per_rank=nbytes, bits_per_value=bits,
                            exchanges_per_step=len(parts),
                            comm_overhead=1.0 - row["frames_per_s"] / skip[(n, mode)])
@@ -469,6 +490,8 @@ def worker(argv):
                    roofline_fraction=roof[key] / row["step_s"],
                    gflops=flop * row["minibatch"] / row["step_s"] / 1e9,
                    gemm_only_gflops=flop * row["minibatch"] / roof[key] / 1e9)
+    if torch_rank is not None:
+        torch_rank.close()
     launch.write_result(comm, {"ranks": K, "params": size, "steps": args.steps,
                                "rounds": args.rounds, "warmup": args.warmup, "gflop_per_frame": flop / 1e9,
                                "load_average_end": report.load_average(), "rows": rows},

@@ -16,6 +16,7 @@ Packed layout, per column, 32-bit little-endian words:
 row r's k-bit field starts at bit r * k of the column's word area, least significant bit first;
 fields may straddle two words (k = 3, 5, 6, 7).
 """
+import numba
 import numpy as np
 from numba import cuda, njit, prange
 
@@ -114,66 +115,128 @@ def decode_ref(packed, out, accumulate, k):
 
 
 # ---------------------------------------------------------------- Numba CPU
-@njit(parallel=True, cache=True)
-def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip):
-    n_cols, n_rows = g.shape
+@njit(inline="always")
+def _column_stats(gc, rc, sq, mnl, mxl):
+    """The canonical lane sums of squares (float64) and the min and max of v = g + r over one
+    column, all per lane: LANES independent accumulators, so the loop vectorises (a single
+    running min is a dependency chain LLVM keeps scalar). min and max are exact, so the lanes
+    give the same values as one scan."""
+    n_rows = gc.size
     nfull = n_rows // LANES
-    maxq = (1 << k) - 1
-    for c in prange(n_cols):
-        sq = np.zeros(LANES, np.float64)
-        mn = np.float32(np.inf)
-        mx = np.float32(-np.inf)
-        for i in range(nfull):
-            for l in range(LANES):
-                v = g[c, i * LANES + l] + r[c, i * LANES + l]
-                x = np.float64(v)
-                sq[l] += x * x
-                mn = min(mn, v)
-                mx = max(mx, v)
-        for j in range(nfull * LANES, n_rows):
-            v = g[c, j] + r[c, j]
+    for l in range(LANES):
+        sq[l] = 0.0
+        mnl[l] = np.inf
+        mxl[l] = -np.inf
+    for i in range(nfull):
+        for l in range(LANES):
+            v = gc[i * LANES + l] + rc[i * LANES + l]
             x = np.float64(v)
-            sq[j - nfull * LANES] += x * x
-            mn = min(mn, v)
-            mx = max(mx, v)
-        sumsq = lane_tree_cpu(sq)
-        if not sumsq - sumsq == 0.0:  # NaN or Inf somewhere in the column
-            bad[c] = 1
-            continue
-        lower, upper = _range_cpu(sumsq, mn, mx, n_rows, use_minmax, clip)
-        fcols[c, 0] = lower
-        fcols[c, 1] = upper
-        step = _step_cpu(lower, upper, maxq + 1)
-        inv = _inv_cpu(step)
-        start = 0
-        if 32 % k == 0:   # k = 2, 4, 8: whole words of 32/k fields, a fixed-length inner loop
-            per = 32 // k
-            start = n_rows // per * per
-            for w in range(n_rows // per):
-                word = np.uint32(0)
-                for j in range(per):
-                    i = w * per + j
-                    v = g[c, i] + r[c, i]
-                    q = _code_cpu(v, lower, inv, maxq)
-                    r[c, i] = v - _value_cpu(q, lower, step)
-                    word |= np.uint32(q) << np.uint32(j * k)
-                cols[c, 2 + w] = word
-        acc = np.uint64(0)  # bit accumulator: fields enter at bit nb, words leave at 32
-        nb = 0
-        w = 2 + start * k // 32
-        for i in range(start, n_rows):
-            v = g[c, i] + r[c, i]
-            q = _code_cpu(v, lower, inv, maxq)
-            r[c, i] = v - _value_cpu(q, lower, step)
-            acc |= np.uint64(q) << np.uint64(nb)
-            nb += k
-            if nb >= 32:
-                cols[c, w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                acc >>= np.uint64(32)
-                nb -= 32
-                w += 1
-        if nb > 0:
-            cols[c, w] = np.uint32(acc)
+            sq[l] += x * x
+            mnl[l] = min(mnl[l], v)
+            mxl[l] = max(mxl[l], v)
+    for j in range(nfull * LANES, n_rows):
+        v = gc[j] + rc[j]
+        x = np.float64(v)
+        sq[j - nfull * LANES] += x * x
+        mnl[0] = min(mnl[0], v)
+        mxl[0] = max(mxl[0], v)
+    mn, mx = mnl[0], mxl[0]
+    for l in range(1, LANES):
+        mn = min(mn, mnl[l])
+        mx = max(mx, mxl[l])
+    return lane_tree_cpu(sq), mn, mx
+
+
+@njit(inline="always")
+def _pack4(x):
+    """8 codes < 16, one per byte of x (little-endian) -> the 32-bit word, code j at 4 j."""
+    x = (x | (x >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
+    x = (x | (x >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+    return np.uint32((x | (x >> np.uint64(16))) & np.uint64(0xFFFFFFFF))
+
+
+@njit(inline="always")
+def _pack2(x):
+    """8 codes < 4, one per byte of x -> 16 bits, code j at 2 j."""
+    x = (x | (x >> np.uint64(6))) & np.uint64(0x000F000F000F000F)
+    x = (x | (x >> np.uint64(12))) & np.uint64(0x000000FF000000FF)
+    return np.uint32((x | (x >> np.uint64(24))) & np.uint64(0xFFFF))
+
+
+@njit(inline="always")
+def _quantize(v, lower, inv, maxq_f, step):
+    """_code and _value without branches: the clamp as min/max (the same q: t <= 0 gives 0,
+    t >= maxq gives maxq, else trunc = floor), so the loop vectorises."""
+    t = (np.float64(v) - np.float64(lower)) * inv
+    q = np.int32(min(max(t, 0.0), maxq_f))
+    return q, np.float32(np.float64(lower) + np.float64(step) * (q + 0.5))
+
+
+@njit(inline="always")
+def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, mnl, mxl, codes):
+    """One column: statistics in one pass, then codes and residuals in a second one, the
+    column still in L1 (16 KB for 2048 rows of g and r). False if it is not finite."""
+    n_rows = gc.size
+    maxq = (1 << k) - 1
+    sumsq, mn, mx = _column_stats(gc, rc, sq, mnl, mxl)
+    if not sumsq - sumsq == 0.0:  # NaN or Inf somewhere in the column
+        return False
+    lower, upper = _range_cpu(sumsq, mn, mx, n_rows, use_minmax, clip)
+    colf[0] = lower
+    colf[1] = upper
+    step = _step_cpu(lower, upper, maxq + 1)
+    inv = _inv_cpu(step)
+    maxq_f = np.float64(maxq)
+    start = 0
+    if 32 % k == 0:   # k = 2, 4, 8: codes first (one vectorised loop), then whole words
+        per = 32 // k
+        start = n_rows // per * per
+        # the codes as bytes (k = 8: the word area itself, little-endian), then whole
+        # words from 8 codes at a time by shifts and masks; every loop vectorises
+        code8 = colw[2:].view(np.uint8) if k == 8 else codes.view(np.uint8)
+        for i in range(start):
+            v = gc[i] + rc[i]
+            q, value = _quantize(v, lower, inv, maxq_f, step)
+            rc[i] = v - value
+            code8[i] = np.uint8(q)
+        if k == 4:
+            for w in range(start // 8):
+                colw[2 + w] = _pack4(codes[w])
+        elif k == 2:
+            for w in range(start // 16):
+                colw[2 + w] = _pack2(codes[2 * w]) | (_pack2(codes[2 * w + 1]) << np.uint32(16))
+    acc = np.uint64(0)  # bit accumulator: fields enter at bit nb, words leave at 32
+    nb = 0
+    w = 2 + start * k // 32
+    for i in range(start, n_rows):
+        v = gc[i] + rc[i]
+        q, value = _quantize(v, lower, inv, maxq_f, step)
+        rc[i] = v - value
+        acc |= np.uint64(q) << np.uint64(nb)
+        nb += k
+        if nb >= 32:
+            colw[w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+            acc >>= np.uint64(32)
+            nb -= 32
+            w += 1
+    if nb > 0:
+        colw[w] = np.uint32(acc)
+    return True
+
+
+@njit(parallel=True, cache=True)
+def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip, nchunk):
+    """Columns in nchunk tasks, each with its own scratch (allocated once per task)."""
+    n_cols, n_rows = g.shape
+    for t in prange(nchunk):
+        sq = np.empty(LANES, np.float64)
+        mnl = np.empty(LANES, np.float32)
+        mxl = np.empty(LANES, np.float32)
+        codes = np.empty((n_rows + 7) // 8, np.uint64)   # codes as bytes, 8 to a word
+        for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
+            if not _encode_column(g[c], r[c], cols[c], fcols[c], k, use_minmax, clip, sq, mnl,
+                                  mxl, codes):
+                bad[c] = 1
 
 
 @njit(parallel=True, cache=True)
@@ -345,7 +408,8 @@ class KBit(Codec):
         elif self.backend == "cpu":
             flags = np.zeros(n_cols, np.uint8)
             encode_cpu(grad, residual, out.view(np.uint32).reshape(n_cols, W),
-                       out.view(np.float32).reshape(n_cols, W), flags, k, mm, self.clip)
+                       out.view(np.float32).reshape(n_cols, W), flags, k, mm, self.clip,
+                       min(n_cols, 8 * numba.get_num_threads()))
             bad = int(np.argmax(flags)) if flags.any() else -1
         else:
             flag = cuda.to_device(np.zeros(1, np.int32))
