@@ -154,23 +154,64 @@ def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
             scales[b] = part[b * per_block:(b + 1) * per_block].max()
 
 
+@njit(inline="always")
+def _search(x, mids):
+    """_code's binary search written out: 8 steps of a fixed pattern, so LLVM turns the loop
+    over values into vector gathers (the same q: the same comparisons in the same order)."""
+    q = 128 * (mids[127] <= x)
+    q += 64 * (mids[q + 63] <= x)
+    q += 32 * (mids[q + 31] <= x)
+    q += 16 * (mids[q + 15] <= x)
+    q += 8 * (mids[q + 7] <= x)
+    q += 4 * (mids[q + 3] <= x)
+    q += 2 * (mids[q + 1] <= x)
+    q += 1 * (mids[q] <= x)
+    return q
+
+
+@njit(inline="always")
+def _scaled_table(table, s, out):
+    """out[c] = _value(table[c], s): every value a code can decode to under scale s, once per
+    block (256 products) instead of once per value; decoding is then a lookup."""
+    for c in range(table.size):
+        out[c] = _value_cpu(table[c], s)
+
+
 @njit(parallel=True, cache=True)
 def encode_cpu(g, r, ef, codes, scales, block, table, mids, bad):
-    """bad[b] = 1 where block b holds a NaN or Inf."""
+    """bad[b] = 1 where block b holds a NaN or Inf. One branch-free loop per case (error
+    feedback or not, a zero scale or not) so that each vectorises."""
     n, nb = g.size, scales.size
     per_block = -(-block // CHUNK)
     flags = np.zeros(nb * per_block, np.uint8)
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
         s = scales[b]
-        for i in range(lo, hi):
-            v = g[i] + r[i] if ef else g[i]
-            if not v - v == 0.0:
-                flags[t] = 1
-            q = _code_cpu(v, s, mids)
-            codes[i] = q
-            if ef:
-                r[i] = v - _value_cpu(table[q], s)
+        vt = np.empty(table.size, np.float32)
+        _scaled_table(table, s, vt)
+        sd = np.float64(s)
+        nonfinite = 0
+        if s > 0 and ef:
+            for i in range(lo, hi):
+                v = g[i] + r[i]
+                q = _search(np.float64(v) / sd, mids)
+                codes[i] = q
+                r[i] = v - vt[q]
+                nonfinite += not v - v == 0.0
+        elif s > 0:
+            for i in range(lo, hi):
+                v = g[i]
+                codes[i] = _search(np.float64(v) / sd, mids)
+                nonfinite += not v - v == 0.0
+        else:   # x = 0 for every value (_code's rule for a zero scale)
+            q0 = _search(0.0, mids)
+            for i in range(lo, hi):
+                v = g[i] + r[i] if ef else g[i]
+                codes[i] = q0
+                if ef:
+                    r[i] = v - vt[q0]
+                nonfinite += not v - v == 0.0
+        flags[t] = nonfinite > 0
     for t in range(nb * per_block):
         if flags[t]:
             bad[t // per_block] = 1
@@ -178,12 +219,20 @@ def encode_cpu(g, r, ef, codes, scales, block, table, mids, bad):
 
 @njit(parallel=True, cache=True)
 def decode_cpu(codes, scales, table, out, block, accumulate):
-    for i in prange(out.size):
-        val = _value_cpu(table[codes[i]], scales[i // block])
+    """In tasks inside normalisation blocks (as encode_cpu): each block's 256 decoded values
+    computed once, then a lookup per value (a vector gather from L1)."""
+    n, nb = out.size, scales.size
+    per_block = -(-block // CHUNK)
+    for t in prange(nb * per_block):
+        b, lo, hi = _task_range(t, per_block, block, n)
+        vt = np.empty(table.size, np.float32)
+        _scaled_table(table, scales[b], vt)
         if accumulate:
-            out[i] += val
+            for i in range(lo, hi):
+                out[i] += vt[codes[i]]
         else:
-            out[i] = val
+            for i in range(lo, hi):
+                out[i] = vt[codes[i]]
 
 
 # ---------------------------------------------------------------- Numba CUDA
