@@ -16,11 +16,14 @@ command decides its threads itself, in this order:
 and sets OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS and NUMBA_NUM_THREADS to it
 before numpy or numba is imported (the thread pools start with those numbers).
 
-With more than one thread it also sets OMP_WAIT_POLICY=PASSIVE (unless the environment sets
-it): Numba's kernels run on the OpenMP pool (libgomp), whose threads otherwise spin for a
-while after every parallel loop -- on the cores OpenBLAS's threads need for the next GEMM.
-Measured on the so762 model (440-1024x4-40, minibatch 256, one process, 2 threads): 2,150
-frames/s spinning, 9,090 passive, against 9,220 for the step's GEMMs alone (docs/benchmarks.md). `describe`
+With more than one thread both pools are told to sleep rather than spin once their work is
+done (SLEEP_BETWEEN, unless the environment sets them): Numba's kernels run on the OpenMP pool
+(libgomp), whose threads otherwise spin for a while after every parallel loop on the cores
+OpenBLAS needs for the next GEMM, and OpenBLAS's threads spin after every GEMM on the cores
+the next Numba kernel needs. Measured, one process with 2 threads: the so762 model
+(440-1024x4-40, minibatch 256) 2,150 frames/s spinning, 9,090 with OpenMP passive, against
+9,220 for the step's GEMMs alone; the paper's 46M model 94-96% of its GEMM roofline with
+OpenMP passive, 97-100% with OpenBLAS's short timeout too (docs/benchmarks.md). `describe`
 says what was chosen and why for the log; `check` reads back what the pools really use.
 When more ranks than cores share a node, each gets one thread and the run is still
 oversubscribed: MPICH ranks then need MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (a waiting rank yields
@@ -29,6 +32,9 @@ its core), which must be set before MPI starts -- bin/demo and jobs/ set it; the
 import os
 
 VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+# the pools' threads sleep when their work is done instead of spinning on the other's cores:
+# libgomp (Numba's kernels) passive; OpenBLAS's threads wait 2^4 cycles before they sleep
+SLEEP_BETWEEN = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 def affinity():
@@ -67,8 +73,10 @@ def environment(threads, env=None):
     """The variables that give a process `threads` threads (see the module docstring)."""
     env = os.environ if env is None else env
     out = dict.fromkeys(VARIABLES, str(threads))
-    if threads > 1 and "OMP_WAIT_POLICY" not in env:
-        out["OMP_WAIT_POLICY"] = "PASSIVE"   # OpenMP threads sleep between Numba's loops
+    if threads > 1:
+        for name, value in SLEEP_BETWEEN.items():
+            if name not in env:
+                out[name] = value
     return out
 
 

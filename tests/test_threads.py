@@ -72,3 +72,11 @@ def test_train_threads_overrides_the_environment(archive, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = open(os.path.join(run, "logs", "rank0000.log")).read()
     assert "threads: 1 thread(s) per rank (train.threads); Numba 1, OpenBLAS 1" in log, log
+
+
+def test_with_threads_both_pools_sleep_between_their_work():
+    assert threads.environment(2, env={})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert threads.environment(2, env={})["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert "OMP_WAIT_POLICY" not in threads.environment(1, env={})
+    mine = threads.environment(2, env={"OMP_WAIT_POLICY": "ACTIVE"})
+    assert "OMP_WAIT_POLICY" not in mine and mine["NUMBA_NUM_THREADS"] == "2"
