@@ -17,9 +17,9 @@ import sys
 
 import numpy as np
 
-from hpcsgd import config, optim
+from hpcsgd import config
 
-from reference_setup import batch, build, float64_flag
+from reference_setup import build, float64_flag, global_batch, global_steps
 
 dtype = float64_flag(sys.argv)
 out_path, K = sys.argv[1], int(sys.argv[2])
@@ -35,32 +35,21 @@ def apply_delayed(pending):
     opt.apply(params.flat, g.flat, lr)
 
 
-frames, stop, pending, slot = 0, cfg["train.stop_after_frames"], None, 0
-for epoch in range(cfg["train.epochs"]):
-    rank_frames = loaders[0].plan.rank_frames(epoch)
-    offsets = np.zeros(K, np.int64)
-    for ld in loaders:
-        ld.start_epoch(epoch)
-    while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
-        take = np.minimum(batch_of, rank_frames - offsets)
-        lr = optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], frames, [],
-                                 cfg["schedule.step_frames"], cfg["schedule.factor"])
-        first = (take + 1) // 2
-        for part in (first, take - first):
-            if not part.sum():
-                continue
-            batches = [ld.next_batch(int(t)) for ld, t in zip(loaders, part)]
-            x = batch(np.ascontiguousarray(np.concatenate([b[0] for b in batches])), dtype)
-            y = np.concatenate([b[1] for b in batches])
-            slot ^= 1
-            model.forward_backward(params, grads[slot], x, y, len(y))   # G_h at W_h
-            if pending:
-                apply_delayed(pending)                                 # W_{h+1}
-            opt.begin_step(len(y), len(y))
-            pending = (grads[slot], lr)
-        offsets += take
-        frames += int(take.sum())
-    if pending and not (stop and frames >= stop):   # epoch end: drain before the next epoch
+frames, pending, slot = 0, None, 0
+for lr, take, ends_epoch in global_steps(cfg, loaders, batch_of):
+    first = (take + 1) // 2
+    for part in (first, take - first):
+        if not part.sum():
+            continue
+        x, y = global_batch(loaders, part, dtype)
+        slot ^= 1
+        model.forward_backward(params, grads[slot], x, y, len(y))   # G_h at W_h
+        if pending:
+            apply_delayed(pending)                                 # W_{h+1}
+        opt.begin_step(len(y), len(y))
+        pending = (grads[slot], lr)
+    frames += int(take.sum())
+    if ends_epoch:   # epoch end: drain before the next epoch
         apply_delayed(pending)
         pending = None
 np.savez(out_path, params=params.flat, frames=frames)

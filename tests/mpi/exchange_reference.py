@@ -18,10 +18,10 @@ import sys
 
 import numpy as np
 
-from hpcsgd import config, optim
+from hpcsgd import config
 from hpcsgd.codecs import make_codec
 
-from reference_setup import batch, build, float64_flag
+from reference_setup import build, float64_flag, global_batch, global_steps
 
 dtype = float64_flag(sys.argv)
 out_path, K, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -46,29 +46,18 @@ def quantize(flat, residual):
         codec.decode(packed[m.name], g)
 
 
-frames, stop = 0, cfg["train.stop_after_frames"]
-for epoch in range(cfg["train.epochs"]):
-    rank_frames = loaders[0].plan.rank_frames(epoch)
-    offsets = np.zeros(K, np.int64)
-    for ld in loaders:
-        ld.start_epoch(epoch)
-    while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
-        take = np.minimum(batch_of, rank_frames - offsets)
-        parts = [ld.next_batch(int(t)) for ld, t in zip(loaders, take)]
-        x = batch(np.ascontiguousarray(np.concatenate([p[0] for p in parts])), dtype)
-        y = np.concatenate([p[1] for p in parts])
-        n = len(y)
-        model.forward_backward(params, grads, x, y, n)
-        opt.begin_step(n, n)
-        if mode == "onebit":
-            quantize(grads.flat, res1)
-        opt.post_exchange(grads.flat, params.flat)
-        if mode == "onebit":
-            quantize(grads.flat, res2)
-        lr = optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], frames, [],
-                                 cfg["schedule.step_frames"], cfg["schedule.factor"])
-        opt.apply(params.flat, grads.flat, lr)
-        offsets += take
-        frames += n
+frames = 0
+for lr, take, _ in global_steps(cfg, loaders, batch_of):
+    x, y = global_batch(loaders, take, dtype)
+    n = len(y)
+    model.forward_backward(params, grads, x, y, n)
+    opt.begin_step(n, n)
+    if mode == "onebit":
+        quantize(grads.flat, res1)
+    opt.post_exchange(grads.flat, params.flat)
+    if mode == "onebit":
+        quantize(grads.flat, res2)
+    opt.apply(params.flat, grads.flat, lr)
+    frames += n
 np.savez(out_path, params=params.flat, residual1=res1, residual2=res2, frames=frames)
 print(f"OK reference K={K} mode={mode} frames={frames}")

@@ -55,3 +55,30 @@ def build(cfg, K, dtype=np.float32):
                               adagrad_eps=opt.adagrad_eps, weight_decay=opt.weight_decay,
                               dtype=dtype)
     return batch_of, loaders, model, params, opt
+
+
+def global_steps(cfg, loaders, batch_of):
+    """The trainer's steps, in one process: (lr, take, ends_epoch) per step, take[r] being
+    rank r's frames, with the epochs, the learning rate and train.stop_after_frames as the
+    trainer has them (the loaders started per epoch). ends_epoch: the step finishes its epoch
+    and the run goes on (where the double-buffering reference drains the half in flight)."""
+    frames, stop = 0, cfg["train.stop_after_frames"]
+    for epoch in range(cfg["train.epochs"]):
+        rank_frames = loaders[0].plan.rank_frames(epoch)
+        offsets = np.zeros(len(loaders), np.int64)
+        for ld in loaders:
+            ld.start_epoch(epoch)
+        while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
+            take = np.minimum(batch_of, rank_frames - offsets)
+            lr = optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], frames, [],
+                                     cfg["schedule.step_frames"], cfg["schedule.factor"])
+            offsets += take
+            frames += int(take.sum())
+            yield lr, take, (rank_frames - offsets).sum() == 0 and not (stop and frames >= stop)
+
+
+def global_batch(loaders, part, dtype):
+    """Every rank's next part[r] frames, concatenated in rank order: (x, y)."""
+    batches = [ld.next_batch(int(t)) for ld, t in zip(loaders, part)]
+    x = batch(np.ascontiguousarray(np.concatenate([b[0] for b in batches])), dtype)
+    return x, np.concatenate([b[1] for b in batches])
