@@ -66,9 +66,9 @@ def fill_kernel(out, value):
 def fill(a, value):
     """Every element of the C-contiguous device array a (any shape) <- value."""
     a = as_device(a)
-    if a.size:
-        fill_kernel[min(-(-a.size // FILL_THREADS), MAX_GRID), FILL_THREADS](a.reshape(a.size),
-                                                                             value)
+    if a.size:   # a small array gets a small block (grid-stride: the same result)
+        threads = min(FILL_THREADS, a.size)
+        fill_kernel[min(-(-a.size // threads), MAX_GRID), threads](a.reshape(a.size), value)
 
 
 def to_host(a):

@@ -190,8 +190,8 @@ def _launch_cuda(kernel, first, *args):
     if first.size == 0:          # an empty stripe: nothing to launch
         return
     args = [np.float64(a) if type(a) is float else a for a in args]
-    blocks = min(-(-first.size // THREADS), MAX_BLOCKS)
-    _CUDA[kernel][blocks, THREADS](first, *args)
+    threads = min(THREADS, first.size)   # a small slice, a small block (element-wise)
+    _CUDA[kernel][min(-(-first.size // threads), MAX_BLOCKS), threads](first, *args)
 
 
 class Optimizer:

@@ -14,6 +14,12 @@ from numba import cuda, njit
 LANES = 32
 
 
+def row_threads(n_rows, most=128):
+    """Threads of a CUDA decode block (one block per column, threads striding its rows): at
+    most `most`, no more than the rows (a short column gets no idle threads)."""
+    return max(1, min(most, n_rows))
+
+
 def lane_tree(acc):
     """Combine 32 lane partial sums (float64 array, modified) in the canonical order."""
     off = LANES // 2

@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda, njit, prange
 
 from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
-                                  ref_lane_sums)
+                                  ref_lane_sums, row_threads)
 from hpcsgd.device import as_device
 
 
@@ -433,8 +433,8 @@ class KBit(Codec):
                        packed.view(np.float32).reshape(n_cols, W), out, accumulate, self.bits)
         else:
             p = as_device(packed)
-            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(out),
-                                     accumulate, self.bits)
+            decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
+                                                     as_device(out), accumulate, self.bits)
 
     def decode(self, packed, out):
         self._decode(packed, out, False)

@@ -19,7 +19,7 @@ import numba
 from numba import cuda, njit, prange
 
 from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
-                                  ref_lane_sums)
+                                  ref_lane_sums, row_threads)
 from hpcsgd.device import as_device
 
 
@@ -355,8 +355,9 @@ class OneBit(Codec):
                        0.0)
         else:
             p = as_device(packed)
-            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(out),
-                                     ADD if accumulate else SET, np.float64(0))
+            decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
+                                                     as_device(out), ADD if accumulate else SET,
+                                                     np.float64(0))
 
     def decode(self, packed, out):
         self._decode(packed, out, False)
@@ -382,5 +383,5 @@ class OneBit(Codec):
                        packed.view(np.float32).reshape(n_cols, W), w, SUB_LR, float(lr))
         else:
             p = as_device(packed)
-            decode_cuda[n_cols, 128](p.view(np.uint32), p.view(np.float32), as_device(w), SUB_LR,
-                                     np.float64(lr))
+            decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
+                                                     as_device(w), SUB_LR, np.float64(lr))

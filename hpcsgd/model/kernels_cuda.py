@@ -43,9 +43,12 @@ def row_threads(m):
 
 MAX_GRID = 65535         # grid dims are capped (grid-stride loops cover the rest)
 
-def _elem_grid(n, m):
-    bx, by = ELEM_BLOCK
-    return min(-(-m // bx), MAX_GRID), min(-(-n // by), MAX_GRID)
+def _elem_launch(n, m):
+    """(grid, block) of an element-wise kernel over (n, m): ELEM_BLOCK, narrowed to a smaller
+    matrix (no idle threads; the kernels are grid-stride, so any launch gives the same
+    result)."""
+    bx, by = min(ELEM_BLOCK[0], m), min(ELEM_BLOCK[1], n)
+    return (min(-(-m // bx), MAX_GRID), min(-(-n // by), MAX_GRID)), (bx, by)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +219,7 @@ def bias_act_forward(z, b, kind):
     z, b = as_device(z), as_device(b)
     n, m = z.shape
     if n and m:
-        _bias_act_kernel[_elem_grid(n, m), ELEM_BLOCK](z, b, kind)
+        _bias_act_kernel[_elem_launch(n, m)](z, b, kind)
 
 
 def act_backward(h, d, dz, gb, kind):
@@ -224,7 +227,7 @@ def act_backward(h, d, dz, gb, kind):
     h, d, dz = as_device(h), as_device(d), as_device(dz)
     n, m = d.shape
     if n and m:
-        _act_backward_kernel[_elem_grid(n, m), ELEM_BLOCK](h, d, dz, kind)
+        _act_backward_kernel[_elem_launch(n, m)](h, d, dz, kind)
     column_sums(dz, gb)
 
 
@@ -270,4 +273,4 @@ def exp_inplace(z):
     z = as_device(z)
     n, m = z.shape
     if n and m:
-        _exp_kernel[_elem_grid(n, m), ELEM_BLOCK](z)
+        _exp_kernel[_elem_launch(n, m)](z)
