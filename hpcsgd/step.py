@@ -138,6 +138,7 @@ class Step:
         self.double_buffering = bool(double_buffering)
         self.test_between_gemms = self.double_buffering and progress == "test"
         self.timeline, self.check_finite = timeline, check_finite
+        self.device = device
         self.phases = Phases(device, timeline)
         self.pending = None      # the exchange in flight: {"lr", "n", "n_local", "sqr_weight"}
         self.slot = 0            # the gradient buffer of the last half computed
