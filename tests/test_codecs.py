@@ -196,6 +196,32 @@ def test_dettmers_tables_are_sorted_256_values():
     assert 0.0 in dyn and dyn[-1] == 1.0 and len(set(dyn.tolist())) == 256
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dettmers_bucket_lookup_counts_midpoints_like_searchsorted(dtype):
+    """The CPU encode's one-lookup code equals np.searchsorted(mids, x, 'right') at every
+    midpoint, one ulp either side of it, at +-0, denormals, values past the table and in
+    every decade between."""
+    from numba import njit
+    from hpcsgd.codecs.dettmers import _bucket_code, code_buckets, midpoints
+
+    @njit
+    def codes(x, buckets, emin, emax, M, qzero):
+        out = np.empty(x.size, np.int64)
+        for i in range(x.size):
+            out[i] = _bucket_code(x[i], buckets, emin, emax, M, qzero)
+        return out
+
+    mids = midpoints(make_table(dtype))
+    rng = np.random.default_rng(1)
+    x = np.concatenate([
+        mids, np.nextafter(mids, -np.inf), np.nextafter(mids, np.inf),
+        [0.0, -0.0, 5e-324, -5e-324, 2.2e-308, -2.2e-308, 1e300, -1e300, np.inf, -np.inf],
+        rng.standard_normal(200_000) * 10.0 ** rng.uniform(-12, 2, 200_000)])
+    buckets = code_buckets(mids)
+    assert buckets[0].size <= 8192  # the table stays in L1
+    np.testing.assert_array_equal(codes(x, *buckets), np.searchsorted(mids, x, side="right"))
+
+
 def test_dettmers_refresh_reuses_the_scale_and_error_feedback_carries_the_clip():
     c = make_codec("dettmers", dtype="dynamic_tree", refresh=3)
     g = np.full((1, 8), 1.0, np.float32)

@@ -8,8 +8,10 @@ Every type is a sorted table of 256 float32 values times a scale per block:
                 of linspace(0.1, 1, 17)), e = 0..7            scale = exponent offset
   dynamic_tree  bitsandbytes' dynamic map: for i = 0..6 the 2^i midpoints of linspace(0.1, 1,
                 2^i + 1) times +-10^(i-6), plus 0 and 1       scale = abs-max (default)
-Encode: x = v / scale, code = index of the nearest table value, found by an 8-step binary
-search over the 255 midpoints (ties go up). Decode: table[code] * scale.
+Encode: x = v / scale (float64), code = index of the nearest table value = the number of the
+255 midpoints <= x (ties go up). The reference counts with np.searchsorted, CUDA with an 8-step
+binary search in shared memory, the CPU with one lookup in a bucket table keyed by the bits of
+x (see `code_buckets`). Decode: table[code] * scale.
 Normalisation `norm="absmax"` uses the abs-max of each block of `block` values of the
 flattened matrix (block=0: one block = the whole matrix), recomputed every `refresh` encodes
 (the paper refreshes every 50 minibatches; values beyond a stale abs-max clip to +-1 and the
@@ -21,9 +23,11 @@ from the same output buffer, so `refresh` > 1 needs the caller to pass the same 
 same matrix each step (the exchange's preallocated buffers); a fresh buffer recomputes.
 """
 import numpy as np
-from numba import cuda, njit, prange
+from llvmlite import ir
+from numba import cuda, njit, prange, types
+from numba.core.extending import intrinsic
 
-from hpcsgd.codecs.common import Codec, nonfinite_error
+from hpcsgd.codecs.common import LANES, Codec, nonfinite_error
 from hpcsgd.device import as_device
 
 DTYPES = ("linear", "mantissa", "static_tree", "dynamic_tree")
@@ -78,7 +82,7 @@ def _value(t, scale):
     return np.float32(np.float64(t) * np.float64(scale))  # exact product, one rounding
 
 
-_code_cpu, _value_cpu = njit(inline="always")(_code), njit(inline="always")(_value)
+_value_cpu = njit(inline="always")(_value)
 _code_cuda, _value_cuda = cuda.jit(device=True)(_code), cuda.jit(device=True)(_value)
 
 
@@ -144,29 +148,88 @@ def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
         b, lo, hi = _task_range(t, per_block, block, n)
         if keep[b]:
             continue
-        m = np.float32(0.0)
-        for i in range(lo, hi):
+        # LANES running maxima (one is a dependency chain LLVM keeps scalar); max is exact,
+        # so the lanes give the same value as one scan
+        ml = np.zeros(LANES, np.float32)
+        nfull = (hi - lo) // LANES
+        for k in range(nfull):
+            base = np.uint64(lo + k * LANES)  # unsigned: contiguous loads (encode_cpu)
+            if ef:
+                for l in range(np.uint64(LANES)):
+                    ml[l] = max(ml[l], abs(g[base + l] + r[base + l]))
+            else:
+                for l in range(np.uint64(LANES)):
+                    ml[l] = max(ml[l], abs(g[base + l]))
+        for i in range(np.uint64(lo + nfull * LANES), np.uint64(hi)):
             v = g[i] + r[i] if ef else g[i]
-            m = max(m, abs(v))
-        part[t] = m
+            ml[0] = max(ml[0], abs(v))
+        part[t] = ml.max()
     for b in range(nb):
         if not keep[b]:
             scales[b] = part[b * per_block:(b + 1) * per_block].max()
 
 
+# The CPU encode counts midpoints <= x with one lookup. Key = the top bits of float64 x: sign,
+# exponent (clamped to [emin, emax], octaves that hold no midpoint) and M mantissa bits, with M
+# the smallest that leaves at most one midpoint in any bucket. Entry = (lo << 53) | t: lo = the
+# count at the bucket's lower end; t = the midpoint's remaining mantissa bits (mirrored for
+# negative x, whose bits grow as x falls), or 2^(52-M), above every x, for a bucket without
+# one. So code = lo + (x's remaining bits >= t): exact, branch-free, one 64-bit gather per value
+# (a binary search is 8 dependent gathers: 8% of the memory limit). x = +-0 is the one value
+# outside the rule (mantissa's duplicate zeros put midpoints at 0): it takes `qzero`.
+BUCKET_CODE_SHIFT = 53
+
+
+def code_buckets(mids):
+    """(entries int64, emin, emax, M, qzero) for `_bucket_code`; emin/emax biased exponents."""
+    mids = np.asarray(mids, np.float64)
+    mag = np.abs(mids[mids != 0])
+    emin = int(np.frexp(mag.min())[1]) - 1 + 1023 - 1   # the octave below the smallest
+    emax = int(np.frexp(mag.max())[1]) - 1 + 1023 + 1   # the octave above the largest
+    ne = emax - emin + 1
+    for M in range(1, 13):
+        lowmask = (1 << (52 - M)) - 1
+        e, m = np.meshgrid(np.arange(emin, emax + 1, dtype=np.int64),
+                           np.arange(1 << M, dtype=np.int64), indexing="ij")
+        b0 = ((e << 52) | (m << (52 - M))).ravel()
+        lowmag, highmag = b0.view(np.float64), (b0 + lowmask).view(np.float64)
+        entries = []
+        for sign in (0, 1):  # x in [lowmag, highmag], or in [-highmag, -lowmag]
+            a, b = (lowmag, highmag) if sign == 0 else (-highmag, -lowmag)
+            lo = np.searchsorted(mids, a, side="right")
+            hi = np.searchsorted(mids, b, side="right")
+            if (hi - lo > 1).any():
+                break
+            thr_low = mids[np.minimum(lo, mids.size - 1)].view(np.int64) & lowmask
+            t = np.where(hi > lo, thr_low if sign == 0 else lowmask - thr_low, lowmask + 1)
+            entries.append((lo.astype(np.int64) << BUCKET_CODE_SHIFT) | t)
+        else:
+            table = np.concatenate(entries)
+            assert table.size == 2 * ne << M
+            return table, emin, emax, M, int(np.searchsorted(mids, 0.0, side="right"))
+    raise ValueError("dettmers: a table whose midpoints are too close for the bucket search")
+
+
+@intrinsic
+def _f64_bits(typingctx, x):
+    """The bits of a float64 as int64 (a register move, vectorised)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
 @njit(inline="always")
-def _search(x, mids):
-    """_code's binary search written out: 8 steps of a fixed pattern, so LLVM turns the loop
-    over values into vector gathers (the same q: the same comparisons in the same order)."""
-    q = 128 * (mids[127] <= x)
-    q += 64 * (mids[q + 63] <= x)
-    q += 32 * (mids[q + 31] <= x)
-    q += 16 * (mids[q + 15] <= x)
-    q += 8 * (mids[q + 7] <= x)
-    q += 4 * (mids[q + 3] <= x)
-    q += 2 * (mids[q + 1] <= x)
-    q += 1 * (mids[q] <= x)
-    return q
+def _bucket_code(x, buckets, emin, emax, M, qzero):
+    """Number of midpoints <= x (= _code's q), from `code_buckets`' table."""
+    u = _f64_bits(x)
+    s = (u >> 63) & 1
+    e = min(max((u >> 52) & 0x7FF, emin), emax)
+    m = (u >> (52 - M)) & ((1 << M) - 1)
+    lowmask = (1 << (52 - M)) - 1
+    entry = buckets[((s * (emax - emin + 1) + e - emin) << M) | m]
+    xlow = (u & lowmask) ^ (lowmask & -s)
+    q = (entry >> BUCKET_CODE_SHIFT) + (xlow >= (entry & ((1 << BUCKET_CODE_SHIFT) - 1)))
+    return qzero if x == 0.0 else q
 
 
 @njit(inline="always")
@@ -177,10 +240,14 @@ def _scaled_table(table, s, out):
         out[c] = _value_cpu(table[c], s)
 
 
+# The residual is a second loop over a run of SUB values still in L1: in the code loop it
+# would stop LLVM vectorising (a store to r beside gathers it cannot prove apart).
+SUB = 2048
+
+
 @njit(parallel=True, cache=True)
-def encode_cpu(g, r, ef, codes, scales, block, table, mids, bad):
-    """bad[b] = 1 where block b holds a NaN or Inf. One branch-free loop per case (error
-    feedback or not, a zero scale or not) so that each vectorises."""
+def encode_cpu(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad):
+    """bad[b] = 1 where block b holds a NaN or Inf. Branch-free loops (vectorised)."""
     n, nb = g.size, scales.size
     per_block = -(-block // CHUNK)
     flags = np.zeros(nb * per_block, np.uint8)
@@ -189,28 +256,26 @@ def encode_cpu(g, r, ef, codes, scales, block, table, mids, bad):
         s = scales[b]
         vt = np.empty(table.size, np.float32)
         _scaled_table(table, s, vt)
-        sd = np.float64(s)
+        # a zero scale gives x = 0 for every value (_code's rule); 1 keeps the division finite
+        sd = np.float64(s) if s > 0 else 1.0
+        z = 1.0 if s > 0 else 0.0
         nonfinite = 0
-        if s > 0 and ef:
-            for i in range(lo, hi):
-                v = g[i] + r[i]
-                q = _search(np.float64(v) / sd, mids)
-                codes[i] = q
-                r[i] = v - vt[q]
-                nonfinite += not v - v == 0.0
-        elif s > 0:
-            for i in range(lo, hi):
-                v = g[i]
-                codes[i] = _search(np.float64(v) / sd, mids)
-                nonfinite += not v - v == 0.0
-        else:   # x = 0 for every value (_code's rule for a zero scale)
-            q0 = _search(0.0, mids)
-            for i in range(lo, hi):
-                v = g[i] + r[i] if ef else g[i]
-                codes[i] = q0
-                if ef:
-                    r[i] = v - vt[q0]
-                nonfinite += not v - v == 0.0
+        for j in range(lo, hi, SUB):
+            # unsigned indices: with a signed computed start, Numba's negative-index wraparound
+            # hides that the loads are contiguous and LLVM gathers every one
+            ja, jb = np.uint64(j), np.uint64(min(j + SUB, hi))
+            if ef:
+                for i in range(ja, jb):
+                    v = g[i] + r[i]
+                    codes[i] = _bucket_code(z * (np.float64(v) / sd), buckets, emin, emax, M, qzero)
+                    nonfinite += not v - v == 0.0
+                for i in range(ja, jb):
+                    r[i] = (g[i] + r[i]) - vt[codes[i]]
+            else:
+                for i in range(ja, jb):
+                    v = g[i]
+                    codes[i] = _bucket_code(z * (np.float64(v) / sd), buckets, emin, emax, M, qzero)
+                    nonfinite += not v - v == 0.0
         flags[t] = nonfinite > 0
     for t in range(nb * per_block):
         if flags[t]:
@@ -227,11 +292,12 @@ def decode_cpu(codes, scales, table, out, block, accumulate):
         b, lo, hi = _task_range(t, per_block, block, n)
         vt = np.empty(table.size, np.float32)
         _scaled_table(table, scales[b], vt)
+        ia, ib = np.uint64(lo), np.uint64(hi)  # unsigned: contiguous loads (encode_cpu)
         if accumulate:
-            for i in range(lo, hi):
+            for i in range(ia, ib):
                 out[i] += vt[codes[i]]
         else:
-            for i in range(lo, hi):
+            for i in range(ia, ib):
                 out[i] = vt[codes[i]]
 
 
@@ -320,6 +386,7 @@ class Dettmers(Codec):
         self.dtype = dtype
         self.table = make_table(dtype)
         self.mids = midpoints(self.table)
+        self.buckets = code_buckets(self.mids)
         if norm is None:
             norm = "absmax" if dtype in ("linear", "dynamic_tree") else "fixed"
         if norm not in ("absmax", "fixed"):
@@ -382,7 +449,7 @@ class Dettmers(Codec):
                 flags = np.zeros(nb, np.uint8)
                 rr = r if ef else g
                 scales_cpu(g, rr, ef, scales, block, age, self.refresh, absmax, self.offset)
-                encode_cpu(g, rr, ef, codes, scales, block, self.table, self.mids, flags)
+                encode_cpu(g, rr, ef, codes, scales, block, self.table, *self.buckets, flags)
                 bad = int(np.argmax(flags)) if flags.any() else -1
             head[0] = 1 if age < 1 or age >= self.refresh else age + 1
             out[4 + 4 * nb + n:] = 0  # padding bytes defined, so buffers compare equal
