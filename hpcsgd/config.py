@@ -11,8 +11,9 @@ import yaml
 from hpcsgd.data import BLOCK_FRAMES, BUFFER_FRAMES
 from hpcsgd.errors import UserError
 
-# key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, or a tuple
-# of allowed values. Types: int, float, str, bool, list (of ints).
+# key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, a tuple
+# of allowed values, or (lo, hi, names): a number in range or one of the names. Types: int,
+# float, str, bool, list (of ints).
 DEFAULTS = {
     # --- data ---
     "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
@@ -48,7 +49,21 @@ DEFAULTS = {
                        "striped: gradient codec (docs/codecs.md)"),
     "exchange.error_feedback": (True, bool, None,
                                 "striped: carry quantization error to the next step (false = baseline)"),
-    "exchange.bits": (4, int, (2, 8), "striped + kbit: bits per value"),
+    "exchange.bits": (4, int, (2, 8, ("oland_raj", "mqgrad")),
+                      "striped + kbit: bits per value, or chosen every bits_every_steps steps by "
+                      "a rule: oland_raj (more bits for a larger gradient norm; a reconstruction) "
+                      "or mqgrad (SARSA on the loss; docs/exchange.md, 'Adaptive bit width')"),
+    "exchange.bits_start": (2, int, (2, 8), "oland_raj/mqgrad: the width of the first steps"),
+    "exchange.bits_every_steps": (5, int, (1, 1 << 20), "oland_raj/mqgrad: decide every T steps (paper 5)"),
+    "exchange.bits_time": ("measured", str, ("measured", "model"),
+                           "mqgrad: reward's time per step at a width: measured step seconds, or "
+                           "the authors' model 5 + 5 bits (deterministic)"),
+    "exchange.mqgrad_alpha": (0.1, float, (0.0, 1.0), "mqgrad: loss smoothing (paper 0.01, code 0.1)"),
+    "exchange.mqgrad_epsilon": (0.1, float, (0.0, 1.0), "mqgrad: probability of the non-greedy action"),
+    "exchange.mqgrad_lr": (0.05, float, (0.0, 10.0), "mqgrad: SARSA step size (paper 0.1, code 0.05)"),
+    "exchange.mqgrad_discount": (0.9, float, (0.0, 1.0), "mqgrad: SARSA discount (code 0.9)"),
+    "exchange.mqgrad_hidden": (10, int, (1, 1024), "mqgrad: ReLU units of the Q network (paper 10)"),
+    "exchange.mqgrad_reward_scale": (300.0, float, (0.0, 1e12), "mqgrad: reward = -slope x this / time"),
     "exchange.kbit_range": ("minmax", str, ("minmax", "rms"), "striped + kbit: per-column range rule"),
     "exchange.dettmers_type": ("dynamic_tree", str, ("linear", "mantissa", "static_tree", "dynamic_tree"),
                                "striped + dettmers: 8-bit data type"),
@@ -118,14 +133,19 @@ def _check(key, value):
         if constraint and not all(constraint[0] <= v <= constraint[1] for v in value):
             raise UserError(f"config key {key}: values must be in {constraint[0]}..{constraint[1]}")
         return value
+    if isinstance(constraint, tuple) and len(constraint) == 3 and value in constraint[2]:
+        return value   # a name where a number may also go (exchange.bits = mqgrad)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise UserError(f"config key {key}: expected {kind.__name__}, got {value!r} "
+        names = (f" or one of {', '.join(constraint[2])}"
+                 if isinstance(constraint, tuple) and len(constraint) == 3 else "")
+        raise UserError(f"config key {key}: expected {kind.__name__}{names}, got {value!r} "
                         f"({type(value).__name__})")
     if isinstance(constraint, tuple) and constraint and isinstance(constraint[0], str):
         if value not in constraint:
             raise UserError(f"config key {key}: {value!r} is not one of {', '.join(constraint)}")
     elif constraint is not None and not constraint[0] <= value <= constraint[1]:
-        raise UserError(f"config key {key}: {value!r} outside {constraint[0]}..{constraint[1]}")
+        names = f" or one of {', '.join(constraint[2])}" if len(constraint) == 3 else ""
+        raise UserError(f"config key {key}: {value!r} outside {constraint[0]}..{constraint[1]}{names}")
     return value
 
 
@@ -220,6 +240,8 @@ def describe():
         elif constraint is not None:
             allowed = (f"integers in {constraint[0]}..{constraint[1]}" if kind is list
                        else f"{kind.__name__} in {constraint[0]}..{constraint[1]}")
+            if len(constraint) == 3:
+                allowed += ", or one of " + ", ".join(constraint[2])
         else:
             allowed = kind.__name__
         lines.append(f"  {key} = {default!r}    ({allowed})\n      {comment}")

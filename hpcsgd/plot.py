@@ -57,6 +57,18 @@ def run(args):
                     label="cross-validation")
         if cv[-1].get("cv_majority") is not None:
             ax_acc.axhline(100 * cv[-1]["cv_majority"], color="grey", ls=":", label="majority class")
+    changes = [r for r in records if r["kind"] == "bits"]
+    if changes or any("bits" in r for r in train):   # adaptive bit width: the width beside the loss
+        ax_bits = ax_ce.twinx()
+        steps = [(r["frames"], r["bits"]) for r in train if "bits" in r] + \
+                [(r["frames"], r["bits"]) for r in changes]
+        steps.sort()
+        if changes:   # the width before the first change, from frame 0
+            steps.insert(0, (0, changes[0]["previous"]))
+        ax_bits.step([f for f, _ in steps], [b for _, b in steps], where="post", color="tab:red",
+                     alpha=0.6, label="bits")
+        ax_bits.set(ylabel="gradient bits per value", ylim=(1.5, 8.5))
+        ax_bits.legend(loc="center right")
     ax_ce.set(xlabel="frames", ylabel="cross-entropy (nats/frame)", title="cross-entropy")
     ax_acc.set(xlabel="frames", ylabel="frame accuracy (%)", title="frame accuracy")
     for ax in (ax_ce, ax_acc):

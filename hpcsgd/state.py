@@ -16,7 +16,9 @@ Parts:
   progress     epoch, frames trained, every data rank's offset into its epoch stream, the CV
                history (the newbob schedule is a function of it, so the learning rate is too)
   decisions    the between-step decisions (hpcsgd/decisions.py): the minibatch size and the
-               frame of the next probe; each is made identically on every rank
+               frame of the next probe; each is made identically on every rank; and the
+               adaptive bit width's controller (hpcsgd/bitwidth.py: width, Q weights, smoothed
+               loss, RNG; shared) with this rank's steps since its last decision (per rank)
   RNG          nothing stateful: the init, the block and frame shuffles draw from generators
                seeded by (train.seed, epoch, rank, buffer), so seed + progress reproduce them
 The static part (model shape, features, label inventory and counts, config) identifies what
@@ -51,6 +53,7 @@ class TrainState:
         self.progress = {"epoch": 0, "frames": 0, "offsets": [0] * grid.data_size,
                          "cv_history": [], "deal": None}
         self.decisions = {"minibatch": static["config"]["train.minibatch"], "next_probe": 0}
+        self.bitwidth = None    # the adaptive bit width's decision (bitwidth.BitWidth), if on
         # optimizer state differs between ranks: owner stripes, or AdaGrad on local gradients
         self.per_rank_opt = not ex.replicated_optimizer or opt.adagrad == "local"
         self.per_rank_state = self.per_rank_opt or bool(ex.state_dict())
@@ -90,7 +93,8 @@ class TrainState:
     # ---- checkpoints -----------------------------------------------------------------------
 
     def meta(self):
-        return {**self.static, **self.progress, **self.decisions,
+        bits = {"bitwidth": self.bitwidth.state_dict()["controller"]} if self.bitwidth else {}
+        return {**self.static, **self.progress, **self.decisions, **bits,
                 "world": self.grid.data_size, "per_rank_state": self.per_rank_state,
                 "pending": self.step.pending}
 
@@ -102,6 +106,9 @@ class TrainState:
         shared = {"params": to_host(self.params.flat),
                   "opt/sqr_weight": np.float64(opt["sqr_weight"])}
         own = {f"exchange/{k}": to_host(v) for k, v in self.ex.state_dict().items()}
+        if self.bitwidth:   # this rank's steps since the last width decision
+            own["bitwidth/rows"] = np.array(self.bitwidth.state_dict()["rows"],
+                                            np.float64).reshape(-1, 4)
         if self.step.pending:   # the exchange in flight, communication completed (sync point)
             own["exchange_pending"] = to_host(self.ex.pending_state()["pending"])
         (own if self.per_rank_opt else shared).update({"opt/velocity": opt["velocity"],
@@ -162,6 +169,12 @@ class TrainState:
             else:
                 self.progress["deal"] = None
             self.progress["offsets"] = [0] * world
+        if self.bitwidth and saved.get("bitwidth"):   # the width and its controller
+            rows = arrays.get(checkpoint.rank_prefix(rank) + "bitwidth/rows")
+            self.bitwidth.load_state_dict({
+                "controller": saved["bitwidth"],
+                # another K: the steps since the last decision are not this rank's; restart
+                "rows": rows.tolist() if rows is not None and old_world == world else []})
         if cfg["train.probe_every_frames"] and "next_probe" in saved:   # a probed size
             self.decisions.update(minibatch=saved["minibatch"], next_probe=saved["next_probe"])
         pending = saved.get("pending")   # double buffering: an exchange was in flight

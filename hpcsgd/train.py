@@ -31,7 +31,8 @@ from typing import NamedTuple
 import numpy as np
 
 from hpcsgd import checkpoint, config, jit, optim, threads
-from hpcsgd.comm.exchange import make_exchange
+from hpcsgd.bitwidth import BitWidth
+from hpcsgd.comm.exchange import adaptive_bits, make_exchange, set_bits
 from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.grid import Grid
 from hpcsgd.data import archive
@@ -148,10 +149,16 @@ def train(cfg, comm, stop):
                  "feature_dim": loader.feature_dim},
         "label_counts": label_counts(loader.index).tolist(), "config": cfg,
         "aggregation": cfg["exchange.aggregation"]})
+    # the adaptive bit width (exchange.bits = oland_raj | mqgrad): a decision every T steps
+    bitwidth = state.bitwidth = BitWidth(cfg, grid.data) if adaptive_bits(cfg) else None
+    if bitwidth and cfg["exchange.bits"] == "oland_raj":
+        ex.norm_sq = 0.0   # the owners sum their stripe's squared gradient norm per step
     if run.resume:
         state.load(run.resume, log)
         log.info(f"resumed from {run.resume}: epoch {state.progress['epoch']}, "
                  f"{state.progress['frames']} frames")
+        if bitwidth:
+            set_bits(ex, cfg, bitwidth.bits)
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
     log_start(log, cfg, grid, loader, state, ex)
@@ -192,8 +199,12 @@ def train(cfg, comm, stop):
             # one step: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size),
                               rank_frames - progress["offsets"])
+            t_step = time.perf_counter()
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
+            if bitwidth:   # between-step decision: the width of the next T steps
+                decide_bits(cfg, bitwidth, ex, step, sums, time.perf_counter() - t_step, log,
+                            progress)
             window.add(sums)
             run.compiles.summary()   # once, after the first step compiled most kernels
             epoch_sums += sums
@@ -209,7 +220,7 @@ def train(cfg, comm, stop):
                 check_divergence(cfg, totals, loader.num_labels,
                                  f"step {window.steps} (epoch {epoch}, frame {frames:,})")
                 window.line(epoch, progress, rank_frames, lr, totals, step.phases.pop(),
-                            comm_blocking)
+                            comm_blocking, bitwidth)
             log.progress(int(sum(progress["offsets"])), int(rank_frames.sum()), f"epoch {epoch}")
             saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
             if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
@@ -238,9 +249,31 @@ def train(cfg, comm, stop):
                   learning_rate(cfg, progress), cv)
         state.end_epoch(cv["frame_accuracy"] if cv else None)
         save()
+    if bitwidth:
+        log.info(f"bit width: {bitwidth.bits} at the end; the controller took "
+                 f"{bitwidth.seconds:.4f} s over {window.steps} steps")
     log.info(f"training done: {progress['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
     return run.close(0, loader)
+
+
+def decide_bits(cfg, bitwidth, ex, step, sums, seconds, log, progress):
+    """Record the step; every T steps the controller's width (the same on every rank). A
+    change waits for no exchange in flight: with double buffering that step's exchange is
+    completed first (one step without overlap), so encode and decode use one width."""
+    bitwidth.record(sums, ex.norm_sq or 0.0, seconds)
+    if ex.norm_sq is not None:
+        ex.norm_sq = 0.0
+    if not bitwidth.due():
+        return
+    old, new = ex.codec.bits, bitwidth.decide()
+    if new != old:
+        step.drain()
+        set_bits(ex, cfg, new)
+        log.info(f"bit width {old} -> {new} at epoch {progress['epoch']}, frame "
+                 f"{progress['frames']:,} ({cfg['exchange.bits']})")
+        log.record("bits", epoch=progress["epoch"], frames=progress["frames"], bits=new,
+                   previous=old)
 
 
 class Run(NamedTuple):
@@ -381,14 +414,19 @@ class Window:
         self.sums += sums
         self.steps += 1
 
-    def line(self, epoch, progress, rank_frames, lr, totals, phases, comm_blocking):
+    def line(self, epoch, progress, rank_frames, lr, totals, phases, comm_blocking,
+             bitwidth=None):
         now = time.perf_counter()
         done, total = int(sum(progress["offsets"])), int(rank_frames.sum())
         fps = totals[2] / max(now - self.t0, 1e-9)
         ce, acc = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
+        bits = {}
+        if bitwidth:   # the width now, and the controller's share of the time so far
+            bits = {"bits": bitwidth.bits, "bits_controller_s": bitwidth.seconds}
         self.log.info(f"epoch {epoch} {done:,}/{total:,} frames  ce {ce:.4f}  "
                       f"acc {100 * acc:.2f}%  lr {lr:.3g}  {fps:,.0f} frames/s  "
-                      f"eta {format_eta((total - done) / max(fps, 1e-9))}")
+                      + (f"bits {bits['bits']}  " if bits else "")
+                      + f"eta {format_eta((total - done) / max(fps, 1e-9))}")
         exposed = communicate_seconds(phases)   # blocked in MPI, per exchange
         overlap = {}
         if comm_blocking:   # double buffering: the share of communication hidden
@@ -396,7 +434,8 @@ class Window:
                        "overlap": min(max(1 - exposed / comm_blocking, 0.0), 1.0)}
         self.log.record("train", epoch=epoch, frames=progress["frames"], step=self.steps, ce=ce,
                         frame_accuracy=acc, lr=lr, frames_per_s=fps, exchange_s=phases,
-                        exchange_total_s=sum(phases.values()), comm_exposed_s=exposed, **overlap)
+                        exchange_total_s=sum(phases.values()), comm_exposed_s=exposed, **overlap,
+                        **bits)
         self.sums[:] = 0
         self.t0 = now
 

@@ -68,10 +68,29 @@ from hpcsgd.codecs import make_codec
 from hpcsgd.comm.gpu import ENV_CUDA_AWARE, Nccl, Staging, mpi_cuda_aware, nccl_available
 from hpcsgd.comm.progress import Poller
 from hpcsgd.comm.stripes import exchanged, stripe_ranges
-from hpcsgd.device import assign, cupy_module, synchronize, zero, zeros
+from hpcsgd.device import assign, cupy_module, synchronize, to_host, zero, zeros
 from hpcsgd.errors import UserError
 
 AGGREGATIONS = ("allreduce", "striped")
+
+
+def adaptive_bits(cfg):
+    """Whether a rule chooses the bit width at run time (hpcsgd/bitwidth.py); it needs the
+    striped exchange with the kbit codec."""
+    if isinstance(cfg["exchange.bits"], int):
+        return False
+    if cfg["exchange.aggregation"] != "striped" or cfg["exchange.codec"] != "kbit":
+        raise UserError(f"config key exchange.bits: {cfg['exchange.bits']} chooses the kbit "
+                        f"codec's width; it needs exchange.aggregation=striped and "
+                        f"exchange.codec=kbit (got {cfg['exchange.aggregation']}"
+                        f"{' + ' + cfg['exchange.codec'] if cfg['exchange.aggregation'] == 'striped' else ''})")
+    return True
+
+
+def set_bits(ex, cfg, bits):
+    """Switch a striped kbit exchange to `bits` from the next encode (nothing in flight)."""
+    ex.set_codec(make_codec("kbit", ex.codec.backend, bits=bits,
+                            range=cfg["exchange.kbit_range"]), cfg["exchange.fuse_owner"])
 
 
 def make_exchange(cfg, comm, mats):
@@ -97,14 +116,18 @@ def make_exchange(cfg, comm, mats):
                        cfg["exchange.allreduce_dtype"], device=device, cuda_aware=aware,
                        nccl=nccl)
     else:
-        options = {}
+        options, widest = {}, None
         if cfg["exchange.codec"] == "kbit":
             options = {"bits": cfg["exchange.bits"], "range": cfg["exchange.kbit_range"]}
+            if adaptive_bits(cfg):   # starts narrow; buffers for the widest (8 bits)
+                options["bits"] = cfg["exchange.bits_start"]
+                widest = make_codec("kbit", device, **dict(options, bits=8))
         elif cfg["exchange.codec"] == "dettmers":
             options = {"dtype": cfg["exchange.dettmers_type"]}
         codec = make_codec(cfg["exchange.codec"], device, **options)
         ex = Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"],
-                     device=device, cuda_aware=aware, fuse_owner=cfg["exchange.fuse_owner"])
+                     device=device, cuda_aware=aware, fuse_owner=cfg["exchange.fuse_owner"],
+                     widest=widest)
     ex.transport = ex.describe_transport(why)
     if cfg["exchange.progress"] == "thread":
         ex.poller = Poller()
@@ -340,19 +363,47 @@ class Striped(_Collective):
     replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
 
     def __init__(self, comm, mats, codec, error_feedback=True, device="cpu", cuda_aware=False,
-                 fuse_owner=True):
-        self.comm, self.codec, self.error_feedback = comm, codec, bool(error_feedback)
+                 fuse_owner=True, widest=None):
+        """widest: the codec whose packed sizes the buffers are allocated for, when set_codec
+        may switch codecs between steps (exchange.bits = oland_raj | mqgrad); default codec."""
+        self.comm, self.error_feedback = comm, bool(error_feedback)
         self.device = device
-        mats = exchanged(mats)
+        self.mats = mats = exchanged(mats)
+        K, me = comm.Get_size(), comm.Get_rank()
+        self.world, self.rank = K, me
+        self.size = sum(m.size for m in mats)
+        self.set_codec(widest or codec, fuse_owner)
+        total, mine = int(self.counts.sum()), int(self.counts[me])
+        self.send_buf = zeros(total, np.uint8, device)  # my whole gradient, encoded, by owner
+        self.gather_buf = zeros(total, np.uint8, device)  # every owner's encoded update
+        self.recv_buf = zeros(K * mine, np.uint8, device)  # K contributions to my stripe
+        # what MPI gets for each (GPU ranks: the device buffer or its pinned host mirror)
+        self.stages = {name: Staging((getattr(self, name + "_buf").size,), np.uint8, device,
+                                     cuda_aware)
+                       for name in ("send", "gather", "recv")}
+        # my stripe, compact: agg (float32 sum -> update; unfused only), residual2, and (for
+        # weight decay) a copy of my stripe's weights; views per matrix piece
+        self.state_size = sum(p[2] - p[1] for p in self.pieces[me])
+        self.residual2 = zeros(self.state_size, np.float32, device)
+        self.residual1 = zeros(self.size, np.float32, device)
+        self._wstripe = None
+        self.set_codec(codec, fuse_owner)
+        self.agg = zeros(0 if self.fuses_owner else self.state_size, np.float32, device)
+        self._grad, self._req = None, None   # the exchange in flight
+        self.norm_sq = None   # set to 0.0 to sum the squared norm of my stripe's gradient sums
+
+    def set_codec(self, codec, fuse_owner=True):
+        """Use `codec` from the next encode on (no exchange may be in flight): the stripes
+        stay, the byte layout follows the codec's packed sizes within the buffers allocated
+        for the widest codec. Both residuals carry over (they are float32)."""
+        mats, K, me = self.mats, self.world, self.rank
+        self.codec = codec
         # "float" matrices go through the float32 codec: summed exactly, never quantized
         floats = make_codec("float32", codec.backend)
         self.codec_of = {m.name: codec if m.exchange == "codec" else floats for m in mats}
         uniform = all(m.exchange == "codec" for m in mats)
         self.fuses_owner = bool(fuse_owner) and codec.fused_owner and uniform
         self.fuses_apply = codec.fused_apply and uniform
-        K, me = comm.Get_size(), comm.Get_rank()
-        self.world, self.rank = K, me
-        self.size = sum(m.size for m in mats)
         # pieces[j]: (matrix, flat lo, flat hi, columns, byte offset in a K-layout buffer,
         # nbytes) of owner j's stripe of every matrix, back to back: the send buffer and the
         # gather buffer share this layout (sizes depend only on matrix and owner).
@@ -371,28 +422,18 @@ class Striped(_Collective):
             counts.append(offset - start)
         self.counts = np.array(counts, np.int64)
         self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        if hasattr(self, "agg") and (offset > self.send_buf.size
+                                     or K * self.counts[me] > self.recv_buf.size
+                                     or (not self.fuses_owner and self.agg.size < self.state_size)):
+            raise ValueError(f"exchange: codec {codec.name} does not fit the buffers allocated "
+                             f"for the widest codec")
         mine = int(self.counts[me])
-        self.send_buf = zeros(offset, np.uint8, device)  # my whole gradient, encoded, by owner
-        self.gather_buf = zeros(offset, np.uint8, device)  # every owner's encoded update
-        self.recv_buf = zeros(K * mine, np.uint8, device)  # K contributions to my stripe
-        # what MPI gets for each (GPU ranks: the device buffer or its pinned host mirror)
-        self.stages = {name: Staging((getattr(self, name + "_buf").size,), np.uint8, device,
-                                     cuda_aware)
-                       for name in ("send", "gather", "recv")}
         self.recv_counts = np.full(K, mine, np.int64)
         self.recv_displs = np.arange(K, dtype=np.int64) * mine
-        # my stripe, compact: agg (float32 sum -> update; unfused only), residual2, and (for
-        # weight decay) a copy of my stripe's weights; views per matrix piece
-        self.state_size = sum(p[2] - p[1] for p in self.pieces[me])
-        self.agg = zeros(0 if self.fuses_owner else self.state_size, np.float32, device)
-        self.residual2 = zeros(self.state_size, np.float32, device)
-        self.residual1 = zeros(self.size, np.float32, device)
-        self._wstripe = None
         self.mine, s = [], 0      # (piece, compact lo, compact hi)
         for p in self.pieces[me]:
             self.mine.append((p, s, s + p[2] - p[1]))
             s += p[2] - p[1]
-        self._grad, self._req = None, None   # the exchange in flight
 
     def describe_transport(self, why):
         return self.stages["send"].describe(why)
@@ -475,6 +516,9 @@ class Striped(_Collective):
                     codec.decode(packed, out)
                 else:
                     codec.decode_accumulate(packed, out)
+        if self.norm_sq is not None:   # the adaptive bit width's gradient norm (bitwidth.py)
+            total = to_host(self.agg)
+            self.norm_sq += float(np.dot(total, total))
         weights = self.agg
         if weight_decay:
             if self._wstripe is None:
