@@ -4,6 +4,8 @@ striped exchange switching widths; and under a real mpiexec, ranks that agree on
 every step and a run resumed across a width change that ends bit-identical."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -180,13 +182,17 @@ def bits_lines(run_dir, rank):
             and " -> " in line]
 
 
-@pytest.mark.parametrize("rule", ["mqgrad", "oland_raj"])
-def test_ranks_agree_on_the_width_and_resume_bit_exactly_across_a_change(synth, tmp_path, rule):
+@pytest.mark.parametrize("rule, db", [("mqgrad", False), ("oland_raj", False), ("mqgrad", True)])
+def test_ranks_agree_on_the_width_and_resume_bit_exactly_across_a_change(synth, tmp_path, rule,
+                                                                         db):
     """K = 2: the replicas' CRC agrees after every step (a rank at another width would send
     another byte count: the exchange could not even complete), both ranks log the same
     changes, and a run stopped mid-period (between two decisions) and resumed ends with the
-    weights, widths and controller state of the uninterrupted run."""
-    extra = ["exchange.aggregation=striped", "exchange.codec=kbit", f"exchange.bits={rule}",
+    weights, widths and controller state of the uninterrupted run; with double buffering too
+    (a change completes the exchange in flight first; the checkpoint holds one in flight).
+    `hpcsgd plot` draws the widths."""
+    extra = [f"exchange.double_buffering={str(db).lower()}",
+             "exchange.aggregation=striped", "exchange.codec=kbit", f"exchange.bits={rule}",
              "exchange.bits_every_steps=3", "exchange.bits_time=model",
              "exchange.mqgrad_epsilon=0.5", "exchange.bits_start=4" if rule == "oland_raj"
              else "exchange.bits_start=2", "train.check_every_steps=1"]
@@ -214,3 +220,18 @@ def test_ranks_agree_on_the_width_and_resume_bit_exactly_across_a_change(synth, 
     np.testing.assert_array_equal(a["params"], b["params"])
     assert meta_a["bitwidth"] == meta_b["bitwidth"]
     assert bits_lines(cut, 0) == changes and bits_lines(cut, 1) == changes
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "plot", full], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and os.path.getsize(
+        os.path.join(full, "plots", "learning_curves.png")) > 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [["exchange.aggregation=allreduce"],
+                                       ["exchange.aggregation=striped", "exchange.codec=onebit"]])
+def test_a_rule_without_the_striped_kbit_exchange_is_refused(overrides):
+    from hpcsgd import config
+    from hpcsgd.comm.exchange import adaptive_bits
+    from hpcsgd.errors import UserError
+    cfg = config.load(None, ["data.train=x", "exchange.bits=mqgrad", *overrides])
+    with pytest.raises(UserError, match="exchange.bits: mqgrad .* exchange.codec=kbit"):
+        adaptive_bits(cfg)
