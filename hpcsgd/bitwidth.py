@@ -16,9 +16,11 @@ T smoothed losses -> H ReLU units (paper 10) -> 7 outputs, Q(s, a) = output[n + 
 Semi-gradient SARSA (Alg. 2): v += lr [r + gamma Q(s', a') - Q(s, a)] dQ(s, a)/dv, gamma 0.9
 and lr 0.05 (the code's). Policy: increase when Q[n+1] > Q[n], else keep; with probability
 epsilon (0.1) the other choice. Reward for the T steps just run at width b:
--(least-squares slope of the T smoothed losses) x 300 / time(b). time(b): `measured` = the
-mean step seconds over the T steps at that width (every rank's, averaged), or `model` = the
-authors' code's 5 + 5b (deterministic: a rerun makes the same choices).
+-(least-squares slope of the T smoothed losses) x 300 / time(b). time(b): `step` = the mean
+measured step seconds over the T steps at that width (every rank's, averaged; like the code's
+model, compute plus communication), `exchange` = the measured seconds of the exchange's phases
+alone per step, or `model` = the authors' code's 5 + 5b (deterministic: a rerun makes the same
+choices).
 
 Oland & Raj (2015): "more bits for a larger gradient norm". Not in our seeds and with no
 public code, so this is a RECONSTRUCTION of the documented reading, labelled as such:
@@ -186,7 +188,7 @@ class BitWidth:
     """Per-step records and the decision every T steps (collective over the data ranks).
 
         bw = BitWidth(cfg, comm)
-        bw.record(sums, norm_sq, seconds)      after every step (local numbers)
+        bw.record(sums, norm_sq, step_s, exchange_s)   after every step (local numbers)
         if bw.due(): new = bw.decide()          every T steps: the same width on every rank
     """
 
@@ -203,7 +205,8 @@ class BitWidth:
     def bits(self):
         return self.controller.bits
 
-    def record(self, sums, norm_sq, seconds):
+    def record(self, sums, norm_sq, step_seconds, exchange_seconds):
+        seconds = exchange_seconds if self.time_rule == "exchange" else step_seconds
         self.rows[self.filled] = sums[0], sums[2], norm_sq, seconds
         self.filled += 1
 
@@ -221,7 +224,7 @@ class BitWidth:
         ce, frames, norm_sq, seconds = self.total.T
         losses = ce / np.maximum(frames, 1)
         step_seconds = (float(seconds.mean()) / self.comm.Get_size()
-                        if self.time_rule == "measured" else model_seconds(self.bits))
+                        if self.time_rule != "model" else model_seconds(self.bits))
         bits = self.controller.decide(losses, np.sqrt(norm_sq) / np.maximum(frames, 1),
                                       step_seconds)
         self.filled = 0

@@ -55,9 +55,10 @@ DEFAULTS = {
                       "or mqgrad (SARSA on the loss; docs/exchange.md, 'Adaptive bit width')"),
     "exchange.bits_start": (2, int, (2, 8), "oland_raj/mqgrad: the width of the first steps"),
     "exchange.bits_every_steps": (5, int, (1, 1 << 20), "oland_raj/mqgrad: decide every T steps (paper 5)"),
-    "exchange.bits_time": ("measured", str, ("measured", "model"),
-                           "mqgrad: reward's time per step at a width: measured step seconds, or "
-                           "the authors' model 5 + 5 bits (deterministic)"),
+    "exchange.bits_time": ("step", str, ("step", "exchange", "model"),
+                           "mqgrad: reward's time per step at a width: the measured step seconds, "
+                           "the measured exchange seconds, or the authors' model 5 + 5 bits "
+                           "(deterministic)"),
     "exchange.mqgrad_alpha": (0.1, float, (0.0, 1.0), "mqgrad: loss smoothing (paper 0.01, code 0.1)"),
     "exchange.mqgrad_epsilon": (0.1, float, (0.0, 1.0), "mqgrad: probability of the non-greedy action"),
     "exchange.mqgrad_lr": (0.05, float, (0.0, 10.0), "mqgrad: SARSA step size (paper 0.1, code 0.05)"),

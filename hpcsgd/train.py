@@ -199,12 +199,12 @@ def train(cfg, comm, stop):
             # one step: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size),
                               rank_frames - progress["offsets"])
-            t_step = time.perf_counter()
+            t_step, t_exchange = time.perf_counter(), sum(step.phases.times.values())
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
             if bitwidth:   # between-step decision: the width of the next T steps
-                decide_bits(cfg, bitwidth, ex, step, sums, time.perf_counter() - t_step, log,
-                            progress)
+                decide_bits(cfg, bitwidth, ex, step, sums, time.perf_counter() - t_step,
+                            sum(step.phases.times.values()) - t_exchange, log, progress)
             window.add(sums)
             run.compiles.summary()   # once, after the first step compiled most kernels
             epoch_sums += sums
@@ -257,11 +257,11 @@ def train(cfg, comm, stop):
     return run.close(0, loader)
 
 
-def decide_bits(cfg, bitwidth, ex, step, sums, seconds, log, progress):
+def decide_bits(cfg, bitwidth, ex, step, sums, seconds, exchange_seconds, log, progress):
     """Record the step; every T steps the controller's width (the same on every rank). A
     change waits for no exchange in flight: with double buffering that step's exchange is
     completed first (one step without overlap), so encode and decode use one width."""
-    bitwidth.record(sums, ex.norm_sq or 0.0, seconds)
+    bitwidth.record(sums, ex.norm_sq or 0.0, seconds, exchange_seconds)
     if ex.norm_sq is not None:
         ex.norm_sq = 0.0
     if not bitwidth.due():
