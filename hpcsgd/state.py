@@ -171,10 +171,13 @@ class TrainState:
             self.progress["offsets"] = [0] * world
         if self.bitwidth and saved.get("bitwidth"):   # the width and its controller
             rows = arrays.get(checkpoint.rank_prefix(rank) + "bitwidth/rows")
+            if old_world != world and rows is not None and len(rows):
+                rows = None   # another K: those steps were other ranks'; the period restarts
+                log.info(f"bit width: the {len(arrays[checkpoint.rank_prefix(rank) + 'bitwidth/rows'])}"
+                         f" step(s) since the last decision restart at {world} ranks")
             self.bitwidth.load_state_dict({
                 "controller": saved["bitwidth"],
-                # another K: the steps since the last decision are not this rank's; restart
-                "rows": rows.tolist() if rows is not None and old_world == world else []})
+                "rows": rows.tolist() if rows is not None else []})
         if cfg["train.probe_every_frames"] and "next_probe" in saved:   # a probed size
             self.decisions.update(minibatch=saved["minibatch"], next_probe=saved["next_probe"])
         pending = saved.get("pending")   # double buffering: an exchange was in flight

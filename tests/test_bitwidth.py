@@ -235,3 +235,25 @@ def test_a_rule_without_the_striped_kbit_exchange_is_refused(overrides):
     cfg = config.load(None, ["data.train=x", "exchange.bits=mqgrad", *overrides])
     with pytest.raises(UserError, match="exchange.bits: mqgrad .* exchange.codec=kbit"):
         adaptive_bits(cfg)
+
+
+def test_a_resume_at_another_k_keeps_the_width_and_restarts_the_period(synth, tmp_path):
+    """2 ranks stopped between two decisions, resumed by 3: the width and the controller come
+    back, the steps since the last decision (other ranks' numbers) restart, and it trains on."""
+    extra = ["exchange.aggregation=striped", "exchange.codec=kbit", "exchange.bits=mqgrad",
+             "exchange.bits_every_steps=3", "exchange.bits_time=model",
+             "exchange.mqgrad_epsilon=0.5", "train.epochs=1"]
+    run = str(tmp_path / "run")
+    cli = ["-m", "mpi4py", "-m", "hpcsgd.cli"]
+    proc = run_mpi(2, cli + train_args(synth, run, *extra, "train.stop_after_frames=700"),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stopped_bits = final_params(run)[1]["bitwidth"]["bits"]
+    proc = run_mpi(3, cli + train_args(synth, run, *extra), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert "since the last decision restart at 3 ranks" in log
+    resumed = log.split("resumed from")[1]
+    first = [line for line in resumed.splitlines() if "bit width " in line and " -> " in line]
+    assert not first or first[0].split("bit width ")[1].startswith(f"{stopped_bits} -> ")
+    assert final_params(run)[1]["bitwidth"]["bits"] >= stopped_bits
