@@ -172,9 +172,10 @@ class TrainState:
         if self.bitwidth and saved.get("bitwidth"):   # the width and its controller
             rows = arrays.get(checkpoint.rank_prefix(rank) + "bitwidth/rows")
             if old_world != world and rows is not None and len(rows):
-                rows = None   # another K: those steps were other ranks'; the period restarts
-                log.info(f"bit width: the {len(arrays[checkpoint.rank_prefix(rank) + 'bitwidth/rows'])}"
-                         f" step(s) since the last decision restart at {world} ranks")
+                # another K: those steps were other ranks'; the period restarts
+                log.info(f"bit width: the {len(rows)} step(s) since the last decision restart "
+                         f"at {world} ranks")
+                rows = None
             self.bitwidth.load_state_dict({
                 "controller": saved["bitwidth"],
                 "rows": rows.tolist() if rows is not None else []})
