@@ -82,6 +82,26 @@ def agree(comm, stop_code, log_due, buffers=(np.zeros(2, np.int32), np.zeros(2, 
     return int(agreed[0]), bool(agreed[1])
 
 
+def gone_peers(heartbeat_dir, rank, world):
+    """Peers on this host whose process no longer exists, from their heartbeat files (pid and
+    host): ["rank 1 (PID 123 on node7)", ...]. When an MPI call fails because a peer died,
+    the launcher may or may not get to name it before this rank aborts the job; this does."""
+    here, out = socket.gethostname(), []
+    for r in range(world):
+        if r == rank:
+            continue
+        try:
+            with open(os.path.join(heartbeat_dir, f"rank{r:04d}.heartbeat")) as f:
+                _, _, pid, host, _ = f.read().rstrip().split(" ", 4)
+            if host == here:
+                os.kill(int(pid), 0)   # signal 0: does the process exist?
+        except ProcessLookupError:
+            out.append(f"rank {r} (PID {pid} on {host})")
+        except (OSError, ValueError):
+            pass   # no file yet, another host's peer, or not ours to signal: cannot tell
+    return out
+
+
 class Watchdog:
     """Aborts the job when this rank's main thread gives no heartbeat for `timeout` s.
 

@@ -43,7 +43,7 @@ from hpcsgd.errors import UserError
 from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
-from hpcsgd.shutdown import StopSignal, Watchdog, agree
+from hpcsgd.shutdown import StopSignal, Watchdog, agree, gone_peers
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
 from hpcsgd.timeline import Timeline
@@ -96,6 +96,11 @@ def run(args):
         return 2
     except BaseException:
         report(cfg, rank, f"failed:\n{traceback.format_exc()}")
+        gone = gone_peers(os.path.join(cfg["train.run_dir"], "logs"), rank, world) \
+            if cfg is not None and world > 1 else []
+        if gone:   # an MPI call fails when a peer dies: say which one
+            report(cfg, rank, f"{', '.join(gone)} no longer running: it died or was killed, "
+                              f"which is why this rank's MPI call failed")
         if world > 1:
             comm.Abort(1)
         return 1

@@ -159,10 +159,27 @@ def test_killed_rank_ends_the_job_at_once(archive, tmp_path):
     os.kill(pid, signal.SIGKILL)
     code, out = finish(proc, 30)
     assert code != 0 and time.monotonic() - t0 < 10
-    assert f"PID {pid}" in out   # hydra names the dead process; the rank log maps pid -> rank
+    # hydra names the dead process, or (when the surviving rank's MPI call fails first and it
+    # aborts the job) that rank does, from the peer's heartbeat file
+    assert f"PID {pid}" in out
     assert checkpoint.load(checkpoint.latest(run))[1]["frames"] > 0
     # heartbeats are rewritten in place: a killed job leaves no temporary file behind
     assert not [f for f in os.listdir(os.path.join(run, "logs")) if ".tmp" in f]
+
+
+def test_a_peer_whose_process_is_gone_is_named_from_its_heartbeat(tmp_path):
+    """What the surviving rank says when its MPI call fails: the peers on this host whose
+    pid no longer exists (a live peer, another host's peer or a missing file: not named)."""
+    import socket
+    from hpcsgd.shutdown import HEARTBEAT_BYTES, gone_peers
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    for r, pid, h in ((1, dead.pid, host), (2, os.getpid(), host), (3, dead.pid, "elsewhere")):
+        line = f"1.0 1.0 {pid} {h} training step 3".ljust(HEARTBEAT_BYTES - 1) + "\n"
+        (tmp_path / f"rank{r:04d}.heartbeat").write_text(line)
+    assert gone_peers(str(tmp_path), 0, 5) == [f"rank 1 (PID {dead.pid} on {host})"]
+    assert gone_peers(str(tmp_path), 1, 2) == []   # itself is never a peer
 
 
 def test_ctrl_c_checkpoints_every_rank_and_stops_without_a_traceback(archive, tmp_path):
