@@ -5,6 +5,7 @@ dotted (`optim.lr`); an unknown key, a wrong type or a value out of range is fat
 message names the dotted key. The resolved config is saved in the run directory.
 """
 import difflib
+import math
 
 import yaml
 
@@ -85,6 +86,20 @@ DEFAULTS = {
     "train.device": ("cpu", str, ("cpu", "cuda"),
                      "cuda = GPU ranks: model, gradients, optimizer and exchange on the GPU "
                      "(one per local rank)"),
+    "train.precision": ("float32", str, ("float32", "mixed"),
+                        "mixed = float16 activations, gradients and weight copy, float32 "
+                        "master weights and optimizer (docs/precision.md)"),
+    "train.loss_scale": ("none", str, ("none", "static", "backoff", "logmax"),
+                         "loss scaling; a step whose gradient overflows is skipped on every "
+                         "rank (none: an overflow is an error)"),
+    "train.loss_scale_init": (16777216.0, float, (2.0 ** -24, 2.0 ** 64),
+                              "static: the scale; backoff: the first scale (OpenSeq2Seq: 2^24)"),
+    "train.loss_scale_min": (1.0, float, (2.0 ** -24, 2.0 ** 64),
+                             "backoff/logmax: the smallest scale (a power of two)"),
+    "train.loss_scale_max": (16777216.0, float, (2.0 ** -24, 2.0 ** 64),
+                             "backoff/logmax: the largest scale (a power of two)"),
+    "train.loss_scale_window": (2000, int, (1, 1 << 40),
+                                "backoff: double the scale after this many steps without an overflow"),
     "train.threads": (0, int, (0, 1024),
                       "BLAS and Numba threads per rank; 0 = decide: OMP_NUM_THREADS, else "
                       "SLURM_CPUS_PER_TASK, else this rank's cores / the ranks sharing them"),
@@ -220,6 +235,12 @@ def load(path=None, overrides=()):
         _set(config, key, value, "command line")
     if not config["data.train"]:
         raise UserError("config key data.train: required (the training archive directory)")
+    for key in ("train.loss_scale_min", "train.loss_scale_max"):
+        if math.frexp(config[key])[0] != 0.5:
+            raise UserError(f"config key {key}: {config[key]!r} is not a power of two (scaling "
+                            f"by one is exact in float32)")
+    if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
+        raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
     return config
 
 

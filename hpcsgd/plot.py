@@ -91,9 +91,34 @@ def run(args):
     fig.savefig(throughput, dpi=100)
     plt.close(fig)
     print(f"plot: wrote {curves} and {throughput}")
+    skips = [r for r in records if r["kind"] == "skip"]
+    if skips or any("loss_scale" in r for r in train):
+        print(f"plot: wrote {loss_scale_plot(train, skips, out_dir, plt)}")
     if glob.glob(os.path.join(args.run_dir, "timeline", "rank*.json")):
         time_breakdown(args.run_dir, out_dir, plt)
     return 0
+
+
+def loss_scale_plot(train, skips, out_dir, plt):
+    """The loss scale over the run (log scale), from the log lines and every skip, with the
+    steps skipped on an overflow marked and counted."""
+    points = sorted([(r["frames"], r["loss_scale"]) for r in train if "loss_scale" in r]
+                    + [(r["frames"], r["new_scale"]) for r in skips])
+    if skips:   # the scale before the first skip, from frame 0
+        points.insert(0, (0, skips[0]["scale"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.step([f for f, _ in points], [v for _, v in points], where="post", label="loss scale")
+    if skips:
+        ax.plot([r["frames"] for r in skips], [r["scale"] for r in skips], "x", color="tab:red",
+                label=f"skipped step ({len(skips)})")
+    ax.set(xlabel="frames", ylabel="loss scale", yscale="log", title="loss scaling")
+    frames_axis(ax)
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "loss_scale.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def frames_axis(ax):

@@ -18,7 +18,9 @@ Parts:
   decisions    the between-step decisions (hpcsgd/decisions.py): the minibatch size and the
                frame of the next probe; each is made identically on every rank; and the
                adaptive bit width's controller (hpcsgd/bitwidth.py: width, Q weights, smoothed
-               loss, RNG; shared) with this rank's steps since its last decision (per rank)
+               loss, RNG; shared) with this rank's steps since its last decision (per rank);
+               the loss scaler (hpcsgd/loss_scale.py: scale, counters, moving averages;
+               shared: every rank updates it from the same vote)
   RNG          nothing stateful: the init, the block and frame shuffles draw from generators
                seeded by (train.seed, epoch, rank, buffer), so seed + progress reproduce them
 The static part (model shape, features, label inventory and counts, config) identifies what
@@ -54,6 +56,7 @@ class TrainState:
                          "cv_history": [], "deal": None}
         self.decisions = {"minibatch": static["config"]["train.minibatch"], "next_probe": 0}
         self.bitwidth = None    # the adaptive bit width's decision (bitwidth.BitWidth), if on
+        self.scaler = step.scaler   # the loss scaler (loss_scale.py), if on
         # optimizer state differs between ranks: owner stripes, or AdaGrad on local gradients
         self.per_rank_opt = not ex.replicated_optimizer or opt.adagrad == "local"
         self.per_rank_state = self.per_rank_opt or bool(ex.state_dict())
@@ -81,7 +84,8 @@ class TrainState:
                         for k, v in self.opt.state_dict().items()},
                 "exchange": {k: host_copy(v) for k, v in self.ex.state_dict().items()},
                 "progress": copy.deepcopy(self.progress),
-                "decisions": dict(self.decisions)}
+                "decisions": dict(self.decisions),
+                "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def restore(self, snap):
         assign(self.params.flat, snap["params"])
@@ -89,11 +93,15 @@ class TrainState:
         self.ex.load_state_dict(snap["exchange"])
         self.progress.update(copy.deepcopy(snap["progress"]))   # in place: the spine holds it
         self.decisions.update(snap["decisions"])
+        if self.scaler:
+            self.scaler.load_state_dict(snap["scaler"])
 
     # ---- checkpoints -----------------------------------------------------------------------
 
     def meta(self):
         bits = {"bitwidth": self.bitwidth.state_dict()["controller"]} if self.bitwidth else {}
+        if self.scaler:
+            bits["loss_scaler"] = self.scaler.state_dict()
         return {**self.static, **self.progress, **self.decisions, **bits,
                 "world": self.grid.data_size, "per_rank_state": self.per_rank_state,
                 "pending": self.step.pending}
@@ -179,6 +187,13 @@ class TrainState:
             self.bitwidth.load_state_dict({
                 "controller": saved["bitwidth"],
                 "rows": rows.tolist() if rows is not None else []})
+        if self.scaler:   # the scale and the scaler's state, if the run had this scaler
+            old_scaler = saved.get("loss_scaler") or {}
+            if old_scaler.get("name") == self.scaler.name:
+                self.scaler.load_state_dict(old_scaler)
+            else:
+                log.info(f"loss scaler {self.scaler.name} starts afresh (the checkpoint has "
+                         f"{old_scaler.get('name', 'none')})")
         if cfg["train.probe_every_frames"] and "next_probe" in saved:   # a probed size
             self.decisions.update(minibatch=saved["minibatch"], next_probe=saved["next_probe"])
         pending = saved.get("pending")   # double buffering: an exchange was in flight

@@ -16,6 +16,15 @@ In data-path order, for this rank's share of the global minibatch (take[data_ran
             decode-sum + post-processing + re-encode; the final decode + apply).
 The spine (hpcsgd/train.py) only chooses take and lr and reads the sums.
 
+Mixed precision and loss scaling (train.precision, train.loss_scale; docs/precision.md):
+the gradient comes out of forward + backward times the loss scale; model.unscale rounds it to
+float16 (mixed) and divides the scale off in float32, counting non-finite values. With a
+scaler, one small Allreduce (MAX of [overflow, max |g|]) over the data ranks is the overflow
+vote: on an overflow anywhere every rank skips the step -- no pre_exchange, no exchange, no
+update: weights, optimizer state, both residuals and codec state untouched -- and the scaler
+backs off; its frames count as trained. Without a scaler a non-finite gradient reaches the
+exchange, which refuses it (an error), as before.
+
 Double buffering (exchange.double_buffering, the paper's Sec. 2.2; equations in
 docs/exchange.md): each rank's share is split in two halves, (take + 1) // 2 frames then the
 rest (a pure function of take, so every rank knows every rank's halves). A half's exchange is
@@ -131,7 +140,7 @@ class Step:
     diverging candidate finish and discards it)."""
 
     def __init__(self, model, params, grads, opt, ex, double_buffering=False, progress="test",
-                 timeline=None, device="cpu", check_finite=True):
+                 timeline=None, device="cpu", check_finite=True, scaler=None):
         if double_buffering and len(grads) < 2:
             raise ValueError("double buffering needs two gradient buffers")
         self.model, self.params, self.grads, self.opt, self.ex = model, params, grads, opt, ex
@@ -143,6 +152,9 @@ class Step:
         self.pending = None      # the exchange in flight: {"lr", "n", "n_local", "sqr_weight"}
         self.slot = 0            # the gradient buffer of the last half computed
         self.compute_s = 0.0     # forward + backward seconds since the last pop_compute()
+        self.scaler = scaler     # hpcsgd/loss_scale.py, or None
+        self.skips = []          # steps skipped on an overflow since the spine last looked
+        self._vote = np.zeros(2)
 
     def run(self, batch, take, rank, lr, where=""):
         """One step: take[r] frames on data rank r (a half with no frames anywhere is
@@ -165,14 +177,19 @@ class Step:
             timeline.span("batch", t0, t1, frames=n)
         # forward + backward: the gradient SUMMED over this rank's n frames (double
         # buffering: on weights that lack the previous half's update)
+        scale = self.scaler.scale if self.scaler else 1.0
+        bad, amax = 0, 0.0
         if n:
             # MPI progresses the exchange in flight only inside MPI calls: an MPI_Test after
             # each GEMM lets a link transfer run during this compute
             poke = self.ex.test if self.pending and self.test_between_gemms else None
-            ce, correct = self.model.forward_backward(self.params, grads, x, y, n, poke)
+            ce, correct = self.model.forward_backward(self.params, grads, x, y, n, poke,
+                                                      loss_scale=scale)
             if self.check_finite and not np.isfinite(ce):
                 raise UserError(f"{where}: cross-entropy is {ce} on rank {rank}; lower "
                                 f"optim.lr. No checkpoint was written after the divergence.")
+            if self.scaler or self.model.half:   # float16 rounding, the scale off
+                bad, amax = self.model.unscale(grads, scale)
         else:
             ce, correct = 0.0, 0
             zero(grads.flat)
@@ -184,6 +201,9 @@ class Step:
         # and apply its update now (delayed update, its own lr and per-step scalars:
         # opt.begin_step has not been called since)
         self.drain()
+        # loss scaling: every rank skips the step if any rank's gradient overflowed
+        if self.scaler and self._overflowed(bad, amax, where):
+            return ce, correct, n
         # the optimizer's local part (AdaGrad placed on the raw local gradient)
         t2 = time.perf_counter()
         sqr_weight = self.opt.sqr_weight   # before this step's scalars (resume replays them)
@@ -200,6 +220,21 @@ class Step:
         else:
             finish_exchange(self.ex, self.opt, self.params.flat, lr, self.phases)
         return ce, correct, n
+
+    def _overflowed(self, bad, amax, where):
+        """The overflow vote (one Allreduce of two numbers over the data ranks) and the
+        scaler's update from its result; True: skip this step."""
+        vote = self._vote
+        vote[0], vote[1] = float(bad > 0), amax
+        comm = getattr(self.ex, "comm", None)   # None: bench train's skipped exchange
+        if comm is not None and comm.Get_size() > 1:
+            from mpi4py import MPI
+            comm.Allreduce(MPI.IN_PLACE, vote, op=MPI.MAX)   # cross-rank sync point
+        overflow, before = bool(vote[0]), self.scaler.scale
+        self.scaler.update(overflow, float(vote[1]))
+        if overflow:
+            self.skips.append({"where": where, "scale": before, "new_scale": self.scaler.scale})
+        return overflow
 
     def drain(self):
         """Complete the exchange in flight, if any, and apply its update (epoch ends, before

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hpcsgd import checkpoint, config, jit, optim, threads
+from hpcsgd import checkpoint, config, jit, loss_scale, optim, threads
 from hpcsgd.bitwidth import BitWidth
 from hpcsgd.comm.exchange import adaptive_bits, make_exchange, set_bits
 from hpcsgd.comm.gpu import bind_gpu
@@ -137,7 +137,8 @@ def train(cfg, comm, stop):
     # --- model, exchange, optimizer, step: flat buffers with named views ---------------------
     shape = {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
              "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
-    model = build(shape, max_batch=max(loader.max_batch, 1024), device=device)
+    model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
+                  precision=cfg["train.precision"])
     params = model.new_params()
     grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
     ex = make_exchange(cfg, grid.data, params.matrices)   # preallocates every exchange buffer
@@ -145,7 +146,9 @@ def train(cfg, comm, stop):
     # exposed time into an overlap
     comm_blocking = ex.blocking_seconds(grads[1].flat) if db and grid.data_size > 1 else None
     opt = optim.from_config(cfg, params.size, ex.state_size, device)
-    step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device)
+    scaler = loss_scale.from_config(cfg)   # train.loss_scale: None, or the scale's decision
+    step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
+                scaler=scaler)
 
     # --- the training state: a fresh start, or the latest checkpoint -------------------------
     state = TrainState(grid, params, opt, ex, step, loader, {
@@ -207,6 +210,8 @@ def train(cfg, comm, stop):
             t_step, t_exchange = time.perf_counter(), sum(step.phases.times.values())
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
+            if step.skips:   # loss scaling: a step every rank skipped on an overflow
+                log_skips(log, step, progress)
             if bitwidth:   # between-step decision: the width of the next T steps
                 decide_bits(cfg, bitwidth, ex, step, sums, time.perf_counter() - t_step,
                             sum(step.phases.times.values()) - t_exchange, log, progress)
@@ -225,7 +230,7 @@ def train(cfg, comm, stop):
                 check_divergence(cfg, totals, loader.num_labels,
                                  f"step {window.steps} (epoch {epoch}, frame {frames:,})")
                 window.line(epoch, progress, rank_frames, lr, totals, step.phases.pop(),
-                            comm_blocking, bitwidth)
+                            comm_blocking, bitwidth, scaler)
             log.progress(int(sum(progress["offsets"])), int(rank_frames.sum()), f"epoch {epoch}")
             saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
             if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
@@ -260,6 +265,25 @@ def train(cfg, comm, stop):
     log.info(f"training done: {progress['frames']:,} frames; checkpoints in "
              f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
     return run.close(0, loader)
+
+
+SKIPS_IN_A_ROW = 100   # overflows no scale cures: a diverged run, or a forward overflow
+
+
+def log_skips(log, step, progress):
+    """Log and record the steps skipped on an overflow; stop a run that does nothing else."""
+    for skip in step.skips:
+        log.info(f"{skip['where']}: a gradient overflowed float16 on some rank; the step is "
+                 f"skipped on every rank, loss scale {skip['scale']:g} -> "
+                 f"{skip['new_scale']:g}")
+        log.record("skip", epoch=progress["epoch"], frames=progress["frames"],
+                   scale=skip["scale"], new_scale=skip["new_scale"])
+    step.skips.clear()
+    if step.scaler.in_a_row >= SKIPS_IN_A_ROW:
+        raise UserError(f"the last {step.scaler.in_a_row} steps all overflowed (loss scale now "
+                        f"{step.scaler.scale:g}, train.loss_scale={step.scaler.name}): the "
+                        f"gradient is not finite at any scale; lower optim.lr, or "
+                        f"train.loss_scale_init for a static scale")
 
 
 def decide_bits(cfg, bitwidth, ex, step, sums, seconds, exchange_seconds, log, progress):
@@ -364,6 +388,12 @@ def log_start(log, cfg, grid, loader, state, ex):
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
+    if cfg["train.precision"] != "float32" or cfg["train.loss_scale"] != "none":
+        scale = state.scaler.scale if state.scaler else None
+        log.info(f"precision {cfg['train.precision']}, loss scaling {cfg['train.loss_scale']}"
+                 + (f" (scale {scale:g} now)" if scale is not None else "")
+                 + ("; the float32 master weights and optimizer state are updated, a float16 "
+                    "copy computes" if cfg["train.precision"] == "mixed" else ""))
     if cfg["optim.adagrad"] != "off" and cfg["optim.lr"] > ADAGRAD_LR_WARN:
         log.info(f"warning: optim.adagrad={cfg['optim.adagrad']} with optim.lr={cfg['optim.lr']:g}: "
                  f"AdaGrad divides each gradient by its RMS, so its per-sample rate is about 500x "
@@ -420,7 +450,7 @@ class Window:
         self.steps += 1
 
     def line(self, epoch, progress, rank_frames, lr, totals, phases, comm_blocking,
-             bitwidth=None):
+             bitwidth=None, scaler=None):
         now = time.perf_counter()
         done, total = int(sum(progress["offsets"])), int(rank_frames.sum())
         fps = totals[2] / max(now - self.t0, 1e-9)
@@ -428,9 +458,13 @@ class Window:
         bits = {}
         if bitwidth:   # the width now, and the controller's share of the time so far
             bits = {"bits": bitwidth.bits, "bits_controller_s": bitwidth.seconds}
+        if scaler:     # the loss scale now, and the steps skipped on an overflow so far
+            bits.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
         self.log.info(f"epoch {epoch} {done:,}/{total:,} frames  ce {ce:.4f}  "
                       f"acc {100 * acc:.2f}%  lr {lr:.3g}  {fps:,.0f} frames/s  "
-                      + (f"bits {bits['bits']}  " if bits else "")
+                      + (f"bits {bits['bits']}  " if bitwidth else "")
+                      + (f"scale {scaler.scale:g} ({scaler.skipped} skipped)  " if scaler
+                         else "")
                       + f"eta {format_eta((total - done) / max(fps, 1e-9))}")
         exposed = communicate_seconds(phases)   # blocked in MPI, per exchange
         overlap = {}

@@ -72,6 +72,24 @@ def test_allreduce_equals_one_rank_on_the_same_global_minibatches(K, arch, tmp_p
                                              "train.stop_after_frames=200")["params"])
 
 
+MIXED = ("train.precision=mixed", "train.loss_scale=static", "train.loss_scale_init=1024")
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_mixed_allreduce_equals_one_mixed_rank_on_the_same_global_minibatches(
+        K, arch, tmp_path, tmp_path_factory):
+    """Mixed precision: K ranks round K partial weight gradients to float16 where one rank
+    rounds their sum; both are the float64 trajectory plus float16 rounding."""
+    got = arrays(train(K, arch, tmp_path_factory, *MIXED))["params"]
+    want = reference(K, "float", arch, tmp_path, *MIXED)["params"]
+    if K == 1:
+        np.testing.assert_array_equal(got, want)   # the same arithmetic, in the same order
+    else:
+        assert_float32_close(got, want, reference(K, "float", arch, tmp_path, *MIXED,
+                                                  float64=True)["params"])
+    assert not np.array_equal(got, arrays(train(K, arch, tmp_path_factory))["params"])
+
+
 @pytest.mark.parametrize("K", [2, 3, 4])
 def test_striped_float32_equals_allreduce(K, arch, tmp_path, tmp_path_factory):
     base = arrays(train(K, arch, tmp_path_factory))

@@ -156,6 +156,56 @@ else:
         with pytest.raises(TypeError, match="device arrays"):
             KC.bias_act_forward(z, np.zeros((1, 3), np.float32), K.RELU)
 
+    # ---- mixed precision: the float16 kernels (hpcsgd/half.py) against the CPU's -------------
+
+    def test_round_half_and_scale_cuda_equal_the_cpu():
+        from hpcsgd import half
+        rng = np.random.default_rng(3)
+        v = np.concatenate([(rng.standard_normal(300) * 3e4).astype(np.float32),
+                            np.float32([65520.0, 65519.0, 1e-8, -2.0 ** -25, np.inf])])
+        want = np.empty_like(v)
+        half.round_half(v, want)
+        dev = cuda.to_device(v)
+        out = cuda.to_device(np.zeros_like(v))
+        half.round_half(dev, out)
+        np.testing.assert_array_equal(out.copy_to_host(), want)
+        half.scale(dev, 2.0 ** -7)
+        np.testing.assert_array_equal(dev.copy_to_host(), v * np.float32(2.0 ** -7))
+
+    @pytest.mark.parametrize("use_half", [True, False])
+    def test_unscale_cuda_equals_the_cpu(use_half):
+        from hpcsgd import half
+        rng = np.random.default_rng(4)
+        g = (rng.standard_normal(700) * 5e4).astype(np.float32)
+        g[[3, 9]] = [np.nan, -np.inf]
+        cpu = g.copy()
+        want = half.unscale(cpu, 2.0 ** 9, use_half)
+        dev = cuda.to_device(g)
+        got = half.unscale(dev, 2.0 ** 9, use_half)
+        assert got == want
+        ok = np.isfinite(cpu)
+        np.testing.assert_array_equal(dev.copy_to_host()[ok], cpu[ok])
+
+    def test_a_mixed_gpu_model_gives_the_cpu_models_gradient():
+        from hpcsgd.model.dnn import dnn
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((9, 6)).astype(np.float32)
+        y = rng.integers(0, 3, 9).astype(np.int32)
+        out = []
+        for device in ("cpu", "cuda"):
+            model = dnn(6, [5], 3, max_batch=9, device=device, precision="mixed")
+            params, grads = model.new_params(), model.new_params()
+            model.init(params, np.random.default_rng(1))
+            ce, _ = model.forward_backward(params, grads, x, y, 9, loss_scale=2.0 ** 8)
+            bad, amax = model.unscale(grads, 2.0 ** 8)
+            flat = grads.flat if device == "cpu" else grads.flat.copy_to_host()
+            out.append((ce, bad, flat))
+        # float16 stores on both: the kernels' float32 results differ by rounding only
+        # (TOL), which a float16 rounding can turn into one float16 ulp
+        assert out[0][1] == out[1][1] == 0
+        np.testing.assert_allclose(out[1][2], out[0][2], rtol=2.0 ** -9, atol=1e-6)
+        assert abs(out[1][0] - out[0][0]) <= 1e-5 * abs(out[0][0])
+
     # ---- optimizer: CUDA path against the CPU path ------------------------------------------
 
     SIZE, STRIPES = 37, [(0, 20), (20, 20), (20, 37)]   # an empty stripe: nothing to launch

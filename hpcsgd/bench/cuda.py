@@ -24,7 +24,7 @@ import sys
 
 KERNEL_MODULES = ("hpcsgd.device", "hpcsgd.optim", "hpcsgd.model.kernels_cuda",
                   "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit", "hpcsgd.codecs.dettmers",
-                  "hpcsgd.codecs.floats")
+                  "hpcsgd.codecs.floats", "hpcsgd.half")
 USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--json FILE]"
 EXAMPLES = """examples:
   hpcsgd bench cuda                     every kernel for sm_80 and sm_90
@@ -109,6 +109,14 @@ def record(out_path):
     step = Step(model, params, gradient_buffers(model, False), opt, exchanges[0], device="cuda")
     step.run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
     opt.fused_update(params.flat, step.grads[0].flat, 1e-3)   # bench train's no-exchange step
+    # mixed precision with a loss scale (hpcsgd/half.py's kernels)
+    from hpcsgd.loss_scale import Static
+    mixed = dnn(6, [5], 3, "sigmoid", max_batch=n, device="cuda", precision="mixed")
+    mixed_params = mixed.new_params()
+    mixed.init(mixed_params, np.random.default_rng(1))
+    Step(mixed, mixed_params, gradient_buffers(mixed, False),
+         Optimizer(mixed_params.size, device="cuda"), exchanges[0], device="cuda",
+         scaler=Static(2.0 ** 10)).run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")

@@ -98,6 +98,10 @@ def add_arguments(parser):
                              "(DistributedDataParallel over gloo at K > 1; needs torch "
                              "installed: hpcsgd/bench/pytorch.py), without double buffering")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
+    parser.add_argument("--precision", default="float32",
+                        help="float32, mixed, or float32,mixed: the step in each precision "
+                             "(train.precision; mixed with a static loss scale 2^10), in the "
+                             "same rounds")
 
 
 def model_of(args):
@@ -145,6 +149,7 @@ def run(args):
               "--warmup", args.warmup,
               "--activation", activation, "--device", args.device]
     worker += ["--pytorch"] if args.pytorch else []
+    worker += ["--precision", args.precision]
     worker += ["--small"] if args.small else []
     worker += ["--config", args.config] if args.config else []
     runs = []
@@ -160,6 +165,7 @@ def run(args):
                 row["wire_s"] = row["exchanges_per_step"] * row["bytes_per_rank"] * 8 / (gbps * 1e9)
         runs.append(res)
         print_table(res)
+        print_activation_memory(res)
     out = {"model": name, "shape": shape, "activation": activation, "device": args.device,
            "params": runs[0]["params"], "minibatches": ns, "exchanges": args.exchange.split(","),
            "link_gbps": launch.link_gbps(), "runs": runs}
@@ -188,7 +194,13 @@ def _mode(row):
 
 
 def _label(row):
-    return f"N={row['minibatch']} {row['exchange']} DB {_db_name(*_mode(row))}"
+    return (f"N={row['minibatch']} {_run_name(row['exchange'], row.get('precision', 'float32'))}"
+            f" DB {_db_name(*_mode(row))}")
+
+
+def _run_name(exchange, precision):
+    """A row's exchange name, +mixed for mixed precision (float32 rows keep their names)."""
+    return exchange if precision == "float32" else f"{exchange}+{precision}"
 
 
 def figures(res):
@@ -221,7 +233,8 @@ def print_table(run):
     for r in run["rows"]:
         f = r["fractions"]
         none = r["exchange"] == "none"
-        print(f"{r['minibatch']:>6d} {r['exchange']:>11s} {_db_name(*_mode(r)):>9s} "
+        print(f"{r['minibatch']:>6d} {_run_name(r['exchange'], r.get('precision', 'float32')):>11s} "
+              f"{_db_name(*_mode(r)):>9s} "
               f"{r['frames_per_s']:>9.1f} {r['roofline_frames_per_s']:>9.1f} "
               f"{r['roofline_fraction']:>7.1%} {r['skip_frames_per_s']:>8.1f} "
               f"{'' if none else format(r['comm_overhead'], '.1%'):>8s} "
@@ -231,6 +244,16 @@ def print_table(run):
               + " ".join(f"{f[c]:>{w}.0%}" for c, w in
                          (("compute", 7), ("encode", 6), ("communicate", 6), ("update", 6),
                           ("other", 6))))
+
+
+def print_activation_memory(run):
+    """Activations and their gradients per rank: as stored here, and as float16 would store
+    them (this CPU emulation of mixed precision keeps float16 values in float32 buffers)."""
+    for n, mem in sorted(run.get("activation_bytes", {}).items(), key=lambda kv: int(kv[0])):
+        print(f"activation memory per rank at N = {n}: float32 {mem / 2 ** 20:.1f} MiB; "
+              f"stored as float16 (mixed on a GPU) {mem / 2 ** 21:.1f} MiB; the CPU emulation "
+              f"of mixed holds float32 buffers (+ {run['mixed_extra_bytes'] / 2 ** 20:.1f} MiB: "
+              f"the float16 weight copy and input)")
 
 
 def print_table4(res):
@@ -305,14 +328,18 @@ class Local:
 class Rank:
     """This rank's model, buffers and random frames, and the timed step loops."""
 
-    def __init__(self, comm, shape, activation, max_local, device="cpu"):
+    def __init__(self, comm, shape, activation, max_local, device="cpu", precisions=("float32",)):
         from hpcsgd.model.dnn import dnn
         self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
         self.device = device
-        self.model = dnn(**shape, activation=activation, max_batch=max_local, device=device)
-        self.params = self.model.new_params()
-        self.model.init(self.params, np.random.default_rng(0))      # replicas start equal
-        self.grads = gradient_buffers(self.model, True)   # double buffering: 2
+        self.models = {}   # precision -> (model, params, the 2 gradient buffers)
+        for precision in precisions:
+            model = dnn(**shape, activation=activation, max_batch=max_local, device=device,
+                        precision=precision)
+            params = model.new_params()
+            model.init(params, np.random.default_rng(0))      # replicas start equal
+            self.models[precision] = (model, params, gradient_buffers(model, True))
+        self.model, self.params, self.grads = self.models[precisions[0]]
         rng = np.random.default_rng(1 + self.rank)
         self.x = rng.standard_normal((max_local, shape["input_dim"]), dtype=np.float32)
         self.y = rng.integers(0, shape["num_labels"], max_local).astype(np.int32)
@@ -348,15 +375,20 @@ class Rank:
             samples.append(self.slowest(time.perf_counter() - t))
         return statistics.median(samples[1:])
 
-    def loop(self, ex, opt, take, steps, warmup, double_buffering, progress=None):
+    def loop(self, ex, opt, take, steps, warmup, double_buffering, progress=None,
+             precision="float32"):
         """The trainer's step (hpcsgd/step.py), `steps` times after `warmup`, on take[r] frames
-        per rank; ex a Local = the exchange skipped. Returns this rank's step times and its
-        seconds per step by category and by exchange phase, over the timed steps."""
+        per rank; ex a Local = the exchange skipped; mixed precision with a static loss scale.
+        Returns this rank's step times and its seconds per step by category and by exchange
+        phase, over the timed steps."""
         from hpcsgd.comm.progress import Poller
+        from hpcsgd.loss_scale import Static
         if not isinstance(ex, Local):
             ex.poller = Poller() if progress == "thread" else None
-        step = Step(self.model, self.params, self.grads, opt, ex, double_buffering,
-                    progress or "none", device=self.device)
+        model, params, grads = self.models[precision]
+        step = Step(model, params, grads, opt, ex, double_buffering, progress or "none",
+                    device=self.device,
+                    scaler=Static(2.0 ** 10) if precision == "mixed" else None)
         marks, ce = [], 0.0
         self.comm.Barrier()
         for s in range(warmup + steps):
@@ -426,17 +458,25 @@ def worker(argv):
         from hpcsgd.comm.gpu import bind_gpu
         from hpcsgd.comm.grid import Grid
         bind_gpu(Grid(comm).node_rank)
-    r = Rank(comm, shape, activation, max(int(batch_split(n, K)[0]) for n in ns), dev)
+    precisions = args.precision.split(",")
+    if not set(precisions) <= {"float32", "mixed"}:
+        raise SystemExit(f"--precision {args.precision}: expected float32 and/or mixed")
+    max_local = max(int(batch_split(n, K)[0]) for n in ns)
+    r = Rank(comm, shape, activation, max_local, dev, precisions)
     size = r.params.size
     flop = gemm_flop_per_frame(**shape)
     configs = [(n, mode, batch_split(n, K)) for n in ns for mode in modes]
     # every exchange (and the skipped one: a replicated momentum optimizer) built once
-    local_opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC, device=dev)
-    runs = {"none": (Local(local_opt), local_opt)}
-    for name in args.exchange.split(","):
-        ex = make_exchange(exchange_config(name, dev), comm, r.params.matrices)
-        runs[name] = (ex, Optimizer(size, momentum_time_constant=MOMENTUM_TC,
-                                    post_size=ex.state_size, device=dev))
+    runs, precision_of = {}, {}
+    for precision in precisions:
+        local_opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC, device=dev)
+        runs[_run_name("none", precision)] = (Local(local_opt), local_opt)
+        for name in args.exchange.split(","):
+            ex = make_exchange(exchange_config(name, dev), comm, r.params.matrices)
+            runs[_run_name(name, precision)] = (ex, Optimizer(
+                size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size, device=dev))
+        precision_of.update({_run_name(name, precision): precision
+                             for name in ["none"] + args.exchange.split(",")})
     torch_rank = None
     if args.pytorch:   # what users would run instead, the same threads per rank
         import numba
@@ -458,7 +498,7 @@ def worker(argv):
                 gemm_s[mode].append(r.gemm_time(parts, args.steps))
                 for name, (ex, opt) in runs.items():
                     samples[(name, mode)].append(r.loop(ex, opt, take, args.steps, args.warmup,
-                                                        *mode))
+                                                        *mode, precision=precision_of[name]))
                 if torch_rank is not None and not mode[0]:
                     samples.setdefault(("pytorch", mode), []).append(
                         torch_rank.loop(take, args.steps, args.warmup))
@@ -470,29 +510,37 @@ def worker(argv):
             parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]  # overhead
             roof[(n, mode)] = statistics.median(gemm_s[mode])
             row = dict(measure(r, samples[(name, mode)], n, mode[0],
-                               name not in ("none", "pytorch")),
-                       exchange=name, progress=mode[1])
-            if name == "none":
-                skip[(n, mode)] = row["frames_per_s"]
+                               name not in ("none", "none+mixed", "pytorch")),
+                       exchange=name.split("+")[0], progress=mode[1],
+                       precision=precision_of.get(name, "float32"))
+            if row["exchange"] == "none":
+                skip[(n, mode, row["precision"])] = row["frames_per_s"]
             else:
                 nbytes, bits = ((torch_rank.bytes_on_wire(size), 32.0) if name == "pytorch"
                                 else wire(ex, K, size))
                 row.update(bytes_per_rank=nbytes, bits_per_value=bits,
                            exchanges_per_step=len(parts),
-                           comm_overhead=1.0 - row["frames_per_s"] / skip[(n, mode)])
+                           comm_overhead=1.0 - row["frames_per_s"]
+                           / skip[(n, mode, row["precision"])])
             rows.append(row)
             if r.rank == 0:
                 print(f"  K={K} {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
     for row in rows:
         key = (row["minibatch"], _mode(row))
-        row.update(skip_frames_per_s=skip[key], gemm_only_s=roof[key],
+        row.update(skip_frames_per_s=skip[key + (row["precision"],)], gemm_only_s=roof[key],
                    roofline_frames_per_s=row["minibatch"] / roof[key],
                    roofline_fraction=roof[key] / row["step_s"],
                    gflops=flop * row["minibatch"] / row["step_s"] / 1e9,
                    gemm_only_gflops=flop * row["minibatch"] / roof[key] / 1e9)
     if torch_rank is not None:
         torch_rank.close()
+    # activations (each layer's output, overwritten by its dz) and the backward's delta
+    widths = shape["hidden"] + [shape["num_labels"]]
+    acts = {str(n): int(batch_split(n, K)[0]) * (sum(widths) + max(widths[:-1])) * 4
+            for n in ns}
     launch.write_result(comm, {"ranks": K, "params": size, "steps": args.steps,
+                               "activation_bytes": acts,
+                               "mixed_extra_bytes": 4 * (size + max_local * shape["input_dim"]),
                                "rounds": args.rounds, "warmup": args.warmup, "gflop_per_frame": flop / 1e9,
                                "load_average_end": report.load_average(), "rows": rows},
                         args.json)

@@ -12,25 +12,11 @@ rounding on the float's bits with integer operations); "cuda" uses the GPU's flo
 conversion. All three give the same bits (tested at every half and every tie).
 """
 import numpy as np
-from llvmlite import ir
-from numba import cuda, njit, prange, types
-from numba.core.extending import intrinsic
+from numba import cuda, njit, prange
 
-@intrinsic
-def _half_bits(typingctx, v):
-    """float32 -> the bits of float16(v), by the CPU's own conversion (LLVM fptrunc: F16C's
-    vcvtps2ph on x86, fcvt on ARM; round to nearest even, as NumPy's; vectorised)."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return types.uint16(types.float32), codegen
-
-
-@intrinsic
-def _half_value(typingctx, bits):
-    """The bits of a float16 -> its value as float32 (exact)."""
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
+from hpcsgd.codecs.common import Codec, nonfinite_error
+from hpcsgd.device import as_device
+from hpcsgd.half import half_bits as _half_bits, half_value as _half_value
 
 
 @njit(parallel=True, cache=True)
@@ -63,9 +49,6 @@ def _decode16_cpu(p, out, accumulate):
     else:
         for i in prange(out.size):
             out[i] = _half_value(p[i])
-
-from hpcsgd.codecs.common import Codec, nonfinite_error
-from hpcsgd.device import as_device
 
 
 @njit(parallel=True, cache=True)

@@ -7,7 +7,7 @@ element-wise ops of a device (ops, kernels, kernels_cuda), a model as a stack of
 """
 
 
-def build(describe, max_batch=1024, device="cpu"):
+def build(describe, max_batch=1024, device="cpu", precision="float32"):
     """The Network a checkpoint's or a run's model description names ("type" defaults to
     "dnn": checkpoints written before there was a choice)."""
     from hpcsgd.model.dnn import dnn
@@ -16,4 +16,4 @@ def build(describe, max_batch=1024, device="cpu"):
     kind = describe.get("type", "dnn")
     if kind not in builders:
         raise ValueError(f"model type {kind!r}: expected one of {sorted(builders)}")
-    return builders[kind](**args, max_batch=max_batch, device=device)
+    return builders[kind](**args, max_batch=max_batch, device=device, precision=precision)

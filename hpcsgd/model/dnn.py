@@ -23,12 +23,12 @@ def dnn_layers(input_dim, hidden, num_labels, activation="sigmoid"):
 
 
 def dnn(input_dim, hidden, num_labels, activation="sigmoid", max_batch=1024,
-        dtype=np.float32, device="cpu"):
-    """The DNN input_dim-hidden...-num_labels as a Network."""
+        dtype=np.float32, device="cpu", precision="float32"):
+    """The DNN input_dim-hidden...-num_labels as a Network (precision: network.PRECISIONS)."""
     describe = {"input_dim": int(input_dim), "hidden": [int(h) for h in hidden],
                 "num_labels": int(num_labels), "activation": activation}
     return Network(dnn_layers(input_dim, hidden, num_labels, activation), max_batch, dtype,
-                   device, describe)
+                   device, describe, precision)
 
 
 def layout(input_dim, hidden, num_labels):

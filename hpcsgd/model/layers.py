@@ -110,11 +110,14 @@ class SoftmaxOutput:
         if progress is not None:
             progress()
 
-    def loss(self, p, g, z, labels, ops):
+    def loss(self, p, g, z, labels, ops, scale=1.0):
         """Softmax cross-entropy of z (+ b) against labels: z becomes dLoss/dz and g's bias
-        its column sums. Returns (CE summed over the frames in nats, frames whose argmax is
-        the label)."""
-        return ops.softmax_xent(z, p[self.b], labels, g[self.b])
+        its column sums, both times the loss scale. Returns (CE summed over the frames in nats,
+        unscaled; frames whose argmax is the label)."""
+        ce, correct = ops.softmax_xent(z, p[self.b], labels, g[self.b])
+        ops.scale(z, scale)
+        ops.scale(g[self.b], scale)
+        return ce, correct
 
     def posteriors(self, p, z, ops, log=True):
         """z (+ b) -> log-posteriors (or posteriors), in place."""

@@ -13,12 +13,23 @@ works on views of them; nothing is allocated per call but small result scalars.
 
 GPU ranks (device="cuda"): every buffer on the device; batches come from the host and are
 copied into x_in / y_in; forward() copies its result back to the host.
+
+precision="mixed" (docs/precision.md): training runs on w16, a float16 copy of the weights
+made from the float32 master at the start of every forward_backward (so after every update,
+fused or not), on the input rounded to float16 (x16), with every GEMM output and kernel
+output rounded to float16 (model.ops.HalfOps); float16 values live in float32 buffers (the
+GEMMs widen float16 operands to float32 anyway). The weight gradients are rounded to float16
+and the loss scale taken off in float32 by unscale(). Inference (forward) uses the float32
+master weights.
 """
 import numpy as np
 
+from hpcsgd import half
 from hpcsgd.device import assign, is_device, zeros
 from hpcsgd.model.flat import FlatParams, as_specs
-from hpcsgd.model.ops import make_ops
+from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
+
+PRECISIONS = ("float32", "mixed")
 
 
 def gemm_flop_per_frame(layers):
@@ -28,7 +39,8 @@ def gemm_flop_per_frame(layers):
 
 
 class Network:
-    def __init__(self, layers, max_batch=1024, dtype=np.float32, device="cpu", describe=None):
+    def __init__(self, layers, max_batch=1024, dtype=np.float32, device="cpu", describe=None,
+                 precision="float32"):
         self.layers = list(layers)
         self.specs = as_specs([s for layer in self.layers for s in layer.specs()])
         self.input_dim, self.num_labels = self.layers[0].n_in, self.layers[-1].n_out
@@ -40,6 +52,15 @@ class Network:
                                                 default=1), self.dtype, device)
         widest = max(layer.n_out for layer in self.layers)
         self.ops = make_ops(device, self.max_batch, widest, self.dtype)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+        self.half = precision == "mixed"
+        if self.half:
+            if self.dtype != np.float32:
+                raise ValueError("precision mixed: the model's dtype must be float32")
+            self.w16 = self.new_params()                       # the float16 copy of W
+            self.x16 = zeros((self.max_batch, self.input_dim), self.dtype, device)
+            self.half_ops = HalfOps(self.ops)
         if device == "cuda":
             self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
             self.y_in = zeros(self.max_batch, np.int32, "cuda")
@@ -96,13 +117,16 @@ class Network:
             a = out[:n]
         return a
 
-    def forward_backward(self, params, grads, x, y, n, progress=None, ops=None):
+    def forward_backward(self, params, grads, x, y, n, progress=None, ops=None,
+                         loss_scale=1.0):
         """One minibatch: x[:n] (n, input_dim) frames, y[:n] (n,) integer labels in
         [0, num_labels) (host arrays; a GPU model copies them to the device). Overwrites every
         view of `grads` with the gradient of the cross-entropy SUMMED over the n frames.
         Returns (ce_sum: float, nats summed over the frames; n_correct: int, frames whose
         argmax posterior equals the label). `progress`, if given, is called after every GEMM.
-        `ops` replaces the element-wise kernels (model.ops.GemmOnly: the GEMMs alone)."""
+        `ops` replaces the element-wise kernels (model.ops.GemmOnly: the GEMMs alone).
+        loss_scale multiplies the loss gradient (so grads come out scaled); mixed precision
+        leaves the weight gradients as float32 GEMM results: unscale() finishes both."""
         ops = ops or self.ops
         self._check(x, n)
         lab = y[:n]
@@ -111,8 +135,19 @@ class Network:
             raise ValueError(f"labels: expected {n} integers in [0, {self.num_labels}), got "
                              f"shape {lab.shape}, range [{lab.min()}, {lab.max()}]")
         x, y = self._to_device(x, y, n)
+        # an overflow (float16, or a scaled gradient) is detected by unscale(), not warned of
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._forward_backward(params, grads, x, y, n, progress, ops, loss_scale)
+
+    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale):
+        if self.half:   # the float16 copy of the weights and input; float16 stores
+            half.round_half(params.flat, self.w16.flat)
+            half.round_half(x[:n], self.x16[:n])
+            params, x = self.w16, self.x16
+            ops = ops if isinstance(ops, GemmOnly) else (
+                self.half_ops if ops is self.ops else HalfOps(ops))
         logits = self._forward(params, x, n, ops, progress)
-        ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops)
+        ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale)
         dy = None                      # the loss has turned the logits into dLoss/dz
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
@@ -121,6 +156,13 @@ class Network:
             layer.backward(params, grads, inp, self.acts[i][:n], dy, dx, ops, progress)
             dy = dx
         return ce, correct
+
+    def unscale(self, grads, loss_scale):
+        """The gradient forward_backward left, made the float32 gradient of the summed loss:
+        mixed precision rounds it to float16 first (the GEMMs' float16 outputs; an overflow
+        becomes Inf here), then it is multiplied by 1 / loss_scale in float32. Returns
+        (non-finite values, max |gradient|): the overflow vote's inputs (hpcsgd/step.py)."""
+        return half.unscale(grads.flat, loss_scale, self.half)
 
     def forward(self, params, x, n, out=None, log=True):
         """Log-posteriors (log=True) or posteriors of x[:n], shape (n, num_labels). Written

@@ -5,12 +5,15 @@ to these.
     CpuOps    the Numba CPU kernels of hpcsgd.model.kernels, with their preallocated scratch
     CudaOps   the CUDA kernels of hpcsgd.model.kernels_cuda (GPU ranks)
     GemmOnly  nothing at all: the step's GEMMs alone, the roofline `bench train` divides by
+    HalfOps   mixed precision around either of the first two: every value a GEMM or kernel
+              stores as float16 is rounded to float16 in its float32 buffer (hpcsgd/half.py)
 
 Shapes: z, h, d (N, M) with N <= max_batch rows and M <= max_width columns; b, gb (1, M);
 y (N,) integer labels. `kind` is kernels.SIGMOID or kernels.RELU.
 """
 import numpy as np
 
+from hpcsgd import half
 from hpcsgd.device import zeros
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
@@ -45,6 +48,10 @@ class CpuOps:
     def exp(self, z):
         K.exp_inplace(z)
 
+    def scale(self, x, s):
+        """x *= s in float32, in place (the loss scale on the loss gradient)."""
+        half.scale(x, s)
+
 
 class CudaOps:
     """The same on a GPU rank: per-row CE and hits come back through small device buffers."""
@@ -68,6 +75,9 @@ class CudaOps:
     def exp(self, z):
         KC.exp_inplace(z)
 
+    def scale(self, x, s):
+        half.scale(x, s)
+
 
 class GemmOnly:
     """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers."""
@@ -86,6 +96,47 @@ class GemmOnly:
 
     def exp(self, z):
         pass
+
+    def scale(self, x, s):
+        pass
+
+
+class HalfOps:
+    """Mixed precision's element-wise steps on float32 buffers that hold float16 values: a
+    GEMM's output is rounded to float16 before a kernel reads it (as cuBLAS would store it),
+    and a kernel's output after it wrote it, each in place. The kernels themselves compute in
+    float32 (as a GPU's do on float16 operands). Bias gradients are the kernels' float32 column
+    sums of dz before its rounding (half an ulp of float16 per element more precise than a
+    sum of the stored float16 dz)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def bias_act(self, z, b, kind):
+        half.round_half(z, z)
+        self.ops.bias_act(z, b, kind)
+        half.round_half(z, z)
+
+    def act_backward(self, h, d, dz, gb, kind):
+        half.round_half(d, d)            # dx of the layer above: a GEMM's float16 output
+        self.ops.act_backward(h, d, dz, gb, kind)
+        half.round_half(dz, dz)
+
+    def softmax_xent(self, z, b, y, gb):
+        half.round_half(z, z)            # the logits: a GEMM's float16 output
+        return self.ops.softmax_xent(z, b, y, gb)
+
+    def log_softmax(self, z, b):
+        self.ops.log_softmax(z, b)
+
+    def exp(self, z):
+        self.ops.exp(z)
+
+    def scale(self, x, s):
+        """x *= s, then stored as float16: dLoss/dz rounded once, after scaling (rounding
+        before would flush what the scale is there to keep)."""
+        self.ops.scale(x, s)
+        half.round_half(x, x)
 
 
 def make_ops(device, max_batch, max_width, dtype):

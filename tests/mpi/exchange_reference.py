@@ -50,7 +50,14 @@ frames = 0
 for lr, take, _ in global_steps(cfg, loaders, batch_of):
     x, y = global_batch(loaders, take, dtype)
     n = len(y)
-    model.forward_backward(params, grads, x, y, n)
+    # a static loss scale (the trainer's rules for the others are tested on their own): the
+    # scaled gradient, float16 where mixed precision stores it, unscaled in float32
+    scale = cfg["train.loss_scale_init"] if cfg["train.loss_scale"] == "static" else 1.0
+    assert cfg["train.loss_scale"] in ("none", "static")
+    model.forward_backward(params, grads, x, y, n, loss_scale=scale)
+    if scale != 1.0 or getattr(model, "half", False):
+        bad, _ = model.unscale(grads, scale)
+        assert bad == 0, "an overflow: the reference does not skip steps"
     opt.begin_step(n, n)
     if mode == "onebit":
         quantize(grads.flat, res1)

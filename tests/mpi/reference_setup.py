@@ -37,7 +37,10 @@ def build(cfg, K, dtype=np.float32):
                for r in range(K)]
     describe = {"input_dim": loaders[0].input_dim, "hidden": cfg["model.hidden"],
                 "num_labels": loaders[0].num_labels, "activation": cfg["model.activation"]}
-    model32 = build_model(describe, max_batch=max(gb, 1024))
+    # mixed precision: the float32 reference computes as the trainer does (float16 stores);
+    # the float64 one is the exact trajectory both approximate
+    precision = cfg["train.precision"] if dtype == np.float32 else "float32"
+    model32 = build_model(describe, max_batch=max(gb, 1024), precision=precision)
     params = model32.new_params()
     model32.init(params, np.random.default_rng(cfg["train.seed"]))
     model = model32

@@ -1,0 +1,166 @@
+"""float16 on every backend: the conversion intrinsics, and the two whole-array kernels of mixed
+precision (docs/precision.md), each with its NumPy reference.
+
+    round_half(src, dst)          dst = float32(float16(src)), round to nearest even
+    scale(x, s)                   x *= float32(s) in place (the loss scale)
+    unscale(g, scale, half)       g = (float16(g) if half else g) * (1 / scale) in place;
+                                  returns (non-finite values, max |g| after unscaling)
+
+Numba has no float16 type on the CPU, so the CPU kernels convert with LLVM's fptrunc/fpext to
+`half`: the CPU's own instructions (F16C's vcvtps2ph/vcvtph2ps on x86, AVX2 and AVX-512
+alike), vectorised, the same bits as NumPy's astype. CUDA kernels use the GPU's conversion.
+Mixed precision stores its float16 values in float32 arrays that hold only float16 values
+(the emulation of docs/precision.md): rounding in place is all a "store as float16" is.
+"""
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, njit, prange, types
+from numba.core.extending import intrinsic
+
+from hpcsgd.device import is_device
+
+BLOCK = 256   # CUDA threads per block of the element-wise kernels here
+
+
+@intrinsic
+def half_bits(typingctx, v):
+    """float32 -> the bits of float16(v), by the CPU's own conversion (LLVM fptrunc: F16C's
+    vcvtps2ph on x86, fcvt on ARM; round to nearest even, as NumPy's; vectorised)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def half_value(typingctx, bits):
+    """The bits of a float16 -> its value as float32 (exact)."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+# ---------------------------------------------------------------- NumPy references
+def round_half_ref(src, dst):
+    with np.errstate(over="ignore"):   # beyond float16's range: Inf, as the kernels give
+        dst[...] = src.astype(np.float16).astype(np.float32)
+
+
+def unscale_ref(g, scale, half):
+    with np.errstate(over="ignore"):
+        v = g.astype(np.float16).astype(np.float32) if half else g
+    g[...] = v * np.float32(1.0 / scale)
+    finite = np.isfinite(g)
+    return int((~finite).sum()), float(np.abs(g[finite]).max(initial=0.0))
+
+
+# ---------------------------------------------------------------- Numba CPU
+@njit(parallel=True, cache=True)
+def round_half_cpu(src, dst):
+    """dst = float32(float16(src)), flat float32 (dst may be src)."""
+    for i in prange(src.size):
+        dst[i] = half_value(half_bits(src[i]))
+
+
+CHUNK = 1 << 14   # values per task of unscale_cpu (its maxima and counts per task)
+
+
+@njit(parallel=True, cache=True)
+def unscale_cpu(g, inv, half):
+    """g = (float16(g) if half else g) * inv in place (flat float32); returns (non-finite
+    count, max |finite g|). Per-task partial results, combined in order (max and counts are
+    exact in any order). Branch-free loops (vectorised)."""
+    n = g.size
+    tasks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(tasks, np.int64)
+    amax = np.zeros(tasks, np.float32)
+    for t in prange(tasks):
+        lo, hi = np.uint64(t * CHUNK), np.uint64(min(n, (t + 1) * CHUNK))
+        nb, m = 0, np.float32(0.0)
+        if half:
+            for i in range(lo, hi):
+                v = half_value(half_bits(g[i])) * inv
+                g[i] = v
+                ok = v - v == 0.0
+                nb += not ok
+                m = max(m, abs(v) if ok else np.float32(0.0))
+        else:
+            for i in range(lo, hi):
+                v = g[i] * inv
+                g[i] = v
+                ok = v - v == 0.0
+                nb += not ok
+                m = max(m, abs(v) if ok else np.float32(0.0))
+        bad[t], amax[t] = nb, m
+    return bad.sum(), amax.max() if tasks else np.float32(0.0)
+
+
+# ---------------------------------------------------------------- Numba CUDA
+@cuda.jit
+def _round_half_cuda(src, dst):
+    i = cuda.grid(1)
+    if i < src.size:
+        dst[i] = np.float32(np.float16(src[i]))
+
+
+@cuda.jit
+def _scale_cuda(x, s):
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i] *= s
+
+
+@cuda.jit
+def _unscale_cuda(g, inv, half, stats):
+    """stats[0] += non-finite values, stats[1] = max |finite g| (atomics; exact in any order)."""
+    i = cuda.grid(1)
+    if i >= g.size:
+        return
+    v = (np.float32(np.float16(g[i])) if half else g[i]) * inv
+    g[i] = v
+    if v - v == 0.0:
+        cuda.atomic.max(stats, 1, abs(v))
+    else:
+        cuda.atomic.add(stats, 0, np.float32(1.0))
+
+
+# ---------------------------------------------------------------- dispatch
+def round_half(src, dst):
+    """dst = float32(float16(src)) (C-contiguous float32 arrays of one size; dst may be src),
+    on the host or the device."""
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    if is_device(src):
+        if src.size:
+            _round_half_cuda[-(-src.size // BLOCK), BLOCK](src, dst)
+        return
+    round_half_cpu(src, dst)
+
+
+def scale(x, s):
+    """x *= float32(s) in place (nothing for s = 1)."""
+    if s == 1.0:
+        return
+    if is_device(x):
+        flat = x.reshape(-1)
+        if flat.size:
+            _scale_cuda[-(-flat.size // BLOCK), BLOCK](flat, np.float32(s))
+        return
+    np.multiply(x, np.float32(s), out=x)
+
+
+def unscale(g, scale, half):
+    """Unscale a gradient in float32, in place: g = (float16(g) if half else g) / scale (as a
+    multiplication by float32(1 / scale): exact for a power of two). Returns (non-finite
+    values: int, max |g| over the finite ones: float), the overflow vote's inputs."""
+    inv = np.float32(1.0 / scale)
+    if not math.isfinite(inv):
+        raise ValueError(f"loss scale {scale!r}: 1 / scale is not a finite float32")
+    if is_device(g):
+        stats = cuda.to_device(np.zeros(2, np.float32))
+        if g.size:
+            _unscale_cuda[-(-g.size // BLOCK), BLOCK](g, inv, bool(half), stats)
+        bad, amax = stats.copy_to_host()   # device -> host: sync point
+        return int(bad), float(amax)
+    bad, amax = unscale_cpu(g, inv, bool(half))
+    return int(bad), float(amax)
