@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Mixed precision (issue 21) on real speech: so762 (13 held-out speakers for CV), the DNN of
+# jobs/configs/so762.yaml (440-1024x4-40 sigmoid, minibatch 256, newbob), 2 ranks, allreduce,
+# EPOCHS epochs: float32 against mixed precision with no loss scaling and with each scaler,
+# the same data, seed, model and rate (equal frames).
+#   bash experiments/precision_so762.sh [EPOCHS]     (needs runs/so762/archive: see so762.yaml)
+#   ONLY="mixed_logmax" bash experiments/precision_so762.sh 2     runs whose name starts with ONLY
+# Each run's metrics land in runs/precision/<name>/metrics.jsonl;
+# experiments/summarize_precision.py prints the table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EPOCHS=${1:-2}
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 MPIR_CVAR_ENABLE_HEAVY_YIELD=1
+run() {
+    local name=$1; shift
+    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
+    rm -rf "runs/precision/$name"
+    echo "== $name: $*"
+    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
+        --config jobs/configs/so762.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        train.log_every_frames=50000 "train.run_dir=$PWD/runs/precision/$name" "$@" 2>&1 \
+        | grep -E "done in|error|skipped steps|diverged" || true
+}
+run float32
+run mixed_none train.precision=mixed
+run mixed_static train.precision=mixed train.loss_scale=static train.loss_scale_init=1024
+run mixed_backoff train.precision=mixed train.loss_scale=backoff
+run mixed_logmax train.precision=mixed train.loss_scale=logmax
