@@ -96,6 +96,61 @@ def unscale_cpu(g, inv, half):
     return bad.sum(), amax.max() if tasks else np.float32(0.0)
 
 
+# the float16 allreduce (hpcsgd/comm/exchange.py: Allreduce): to float16, a float32 sum of the
+# K ranks' float16 pieces back to float16, and from float16; uint16 arrays hold the bits
+@njit(parallel=True, cache=True)
+def to_half_cpu(g, scale, out):
+    """out[i] = bits of float16(g[i] * scale) (flat float32 g, uint16 out); returns the count
+    of non-finite halves (an overflow)."""
+    bad = 0
+    for i in prange(g.size):
+        h = half_bits(g[i] * scale)
+        out[i] = h
+        bad += (h & 0x7c00) == 0x7c00
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def sum_halves_cpu(parts, factor, out):
+    """out[i] = bits of float16(factor * sum over k of parts[k, i]'s value): the K float16
+    pieces (K, m) summed in float32 in rank order (a chunk in L1 at a time, each pass a
+    unit-stride vector loop), then rounded once. Returns the count of non-finite halves."""
+    k, m = parts.shape
+    tasks = (m + CHUNK - 1) // CHUNK
+    bad = np.zeros(tasks, np.int64)
+    for t in prange(tasks):
+        a, b = np.uint64(t * CHUNK), np.uint64(min(m, (t + 1) * CHUNK))
+        acc = np.empty(CHUNK, np.float32)
+        for i in range(a, b):
+            acc[i - a] = half_value(parts[0, i])
+        for r in range(1, k):
+            for i in range(a, b):
+                acc[i - a] += half_value(parts[r, i])
+        nb = 0
+        for i in range(a, b):
+            h = half_bits(acc[i - a] * factor)
+            out[i] = h
+            nb += (h & 0x7c00) == 0x7c00
+        bad[t] = nb
+    return bad.sum()
+
+
+@njit(parallel=True, cache=True)
+def from_half_cpu(p, scale, out):
+    """out[i] = float32 value of the half with bits p[i], times scale."""
+    for i in prange(out.size):
+        out[i] = half_value(p[i]) * scale
+
+
+def sum_halves_ref(parts, factor):
+    """NumPy reference of sum_halves_cpu: the float16 result (not its bits)."""
+    with np.errstate(over="ignore", invalid="ignore"):   # Inf pieces give Inf or NaN sums
+        acc = parts.view(np.float16)[0].astype(np.float32)
+        for r in range(1, parts.shape[0]):
+            acc += parts.view(np.float16)[r].astype(np.float32)
+        return (acc * np.float32(factor)).astype(np.float16)
+
+
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
 def _round_half_cuda(src, dst):

@@ -213,6 +213,8 @@ class Step:
             timeline.span("pre_exchange", t2, time.perf_counter(), "compute")
         # exchange + update: sum over the data ranks, then weight decay, aggregate AdaGrad,
         # momentum -> the update, and W -= lr * update identically on every data rank
+        if self.scaler is not None and hasattr(self.ex, "loss_scale"):
+            self.ex.loss_scale = scale   # the float16 allreduce sends g * scale: exact
         start_exchange(self.ex, grads.flat, self.phases, blocking=not self.double_buffering)
         if self.double_buffering:   # finished after the next half's gradient
             self.pending = {"lr": lr, "n": int(part.sum()), "n_local": n,

@@ -279,11 +279,14 @@ def log_skips(log, step, progress):
         log.record("skip", epoch=progress["epoch"], frames=progress["frames"],
                    scale=skip["scale"], new_scale=skip["new_scale"])
     step.skips.clear()
-    if step.scaler.in_a_row >= SKIPS_IN_A_ROW:
-        raise UserError(f"the last {step.scaler.in_a_row} steps all overflowed (loss scale now "
-                        f"{step.scaler.scale:g}, train.loss_scale={step.scaler.name}): the "
-                        f"gradient is not finite at any scale; lower optim.lr, or "
-                        f"train.loss_scale_init for a static scale")
+    scaler = step.scaler
+    if scaler.in_a_row >= SKIPS_IN_A_ROW:
+        why = (f"the static scale {scaler.scale:g} is too large for these gradients (they are "
+               f"sums over the minibatch's frames); lower train.loss_scale_init, or use "
+               f"train.loss_scale=backoff or logmax" if scaler.name == "static" else
+               f"no scale down to train.loss_scale_min made the gradient finite; lower optim.lr")
+        raise UserError(f"the last {scaler.in_a_row} steps all overflowed float16 (loss scale "
+                        f"now {scaler.scale:g}, train.loss_scale={scaler.name}): {why}")
 
 
 def decide_bits(cfg, bitwidth, ex, step, sums, seconds, exchange_seconds, log, progress):

@@ -258,3 +258,38 @@ def test_a_mixed_run_learns_logs_its_skips_and_resumes_bit_exactly(synth, tmp_pa
     assert epochs[-1]["train_ce"] < epochs[0]["train_ce"]   # it learns (so762: docs/results.md)
     assert "loss_scale.png" in hpcsgd("plot", full).stdout
     assert os.path.getsize(os.path.join(full, "plots", "loss_scale.png")) > 1000
+
+
+# --- the float16 allreduce ------------------------------------------------------------------------
+
+def test_the_float16_allreduce_kernels_equal_numpy():
+    rng = np.random.default_rng(7)
+    g = every_half_and_tie()
+    g = g[np.isfinite(g)]
+    bits = np.empty(g.size, np.uint16)
+    with np.errstate(over="ignore"):
+        want = (g * np.float32(0.5)).astype(np.float16)
+    bad = half.to_half_cpu(g, np.float32(0.5), bits)
+    np.testing.assert_array_equal(bits, want.view(np.uint16))
+    assert bad == int((~np.isfinite(want)).sum())
+    with np.errstate(over="ignore"):   # some beyond the range: Inf parts, Inf sums
+        parts = (rng.standard_normal((3, 50_001)) * 3e4).astype(np.float16).view(np.uint16)
+    out = np.empty(50_001, np.uint16)
+    bad = half.sum_halves_cpu(parts, np.float32(1 / 3), out)
+    ref = half.sum_halves_ref(parts, np.float32(1 / 3))
+    np.testing.assert_array_equal(out, ref.view(np.uint16))
+    assert bad == int((~np.isfinite(ref)).sum())
+    back = np.empty(out.size, np.float32)
+    half.from_half_cpu(out, np.float32(3.0), back)
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(back[finite], ref[finite].astype(np.float32) * np.float32(3))
+
+
+@pytest.mark.parametrize("ranks,size,scale,blocking", [(1, 1000, 0, 1), (2, 100_003, 0, 0),
+                                                       (3, 100_003, 256, 0), (4, 7, 0, 1),
+                                                       (3, 2, 16, 1)])
+def test_the_float16_allreduce_is_its_definition_bit_for_bit(ranks, size, scale, blocking):
+    proc = run_mpi(ranks, [os.path.join(REPO, "tests", "mpi", "half_allreduce.py"), str(size),
+                           str(scale), str(blocking)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("half ok") == ranks

@@ -6,9 +6,10 @@ Two aggregations, chosen by `exchange.aggregation` (docs/exchange.md has the det
 
 allreduce  one preallocated fused buffer (the gradient's flat buffer itself) reduced in place
            with MPI Allreduce; every rank then post-processes the whole sum (decay, AdaGrad,
-           momentum) redundantly. `exchange.allreduce_dtype=float16` casts to a preallocated
-           float16 buffer after dividing by K and sums in float16 (half the bytes; see
-           Allreduce for the precision and overflow cost).
+           momentum) redundantly. `exchange.allreduce_dtype=float16` sends float16 (half
+           the bytes): a reduce-scatter (Alltoallv of float16 pieces), a float32 sum of the K
+           pieces, an Allgatherv of the float16 result (see Allreduce for the precision and
+           overflow cost).
 
 striped    Seide et al. 2014's O(1) algorithm. Rank j owns a contiguous range of codec columns
            of every matrix (hpcsgd/comm/stripes.py: CNTK's rule). Per step:
@@ -64,6 +65,7 @@ import time
 
 import numpy as np
 
+from hpcsgd import half
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.gpu import ENV_CUDA_AWARE, Nccl, Staging, mpi_cuda_aware, nccl_available
 from hpcsgd.comm.progress import Poller
@@ -166,13 +168,19 @@ class Allreduce(_Collective):
     whole sum (the optimizer state is replicated).
 
     dtype "float32": the gradient's own flat buffer is the MPI buffer (no copy, MPI.IN_PLACE).
-    dtype "float16": g / K is rounded to a preallocated float16 buffer, summed in float16 by a
-    user-defined MPI op (MPI has no float16 SUM), and multiplied back by K. Trade-off: half the
-    bytes, but ~3 significant digits (relative error 2^-11 per value and per partial sum),
-    values below 6e-8 * K flush to zero, and a sum above 65504 * K overflows to Inf, which is
-    reported as an error. Gradients here are SUMMED over frames, so large minibatches push
-    toward overflow; dividing by K first keeps the partial sums no larger than the largest
-    rank's value. There is no error feedback on this path (use striped + float16 codec for it).
+    dtype "float16" (half the bytes of float32; MPI has no float16 SUM): every rank rounds
+    g * a to float16 (F16C, hpcsgd/half.py), sends piece j of it to rank j (Alltoallv: a
+    reduce-scatter), sums the K pieces of its own piece in float32 in rank order and rounds the
+    sum times c to float16 once, then an Allgatherv brings every piece to every rank, which
+    decodes it times 1 / (a c). The bytes are a ring Allreduce's, 2 (K - 1) / K of the float16
+    buffer per rank. Scales: without a loss scale a = c = 1 / K (the division by K keeps the
+    float16 sum in range; values below 6e-8 * K flush to zero); with a loss scale S
+    (train.loss_scale; the step sets `loss_scale`) a = S, so a mixed-precision gradient, a
+    float16 value divided by S, is sent exactly as the backward pass computed it, and c = 1 / K
+    (the mean of values the overflow vote kept in range). Precision: ~3 significant digits
+    (relative error 2^-11 per value and once for the sum). A value or a sum beyond float16's
+    range is reported as an error. There is no error feedback on this path (use striped +
+    float16 codec for it). The float32 sum and the Allgatherv run in wait().
 
     GPU ranks: with `nccl` (hpcsgd.comm.gpu.Nccl) the sum runs on the device, float16
     natively, on NCCL's own stream (so a double-buffered exchange overlaps the next half's
@@ -186,6 +194,7 @@ class Allreduce(_Collective):
              "post_process": "post_process", "reencode": None, "gather": None,
              "update": "apply"}
     replicated_optimizer = True   # every rank holds and updates the full optimizer state
+    loss_scale = None             # float16: the loss scale of the gradient being sent
 
     def __init__(self, comm, size, dtype="float32", device="cpu", cuda_aware=False, nccl=None):
         if dtype not in ("float32", "float16"):
@@ -193,12 +202,21 @@ class Allreduce(_Collective):
         self.comm, self.world, self.size, self.dtype = comm, comm.Get_size(), size, dtype
         self.device, self.nccl = device, nccl
         self.state_size = size        # post_exchange sees the whole exchanged sum
-        # the float16 sum's buffer: on the device with NCCL, else on the host (the MPI op)
-        half_on = device if nccl is not None else "cpu"
-        self.half = zeros(size if dtype == "float16" else 0, np.float16, half_on)
+        # the float16 sum's buffer on the device with NCCL; else the MPI path's host buffers:
+        # the rank's float16 gradient, the K pieces of its own piece, and the gathered sum
+        half16 = dtype == "float16"
+        self.half = zeros(size if half16 and nccl is not None else 0, np.float16, device)
+        k, rank = self.world, comm.Get_rank()
+        self.counts = np.array([size // k + (j < size % k) for j in range(k)], np.int64)
+        self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        mpi16 = half16 and nccl is None
+        self.h_send = np.empty(size if mpi16 else 0, np.uint16)
+        self.h_gather = np.empty(size if mpi16 else 0, np.uint16)
+        self.h_parts = np.empty((k, int(self.counts[rank]) if mpi16 else 0), np.uint16)
+        self._scales = (1.0, 1.0)   # the float16 path's (a, c) of the exchange in flight
+        self._gathered = False      # ... and whether its sum has been gathered
         # GPU ranks without NCCL: what MPI reads for the gradient (float16: always the host)
         self.stage = Staging((size,), np.float32, device, cuda_aware and dtype == "float32")
-        self._op = None
         # the exchange in flight: gradient, MPI buffer, request, and whether the sum is back
         # in the gradient's buffer
         self._grad, self._buf, self._req, self._reduced = None, None, None, False
@@ -224,8 +242,15 @@ class Allreduce(_Collective):
             return
         self._buf = self.stage.to_mpi(grad)   # device sync point; staged: device -> host copy
         if self.dtype == "float16":
-            np.multiply(self._buf, np.float32(1.0 / self.world), out=self.half, casting="unsafe")
-            self._buf = self.half
+            k = self.world
+            a = self.loss_scale if self.loss_scale else 1.0 / k
+            self._scales, self._gathered = (a, 1.0 / k), False
+            bad = half.to_half_cpu(self._buf, np.float32(a), self.h_send)
+            if bad:
+                raise ValueError(f"float16 allreduce: {bad} gradient value(s) beyond float16's "
+                                 f"range after the scale {a:g}; use exchange.allreduce_dtype="
+                                 f"float32, a smaller minibatch, or train.loss_scale")
+            self._buf = self.h_send
 
     def send(self, blocking=False):
         """Allreduce in place (Iallreduce unless `blocking`; NCCL on its stream on GPU
@@ -234,14 +259,17 @@ class Allreduce(_Collective):
         if self.nccl is not None:
             self.nccl.start_sum(self._buf)   # queued behind the gradient's kernels
             self._req = "nccl"
-        elif self.world > 1:
-            buf, op = self._buf, MPI.SUM
-            if self.dtype == "float16":
-                buf, op = [self.half, MPI.UINT16_T], self._half_sum()
+        elif self.world > 1 and self.dtype == "float16":   # the reduce-scatter leg
+            send, recv = self._pieces()
             if blocking:
-                self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+                self.comm.Alltoallv(send, recv)
             else:
-                self._req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
+                self._req = self.comm.Ialltoallv(send, recv)
+        elif self.world > 1:
+            if blocking:
+                self.comm.Allreduce(MPI.IN_PLACE, self._buf, op=MPI.SUM)
+            else:
+                self._req = self.comm.Iallreduce(MPI.IN_PLACE, self._buf, op=MPI.SUM)
         self._poll(self._req)
 
     def test(self):
@@ -258,6 +286,36 @@ class Allreduce(_Collective):
         elif self._req is not None:
             self._req.Wait()       # cross-rank sync point
         self._req = None
+        if self.dtype == "float16" and self.nccl is None and self._grad is not None \
+                and not (self._reduced or self._gathered):
+            self._sum_and_gather()
+            self._gathered = True
+
+    def _pieces(self):
+        """The reduce-scatter's MPI buffer specs: piece j of the float16 gradient to rank j;
+        the K pieces of this rank's piece, in rank order."""
+        from mpi4py import MPI
+        m = self.h_parts.shape[1]
+        k = self.world
+        return ([self.h_send, (self.counts, self.displs), MPI.UINT16_T],
+                [self.h_parts, ([m] * k, [j * m for j in range(k)]), MPI.UINT16_T])
+
+    def _sum_and_gather(self):
+        """This rank's piece summed in float32 over the K ranks into its slot of the gathered
+        buffer (float16), then the Allgatherv of every slot (blocking: a sync point)."""
+        from mpi4py import MPI
+        rank = self.comm.Get_rank()
+        lo, n = int(self.displs[rank]), int(self.counts[rank])
+        parts = self.h_parts if self.world > 1 else self.h_send.reshape(1, -1)
+        bad = half.sum_halves_cpu(parts, np.float32(self._scales[1]),
+                                  self.h_gather[lo:lo + n])
+        if bad:
+            raise ValueError(f"float16 allreduce overflowed: {bad} summed value(s) beyond "
+                             f"float16's range on rank {rank}; use exchange.allreduce_dtype="
+                             f"float32, a smaller minibatch, or train.loss_scale")
+        if self.world > 1:
+            self.comm.Allgatherv(MPI.IN_PLACE, [self.h_gather, (self.counts, self.displs),
+                                                MPI.UINT16_T])
 
     def reduce(self, params, weight_decay=False):
         """The sum into the gradient's buffer (float16 back to float32 times K; staged sums
@@ -283,24 +341,18 @@ class Allreduce(_Collective):
         return grad
 
     def _from_half(self, grad):
-        """grad = K * the float16 sum; an overflow (Inf) is an error, not a silent NaN."""
-        k = np.float32(self.world)
-        if self.nccl is not None:
-            cp = cupy_module()
-            g = cp.asarray(grad)
-            cp.multiply(cp.asarray(self.half), k, out=g)
-            finite = bool(cp.isfinite(g).all())   # device -> host: sync point
-        else:
+        """grad = the float16 sum, unscaled. An overflow (Inf) is an error, not a silent NaN:
+        the MPI path checked its sums before the Allgatherv, NCCL's is checked here."""
+        if self.nccl is None:
+            a, c = self._scales
             host = self.stage.mpi(grad)
-            np.multiply(self.half, k, out=host)
-            finite = bool(np.isfinite(host).all())
-            if not finite:
-                bad = int(np.argmax(~np.isfinite(host)))
-                raise ValueError(f"float16 allreduce overflowed at flat index {bad} (a summed "
-                                 f"gradient above 65504 * {self.world}); use "
-                                 f"exchange.allreduce_dtype=float32 or a smaller minibatch")
+            half.from_half_cpu(self.h_gather, np.float32(1.0 / (a * c)), host)
             self.stage.from_mpi(grad)
-        if not finite:
+            return
+        cp = cupy_module()
+        g = cp.asarray(grad)
+        cp.multiply(cp.asarray(self.half), np.float32(self.world), out=g)
+        if not bool(cp.isfinite(g).all()):   # device -> host: sync point
             raise ValueError(f"float16 allreduce overflowed (a summed gradient above 65504 * "
                              f"{self.world}); use exchange.allreduce_dtype=float32 or a smaller "
                              f"minibatch")
@@ -327,19 +379,10 @@ class Allreduce(_Collective):
             self.comm.Allreduce(MPI.IN_PLACE, self.stage.to_mpi(scratch[:self.size]),
                                 op=MPI.SUM)
             self.stage.from_mpi(scratch[:self.size])
-        else:
-            self.comm.Allreduce(MPI.IN_PLACE, [self.half, MPI.UINT16_T], op=self._half_sum())
-
-    def _half_sum(self):
-        """A commutative user op summing float16 values (created once, on first use)."""
-        if self._op is None:
-            from mpi4py import MPI
-
-            def add(inbuf, outbuf, datatype):
-                out = np.frombuffer(outbuf, np.float16)
-                out += np.frombuffer(inbuf, np.float16)
-            self._op = MPI.Op.Create(add, commute=True)
-        return self._op
+        else:   # the float16 legs on the host buffers (whatever they hold)
+            self.comm.Alltoallv(*self._pieces())
+            self.comm.Allgatherv(MPI.IN_PLACE, [self.h_gather, (self.counts, self.displs),
+                                                MPI.UINT16_T])
 
     def state_dict(self):
         return {}
