@@ -185,7 +185,7 @@ class Allreduce(_Collective):
     GPU ranks: with `nccl` (hpcsgd.comm.gpu.Nccl) the sum runs on the device, float16
     natively, on NCCL's own stream (so a double-buffered exchange overlaps the next half's
     compute). Without it, MPI sums the device buffer (CUDA-aware) or its pinned host mirror;
-    float16 is then always staged, because MPI runs the user op on the host.
+    float16 is then always staged: its conversions and float32 sum run on the host.
 
     `size` is the exchanged prefix of the flat gradient (parameters with exchange "none"
     follow it and are left alone).
