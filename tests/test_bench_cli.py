@@ -175,3 +175,21 @@ def test_compare_names_each_link_of_an_emulated_run(capsys):
 def test_json_is_strict_and_keeps_infinity_readable():
     assert report.clean({"k": float("inf"), "n": [float("nan"), 1.5]}) == \
         {"k": "inf", "n": ["nan", 1.5]}
+
+
+def test_bench_train_times_both_precisions_in_the_same_rounds(tmp_path):
+    out = tmp_path / "mixed.json"
+    text = bench("train", "--small", "--ranks", "1", "--exchange", "onebit",
+                 "--double-buffering", "off", "--precision", "float32,mixed", "--json", str(out))
+    assert "activation memory per rank at N = 256" in text
+    run = json.loads(out.read_text())["runs"][0]
+    rows = {(r["exchange"], r["precision"]): r for r in run["rows"]}
+    assert set(rows) == {(e, p) for e in ("none", "onebit") for p in ("float32", "mixed")}
+    for (ex, p), r in rows.items():
+        assert r["frames_per_s"] > 0 and math.isfinite(r["roofline_fraction"])
+        if ex != "none":   # each precision's overhead against its own no-exchange step
+            none = rows[("none", p)]
+            assert r["comm_overhead"] == pytest.approx(1 - r["frames_per_s"]
+                                                       / none["frames_per_s"])
+    # activations of the 440-256x3-500 model at N = 256: outputs of every layer + delta
+    assert run["activation_bytes"]["256"] == 256 * (3 * 256 + 500 + 256) * 4
