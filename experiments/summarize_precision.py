@@ -47,7 +47,7 @@ def main():
         if not ep:
             continue
         accs = " / ".join(f"{100 * e['cv_frame_accuracy']:.2f}" for e in ep)
-        delta = (f"{100 * (ep[-1]['cv_frame_accuracy'] - base[len(ep) - 1]['cv_frame_accuracy']):+.2f}"
+        delta = (f"{100 * (ep[-1]['cv_frame_accuracy'] - base[len(ep) - 1]['cv_frame_accuracy']):+.3f}"
                  if len(base) >= len(ep) else "")
         scale = [r["loss_scale"] for r in run["train"] if "loss_scale" in r]
         secs = sum(e["seconds"] for e in ep) / len(ep)

@@ -100,8 +100,8 @@ def add_arguments(parser):
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     parser.add_argument("--precision", default="float32",
                         help="float32, mixed, or float32,mixed: the step in each precision "
-                             "(train.precision; mixed with a static loss scale 2^10), in the "
-                             "same rounds")
+                             "(train.precision; mixed with a static loss scale of 1: the "
+                             "overflow vote runs, no step may be skipped), in the same rounds")
 
 
 def model_of(args):
@@ -378,7 +378,8 @@ class Rank:
     def loop(self, ex, opt, take, steps, warmup, double_buffering, progress=None,
              precision="float32"):
         """The trainer's step (hpcsgd/step.py), `steps` times after `warmup`, on take[r] frames
-        per rank; ex a Local = the exchange skipped; mixed precision with a static loss scale.
+        per rank; ex a Local = the exchange skipped; mixed precision with a static loss scale
+        of 1 (the vote and unscale run; a skipped step would void the timing: an error).
         Returns this rank's step times and its seconds per step by category and by exchange
         phase, over the timed steps."""
         from hpcsgd.comm.progress import Poller
@@ -388,7 +389,7 @@ class Rank:
         model, params, grads = self.models[precision]
         step = Step(model, params, grads, opt, ex, double_buffering, progress or "none",
                     device=self.device,
-                    scaler=Static(2.0 ** 10) if precision == "mixed" else None)
+                    scaler=Static(1.0) if precision == "mixed" else None)
         marks, ce = [], 0.0
         self.comm.Barrier()
         for s in range(warmup + steps):
@@ -407,6 +408,9 @@ class Rank:
             cats[cat] = sum(phases.get(p, 0.0) for p in names)
         if not np.isfinite(ce):
             raise FloatingPointError(f"rank {self.rank}: cross-entropy {ce} (lower bench LR)")
+        if step.scaler is not None and step.scaler.skipped:
+            raise FloatingPointError(f"rank {self.rank}: {step.scaler.skipped} mixed-precision "
+                                     f"step(s) overflowed float16 and were skipped: no timing")
         return np.diff(marks)[warmup:], cats, phases
 
 
