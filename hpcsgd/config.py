@@ -29,6 +29,12 @@ DEFAULTS = {
     "model.activation": ("sigmoid", str, ("sigmoid", "relu"), "hidden nonlinearity (the paper: sigmoid)"),
     # --- optimiser (learning rates are per sample: the summed gradient is scaled by lr) ---
     "optim.lr": (0.002, float, (0.0, 10.0), "learning rate per sample"),
+    "optim.type": ("sgd", str, ("sgd", "adam"),
+                   "sgd (+ momentum, AdaGrad) or adam: Adam computed where the sum is, by each "
+                   "stripe's owner on 1/K of its state (docs/exchange.md)"),
+    "optim.adam_beta1": (0.9, float, (0.0, 0.999999), "adam: first-moment decay per step"),
+    "optim.adam_beta2": (0.999, float, (0.0, 0.999999), "adam: second-moment decay per step"),
+    "optim.adam_eps": (1e-8, float, (0.0, 1.0), "adam: added to the RMS (per-sample units)"),
     "optim.momentum_tc": (1024.0, float, (0.0, 1e9), "momentum time constant in samples (CNTK); 0 = none"),
     "optim.adagrad": ("off", str, ("off", "local", "aggregate", "after_momentum"),
                       "AdaGrad placement (paper Table 3)"),
@@ -66,6 +72,9 @@ DEFAULTS = {
     "exchange.mqgrad_discount": (0.9, float, (0.0, 1.0), "mqgrad: SARSA discount (code 0.9)"),
     "exchange.mqgrad_hidden": (10, int, (1, 1024), "mqgrad: ReLU units of the Q network (paper 10)"),
     "exchange.mqgrad_reward_scale": (300.0, float, (0.0, 1e12), "mqgrad: reward = -slope x this / time"),
+    "exchange.cold_start_frames": (0, int, (0, 1 << 50),
+                                   "striped + a lossy codec: the first N frames exchange float32 "
+                                   "(the paper's cold start), then the codec with zeroed residuals"),
     "exchange.kbit_range": ("minmax", str, ("minmax", "rms"), "striped + kbit: per-column range rule"),
     "exchange.dettmers_type": ("dynamic_tree", str, ("linear", "mantissa", "static_tree", "dynamic_tree"),
                                "striped + dettmers: 8-bit data type"),
@@ -239,6 +248,10 @@ def load(path=None, overrides=()):
         if math.frexp(config[key])[0] != 0.5:
             raise UserError(f"config key {key}: {config[key]!r} is not a power of two (scaling "
                             f"by one is exact in float32)")
+    if config["optim.type"] == "adam" and config["optim.adagrad"] != "off":
+        raise UserError(f"config keys optim.type=adam and optim.adagrad="
+                        f"{config['optim.adagrad']}: Adam normalises by its own second moment; "
+                        f"set optim.adagrad=off")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
     return config

@@ -60,6 +60,8 @@ from hpcsgd.device import DEVICES, assign, host_copy, is_device, zeros
 
 ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
 AGGREGATE, AFTER_MOMENTUM = 1, 2   # kernel codes of the post-exchange AdaGrad placements
+ADAM = 3                           # ... and of Adam (optim.type=adam), computed there too
+TYPES = ("sgd", "adam")
 
 
 def momentum_per_minibatch(time_constant, n):
@@ -84,10 +86,19 @@ def _adagrad(g, s, i, rho, c, inv_n, inv_q, eps):
     g[i] = g[i] / (math.sqrt(si * inv_q) + eps)
 
 
-def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
-    """The post-exchange arithmetic of element i: decay -> [AdaGrad] -> momentum -> [AdaGrad].
+def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
+    """The post-exchange arithmetic of element i: decay -> [AdaGrad] -> momentum -> [AdaGrad],
+    or decay -> Adam (v, s its moments of the per-sample gradient; m = beta1, rho = beta2,
+    c = 1 - beta2, inv_q = 1 / (1 - beta2^t), adam_k = n / (1 - beta1^t)).
     Scalars are float64; the result is rounded to the buffers' dtype."""
     x = g[i] + wd_n * w[i]
+    if ada == ADAM:
+        y = x * inv_n
+        mi = m * v[i] + (1.0 - m) * y
+        v[i] = mi
+        si = rho * s[i] + c * (y * y)
+        s[i] = si
+        return w.dtype.type(adam_k * mi / (math.sqrt(si * inv_q) + eps))
     if ada == AGGREGATE:
         y = x * inv_n
         si = rho * s[i] + c * (y * y)
@@ -123,19 +134,21 @@ def _adagrad_kernel(g, s, rho, c, inv_n, inv_q, eps):
 # Two kernels, not one with a "write the update" flag: a conditional store in the loop made
 # Numba's parallel loop 100x slower (3 s instead of 25 ms over 46M values).
 @njit(parallel=True, cache=True)
-def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     """g (a flat slice of the summed gradient) -> the update, in place; w read for decay.
     4-6 streams over memory (g, w, v, s): bandwidth-bound."""
     for i in prange(g.size):
         g[i] = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
-                                m)
+                                m, adam_k)
 
 
 @njit(parallel=True, cache=True)
-def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, lr):
+def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k,
+                 lr):
     """Single process, fused: W -= lr * update, g left unchanged. 5 streams with momentum."""
     for i in prange(g.size):
-        x = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        x = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m,
+                             adam_k)
         w[i] = w[i] - lr * x
 
 
@@ -160,16 +173,19 @@ def _adagrad_cuda_kernel(g, s, rho, c, inv_n, inv_q, eps):
 
 
 @cuda.jit
-def _post_cuda_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+def _post_cuda_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m,
+                      adam_k):
     for i in range(cuda.grid(1), g.size, cuda.gridsize(1)):
         g[i] = _update_cuda(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
-                            m)
+                            m, adam_k)
 
 
 @cuda.jit
-def _step_cuda_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, lr):
+def _step_cuda_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m,
+                      adam_k, lr):
     for i in range(cuda.grid(1), g.size, cuda.gridsize(1)):
-        x = _update_cuda(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        x = _update_cuda(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m,
+                         adam_k)
         w[i] = w[i] - lr * x
 
 
@@ -209,9 +225,20 @@ class Optimizer:
 
     def __init__(self, size, momentum_time_constant=0.0, adagrad="off",
                  adagrad_time_constant=math.inf, adagrad_eps=1e-8, weight_decay=0.0,
-                 dtype=np.float32, post_size=None, device="cpu"):
+                 dtype=np.float32, post_size=None, device="cpu", kind="sgd", beta1=0.9,
+                 beta2=0.999, adam_eps=1e-8):
         if device not in DEVICES:
             raise ValueError(f"device={device!r}: expected one of {DEVICES}")
+        if kind not in TYPES:
+            raise ValueError(f"kind={kind!r}: expected one of {TYPES}")
+        if kind == "adam" and (adagrad != "off" or momentum_time_constant):
+            raise ValueError("Adam keeps its own moments: adagrad must be 'off' and the "
+                             "momentum time constant 0")
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1 and adam_eps >= 0):
+            raise ValueError("Adam: beta1, beta2 in [0, 1), eps >= 0")
+        self.kind, self.beta1, self.beta2, self.adam_eps = kind, float(beta1), float(beta2), \
+            float(adam_eps)
+        self.adam_p = 0.0   # Adam: 1 - beta1^t (its first moment's total weight)
         if adagrad not in ADAGRAD_PLACES:
             raise ValueError(f"adagrad={adagrad!r}: expected one of {ADAGRAD_PLACES}")
         if momentum_time_constant < 0 or adagrad_time_constant <= 0 or adagrad_eps < 0 \
@@ -225,9 +252,10 @@ class Optimizer:
         self.use_momentum = self.momentum_time_constant > 0
         self.device = device
         post_size = size if post_size is None else post_size
-        self.velocity = zeros(post_size if self.use_momentum else 1, dtype, device)
-        self.sqr = zeros((size if adagrad == "local" else post_size) if adagrad != "off" else 1,
-                         dtype, device)
+        adam = kind == "adam"   # Adam's moments: velocity (first), sqr (second)
+        self.velocity = zeros(post_size if self.use_momentum or adam else 1, dtype, device)
+        self.sqr = zeros((size if adagrad == "local" else post_size)
+                         if adagrad != "off" or adam else 1, dtype, device)
         self.sqr_weight = 0.0
         self._k = None   # per-step scalars from begin_step
 
@@ -237,7 +265,13 @@ class Optimizer:
         """Per-minibatch scalars, once per step on every rank before pre/post_exchange.
         n: frames of the whole minibatch (all ranks); n_local: this rank's (for "local")."""
         n_ada = (n if n_local is None else n_local) if self.adagrad == "local" else n
-        if self.adagrad != "off":
+        adam_k = 0.0
+        if self.kind == "adam":   # the moments' total weights: the bias corrections
+            rho, c = self.beta2, 1.0 - self.beta2
+            self.sqr_weight = rho * self.sqr_weight + c
+            self.adam_p = self.beta1 * self.adam_p + (1.0 - self.beta1)
+            adam_k = n / self.adam_p
+        elif self.adagrad != "off":
             if math.isinf(self.adagrad_time_constant):
                 rho, c = 1.0, float(n_ada)
             else:
@@ -251,7 +285,8 @@ class Optimizer:
             # gradient: rho = 1, c = 0 leave its AdaGrad state as it was
             n=n, wd_n=self.weight_decay * n, rho=rho, c=c, inv_n=1.0 / n_ada if n_ada else 0.0,
             inv_q=1.0 / self.sqr_weight if self.sqr_weight > 0 else 0.0,
-            m=momentum_per_minibatch(self.momentum_time_constant, n))
+            m=self.beta1 if self.kind == "adam"
+            else momentum_per_minibatch(self.momentum_time_constant, n), adam_k=adam_k)
         return self._k
 
     def pre_exchange(self, grad, lo=0, hi=None):
@@ -277,7 +312,7 @@ class Optimizer:
         over the compact post-exchange state (the striped exchange's fused owner pass):
         (velocity, sqr, scalars), the arrays whole (1-element dummies where unused), the
         scalars in post_element_cpu's order (wd_n, ada, rho, c, inv_n, inv_q, eps,
-        use_momentum, m)."""
+        use_momentum, m, adam_k)."""
         v, s = self._state_slices(slice(0, None))
         return v, s, self._scalars()
 
@@ -309,28 +344,33 @@ class Optimizer:
 
     def _state_slices(self, sl):
         """(velocity, sqr) views of the range; the unused ones are 1-element dummies."""
-        v = self.velocity[sl] if self.use_momentum else self.velocity
-        s = self.sqr[sl] if self.adagrad in ("aggregate", "after_momentum") else self.sqr
+        adam = self.kind == "adam"
+        v = self.velocity[sl] if self.use_momentum or adam else self.velocity
+        s = self.sqr[sl] if self.adagrad in ("aggregate", "after_momentum") or adam else self.sqr
         return v, s
 
     def _scalars(self):
         k = self._k
         ada = {"aggregate": AGGREGATE, "after_momentum": AFTER_MOMENTUM}.get(self.adagrad, 0)
-        return (k["wd_n"], ada, k["rho"], k["c"], k["inv_n"], k["inv_q"], self.adagrad_eps,
-                self.use_momentum, k["m"])
+        eps = self.adagrad_eps
+        if self.kind == "adam":
+            ada, eps = ADAM, self.adam_eps
+        return (k["wd_n"], ada, k["rho"], k["c"], k["inv_n"], k["inv_q"], eps,
+                self.use_momentum, k["m"], k["adam_k"])
 
     # ---- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self):
         """Arrays (by reference: device arrays on "cuda") and scalars that make a resumed run
         bit-exact."""
-        return {"velocity": self.velocity, "sqr": self.sqr, "sqr_weight": self.sqr_weight}
+        return {"velocity": self.velocity, "sqr": self.sqr, "sqr_weight": self.sqr_weight,
+                "adam_p": self.adam_p}
 
     def host_state_dict(self):
         """state_dict with NumPy copies of the arrays (checkpoints, snapshots); on "cuda" a
         device-to-host copy, a sync point."""
         return {"velocity": host_copy(self.velocity), "sqr": host_copy(self.sqr),
-                "sqr_weight": self.sqr_weight}
+                "sqr_weight": self.sqr_weight, "adam_p": self.adam_p}
 
     def load_state_dict(self, state):
         """Copy a state (host arrays, h5py datasets or device arrays) into the buffers."""
@@ -342,16 +382,20 @@ class Optimizer:
                                  f"expected {tuple(dst.shape)}")
             assign(dst, src)
         self.sqr_weight = float(state["sqr_weight"])
+        self.adam_p = float(state.get("adam_p", 0.0))
 
 
 def from_config(cfg, size, post_size=None, device="cpu"):
     """The optimizer the config's optim.* keys describe, over `size` parameters (post_size:
     the exchange's state_size, the owner's stripe in the striped exchange)."""
-    return Optimizer(size, momentum_time_constant=cfg["optim.momentum_tc"],
+    adam = cfg["optim.type"] == "adam"
+    return Optimizer(size, momentum_time_constant=0.0 if adam else cfg["optim.momentum_tc"],
                      adagrad=cfg["optim.adagrad"],
                      adagrad_time_constant=cfg["optim.adagrad_tc"] or math.inf,
                      adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"],
-                     post_size=post_size, device=device)
+                     post_size=post_size, device=device, kind=cfg["optim.type"],
+                     beta1=cfg["optim.adam_beta1"], beta2=cfg["optim.adam_beta2"],
+                     adam_eps=cfg["optim.adam_eps"])
 
 
 # ---- learning-rate schedules (lr per sample) ---------------------------------------------------

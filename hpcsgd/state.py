@@ -112,7 +112,8 @@ class TrainState:
         # GPU ranks: device -> host copies (sync points); host arrays are written as they are
         opt = {k: to_host(v) for k, v in self.opt.state_dict().items()}
         shared = {"params": to_host(self.params.flat),
-                  "opt/sqr_weight": np.float64(opt["sqr_weight"])}
+                  "opt/sqr_weight": np.float64(opt["sqr_weight"]),
+                  "opt/adam_p": np.float64(opt["adam_p"])}
         own = {f"exchange/{k}": to_host(v) for k, v in self.ex.state_dict().items()}
         if self.bitwidth:   # this rank's steps since the last width decision
             own["bitwidth/rows"] = np.array(self.bitwidth.state_dict()["rows"],
@@ -149,9 +150,10 @@ class TrainState:
                             f"another checkpoint")
         assign(self.params.flat, arrays["params"])
         sqr_weight = float(arrays["opt/sqr_weight"])
+        adam_p = float(arrays.get("opt/adam_p", 0.0))   # checkpoints before Adam have none
         if moved:   # the optimizer state re-sliced, the residuals folded into the new stripes
             self.opt.load_state_dict(dict(self._restriped_opt(path, saved, old_agg),
-                                          sqr_weight=sqr_weight))
+                                          sqr_weight=sqr_weight, adam_p=adam_p))
             folded = self._fold_residuals(path, old_world, old_agg)
             log.info(f"re-striped the optimizer state of {path} from {old_world} ranks "
                      f"({old_agg}) to {world} ({agg}); the error-feedback residuals "
@@ -160,7 +162,8 @@ class TrainState:
         else:
             mine = checkpoint.rank_prefix(rank) if self.per_rank_opt else ""
             self.opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
-                                      "sqr": arrays[mine + "opt/sqr"], "sqr_weight": sqr_weight})
+                                      "sqr": arrays[mine + "opt/sqr"], "sqr_weight": sqr_weight,
+                                      "adam_p": adam_p})
             prefix = checkpoint.rank_prefix(rank) + "exchange/"
             self.ex.load_state_dict({k[len(prefix):]: v for k, v in arrays.items()
                                      if k.startswith(prefix)})
@@ -203,6 +206,7 @@ class TrainState:
                                                     + "exchange_pending"]},
                                  self.step.grads[0].flat)
             self.opt.sqr_weight = pending["sqr_weight"]
+            self.opt.adam_p = pending.get("adam_p", 0.0)
             self.opt.begin_step(pending["n"], pending["n_local"])
             self.step.pending = pending
             if not self.step.double_buffering:   # switched off: apply it now

@@ -149,7 +149,8 @@ class Step:
         self.timeline, self.check_finite = timeline, check_finite
         self.device = device
         self.phases = Phases(device, timeline)
-        self.pending = None      # the exchange in flight: {"lr", "n", "n_local", "sqr_weight"}
+        self.pending = None      # the exchange in flight: {"lr", "n", "n_local", "sqr_weight",
+                                 # "adam_p"}
         self.slot = 0            # the gradient buffer of the last half computed
         self.compute_s = 0.0     # forward + backward seconds since the last pop_compute()
         self.scaler = scaler     # hpcsgd/loss_scale.py, or None
@@ -206,7 +207,8 @@ class Step:
             return ce, correct, n
         # the optimizer's local part (AdaGrad placed on the raw local gradient)
         t2 = time.perf_counter()
-        sqr_weight = self.opt.sqr_weight   # before this step's scalars (resume replays them)
+        # the optimizer's running weights before this step's scalars (resume replays them)
+        sqr_weight, adam_p = self.opt.sqr_weight, self.opt.adam_p
         self.opt.begin_step(int(part.sum()), n)
         self.opt.pre_exchange(grads.flat)
         if timeline:
@@ -218,7 +220,7 @@ class Step:
         start_exchange(self.ex, grads.flat, self.phases, blocking=not self.double_buffering)
         if self.double_buffering:   # finished after the next half's gradient
             self.pending = {"lr": lr, "n": int(part.sum()), "n_local": n,
-                            "sqr_weight": sqr_weight}
+                            "sqr_weight": sqr_weight, "adam_p": adam_p}
         else:
             finish_exchange(self.ex, self.opt, self.params.flat, lr, self.phases)
         return ce, correct, n

@@ -32,7 +32,7 @@ import numpy as np
 
 from hpcsgd import checkpoint, config, jit, loss_scale, optim, threads
 from hpcsgd.bitwidth import BitWidth
-from hpcsgd.comm.exchange import adaptive_bits, make_exchange, set_bits
+from hpcsgd.comm.exchange import adaptive_bits, cold_start, make_exchange, set_bits, set_cold_start
 from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.grid import Grid
 from hpcsgd.data import archive
@@ -169,6 +169,13 @@ def train(cfg, comm, stop):
             set_bits(ex, cfg, bitwidth.bits)
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
+    # the cold start (exchange.cold_start_frames): float32 until that frame, a function of the
+    # progress (so a resumed run is in the same phase)
+    cold = cold_start(cfg)
+    if cold and state.progress["frames"] < cold:
+        set_cold_start(ex, cfg, True)
+        log.info(f"cold start: the float32 exchange until frame {cold:,}, then "
+                 f"{cfg['exchange.codec']} (exchange.cold_start_frames)")
     log_start(log, cfg, grid, loader, state, ex)
 
     def save():
@@ -210,6 +217,13 @@ def train(cfg, comm, stop):
             t_step, t_exchange = time.perf_counter(), sum(step.phases.times.values())
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
+            if cold and progress["frames"] - int(take.sum()) < cold <= progress["frames"]:
+                step.drain()   # the float32 exchange in flight completes first
+                set_cold_start(ex, cfg, False)
+                log.info(f"cold start over at frame {progress['frames']:,}: "
+                         f"{cfg['exchange.codec']} from here on, residuals zeroed")
+                log.record("cold_start_end", epoch=epoch, frames=progress["frames"],
+                           codec=cfg["exchange.codec"])
             if step.skips:   # loss scaling: a step every rank skipped on an overflow
                 log_skips(log, step, progress)
             if bitwidth:   # between-step decision: the width of the next T steps

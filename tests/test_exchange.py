@@ -266,3 +266,92 @@ def test_parameters_are_exchanged_as_their_specs_say(mode):
     script = os.path.join(os.path.dirname(__file__), "mpi", "exchange_specs.py")
     proc = run_mpi(3, [script, mode], timeout=120)
     assert proc.returncode == 0 and f"OK {mode} K=3" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- the cold start (exchange.cold_start_frames, issue 18) ---------------------------------------
+
+def cold_frames(arch):
+    return json.load(open(os.path.join(arch, "index.json")))["total_frames"] // 3
+
+
+def test_the_cold_start_trains_as_the_float32_exchange_then_switches(arch, tmp_path_factory):
+    F = cold_frames(arch)
+    striped = ("exchange.aggregation=striped", "train.stop_after_frames=" + str(F))
+    cold = train(2, arch, tmp_path_factory, *striped, "exchange.codec=onebit",
+                 f"exchange.cold_start_frames={F}")
+    exact = train(2, arch, tmp_path_factory, *striped, "exchange.codec=float32")
+    a, b = arrays(cold), arrays(exact)
+    for name in a:   # up to frame F: the float32 exchange, bit for bit (residuals zero)
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    log = open(os.path.join(cold, "logs", "rank0000.log")).read()
+    assert f"cold start: the float32 exchange until frame {F:,}" in log
+    assert "cold start over at frame" in log
+    records = [json.loads(line) for line in open(os.path.join(cold, "metrics.jsonl"))]
+    assert [r["codec"] for r in records if r["kind"] == "cold_start_end"] == ["onebit"]
+    # after it: 1-bit, unlike the float32 run and unlike 1-bit from the start
+    whole = ("exchange.aggregation=striped", "exchange.codec=onebit")
+    after = arrays(train(2, arch, tmp_path_factory, *whole, f"exchange.cold_start_frames={F}"))
+    assert not np.array_equal(after["params"], arrays(train(2, arch, tmp_path_factory, *whole,
+                                                            "exchange.codec=float32"))["params"])
+    assert not np.array_equal(after["params"], arrays(train(2, arch, tmp_path_factory,
+                                                            *whole))["params"])
+    assert np.abs(after["rank0000/exchange/residual1"]).sum() > 0
+
+
+@pytest.mark.parametrize("double_buffering", ["false", "true"])
+def test_a_run_resumed_inside_and_after_the_cold_start_is_bit_exact(double_buffering, arch,
+                                                                      tmp_path,
+                                                                      tmp_path_factory):
+    F = cold_frames(arch)
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit",
+             f"exchange.cold_start_frames={F}", f"exchange.double_buffering={double_buffering}",
+             "train.epochs=2")
+    full = arrays(train(2, arch, tmp_path_factory, *extra))
+    for stop in (F // 2, F + F // 2):   # inside the cold start, and after it
+        cut = str(tmp_path / f"cut{stop}")
+        for last in (f"train.stop_after_frames={stop}", "train.stop_after_frames=0"):
+            proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra, last),
+                           timeout=120)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        resumed = arrays(cut)
+        for name in full:
+            np.testing.assert_array_equal(full[name], resumed[name], err_msg=f"{stop}: {name}")
+
+
+# --- Adam at the owner (optim.type=adam, issue 18) ----------------------------------------------
+
+ADAM = ("optim.type=adam", "optim.momentum_tc=0", "optim.lr=0.00002")
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_adam_at_the_owner_equals_adam_on_one_rank(K, arch, tmp_path, tmp_path_factory):
+    """Allreduce (every rank runs Adam on the whole sum) and striped float32 (each owner on
+    its stripe, 1/K of Adam's moments) against the single-process Adam on the same global
+    minibatches."""
+    ref32 = reference(K, "float", arch, tmp_path, *ADAM)["params"]
+    ref64 = reference(K, "float", arch, tmp_path, *ADAM, float64=True)["params"]
+    full = arrays(train(K, arch, tmp_path_factory, *ADAM))
+    owner = arrays(train(K, arch, tmp_path_factory, *ADAM, "exchange.aggregation=striped",
+                         "exchange.codec=float32"))
+    if K == 1:
+        np.testing.assert_array_equal(full["params"], ref32)
+    else:
+        assert_float32_close(full["params"], ref32, ref64)
+        pieces = [owner[f"rank{r:04d}/opt/sqr"] for r in range(K)]   # the second moment
+        assert sum(p.size for p in pieces) == full["opt/sqr"].size
+    assert_float32_close(owner["params"], ref32, ref64)
+    assert not np.array_equal(full["params"], arrays(train(K, arch, tmp_path_factory))["params"])
+
+
+def test_one_bit_adam_at_the_owner_resumes_bit_exactly(arch, tmp_path, tmp_path_factory):
+    extra = (*ADAM, "exchange.aggregation=striped", "exchange.codec=onebit", "train.epochs=2")
+    full = arrays(train(2, arch, tmp_path_factory, *extra))
+    cut = str(tmp_path / "cut")
+    total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
+    for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
+        proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = arrays(cut)
+    for name in full:
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+    assert full["opt/adam_p"] > 0

@@ -241,3 +241,63 @@ def test_local_adagrad_on_a_rank_without_frames_keeps_its_state():
     opt.begin_step(10, 0)
     opt.pre_exchange(zero)
     assert np.all(zero == 0) and np.array_equal(opt.sqr, sqr) and opt.sqr_weight == weight
+
+
+# --- Adam (optim.type=adam, issue 18) ------------------------------------------------------------
+
+def adam_reference(w, grads, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0):
+    """Adam in float64 with the per-sample conventions: y = (g + wd n w) / n (the per-sample
+    mean), m and v its bias-corrected moments, W -= lr * n * m_hat / (sqrt(v_hat) + eps)."""
+    w = w.astype(np.float64).copy()
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    for t, (g, n) in enumerate(grads, start=1):
+        y = (g + wd * n * w) / n
+        m = beta1 * m + (1 - beta1) * y
+        v = beta2 * v + (1 - beta2) * y * y
+        w -= lr * n * (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps)
+    return w
+
+
+@pytest.mark.parametrize("wd", [0.0, 1e-3])
+def test_adam_equals_its_float64_definition(wd):
+    rng = np.random.default_rng(11)
+    size = 1000
+    w0 = rng.standard_normal(size)
+    grads = [(rng.standard_normal(size) * n * 0.01, n) for n in (256, 512, 128, 256, 64)]
+    grads[0][0][:5] = 0.0                        # a parameter without gradient: eps guards it
+    want = adam_reference(w0, grads, 1e-4, wd=wd)
+    # float64 kernels: the same arithmetic up to float64 rounding (a few ulps per step)
+    for stripes in ([(0, size)], [(0, 300), (300, 300), (300, size)]):
+        opt = Optimizer(size, kind="adam", weight_decay=wd, dtype=np.float64)
+        w = w0.copy()
+        for g, n in grads:
+            g = g.copy()
+            opt.begin_step(n, n)
+            for lo, hi in stripes:
+                opt.post_exchange(g, w, lo, hi)
+            opt.apply(w, g, 1e-4)
+        np.testing.assert_allclose(w, want, rtol=1e-12, atol=1e-14)
+    fused = Optimizer(size, kind="adam", weight_decay=wd, dtype=np.float64)
+    w = w0.copy()
+    for g, n in grads:
+        fused.step(w, g.copy(), 1e-4, n)
+    np.testing.assert_allclose(w, want, rtol=1e-12, atol=1e-14)
+
+
+def test_adam_refuses_adagrad_and_momentum_and_its_state_round_trips():
+    with pytest.raises(ValueError, match="own moments"):
+        Optimizer(10, kind="adam", adagrad="aggregate")
+    with pytest.raises(ValueError, match="own moments"):
+        Optimizer(10, kind="adam", momentum_time_constant=100.0)
+    a, b = Optimizer(10, kind="adam"), Optimizer(10, kind="adam")
+    w = np.ones(10, np.float32)
+    for _ in range(3):
+        a.begin_step(64, 64)
+        a.post_exchange(np.full(10, 0.5, np.float32), w)
+    b.load_state_dict(a.host_state_dict())
+    assert b.adam_p == a.adam_p > 0 and b.sqr_weight == a.sqr_weight
+    g1, g2 = np.full(10, 0.3, np.float32), np.full(10, 0.3, np.float32)
+    for opt, g in ((a, g1), (b, g2)):
+        opt.begin_step(64, 64)
+        opt.post_exchange(g, w)
+    np.testing.assert_array_equal(g1, g2)

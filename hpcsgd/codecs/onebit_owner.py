@@ -24,42 +24,45 @@ from numba import njit, prange
 
 from hpcsgd.codecs.common import LANES, nonfinite_error
 from hpcsgd.codecs.onebit import ADD, SET, decode_column_cpu, encode_column_cpu, words_per_column
-from hpcsgd.optim import AFTER_MOMENTUM, AGGREGATE, post_element_cpu
+from hpcsgd.optim import ADAM, AFTER_MOMENTUM, AGGREGATE, post_element_cpu
 
 
 @njit(inline="always")
-def _post_loop(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+def _post_loop(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     for i in range(col.shape[0]):
         col[i] = post_element_cpu(col, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps,
-                                  use_momentum, m)
+                                  use_momentum, m, adam_k)
 
 
 @njit(inline="always")
-def _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+def _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     if ada == AGGREGATE:
-        _post_loop(col, w, v, s, wd_n, AGGREGATE, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        _post_loop(col, w, v, s, wd_n, AGGREGATE, rho, c, inv_n, inv_q, eps, use_momentum, m,
+                   adam_k)
     elif ada == AFTER_MOMENTUM:
         _post_loop(col, w, v, s, wd_n, AFTER_MOMENTUM, rho, c, inv_n, inv_q, eps, use_momentum,
-                   m)
+                   m, adam_k)
+    elif ada == ADAM:
+        _post_loop(col, w, v, s, wd_n, ADAM, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k)
     else:
-        _post_loop(col, w, v, s, wd_n, 0, rho, c, inv_n, inv_q, eps, use_momentum, m)
+        _post_loop(col, w, v, s, wd_n, 0, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k)
 
 
 @njit(inline="always")
-def _post_column(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+def _post_column(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     """col <- the update of one column (post_element_cpu row by row; w is read for weight
     decay). Each branch passes the momentum flag and the AdaGrad placement as constants, and
     the caller passes col itself as w when there is no decay: only so does LLVM drop the
     branches and vectorise the loop (momentum: 6 instead of 24 ms over 22.5M values)."""
     if use_momentum:
-        _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, True, m)
+        _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, True, m, adam_k)
     else:
-        _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, False, m)
+        _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, False, m, adam_k)
 
 
 @njit(parallel=True, cache=True)
 def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, nchunk,
-                          wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m):
+                          wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     """One matrix piece of the owner's stripe, n_cols columns of n_rows values:
     recvw (K, mine / 4) uint32 and recvf (the same bytes as float32): the K contributions,
     the piece's packed columns starting at word `at` of each row; w (n_cols, n_rows): the
@@ -84,14 +87,14 @@ def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf
             for src in range(1, K):
                 decode_column_cpu(recvw[src, o:o + W], recvf[src, o:o + W], col, ADD, 0.0)
             e = base + j * n_rows
-            vj = v[e:e + n_rows] if use_momentum else v[0:1]
+            vj = v[e:e + n_rows] if use_momentum or ada == ADAM else v[0:1]
             sj = s[e:e + n_rows] if ada != 0 else s[0:1]
             if use_w:
                 _post_column(col, w[j], vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
-                             use_momentum, m)
+                             use_momentum, m, adam_k)
             else:   # the sum itself, as unfused; passed as col so LLVM sees the alias
                 _post_column(col, col, vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
-                             use_momentum, m)
+                             use_momentum, m, adam_k)
             if not encode_column_cpu(col, r2[j], out8[j], outf[j], pos, neg, signs, signs64):
                 bad[j] = 1
 

@@ -89,10 +89,44 @@ def adaptive_bits(cfg):
     return True
 
 
+def configured_codec(cfg, bits=None):
+    """The striped exchange's codec as the config sets it (the kbit codec at `bits`, or at
+    exchange.bits_start when a rule chooses the width)."""
+    device, name, options = cfg["train.device"], cfg["exchange.codec"], {}
+    if name == "kbit":
+        width = bits or (cfg["exchange.bits_start"] if adaptive_bits(cfg) else cfg["exchange.bits"])
+        options = {"bits": width, "range": cfg["exchange.kbit_range"]}
+    elif name == "dettmers":
+        options = {"dtype": cfg["exchange.dettmers_type"]}
+    return make_codec(name, device, **options)
+
+
+def cold_start(cfg):
+    """exchange.cold_start_frames when it applies (striped with a lossy codec), else 0."""
+    frames = cfg["exchange.cold_start_frames"]
+    if not frames or cfg["exchange.aggregation"] != "striped" \
+            or cfg["exchange.codec"] == "float32":
+        return 0
+    if not isinstance(cfg["exchange.bits"], int) and cfg["exchange.codec"] == "kbit":
+        raise UserError(f"config key exchange.cold_start_frames: not supported with "
+                        f"exchange.bits={cfg['exchange.bits']} (the width controller would "
+                        f"start during the float32 phase); set one of them")
+    return frames
+
+
+def set_cold_start(ex, cfg, on):
+    """The cold start's codec (no exchange in flight): float32 while on, then the configured
+    codec with both residuals zeroed (the float32 codec leaves none; explicit all the same)."""
+    ex.set_codec(make_codec("float32", cfg["train.device"]) if on else configured_codec(cfg),
+                 cfg["exchange.fuse_owner"])
+    if not on:
+        zero(ex.residual1)
+        zero(ex.residual2)
+
+
 def set_bits(ex, cfg, bits):
     """Switch a striped kbit exchange to `bits` from the next encode (nothing in flight)."""
-    ex.set_codec(make_codec("kbit", ex.codec.backend, bits=bits,
-                            range=cfg["exchange.kbit_range"]), cfg["exchange.fuse_owner"])
+    ex.set_codec(configured_codec(cfg, bits), cfg["exchange.fuse_owner"])
 
 
 def make_exchange(cfg, comm, mats):
@@ -118,15 +152,12 @@ def make_exchange(cfg, comm, mats):
                        cfg["exchange.allreduce_dtype"], device=device, cuda_aware=aware,
                        nccl=nccl)
     else:
-        options, widest = {}, None
-        if cfg["exchange.codec"] == "kbit":
-            options = {"bits": cfg["exchange.bits"], "range": cfg["exchange.kbit_range"]}
-            if adaptive_bits(cfg):   # starts narrow; buffers for the widest (8 bits)
-                options["bits"] = cfg["exchange.bits_start"]
-                widest = make_codec("kbit", device, **dict(options, bits=8))
-        elif cfg["exchange.codec"] == "dettmers":
-            options = {"dtype": cfg["exchange.dettmers_type"]}
-        codec = make_codec(cfg["exchange.codec"], device, **options)
+        widest = None
+        codec = configured_codec(cfg)
+        if adaptive_bits(cfg):   # starts narrow; buffers for the widest (8 bits)
+            widest = make_codec("kbit", device, bits=8, range=cfg["exchange.kbit_range"])
+        if cold_start(cfg):      # starts with float32: buffers for it
+            widest = make_codec("float32", device)
         ex = Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"],
                      device=device, cuda_aware=aware, fuse_owner=cfg["exchange.fuse_owner"],
                      widest=widest)
@@ -431,7 +462,9 @@ class Striped(_Collective):
         self.residual1 = zeros(self.size, np.float32, device)
         self._wstripe = None
         self.set_codec(codec, fuse_owner)
-        self.agg = zeros(0 if self.fuses_owner else self.state_size, np.float32, device)
+        # the unfused owner's sum buffer: also when another codec may take over (widest)
+        self.agg = zeros(0 if self.fuses_owner and widest is None else self.state_size,
+                         np.float32, device)
         self._grad, self._req = None, None   # the exchange in flight
         self.norm_sq = None   # set to 0.0 to sum the squared norm of my stripe's gradient sums
 
@@ -539,7 +572,8 @@ class Striped(_Collective):
         """Phases 3-5 in one pass per column (the codec's fused owner pass, with the
         optimizer's element arithmetic; its per-step scalars must be the started step's)."""
         lo = int(self.displs[self.rank])
-        self.codec.owner_pass(self.recv_buf, self.world, (lo, lo + int(self.counts[self.rank])),
+        mine = int(self.counts[self.rank])   # the buffer may be sized for a wider codec
+        self.codec.owner_pass(self.recv_buf[:self.world * mine], self.world, (lo, lo + mine),
                               self.mine, params, opt, self.residual2, self.gather_buf)
 
     def reduce(self, params, weight_decay=False):
