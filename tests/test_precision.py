@@ -5,24 +5,15 @@ master weight, and a mixed run under the CLI (skips logged, bit-exact resume). K
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import REPO, run_mpi
 from hpcsgd import half, loss_scale
-from hpcsgd.codecs import make_codec
-from hpcsgd.comm.exchange import Allreduce, Striped
-from hpcsgd.model.dnn import dnn
-from hpcsgd.optim import Optimizer
-from hpcsgd.step import Step, gradient_buffers
+from test_step import N, batches, setup
 from test_train import final_params, hpcsgd, synth, train_args  # noqa: F401 (fixture)
 
-N = 48
-F16_MAX, F16_TINY = 65504.0, 2.0 ** -24
 
 
 def every_half_and_tie():
@@ -138,29 +129,6 @@ def test_a_scale_bound_that_is_not_a_power_of_two_is_refused(key, value):
 
 # --- the step --------------------------------------------------------------------------------
 
-def setup(precision="float32", scaler=None, exchange="allreduce", double_buffering=False,
-          comm=MPI.COMM_SELF):
-    model = dnn(6, [5, 4], 3, max_batch=N, precision=precision)
-    params = model.new_params()
-    model.init(params, np.random.default_rng(0))
-    if exchange == "allreduce":
-        ex = Allreduce(comm, params.size)
-    else:
-        ex = Striped(comm, params.matrices, make_codec(exchange, "cpu"))
-    opt = Optimizer(params.size, momentum_time_constant=50.0, adagrad="aggregate",
-                    weight_decay=1e-3, post_size=ex.state_size)
-    step = Step(model, params, gradient_buffers(model, double_buffering), opt, ex,
-                double_buffering, "none", scaler=scaler)
-    return model, params, opt, ex, step
-
-
-def batches(seed=1):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((N, 6)).astype(np.float32)
-    y = rng.integers(0, 3, N).astype(np.int32)
-    return lambda n: (x[:n], y[:n])
-
-
 def run_steps(step, steps=6, lr=0.05):
     batch = batches()
     return [step.run(batch, np.array([N - s]), 0, lr) for s in range(steps)]
@@ -190,7 +158,7 @@ def test_the_float16_copy_is_refreshed_and_the_master_keeps_updates_below_its_ul
     """One step at a tiny rate moves the float32 master by less than a float16 ulp: the
     float16 copy the next forward uses is unchanged, the master is not; enough such steps
     move the copy too."""
-    model, params, opt, ex, step = setup("mixed", loss_scale.Static(2.0 ** 10))
+    model, params, opt, ex, step = setup(precision="mixed", scaler=loss_scale.Static(2.0 ** 10))
     w16_before = np.empty_like(params.flat)
     half.round_half(params.flat, w16_before)
     master_before = params.flat.copy()

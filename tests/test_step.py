@@ -14,8 +14,9 @@ from hpcsgd.step import Step, gradient_buffers, halves
 LR, N = 0.01, 24
 
 
-def setup(exchange="allreduce", fuse_owner=True, double_buffering=False):
-    model = dnn(6, [5, 4], 3, max_batch=N)
+def setup(exchange="allreduce", fuse_owner=True, double_buffering=False, precision="float32",
+          scaler=None):
+    model = dnn(6, [5, 4], 3, max_batch=N, precision=precision)
     params = model.new_params()
     model.init(params, np.random.default_rng(0))
     if exchange == "allreduce":
@@ -26,7 +27,7 @@ def setup(exchange="allreduce", fuse_owner=True, double_buffering=False):
     opt = Optimizer(params.size, momentum_time_constant=50.0, adagrad="aggregate",
                     weight_decay=1e-3, post_size=ex.state_size)
     step = Step(model, params, gradient_buffers(model, double_buffering), opt, ex,
-                double_buffering, "none")
+                double_buffering, "none", scaler=scaler)
     return model, params, opt, ex, step
 
 
