@@ -38,19 +38,24 @@ def local_batch_size(global_batch, rank, world):
     return global_batch // world + (1 if rank < global_batch % world else 0)
 
 
-def batch_split(global_batch, world):
-    """Every data rank's share of a global minibatch (local_batch_size of each), as int64."""
-    return np.array([local_batch_size(global_batch, r, world) for r in range(world)], np.int64)
+def batch_split(global_batch, world, unit=1):
+    """Every data rank's share of a global minibatch (local_batch_size of each), as int64, in
+    whole units of `unit` frames (1: frames; the sequence loader: chunks of `unit` slots, a
+    remainder below one unit is not dealt)."""
+    return unit * np.array([local_batch_size(global_batch // unit, r, world)
+                            for r in range(world)], np.int64)
 
 
-def redeal(deal, offsets, world, standard):
+def redeal(deal, offsets, world, standard, unit=1):
     """An epoch dealt anew to `world` ranks mid-way, nothing trained twice or skipped: what
     every old rank has not yet read -- its segments from its offset on, in old rank order --
     is cut into `world` contiguous parts of as equal frames as possible (the first ranks one
     frame more). deal: the old deal, or None for the standard one, whose rank r reads
     [0, standard[r]) of its own plan's stream (standard: the old plan's rank_frames, of
     old_world = len(offsets) ranks). A segment is (plan world, plan rank, lo, hi). Returns
-    the new deal: a list of `world` segment lists. Pure: every rank computes the same."""
+    the new deal: a list of `world` segment lists. Pure: every rank computes the same.
+    unit: parts are cut in whole units (the loader's `unit`: 1 frame, or one chunk's slots);
+    every segment bound and offset must then be a multiple of it."""
     old_world = len(offsets)
     if deal is None:
         deal = [[(old_world, r, 0, int(standard[r]))] for r in range(old_world)]
@@ -63,7 +68,10 @@ def redeal(deal, offsets, world, standard):
             if lo + done < hi:
                 rest.append((plan_world, plan_rank, lo + done, hi))
     total = sum(hi - lo for *_, lo, hi in rest)
-    share = [total // world + (1 if r < total % world else 0) for r in range(world)]
+    if total % unit:
+        raise ValueError(f"redeal: {total} unread frames are not whole units of {unit}")
+    units = total // unit
+    share = [unit * (units // world + (1 if r < units % world else 0)) for r in range(world)]
     new, k = [[] for _ in range(world)], 0
     for plan_world, plan_rank, lo, hi in rest:
         while lo < hi:
@@ -76,10 +84,20 @@ def redeal(deal, offsets, world, standard):
     return new
 
 
-class Plan:
-    """Blocks of the archive and their assignment to ranks, computed from index.json only."""
+def block_frames_of(blocks):
+    """Frames of each block row (shard, begin, end)."""
+    return blocks[:, 2] - blocks[:, 1]
 
-    def __init__(self, index, world, seed, block_frames=BLOCK_FRAMES, buffer_frames=BUFFER_FRAMES):
+
+class Plan:
+    """Blocks of the archive and their assignment to ranks, computed from index.json only.
+
+    units: block rows -> what each block adds to its rank's stream (default: its frames; the
+    sequence loader: its chunks' frame slots); rank_frames counts in these units, while
+    buffers are still grouped by frames (what they hold in RAM)."""
+
+    def __init__(self, index, world, seed, block_frames=BLOCK_FRAMES, buffer_frames=BUFFER_FRAMES,
+                 units=block_frames_of):
         if block_frames < 1 or buffer_frames < block_frames:
             raise UserError(f"loader: need 1 <= block_frames ({block_frames}) <= buffer_frames "
                             f"({buffer_frames})")
@@ -93,6 +111,8 @@ class Plan:
         if len(self.blocks) < world:
             raise UserError(f"{index['dir']}: {len(self.blocks)} blocks of {block_frames} frames "
                             f"cannot feed {world} ranks; use a smaller loader block size")
+        self.units = units
+        self.sizes = np.asarray(units(self.blocks), np.int64)
 
     def rank_blocks(self, epoch, rank):
         """Block rows of `rank` in epoch order: the epoch's permutation, every world-th entry."""
@@ -100,10 +120,10 @@ class Plan:
         return self.blocks[order[rank::self.world]]
 
     def rank_frames(self, epoch):
-        """Frames each rank streams in `epoch` (identical on all ranks, no communication)."""
-        sizes = self.blocks[:, 2] - self.blocks[:, 1]
+        """Frames (stream units) each rank streams in `epoch` (identical on all ranks, no
+        communication)."""
         order = _rng(self.seed, epoch).permutation(len(self.blocks))
-        return np.array([int(sizes[order[r::self.world]].sum()) for r in range(self.world)])
+        return np.array([int(self.sizes[order[r::self.world]].sum()) for r in range(self.world)])
 
     def rank_buffers(self, epoch, rank):
         """This rank's blocks grouped into consecutive buffers of <= buffer_frames frames."""
@@ -137,7 +157,13 @@ class Buffer:
 
 
 class FrameLoader:
-    """Spliced, normalised, shuffled minibatches of one rank. See the module docstring."""
+    """Spliced, normalised, shuffled minibatches of one rank. See the module docstring.
+
+    unit: the stream's accounting unit in frames (1 here; hpcsgd/data/sequences.py, a
+    subclass, streams whole chunks). Subclasses change what a buffer holds (_load_buffer),
+    what a block adds to the stream (_block_units) and how a batch is gathered (next_batch).
+    """
+    unit = 1
 
     def __init__(self, archive_dir, rank=0, world=1, context=5, cmvn="meanvar", seed=0,
                  max_batch=1024, block_frames=BLOCK_FRAMES, buffer_frames=BUFFER_FRAMES,
@@ -150,12 +176,12 @@ class FrameLoader:
         self.dir = self.index["dir"]
         self.rank, self.world, self.context, self.seed = rank, world, context, seed
         self.cmvn, self.prefetch = cmvn, prefetch
-        self.plan = Plan(self.index, world, seed, block_frames, buffer_frames)
-        self.plan_block_frames, self._plans = block_frames, {}
         self.feature_dim = int(self.index["feature_dim"])
         self.input_dim = (2 * context + 1) * self.feature_dim
         self.num_labels = int(self.index["num_labels"])
         self._meta = {}     # shard number -> (utt_offsets, row speaker ids, cmvn shift, scale)
+        self.plan = Plan(self.index, world, seed, block_frames, buffer_frames, self._block_units)
+        self.plan_block_frames, self._plans = block_frames, {}
         self.max_batch = int(max_batch)
         self._out_x = np.empty((max_batch, self.input_dim), np.float32)
         self._out_y = np.empty(max_batch, np.int32)
@@ -163,6 +189,10 @@ class FrameLoader:
         self._files = {}
 
     # --- reading one buffer -------------------------------------------------------------
+    def _block_units(self, blocks):
+        """What each block row adds to this loader's stream: its frames."""
+        return block_frames_of(blocks)
+
     def _shard_meta(self, s):
         if s not in self._meta:
             path = os.path.join(self.dir, self.index["shards"][s]["file"])
@@ -232,7 +262,7 @@ class FrameLoader:
             return self.plan
         if world not in self._plans:
             self._plans[world] = Plan(self.index, world, self.seed, self.plan_block_frames,
-                                      self.plan.buffer_frames)
+                                      self.plan.buffer_frames, self._block_units)
         return self._plans[world]
 
     def segments(self, epoch, deal=None):
@@ -256,7 +286,7 @@ class FrameLoader:
         for world, rank, lo, hi in self.segments(epoch, deal):
             at = 0
             for number, blocks in enumerate(self.plan_for(world).rank_buffers(epoch, rank)):
-                size = int((blocks[:, 2] - blocks[:, 1]).sum())
+                size = int(self._block_units(blocks).sum())
                 first, end = max(lo - at, 0), min(hi - at, size)
                 if first < end:
                     jobs.append((world, rank, number, blocks, first, end))
