@@ -113,6 +113,19 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     cp.matmul(x.T if trans_a else x, y.T if trans_b else y, out=cp.asarray(out))
 
 
+def norm2(a):
+    """The 2-norm of a 1-D float array on either side, as a Python float (a device-to-host
+    copy of one number: a sync point). GPU ranks: CuPy's reduction; the simulator: NumPy on
+    the host memory behind the simulated array."""
+    if not is_device(a):
+        return float(np.sqrt(np.dot(a, a)))
+    if simulated():
+        host = a._ary
+        return float(np.sqrt(np.dot(host, host)))
+    cp = cupy_module()
+    return float(cp.linalg.norm(cp.asarray(a)))
+
+
 def cupy_module():
     """CuPy, imported on first use (GPU ranks only). Numba's arrays live on the legacy default
     stream, as CuPy's work does, so CuPy need not synchronise when it wraps one (it would by

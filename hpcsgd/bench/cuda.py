@@ -7,7 +7,7 @@ thread and spills ptxas reports -- on a machine without a GPU.
 No GPU has run this project's CUDA kernels (none was lent to it); Numba's simulator runs them
 (every test) but does not compile them. So this:
   1. records: a child process under NUMBA_ENABLE_CUDASIM=1 runs the GPU paths of the trainer
-     itself -- a GPU model's forward, backward and posteriors, the step with the striped
+     itself -- a GPU DNN's and BLSTM's forward, backward and posteriors, the step with the striped
      exchange and every codec, the float32 and float16 allreduce, the optimizer's kernels --
      on tiny shapes, and notes the Numba type of every argument of every kernel launch;
   2. compiles each (kernel, signature) with numba.cuda.compile_ptx for each target, and links
@@ -117,6 +117,19 @@ def record(out_path):
     Step(mixed, mixed_params, gradient_buffers(mixed, False),
          Optimizer(mixed_params.size, device="cuda"), exchanges[0], device="cuda",
          scaler=Static(2.0 ** 10)).run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
+    # a BLSTM step (hpcsgd/model/lstm.py: the step kernels on strided views, the masked
+    # softmax, the column sums), then its posteriors; clipping on
+    from hpcsgd.model.lstm import lstm
+    steps = 2
+    blstm = lstm(6, [3], 3, True, [4], "sigmoid", steps=steps, max_batch=n, device="cuda")
+    blstm_params = blstm.new_params()
+    blstm.init(blstm_params, np.random.default_rng(1))
+    y_seq = y.copy()
+    y_seq[0] = -1
+    Step(blstm, blstm_params, gradient_buffers(blstm, False),
+         Optimizer(blstm_params.size, device="cuda"), exchanges[0], device="cuda",
+         clip=1e-3).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
+    blstm.forward(blstm_params, x, n, log=True)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")

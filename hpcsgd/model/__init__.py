@@ -1,19 +1,22 @@
 """Acoustic models: parameter specs and flat buffers (flat), layers (layers) over the
 element-wise ops of a device (ops, kernels, kernels_cuda), a model as a stack of layers
-(network), and the builders of the models the trainer knows (dnn).
+(network), and the builders of the models the trainer knows (dnn, lstm).
 
     net = build({"type": "dnn", "input_dim": 440, "hidden": [512] * 3, "num_labels": 40,
                  "activation": "sigmoid"}, max_batch=1024)
 """
+import numpy as np
 
 
-def build(describe, max_batch=1024, device="cpu", precision="float32"):
+def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.float32):
     """The Network a checkpoint's or a run's model description names ("type" defaults to
     "dnn": checkpoints written before there was a choice)."""
     from hpcsgd.model.dnn import dnn
-    builders = {"dnn": dnn}
+    from hpcsgd.model.lstm import lstm
+    builders = {"dnn": dnn, "lstm": lstm}
     args = {k: v for k, v in describe.items() if k != "type"}
     kind = describe.get("type", "dnn")
     if kind not in builders:
         raise ValueError(f"model type {kind!r}: expected one of {sorted(builders)}")
-    return builders[kind](**args, max_batch=max_batch, device=device, precision=precision)
+    return builders[kind](**args, max_batch=max_batch, device=device, precision=precision,
+                          dtype=dtype)

@@ -197,7 +197,8 @@ def softmax_xent_backward(z, b, y, gb, partial, lanes, ce_part, correct_part):
     gb (1, M) = column sums of that gradient; ce_part (C,) float64 and correct_part (C,) int64
     get each chunk's summed cross-entropy (nats) and number of frames with argmax == y;
     partial (C, M) and lanes (C, LANES) scratch. CE of a frame = logsumexp(z + b) - (z + b)[y],
-    exact even where the posterior underflows. Ties in argmax go to the lowest index."""
+    exact even where the posterior underflows. Ties in argmax go to the lowest index. A frame
+    labelled -1 (a sequence's context or padding) has no loss: gradient 0, not counted."""
     n, m = z.shape
     one = z.dtype.type(1)
     rows = (n + NCHUNK - 1) // NCHUNK
@@ -207,8 +208,11 @@ def softmax_xent_backward(z, b, y, gb, partial, lanes, ce_part, correct_part):
         ce = 0.0
         correct = 0
         for i in range(c * rows, min(n, (c + 1) * rows)):
-            mx, arg = _bias_max_argmax(z, b, i, m)
             label = y[i]
+            if label < 0:
+                z[i, :] = 0
+                continue
+            mx, arg = _bias_max_argmax(z, b, i, m)
             zy = z[i, label]                     # (z + b)[y], before the row is overwritten
             s = _exp_sum(z[i], mx, m, lanes[c])
             inv = one / s
@@ -289,8 +293,9 @@ def ref_softmax_xent(z, b, y):
     mx = v.max(axis=1, keepdims=True)
     logpost = v - mx - np.log(np.exp(v - mx).sum(axis=1, keepdims=True))
     grad = np.exp(logpost)
-    rows = np.arange(len(y))
-    grad[rows, y] -= 1.0
-    ce = -logpost[rows, y].sum()
-    correct = int((v.argmax(axis=1) == y).sum())
+    rows = np.flatnonzero(y >= 0)     # -1: no loss
+    grad[rows, y[rows]] -= 1.0
+    grad[y < 0] = 0.0
+    ce = -logpost[rows, y[rows]].sum()
+    correct = int((v.argmax(axis=1) == y)[rows].sum())
     return grad, grad.sum(axis=0, keepdims=True), ce, correct, logpost

@@ -181,6 +181,13 @@ def _softmax_xent_kernel(z, b, y, ce_rows, correct_rows):
     ssum = cuda.shared.array(ROW_THREADS, np.float64)
     szy = cuda.shared.array(1, np.float64)
     label = y[i]
+    if label < 0:   # outside the loss (a sequence's context or padding); uniform per block
+        for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
+            z[i, j] = 0
+        if cuda.threadIdx.x == 0:
+            ce_rows[i] = 0.0
+            correct_rows[i] = 0
+        return
     mx, arg = _row_bias_max(z, b, i, label, smax, sarg, szy)
     s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), True))
     inv = z.dtype.type(1.0 / s)
@@ -211,7 +218,73 @@ def _log_softmax_kernel(z, b):
 
 
 # ---------------------------------------------------------------------------------------------
+# LSTM time steps (hpcsgd.model.kernels_lstm): one thread per (sequence, cell) of a step, the
+# four gates of that cell read and written by it; arrays may be strided views (a row block of
+# time-major buffers, one direction's columns).
+
+
+@cuda.jit
+def _lstm_forward_step_kernel(a, r, b, c_prev, c, h):
+    nb, hc = c.shape
+    j0, n0 = cuda.grid(2)
+    sj, sn = cuda.gridsize(2)
+    one = a.dtype.type(1)
+    for n in range(n0, nb, sn):
+        for j in range(j0, hc, sj):
+            i = one / (one + math.exp(-(a[n, j] + r[n, j] + b[0, j])))
+            f = one / (one + math.exp(-(a[n, hc + j] + r[n, hc + j] + b[0, hc + j])))
+            g = math.tanh(a[n, 2 * hc + j] + r[n, 2 * hc + j] + b[0, 2 * hc + j])
+            o = one / (one + math.exp(-(a[n, 3 * hc + j] + r[n, 3 * hc + j]
+                                        + b[0, 3 * hc + j])))
+            cv = f * c_prev[n, j] + i * g
+            c[n, j] = cv
+            h[n, j] = o * math.tanh(cv)
+            a[n, j] = i
+            a[n, hc + j] = f
+            a[n, 2 * hc + j] = g
+            a[n, 3 * hc + j] = o
+
+
+@cuda.jit
+def _lstm_backward_step_kernel(a, c_prev, c, dh, dr, dc):
+    nb, hc = c.shape
+    j0, n0 = cuda.grid(2)
+    sj, sn = cuda.gridsize(2)
+    one = a.dtype.type(1)
+    for n in range(n0, nb, sn):
+        for j in range(j0, hc, sj):
+            i, f = a[n, j], a[n, hc + j]
+            g, o = a[n, 2 * hc + j], a[n, 3 * hc + j]
+            tc = math.tanh(c[n, j])
+            d = dh[n, j] + dr[n, j]
+            dcv = dc[n, j] + d * o * (one - tc * tc)
+            a[n, j] = dcv * g * (i * (one - i))
+            a[n, hc + j] = dcv * c_prev[n, j] * (f * (one - f))
+            a[n, 2 * hc + j] = dcv * i * (one - g * g)
+            a[n, 3 * hc + j] = d * tc * (o * (one - o))
+            dc[n, j] = dcv * f
+
+
+# ---------------------------------------------------------------------------------------------
 # host-side wrappers (default stream; no sync unless a host value is returned)
+
+
+def lstm_forward_step(a, r, b, c_prev, c, h):
+    """One LSTM time step (model.kernels_lstm.lstm_forward_step): a (B, 4H) in, the gate
+    activations out; c, h (B, H) out. Views of any layout."""
+    a, r, b, c_prev, c, h = (as_device(v) for v in (a, r, b, c_prev, c, h))
+    nb, hc = c.shape
+    if nb and hc:
+        _lstm_forward_step_kernel[_elem_launch(nb, hc)](a, r, b, c_prev, c, h)
+
+
+def lstm_backward_step(a, c_prev, c, dh, dr, dc):
+    """One LSTM time step backwards (model.kernels_lstm.lstm_backward_step): a gates in, the
+    preactivations' gradient out; dc in and out."""
+    a, c_prev, c, dh, dr, dc = (as_device(v) for v in (a, c_prev, c, dh, dr, dc))
+    nb, hc = c.shape
+    if nb and hc:
+        _lstm_backward_step_kernel[_elem_launch(nb, hc)](a, c_prev, c, dh, dr, dc)
 
 
 def bias_act_forward(z, b, kind):

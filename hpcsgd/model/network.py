@@ -33,14 +33,15 @@ PRECISIONS = ("float32", "mixed")
 
 
 def gemm_flop_per_frame(layers):
-    """FLOP of the GEMMs of one training frame: forward, dW and dX (none for the input)."""
+    """FLOP of the GEMMs of one training frame: forward, dW and dX (none for the input
+    layer's input: its dx_macs, all of its GEMM for a Dense layer)."""
     macs = [layer.gemm_macs for layer in layers]
-    return 2 * (3 * sum(macs) - macs[0])
+    return 2 * (3 * sum(macs) - getattr(layers[0], "dx_macs", macs[0]))
 
 
 class Network:
     def __init__(self, layers, max_batch=1024, dtype=np.float32, device="cpu", describe=None,
-                 precision="float32"):
+                 precision="float32", steps=None):
         self.layers = list(layers)
         self.specs = as_specs([s for layer in self.layers for s in layer.specs()])
         self.input_dim, self.num_labels = self.layers[0].n_in, self.layers[-1].n_out
@@ -50,10 +51,20 @@ class Network:
                      for layer in self.layers]
         self.delta = zeros(self.max_batch * max([layer.n_in for layer in self.layers[1:]],
                                                 default=1), self.dtype, device)
-        widest = max(layer.n_out for layer in self.layers)
+        widest = max(getattr(layer, "width", layer.n_out) for layer in self.layers)
         self.ops = make_ops(device, self.max_batch, widest, self.dtype)
+        # recurrent layers: sequences of `steps` frames (time-major rows) unless a pass is
+        # told otherwise; their workspaces, allocated here like the activations
+        self.recurrent = any(getattr(layer, "recurrent", False) for layer in self.layers)
+        self.steps = steps
+        self.workspaces = [{name: zeros(shape, self.dtype, device)
+                            for name, shape in layer.workspace(self.max_batch).items()}
+                           if getattr(layer, "recurrent", False) else None
+                           for layer in self.layers]
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+        if precision == "mixed" and self.recurrent:
+            raise ValueError("precision mixed: recurrent layers train in float32 only")
         self.half = precision == "mixed"
         if self.half:
             if self.dtype != np.float32:
@@ -110,15 +121,30 @@ class Network:
         self.y_in[:n].copy_to_device(np.ascontiguousarray(y[:n], np.int32))
         return self.x_in, self.y_in
 
-    def _forward(self, params, x, n, ops, progress=None):
+    def _sequences(self, layer, ws, steps):
+        """The extra arguments of a recurrent layer's passes: its sequence length and
+        workspaces (nothing for the others)."""
+        return {"steps": steps, "ws": ws} if ws is not None else {}
+
+    def _steps(self, n, steps):
+        """The sequence length of a pass of n rows (recurrent models; None otherwise)."""
+        if not self.recurrent:
+            return None
+        steps = steps or self.steps
+        if not steps or n % steps:
+            raise ValueError(f"minibatch of {n} rows: expected whole sequences of {steps} "
+                             f"time steps (time-major, hpcsgd.data.sequences)")
+        return steps
+
+    def _forward(self, params, x, n, ops, progress=None, steps=None):
         a = x[:n]
-        for layer, out in zip(self.layers, self.acts):
-            layer.forward(params, a, out[:n], ops, progress)
+        for layer, out, ws in zip(self.layers, self.acts, self.workspaces):
+            layer.forward(params, a, out[:n], ops, progress, **self._sequences(layer, ws, steps))
             a = out[:n]
         return a
 
     def forward_backward(self, params, grads, x, y, n, progress=None, ops=None,
-                         loss_scale=1.0):
+                         loss_scale=1.0, steps=None):
         """One minibatch: x[:n] (n, input_dim) frames, y[:n] (n,) integer labels in
         [0, num_labels) (host arrays; a GPU model copies them to the device). Overwrites every
         view of `grads` with the gradient of the cross-entropy SUMMED over the n frames.
@@ -126,34 +152,40 @@ class Network:
         argmax posterior equals the label). `progress`, if given, is called after every GEMM.
         `ops` replaces the element-wise kernels (model.ops.GemmOnly: the GEMMs alone).
         loss_scale multiplies the loss gradient (so grads come out scaled); mixed precision
-        leaves the weight gradients as float32 GEMM results: unscale() finishes both."""
+        leaves the weight gradients as float32 GEMM results: unscale() finishes both.
+        A label -1 marks a frame outside the loss (a sequence's context or padding); `steps`:
+        the sequence length of a recurrent model's time-major rows (default: its own)."""
         ops = ops or self.ops
         self._check(x, n)
+        steps = self._steps(n, steps)
         lab = y[:n]
-        if not is_device(lab) and (lab.shape != (n,) or lab.min() < 0
+        if not is_device(lab) and (lab.shape != (n,) or lab.min() < -1
                                    or lab.max() >= self.num_labels):
-            raise ValueError(f"labels: expected {n} integers in [0, {self.num_labels}), got "
-                             f"shape {lab.shape}, range [{lab.min()}, {lab.max()}]")
+            raise ValueError(f"labels: expected {n} integers in [0, {self.num_labels}) or -1 "
+                             f"(no loss), got shape {lab.shape}, range [{lab.min()}, "
+                             f"{lab.max()}]")
         x, y = self._to_device(x, y, n)
         # an overflow (float16, or a scaled gradient) is detected by unscale(), not warned of
         with np.errstate(over="ignore", invalid="ignore"):
-            return self._forward_backward(params, grads, x, y, n, progress, ops, loss_scale)
+            return self._forward_backward(params, grads, x, y, n, progress, ops, loss_scale,
+                                          steps)
 
-    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale):
+    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, steps):
         if self.half:   # the float16 copy of the weights and input; float16 stores
             half.round_half(params.flat, self.w16.flat)
             half.round_half(x[:n], self.x16[:n])
             params, x = self.w16, self.x16
             ops = ops if isinstance(ops, GemmOnly) else (
                 self.half_ops if ops is self.ops else HalfOps(ops))
-        logits = self._forward(params, x, n, ops, progress)
+        logits = self._forward(params, x, n, ops, progress, steps)
         ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale)
         dy = None                      # the loss has turned the logits into dLoss/dz
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
             inp = self.acts[i - 1][:n] if i > 0 else x[:n]
             dx = self.delta[:n * layer.n_in].reshape(n, layer.n_in) if i > 0 else None
-            layer.backward(params, grads, inp, self.acts[i][:n], dy, dx, ops, progress)
+            layer.backward(params, grads, inp, self.acts[i][:n], dy, dx, ops, progress,
+                           **self._sequences(layer, self.workspaces[i], steps))
             dy = dx
         return ce, correct
 
@@ -164,14 +196,16 @@ class Network:
         (non-finite values, max |gradient|): the overflow vote's inputs (hpcsgd/step.py)."""
         return half.unscale(grads.flat, loss_scale, self.half)
 
-    def forward(self, params, x, n, out=None, log=True):
+    def forward(self, params, x, n, out=None, log=True, steps=None):
         """Log-posteriors (log=True) or posteriors of x[:n], shape (n, num_labels). Written
         into `out` (a C-contiguous (>= n, num_labels) host array of the model's dtype) if
         given, else returned as a view of the model's workspace (a GPU model's host copy),
-        valid until the next call."""
+        valid until the next call. Recurrent models: x[:n] is time-major sequences of
+        `steps` frames (default: the model's; a whole utterance is steps = n)."""
         self._check(x, n)
+        steps = self._steps(n, steps)
         x, _ = self._to_device(x, None, n)
-        z = self._forward(params, x, n, self.ops)
+        z = self._forward(params, x, n, self.ops, steps=steps)
         self.layers[-1].posteriors(params, z, self.ops, log)
         if self.device == "cuda":
             host = out[:n] if out is not None else self.out_host[:n]

@@ -16,6 +16,7 @@ import numpy as np
 from hpcsgd import half
 from hpcsgd.device import zeros
 from hpcsgd.model import kernels as K
+from hpcsgd.model import kernels_lstm as KL
 from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
 
 
@@ -52,6 +53,20 @@ class CpuOps:
         """x *= s in float32, in place (the loss scale on the loss gradient)."""
         half.scale(x, s)
 
+    def lstm_step(self, a, r, b, c_prev, c, h):
+        """One LSTM time step: a (B, 4H) preactivations without r and b in, gates out;
+        c, h (B, H) out (model.kernels_lstm.lstm_forward_step)."""
+        KL.lstm_forward_step(a, r, b, c_prev, c, h)
+
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc):
+        """One LSTM time step backwards: a gates in, their preactivations' gradient out;
+        dc in and out (model.kernels_lstm.lstm_backward_step)."""
+        KL.lstm_backward_step(a, c_prev, c, dh, dr, dc)
+
+    def column_sums(self, d, gb):
+        """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
+        KL.column_sums(d, gb, self.partial)
+
 
 class CudaOps:
     """The same on a GPU rank: per-row CE and hits come back through small device buffers."""
@@ -78,9 +93,27 @@ class CudaOps:
     def scale(self, x, s):
         half.scale(x, s)
 
+    def lstm_step(self, a, r, b, c_prev, c, h):
+        KC.lstm_forward_step(a, r, b, c_prev, c, h)
+
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc):
+        KC.lstm_backward_step(a, c_prev, c, dh, dr, dc)
+
+    def column_sums(self, d, gb):
+        KC.column_sums(d, gb)
+
 
 class GemmOnly:
     """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers."""
+
+    def lstm_step(self, a, r, b, c_prev, c, h):
+        pass
+
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc):
+        pass
+
+    def column_sums(self, d, gb):
+        pass
 
     def bias_act(self, z, b, kind):
         pass

@@ -1,0 +1,171 @@
+"""Fused element-wise kernels of the LSTM layer (Numba CPU) and the NumPy references they are
+tested against; the GEMMs around them are in hpcsgd.model.lstm.
+
+Shape key: B = sequences (chunks) in the minibatch, H = cells of one direction, gates in the
+order i, f, g, o, each H wide: a gate block of one time step is (B, 4H). The arrays of one
+time step are row blocks of time-major buffers, so they may be strided (a bidirectional
+layer's two directions share one (T*B, 8H) gate buffer and one (T*B, 2H) output): the kernels
+index rows and columns and take any layout.
+
+    forward step   a <- [i f g o] = [sig, sig, tanh, sig](a + r + b)
+                   c <- f * c_prev + i * g,  h <- o * tanh(c)
+    backward step  from dh (the layer above) + dr (the next step's gates, dgates @ U^T) and dc
+                   (the next step's cell gradient): a <- dLoss/d(preactivations), dc <- dc * f
+
+The step kernels are serial: one step is B x H cells (16k for 64 chunks of 256 cells, tens of
+microseconds), between two small GEMMs; waking a second thread for it costs more than it saves,
+and a Numba pool spinning after it delays the BLAS threads of the next GEMM (measured: 20x
+slower forward passes with both pools at 2 threads). Column sums run once per layer: parallel.
+
+As in hpcsgd.model.kernels: dtype-generic (float32 training, float64 gradient checks), no
+fastmath, float32 exp and tanh from the vectorizable Cephes exp (`fexp`); column sums in
+NCHUNK fixed row chunks so the bits do not depend on the number of threads.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.core.extending import overload
+
+from hpcsgd.model.kernels import NCHUNK, fexp
+
+GATES = 4   # i, f, g, o
+
+
+def ftanh(x):
+    """tanh(x): (1 - e) / (1 + e), e = exp(-2|x|) from fexp, for float32 (absolute error a
+    few ulp of 1, the scale the cell works at; vectorizes, where libm's tanhf is a scalar
+    call); math.tanh otherwise (Numba only)."""
+    return math.tanh(x)
+
+
+@overload(ftanh, inline="always")
+def _ftanh_overload(x):
+    if x == types.float32:
+        one, two = np.float32(1), np.float32(-2)
+
+        def tanh32(x):
+            e = fexp(two * abs(x))
+            t = (one - e) / (one + e)
+            return t if x >= 0 else -t
+        return tanh32
+    return lambda x: math.tanh(x)
+
+
+@njit(parallel=True, cache=True)
+def lstm_forward_step(a, r, b, c_prev, c, h):
+    """One time step. a (B, 4H): x_t @ Wx in, the gate activations out (in place);
+    r (B, 4H): h_{t-1} @ U (zeros at the first step); b (1, 4H); c_prev (B, H) (zeros at the
+    first step); c, h (B, H) out."""
+    nb, width = a.shape
+    hc = width // GATES
+    one = a.dtype.type(1)
+    for n in prange(nb):
+        for j in range(hc):
+            i = one / (one + fexp(-(a[n, j] + r[n, j] + b[0, j])))
+            f = one / (one + fexp(-(a[n, hc + j] + r[n, hc + j] + b[0, hc + j])))
+            g = ftanh(a[n, 2 * hc + j] + r[n, 2 * hc + j] + b[0, 2 * hc + j])
+            o = one / (one + fexp(-(a[n, 3 * hc + j] + r[n, 3 * hc + j] + b[0, 3 * hc + j])))
+            cv = f * c_prev[n, j] + i * g
+            c[n, j] = cv
+            h[n, j] = o * ftanh(cv)
+            a[n, j] = i
+            a[n, hc + j] = f
+            a[n, 2 * hc + j] = g
+            a[n, 3 * hc + j] = o
+
+
+@njit(parallel=True, cache=True)
+def lstm_backward_step(a, c_prev, c, dh, dr, dc):
+    """One time step backwards. a (B, 4H): the step's gate activations in, dLoss/d(gate
+    preactivations) out (in place); c_prev, c (B, H): the cell before and after the step;
+    dh (B, H): dLoss/dh_t from the layer above; dr (B, H): dLoss/dh_t through the next step's
+    gates (zeros at the last step); dc (B, H): dLoss/dc_t from the next step in (zeros at the
+    last step), dLoss/dc_{t-1} out."""
+    nb, width = a.shape
+    hc = width // GATES
+    one = a.dtype.type(1)
+    for n in prange(nb):
+        for j in range(hc):
+            i, f = a[n, j], a[n, hc + j]
+            g, o = a[n, 2 * hc + j], a[n, 3 * hc + j]
+            tc = ftanh(c[n, j])
+            d = dh[n, j] + dr[n, j]
+            dcv = dc[n, j] + d * o * (one - tc * tc)
+            a[n, j] = dcv * g * (i * (one - i))
+            a[n, hc + j] = dcv * c_prev[n, j] * (f * (one - f))
+            a[n, 2 * hc + j] = dcv * i * (one - g * g)
+            a[n, 3 * hc + j] = d * tc * (o * (one - o))
+            dc[n, j] = dcv * f
+
+
+@njit(parallel=True, cache=True)
+def column_sums(d, gb, partial):
+    """gb (1, M) <- column sums of d (N, M), in NCHUNK row chunks added in a fixed order;
+    partial (C, >= M) scratch. (The LSTM's bias gradient: the gate gradients of all steps.)"""
+    n, m = d.shape
+    rows = (n + NCHUNK - 1) // NCHUNK
+    for c in prange(NCHUNK):
+        p = partial[c]
+        p[:m] = 0
+        for i in range(c * rows, min(n, (c + 1) * rows)):
+            for j in range(m):
+                p[j] += d[i, j]
+    for j in prange(m):
+        acc = partial[0, j]
+        for c in range(1, NCHUNK):
+            acc += partial[c, j]
+        gb[0, j] = acc
+
+
+@njit(parallel=True, cache=True)
+def tanh_kernel(x, out):
+    """out = ftanh(x), 1-D; exists so that the tests can compare ftanh with np.tanh."""
+    for i in prange(x.size):
+        out[i] = ftanh(x[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy references (float64 inside)
+
+
+def _sig(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def ref_forward_step(a, r, b, c_prev):
+    """-> (gate activations (B, 4H), c, h) of one step."""
+    v = a.astype(np.float64) + r + b
+    hc = v.shape[1] // GATES
+    i, f = _sig(v[:, :hc]), _sig(v[:, hc:2 * hc])
+    g, o = np.tanh(v[:, 2 * hc:3 * hc]), _sig(v[:, 3 * hc:])
+    c = f * c_prev + i * g
+    return np.concatenate([i, f, g, o], axis=1), c, o * np.tanh(c)
+
+
+def ref_backward_step(gates, c_prev, c, dh, dr, dc):
+    """-> (dLoss/d(preactivations) (B, 4H), dLoss/dc_{t-1}) of one step."""
+    gates, c_prev, c = (np.asarray(v, np.float64) for v in (gates, c_prev, c))
+    hc = gates.shape[1] // GATES
+    i, f, g, o = (gates[:, k * hc:(k + 1) * hc] for k in range(GATES))
+    tc = np.tanh(c)
+    d = np.asarray(dh, np.float64) + dr
+    dcv = dc + d * o * (1 - tc * tc)
+    da = np.concatenate([dcv * g * i * (1 - i), dcv * c_prev * f * (1 - f),
+                         dcv * i * (1 - g * g), d * tc * o * (1 - o)], axis=1)
+    return da, dcv * f
+
+
+def ref_lstm(x, Wx, U, b, steps, reverse=False):
+    """A whole LSTM direction in float64: x (T*B, n_in) time-major -> h (T*B, H). The
+    definition the layer's forward is tested against (and the gradient check perturbs)."""
+    x = np.asarray(x, np.float64)
+    nb = len(x) // steps
+    hc = U.shape[0]
+    h = np.zeros((len(x), hc))
+    hp, cp = np.zeros((nb, hc)), np.zeros((nb, hc))
+    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+        rows = slice(t * nb, (t + 1) * nb)
+        _, cp, hp = ref_forward_step(x[rows] @ Wx, hp @ U, b, cp)
+        h[rows] = hp
+    return h

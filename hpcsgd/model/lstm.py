@@ -1,0 +1,178 @@
+"""(Bi)LSTM acoustic models: LSTM layers (uni- or bidirectional, gates i f g o, forget-gate
+bias +1, no peepholes), optional Dense bottleneck layers, and the softmax output; the
+builder `lstm()` beside `model.dnn.dnn()`.
+
+Sequences are time-major: a minibatch of B chunks of T frames is a (T*B, n) matrix whose row
+t*B + b is step t of chunk b (hpcsgd.data.sequences), so the Dense and softmax layers run on
+it unchanged and one time step is a contiguous row block. Frames labelled -1 (context,
+padding) add nothing to the loss. Chunks are independent (no state is carried from one chunk
+to the next): the left/right context frames warm the state up, as Kaldi's chunked BLSTMs do.
+
+One LSTM layer, per direction d (forward in time, and for a BLSTM also backward):
+    a = x @ Wx                 all steps and both directions: ONE GEMM (T*B, n_in) x (n_in, 8H)
+    for each step t:           r = h_{t-1} @ U_d  (B, H) x (H, 4H), then one fused kernel:
+                               gates, c_t, h_t  (model.kernels_lstm.lstm_forward_step)
+Backward, per direction, steps in reverse: dr = dgates_{t+1} @ U_d^T, one fused kernel; then
+gU_d = h_prev^T @ dgates (ONE GEMM over all steps), gb = column sums, gWx = x^T @ dgates and
+dx = dgates @ Wx^T (one GEMM each, both directions at once).
+
+Parameters of layer l: W{l} (n_in, dirs*4H) = [Wx_forward | Wx_backward], U{l}f and U{l}b
+(H, 4H), b{l} (1, dirs*4H). A codec column of W{l} is the fan-out of one input unit to every
+gate of both directions, and of U{l}d the fan-out of one cell's previous output to the 4H
+gates (contiguous rows, the same convention as the DNN: hpcsgd.model.flat), so the codecs,
+stripes, optimizer and checkpoints need nothing new.
+"""
+import numpy as np
+
+from hpcsgd.device import matmul, zero
+from hpcsgd.model.flat import ParamSpec
+from hpcsgd.model.kernels_lstm import GATES
+from hpcsgd.model.layers import Dense, SoftmaxOutput, glorot_uniform
+from hpcsgd.model.network import Network
+
+FORGET_BIAS = 1.0   # Gers et al.; Jozefowicz et al. 2015: an open forget gate at the start
+
+
+class LSTM:
+    """An LSTM layer of `cells` cells per direction (bidirectional: outputs [forward |
+    backward], 2 * cells wide)."""
+    recurrent = True   # Network passes steps (T) and the layer's workspaces
+
+    def __init__(self, index, n_in, cells, bidirectional=True):
+        self.dirs = 2 if bidirectional else 1
+        self.W, self.b = f"W{index}", f"b{index}"
+        self.U = [f"U{index}f", f"U{index}b"][:self.dirs]
+        self.n_in, self.cells = int(n_in), int(cells)
+        self.n_out = self.dirs * self.cells
+        self.width = self.dirs * GATES * self.cells        # gate columns of both directions
+        self.dx_macs = self.n_in * self.width               # the input projection
+        self.gemm_macs = self.dx_macs + self.dirs * self.cells * GATES * self.cells
+
+    def specs(self):
+        g = GATES * self.cells
+        return ([ParamSpec(self.W, (self.n_in, self.width), "weight", "codec", "rows")]
+                + [ParamSpec(u, (self.cells, g), "weight", "codec", "rows") for u in self.U]
+                + [ParamSpec(self.b, (1, self.width), "bias", "codec", "rows")])
+
+    def workspace(self, max_rows):
+        """The arrays one pass needs besides its input and output (Network allocates them):
+        gate values (kept for backward), cells, and one step's recurrent products."""
+        g = GATES * self.cells
+        return {"gates": (max_rows, self.width), "cells": (max_rows, self.n_out),
+                "rec": (max_rows, g), "zeros": (max_rows, g),
+                "dh_rec": (max_rows, self.cells), "dc": (max_rows, self.cells)}
+
+    def init(self, views, rng):
+        """Glorot uniform per direction's block of W and of U; b = 0 but the forget gate's
+        +1. Drawn direction by direction, W before U."""
+        g = GATES * self.cells
+        for d in range(self.dirs):
+            glorot_uniform(views[self.W][:, d * g:(d + 1) * g], rng)
+            glorot_uniform(views[self.U[d]], rng)
+        b = views[self.b]
+        b[...] = 0
+        for d in range(self.dirs):
+            b[0, d * g + self.cells:d * g + 2 * self.cells] = FORGET_BIAS
+
+    def _direction(self, p, ws, y, d, n):
+        """The arrays of direction d: (gates, bias, cells, outputs, U) as column views."""
+        g, hc = GATES * self.cells, self.cells
+        cols, out = slice(d * g, (d + 1) * g), slice(d * hc, (d + 1) * hc)
+        return (ws["gates"][:n, cols], p[self.b][:, cols], ws["cells"][:n, out], y[:, out],
+                p[self.U[d]])
+
+    def forward(self, p, x, y, ops, progress=None, steps=None, ws=None):
+        n = len(x)
+        nb = n // steps
+        matmul(x, p[self.W], ws["gates"][:n])           # 2 n n_in width FLOP: every step
+        if progress is not None:
+            progress()
+        zeros, rec = ws["zeros"][:nb], ws["rec"][:nb]
+        for d in range(self.dirs):
+            a, b, c, h, U = self._direction(p, ws, y, d, n)
+            order = range(steps) if d == 0 else range(steps - 1, -1, -1)
+            prev = None
+            for t in order:
+                rows = slice(t * nb, (t + 1) * nb)
+                if prev is None:   # the first step: no previous output or cell
+                    ops.lstm_step(a[rows], zeros, b, zeros[:, :self.cells], c[rows], h[rows])
+                else:
+                    matmul(h[prev], U, rec)
+                    ops.lstm_step(a[rows], rec, b, c[prev], c[rows], h[rows])
+                prev = rows
+            if progress is not None:   # the exchange in flight is tested per direction
+                progress()
+
+    def backward(self, p, g, x, y, dy, dx, ops, progress=None, steps=None, ws=None):
+        n = len(x)
+        nb = n // steps
+        zeros, dh_rec, dc = ws["zeros"][:nb], ws["dh_rec"][:nb], ws["dc"][:nb]
+        for d in range(self.dirs):
+            a, _, c, h, U = self._direction(p, ws, y, d, n)
+            dyd = dy[:, d * self.cells:(d + 1) * self.cells]
+            forward_in_time = d == 0
+            order = range(steps - 1, -1, -1) if forward_in_time else range(steps)
+            zero(dc)
+            later = None   # the step processed before this one (the next in the direction)
+            for t in order:
+                rows = slice(t * nb, (t + 1) * nb)
+                first = t == 0 if forward_in_time else t == steps - 1
+                earlier = None if first else (slice((t - 1) * nb, t * nb) if forward_in_time
+                                              else slice((t + 1) * nb, (t + 2) * nb))
+                if later is None:
+                    dr = zeros[:, :self.cells]
+                else:
+                    matmul(a[later], U, dh_rec, trans_b=True)
+                    dr = dh_rec
+                ops.lstm_step_backward(a[rows], zeros[:, :self.cells] if first else c[earlier],
+                                       c[rows], dyd[rows], dr, dc)
+                later = rows
+            # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
+            gU, m = g[self.U[d]], (steps - 1) * nb
+            if m == 0:
+                zero(gU)
+            elif forward_in_time:
+                matmul(h[:m], a[nb:], gU, trans_a=True)
+            else:
+                matmul(h[nb:], a[:m], gU, trans_a=True)
+            if progress is not None:
+                progress()
+        gates = ws["gates"][:n]
+        ops.column_sums(gates, g[self.b])
+        matmul(x, gates, g[self.W], trans_a=True)
+        if progress is not None:
+            progress()
+        if dx is not None:
+            matmul(gates, p[self.W], dx, trans_b=True)
+            if progress is not None:
+                progress()
+
+
+def lstm_layers(input_dim, cells, num_labels, bidirectional=True, bottleneck=(),
+                activation="relu"):
+    """LSTM layers of cells[l] cells per direction, then Dense bottleneck layers
+    (`activation`), then the softmax output."""
+    layers, n_in = [], int(input_dim)
+    for c in cells:
+        layers.append(LSTM(len(layers), n_in, c, bidirectional))
+        n_in = layers[-1].n_out
+    for width in bottleneck:
+        layers.append(Dense(len(layers), n_in, width, activation))
+        n_in = int(width)
+    return layers + [SoftmaxOutput(len(layers), n_in, num_labels)]
+
+
+def lstm(input_dim, cells, num_labels, bidirectional=True, bottleneck=(), activation="relu",
+         steps=40, max_batch=2560, dtype=np.float32, device="cpu", precision="float32"):
+    """The (B)LSTM input_dim-[LSTM cells]...-[bottleneck]...-num_labels as a Network whose
+    passes take sequences of `steps` frames (time-major rows) unless told otherwise."""
+    if precision != "float32":
+        raise ValueError(f"precision {precision!r}: the LSTM trains in float32 only (mixed "
+                         f"precision covers the DNN)")
+    describe = {"type": "lstm", "input_dim": int(input_dim), "cells": [int(c) for c in cells],
+                "bidirectional": bool(bidirectional),
+                "bottleneck": [int(b) for b in bottleneck], "activation": activation,
+                "num_labels": int(num_labels)}
+    return Network(lstm_layers(input_dim, cells, num_labels, bidirectional, bottleneck,
+                               activation), max_batch, dtype, device, describe, precision,
+                   steps=steps)

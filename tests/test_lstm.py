@@ -1,0 +1,210 @@
+"""hpcsgd.model.lstm: the LSTM kernels against their NumPy references, the layer's forward
+against the whole-sequence definition, finite-difference gradient checks (float64, uni- and
+bidirectional, masked frames, the input), and learning a task only memory can solve."""
+import numpy as np
+import pytest
+
+from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.model.lstm import lstm
+from hpcsgd.optim import Optimizer
+
+T, B, D, H, V = 5, 3, 4, 6, 7
+
+
+def _net(bidirectional=True, bottleneck=(5,), dtype=np.float64, cells=(H, H)):
+    net = lstm(D, list(cells), V, bidirectional, list(bottleneck), "sigmoid", steps=T,
+               max_batch=64, dtype=dtype)
+    params = net.new_params()
+    net.init(params, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    params.flat[:] += rng.standard_normal(params.size) * 0.1     # non-zero biases
+    x = rng.standard_normal((T * B, D)).astype(dtype)
+    y = rng.integers(0, V, T * B).astype(np.int32)
+    y[[0, 4, 7, 14]] = -1                                         # context / padding frames
+    return net, params, x, y
+
+
+def test_ftanh_float32_absolute_error():
+    """ftanh's float32 formula: within 2.5e-7 absolute of tanh everywhere (a few ulp of 1,
+    from the 1-ulp exp and two roundings); exact +-1 far out, odd."""
+    x = np.linspace(-20, 20, 400_001, dtype=np.float32)
+    out = np.empty_like(x)
+    KL.tanh_kernel(x, out)
+    assert np.max(np.abs(out - np.tanh(x.astype(np.float64)))) < 2.5e-7
+    assert np.array_equal(out, -out[::-1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_step_kernels_match_numpy(dtype):
+    """The fused step kernels on strided views (the second direction's columns of a shared
+    gate buffer, as the BLSTM calls them) against the float64 references. float32: the
+    values are O(1) and each is a few roundings from its inputs (exp within 1 ulp), so
+    1e-6 absolute; float64: 1e-13."""
+    rng = np.random.default_rng(2)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-13, atol=1e-13)
+    gates = (rng.standard_normal((B, 8 * H)) * 3).astype(dtype)
+    r = rng.standard_normal((B, 4 * H)).astype(dtype)
+    b = rng.standard_normal((1, 8 * H)).astype(dtype)
+    c_prev = rng.standard_normal((B, H)).astype(dtype)
+    cells, out = np.zeros((B, 2 * H), dtype), np.zeros((B, 2 * H), dtype)
+    a = gates[:, 4 * H:]
+    ref_gates, ref_c, ref_h = KL.ref_forward_step(a, r, b[:, 4 * H:], c_prev)
+    KL.lstm_forward_step(a, r, b[:, 4 * H:], c_prev, cells[:, H:], out[:, H:])
+    np.testing.assert_allclose(a, ref_gates, **tol)
+    np.testing.assert_allclose(cells[:, H:], ref_c, **tol)
+    np.testing.assert_allclose(out[:, H:], ref_h, **tol)
+    assert not cells[:, :H].any() and not out[:, :H].any()       # the other direction untouched
+    dh, dr = rng.standard_normal((B, H)).astype(dtype), rng.standard_normal((B, H)).astype(dtype)
+    dc = rng.standard_normal((B, H)).astype(dtype)
+    ref_da, ref_dc = KL.ref_backward_step(a, c_prev, cells[:, H:], dh, dr, dc)
+    KL.lstm_backward_step(a, c_prev, cells[:, H:], dh, dr, dc)
+    np.testing.assert_allclose(a, ref_da, **tol)
+    np.testing.assert_allclose(dc, ref_dc, **tol)
+    partial, gb = np.empty((16, 8 * H), dtype), np.empty((1, 8 * H), dtype)
+    d = rng.standard_normal((37, 8 * H)).astype(dtype)
+    KL.column_sums(d, gb, partial)
+    np.testing.assert_allclose(gb, d.astype(np.float64).sum(0, keepdims=True), rtol=10 * tol["rtol"],
+                               atol=10 * tol["atol"] * 37)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_forward_equals_the_sequence_definition(bidirectional):
+    net, params, x, y = _net(bidirectional)
+    net.forward(params, x, T * B)
+    layer = net.layers[0]
+    g = 4 * H
+    want = [KL.ref_lstm(x, params[layer.W][:, :g], params["U0f"], params["b0"][:, :g], T)]
+    if bidirectional:
+        want.append(KL.ref_lstm(x, params[layer.W][:, g:], params["U0b"], params["b0"][:, g:],
+                                T, reverse=True))
+    np.testing.assert_allclose(net.acts[0][:T * B], np.hstack(want), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gradient_matches_finite_differences(bidirectional):
+    """Every parameter (W, U of both directions, b, the bottleneck and the softmax) and the
+    input, with four frames masked out of the loss."""
+    net, params, x, y = _net(bidirectional)
+    n = T * B
+    grads, scratch = net.new_params(), net.new_params()
+    net.forward_backward(params, grads, x, y, n)
+    eps = 1e-6
+    worst = 0.0
+    for i in range(params.size):
+        old = params.flat[i]
+        params.flat[i] = old + eps
+        plus, _ = net.forward_backward(params, scratch, x, y, n)
+        params.flat[i] = old - eps
+        minus, _ = net.forward_backward(params, scratch, x, y, n)
+        params.flat[i] = old
+        fd = (plus - minus) / (2 * eps)
+        # central differences: O(eps^2) truncation, ~1e-16 * CE / eps rounding (~1e-9)
+        worst = max(worst, abs(fd - grads.flat[i]) - 1e-6 * abs(fd))
+    assert worst < 1e-8, worst
+    assert np.abs(grads["U0f"]).max() > 1e-4 and np.abs(grads["U1f"]).max() > 1e-4
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_input_gradient_of_a_layer_matches_finite_differences(bidirectional):
+    """dLoss/dx of an LSTM layer (what the layer below it trains on): the second layer's
+    input gradient against differences of the network above the first layer (a network
+    made of the stack's upper layers, fed the first layer's output)."""
+    net, params, x, y = _net(bidirectional)
+    n, width = T * B, (2 if bidirectional else 1) * H
+    net.forward(params, x, n)
+    h0 = net.acts[0][:n].copy()                 # the input of layer 1
+    upper = lstm(width, [H], V, bidirectional, [5], "sigmoid", steps=T, max_batch=64,
+                 dtype=np.float64)
+    up = upper.new_params()
+    rename = {"W0": "W1", "U0f": "U1f", "U0b": "U1b", "b0": "b1", "W1": "W2", "b1": "b2",
+              "W2": "W3", "b2": "b3"}
+    for name in up.views:                       # layer 1 of `net` is layer 0 of `upper`
+        up[name][...] = params[rename[name]]
+    grads = net.new_params()
+    net.forward_backward(params, grads, x, y, n)
+    dx = net.delta[:n * width].reshape(n, width)   # left by layer 1 for layer 0
+    g_up = upper.new_params()
+    eps, worst = 1e-6, 0.0
+    for k in np.random.default_rng(3).choice(h0.size, 40, replace=False):
+        i, j = divmod(int(k), width)
+        hp, hm = h0.copy(), h0.copy()
+        hp[i, j] += eps
+        hm[i, j] -= eps
+        fd = (upper.forward_backward(up, g_up, hp, y, n)[0]
+              - upper.forward_backward(up, g_up, hm, y, n)[0]) / (2 * eps)
+        worst = max(worst, abs(fd - dx[i, j]) - 1e-6 * abs(fd))
+    assert worst < 1e-8, worst
+
+
+def test_masked_frames_add_nothing():
+    """A frame labelled -1 contributes no CE, no hit and no gradient through the loss: the
+    gradient equals that of the same batch with its loss rows removed by hand (float64
+    reference: the sum over labelled frames only)."""
+    net, params, x, y = _net(True)
+    n = T * B
+    g1 = net.new_params()
+    ce1, c1 = net.forward_backward(params, g1, x, y, n)
+    logpost = net.forward(params, x, n).copy()
+    rows = np.flatnonzero(y >= 0)
+    assert abs(ce1 + logpost[rows, y[rows]].sum()) < 1e-10
+    assert c1 == int((logpost.argmax(1) == y)[rows].sum())
+    y2 = y.copy()
+    y2[0] = 1                                   # a masked frame now counted: CE grows
+    ce2, _ = net.forward_backward(params, net.new_params(), x, y2, n)
+    assert abs(ce2 - ce1 + logpost[0, 1]) < 1e-10
+
+
+def test_progress_and_bad_shapes():
+    net, params, x, y = _net(True)
+    calls = []
+    plain, poked = net.new_params(), net.new_params()
+    net.forward_backward(params, plain, x, y, T * B)
+    net.forward_backward(params, poked, x, y, T * B, lambda: calls.append(1))
+    assert np.array_equal(plain.flat, poked.flat) and len(calls) > 0
+    with pytest.raises(ValueError, match="whole sequences"):
+        net.forward_backward(params, plain, x, y, T * B - 1)
+    with pytest.raises(ValueError, match="float32 only"):
+        lstm(D, [H], V, precision="mixed")
+    # a whole utterance: steps = n, one sequence
+    out = net.forward(params, x, T * B, steps=T * B)
+    assert out.shape == (T * B, V) and np.isfinite(out).all()
+
+
+def test_float32_agrees_with_float64():
+    net64, p64, x, y = _net(True)
+    net32 = lstm(D, [H, H], V, True, [5], "sigmoid", steps=T, max_batch=64)
+    p32 = net32.new_params()
+    p32.flat[:] = p64.flat
+    g64, g32 = net64.new_params(), net32.new_params()
+    ce64, _ = net64.forward_backward(p64, g64, x, y, T * B)
+    ce32, _ = net32.forward_backward(p32, g32, x.astype(np.float32), y, T * B)
+    assert abs(ce32 - ce64) < 1e-5 * ce64
+    # float32 rounding of O(1) values through ~2 x T steps of recurrence: 1e-4 of the
+    # gradient's scale
+    scale = np.abs(g64.flat).max()
+    assert np.abs(g32.flat - g64.flat).max() < 1e-4 * scale
+
+
+def test_blstm_learns_a_task_that_needs_memory():
+    """Label of frame t = the sign pattern of the input 2 frames EARLIER and 2 frames LATER
+    (4 classes): no frame-local model can exceed chance; a BLSTM must pass 95%."""
+    rng = np.random.default_rng(7)
+    steps, nb = 12, 32
+    net = lstm(2, [16], 4, True, [], steps=steps, max_batch=steps * nb)
+    params, grads = net.new_params(), net.new_params()
+    net.init(params, np.random.default_rng(8))
+    opt = Optimizer(params.size, momentum_time_constant=2000.0)
+
+    def batch():
+        s = rng.choice([-1.0, 1.0], (steps, nb, 2)).astype(np.float32)
+        lab = np.full((steps, nb), -1, np.int32)
+        lab[2:-2] = (s[:-4, :, 0] > 0) * 2 + (s[4:, :, 1] > 0)
+        return s.reshape(steps * nb, 2), lab.reshape(-1)
+
+    for _ in range(600):
+        x, y = batch()
+        net.forward_backward(params, grads, x, y, steps * nb)
+        opt.step(params.flat, grads.flat, 5e-3, int((y >= 0).sum()))
+    x, y = batch()
+    _, correct = net.forward_backward(params, grads, x, y, steps * nb)
+    assert correct / (y >= 0).sum() >= 0.95
