@@ -63,6 +63,9 @@ def main(argv=None):
         # before numpy and numba start their thread pools (hpcsgd/threads.py)
         from hpcsgd import threads
         threads.for_train(argv[1:])
+    elif name in ("eval", "infer") and not {"-h", "--help"} & set(argv[1:]):
+        from hpcsgd import threads   # one process: its cores, the pools sleeping between ops
+        threads.choose()
     module = importlib.import_module(SUBCOMMANDS[name][0])
     sub_parser = argparse.ArgumentParser(prog=f"hpcsgd {name}", description=usage(module),
                                          epilog=getattr(module, "EXAMPLES", None),

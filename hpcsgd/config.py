@@ -19,13 +19,23 @@ DEFAULTS = {
     # --- data ---
     "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
     "data.cv": ("", str, None, "cross-validation archive of held-out speakers ('' = none)"),
-    "data.context": (5, int, (0, 50), "splice +-C frames around each frame (11 frames, as Kaldi DNNs)"),
+    "data.context": (5, int, (0, 50), "splice +-C frames around each frame (11 frames, as Kaldi DNNs); dnn only"),
+    "data.chunk": (40, int, (1, 10000), "lstm: frames per training sequence (chunk) whose labels are trained"),
+    "data.left_context": (0, int, (0, 1000), "lstm: frames fed before each chunk to warm the state up, outside the loss"),
+    "data.right_context": (0, int, (0, 1000), "lstm: frames fed after each chunk (the backward direction's warm-up), outside the loss"),
     "data.cmvn": ("meanvar", str, ("none", "mean", "meanvar"), "per-speaker normalisation at load time"),
     "data.block_frames": (BLOCK_FRAMES, int, (1, 1 << 24), "frames per block dealt to ranks"),
     "data.buffer_frames": (BUFFER_FRAMES, int, (1, 1 << 28), "frames shuffled together in RAM"),
     "data.prefetch": (True, bool, None, "load the next buffer in a background thread"),
     # --- model ---
+    "model.type": ("dnn", str, ("dnn", "lstm"),
+                   "dnn: spliced frames through Dense layers; lstm: (B)LSTM layers over chunks "
+                   "(data.chunk, data.left_context, data.right_context)"),
     "model.hidden": ([512, 512, 512], list, (1, 1 << 16), "hidden layer sizes of the DNN"),
+    "model.cells": ([320, 320, 320], list, (1, 1 << 16), "lstm: cells per direction of each LSTM layer"),
+    "model.bidirectional": (True, bool, None, "lstm: a BLSTM (outputs [forward | backward])"),
+    "model.bottleneck": ([], list, (1, 1 << 16),
+                         "lstm: Dense layers (model.activation) between the LSTM layers and the softmax"),
     "model.activation": ("sigmoid", str, ("sigmoid", "relu"), "hidden nonlinearity (the paper: sigmoid)"),
     # --- optimiser (learning rates are per sample: the summed gradient is scaled by lr) ---
     "optim.lr": (0.002, float, (0.0, 10.0), "learning rate per sample"),
@@ -112,7 +122,12 @@ DEFAULTS = {
     "train.threads": (0, int, (0, 1024),
                       "BLAS and Numba threads per rank; 0 = decide: OMP_NUM_THREADS, else "
                       "SLURM_CPUS_PER_TASK, else this rank's cores / the ranks sharing them"),
-    "train.minibatch": (256, int, (1, 1 << 20), "global minibatch in frames, split over ranks"),
+    "train.minibatch": (256, int, (1, 1 << 20),
+                        "global minibatch in frames, split over ranks (lstm: minibatch / data.chunk "
+                        "chunks)"),
+    "train.clip_gradient_norm": (0.0, float, (0.0, 1e9),
+                                 "clip each rank's summed gradient to this 2-norm per frame before "
+                                 "the exchange (0 = off)"),
     "train.epochs": (4, int, (1, 100000), "passes over the training data"),
     "train.seed": (0, int, (0, 2**32 - 1), "seeds init, shuffling and everything random"),
     "train.run_dir": ("runs/run", str, None, "logs, metrics, checkpoints and plots go here"),
@@ -152,9 +167,11 @@ def _check(key, value):
         except ValueError:
             pass
     if kind is list:
+        may_be_empty = not default   # a list whose default is empty (model.bottleneck)
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                  for v in value) or not value:
-            raise UserError(f"config key {key}: expected a non-empty list of integers, got {value!r}")
+                                                  for v in value) or not (value or may_be_empty):
+            raise UserError(f"config key {key}: expected a {'' if may_be_empty else 'non-empty '}"
+                            f"list of integers, got {value!r}")
         if constraint and not all(constraint[0] <= v <= constraint[1] for v in value):
             raise UserError(f"config key {key}: values must be in {constraint[0]}..{constraint[1]}")
         return value
@@ -252,6 +269,13 @@ def load(path=None, overrides=()):
         raise UserError(f"config keys optim.type=adam and optim.adagrad="
                         f"{config['optim.adagrad']}: Adam normalises by its own second moment; "
                         f"set optim.adagrad=off")
+    if config["model.type"] == "lstm":
+        if config["train.precision"] != "float32":
+            raise UserError("config keys model.type=lstm and train.precision="
+                            f"{config['train.precision']}: the LSTM trains in float32 only")
+        if config["train.minibatch"] < config["data.chunk"]:
+            raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
+                            f"less than one chunk (data.chunk={config['data.chunk']})")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
     return config

@@ -55,7 +55,7 @@ def probe_minibatch(cfg, state, step, loader, rank_frames, lr, reduce, beat):
                  device=step.device, check_finite=False, scaler=step.scaler)
     criteria = {}
     for size in sizes:
-        batch_of = batch_split(size, state.grid.data_size)
+        batch_of = batch_split(size, state.grid.data_size, loader.unit)
         offs = offsets.copy()
         loader.start_epoch(epoch, int(offs[rank]), state.progress["deal"])
         sums, done = np.zeros(3), 0

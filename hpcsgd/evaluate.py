@@ -15,6 +15,7 @@ from hpcsgd import checkpoint
 from hpcsgd.data import archive
 from hpcsgd.data import BLOCK_FRAMES
 from hpcsgd.data.loader import FrameLoader
+from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
 
@@ -32,6 +33,7 @@ def load_model(path, max_batch=EVAL_BATCH):
     if "params" not in arrays:
         raise UserError(f"checkpoint {path}: no 'params' dataset")
     model = build(meta["model"], max_batch=max_batch)
+    model.steps = sequence_steps(meta["data"])
     params = model.new_params()
     if arrays["params"].shape != params.flat.shape:
         raise UserError(f"checkpoint {path}: {arrays['params'].size} parameters, the model "
@@ -39,6 +41,14 @@ def load_model(path, max_batch=EVAL_BATCH):
     params.flat[:] = arrays["params"]
     meta["path"] = path
     return model, params, meta
+
+
+def sequence_steps(data):
+    """A sequence model's training sequence length (left context + chunk + right context)
+    from the checkpoint's data meta; None for a frame model."""
+    if "chunk" not in data:
+        return None
+    return data["left_context"] + data["chunk"] + data["right_context"]
 
 
 def check_archive(archive_dir, meta):
@@ -55,27 +65,40 @@ def check_archive(archive_dir, meta):
 
 
 def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=None,
-             heartbeat=None):
+             heartbeat=None, sequences=None):
     """Sums over the whole archive (reduced over ranks): ce, correct, frames, confusion (V, V).
-    `heartbeat()`, when given, is called per batch (the trainer's watchdog)."""
+    `heartbeat()`, when given, is called per batch (the trainer's watchdog). A sequence model
+    (sequences = the checkpoint's data meta with chunk, left/right context) is evaluated on
+    the chunks it was trained on: every labelled frame once, context frames outside."""
     V = model.num_labels
     # blocks small enough that every rank gets one: a CV set may be smaller than K blocks of
     # the default size (the frames are only summed, so block size does not change the result)
     total = archive.read_index(archive_dir)["total_frames"]
-    loader = FrameLoader(archive_dir, rank, world, context=context, cmvn=cmvn, seed=0,
-                         max_batch=model.max_batch,
-                         block_frames=min(BLOCK_FRAMES, max(1, total // world)))
+    block_frames = min(BLOCK_FRAMES, max(1, total // world))
+    if sequences:
+        steps = sequence_steps(sequences)
+        chunk = sequences["chunk"]
+        loader = SequenceLoader(archive_dir, rank, world, chunk=chunk,
+                                left_context=sequences["left_context"],
+                                right_context=sequences["right_context"], cmvn=cmvn, seed=0,
+                                max_batch=model.max_batch, block_frames=block_frames)
+        take = model.max_batch // steps * chunk    # frame slots of whole chunks
+    else:
+        loader = FrameLoader(archive_dir, rank, world, context=context, cmvn=cmvn, seed=0,
+                             max_batch=model.max_batch, block_frames=block_frames)
+        take = model.max_batch
     loader.start_epoch(0)
     ce, confusion = 0.0, np.zeros(V * V, np.int64)
-    rows = np.arange(model.max_batch)
     while loader.remaining:
         if heartbeat is not None:
             heartbeat()
-        x, y = loader.next_batch(model.max_batch)
+        x, y = loader.next_batch(take)
         n = len(y)
         logp = model.forward(params, x, n)
-        ce -= float(logp[rows[:n], y].sum(dtype=np.float64))
-        confusion += np.bincount(y.astype(np.int64) * V + logp.argmax(axis=1), minlength=V * V)
+        keep = np.flatnonzero(y >= 0)     # sequences: not the context and padding
+        ce -= float(logp[keep, y[keep]].sum(dtype=np.float64))
+        confusion += np.bincount(y[keep].astype(np.int64) * V + logp[keep].argmax(axis=1),
+                                 minlength=V * V)
     loader.close()
     sums = np.concatenate([[ce], confusion.astype(np.float64)])
     if comm is not None and world > 1:
@@ -97,7 +120,8 @@ def add_arguments(parser):
 def run(args):
     model, params, meta = load_model(args.model)
     check_archive(args.data, meta)
-    result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"])
+    result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"],
+                      sequences=meta["data"] if "chunk" in meta["data"] else None)
     symbols = archive.read_inventory(os.path.join(args.data, archive.LABELS_NAME))
     conf = result["confusion"]
     per_class = conf.diagonal() / np.maximum(conf.sum(axis=1), 1)

@@ -174,7 +174,7 @@ class TrainState:
             if any(saved["offsets"]):
                 standard = self.loader.plan_for(old_world).rank_frames(saved["epoch"])
                 self.progress["deal"] = redeal(saved.get("deal"), saved["offsets"], world,
-                                               standard)
+                                               standard, self.loader.unit)
                 log.info(f"epoch {saved['epoch']} re-dealt from {old_world} to {world} ranks at "
                          f"frame {saved['frames']:,}: every frame not yet trained, once")
             else:

@@ -39,7 +39,8 @@ import time
 
 import numpy as np
 
-from hpcsgd.device import synchronize, zero
+from hpcsgd.device import norm2, synchronize, zero
+from hpcsgd.half import scale as scale_inplace
 from hpcsgd.errors import UserError
 from hpcsgd.timeline import EXCHANGE_CATEGORY
 
@@ -91,6 +92,18 @@ def communicate_seconds(phases):
     return sum(v for k, v in phases.items() if EXCHANGE_CATEGORY[k] == "communicate")
 
 
+def clip_norm(grad, limit):
+    """grad *= limit / |grad| if its 2-norm exceeds limit (train.clip_gradient_norm times the
+    frames: the gradient is a sum over them). Returns 1 if it clipped. On this rank's summed
+    gradient, before the exchange: the 1-bit exchange never holds the global sum in one place
+    before its update; with one rank it is the usual global clipping."""
+    norm = norm2(grad)
+    if norm <= limit or not np.isfinite(norm):   # non-finite: the divergence guard's case
+        return 0
+    scale_inplace(grad, limit / norm)
+    return 1
+
+
 def start_exchange(ex, grad, phases, blocking):
     """Encode grad and post its collective (blocking: wait for it)."""
     phases.start()
@@ -140,7 +153,7 @@ class Step:
     diverging candidate finish and discards it)."""
 
     def __init__(self, model, params, grads, opt, ex, double_buffering=False, progress="test",
-                 timeline=None, device="cpu", check_finite=True, scaler=None):
+                 timeline=None, device="cpu", check_finite=True, scaler=None, clip=0.0):
         if double_buffering and len(grads) < 2:
             raise ValueError("double buffering needs two gradient buffers")
         self.model, self.params, self.grads, self.opt, self.ex = model, params, grads, opt, ex
@@ -148,6 +161,8 @@ class Step:
         self.test_between_gemms = self.double_buffering and progress == "test"
         self.timeline, self.check_finite = timeline, check_finite
         self.device = device
+        # gradient-norm clipping per frame; gradients clipped of those seen
+        self.clip, self.clipped, self.clip_seen = float(clip), 0, 0
         self.phases = Phases(device, timeline)
         self.pending = None      # the exchange in flight: {"lr", "n", "n_local", "sqr_weight",
                                  # "adam_p"}
@@ -173,6 +188,9 @@ class Step:
         t0 = time.perf_counter()
         x, y = batch(int(part[rank]))
         n = len(y)
+        # frames in the loss: all rows of a frame batch; a sequence batch's rows labelled
+        # -1 (context, padding) are not
+        counted = int(np.count_nonzero(y >= 0)) if self.model.recurrent else n
         t1 = time.perf_counter()
         if timeline:
             timeline.span("batch", t0, t1, frames=n)
@@ -204,12 +222,15 @@ class Step:
         self.drain()
         # loss scaling: every rank skips the step if any rank's gradient overflowed
         if self.scaler and self._overflowed(bad, amax, where):
-            return ce, correct, n
+            return ce, correct, counted
         # the optimizer's local part (AdaGrad placed on the raw local gradient)
         t2 = time.perf_counter()
         # the optimizer's running weights before this step's scalars (resume replays them)
         sqr_weight, adam_p = self.opt.sqr_weight, self.opt.adam_p
-        self.opt.begin_step(int(part.sum()), n)
+        if self.clip and counted:
+            self.clipped += clip_norm(grads.flat, self.clip * counted)
+            self.clip_seen += 1
+        self.opt.begin_step(int(part.sum()), counted)
         self.opt.pre_exchange(grads.flat)
         if timeline:
             timeline.span("pre_exchange", t2, time.perf_counter(), "compute")
@@ -219,11 +240,11 @@ class Step:
             self.ex.loss_scale = scale   # the float16 allreduce sends g * scale: exact
         start_exchange(self.ex, grads.flat, self.phases, blocking=not self.double_buffering)
         if self.double_buffering:   # finished after the next half's gradient
-            self.pending = {"lr": lr, "n": int(part.sum()), "n_local": n,
+            self.pending = {"lr": lr, "n": int(part.sum()), "n_local": counted,
                             "sqr_weight": sqr_weight, "adam_p": adam_p}
         else:
             finish_exchange(self.ex, self.opt, self.params.flat, lr, self.phases)
-        return ce, correct, n
+        return ce, correct, counted
 
     def _overflowed(self, bad, amax, where):
         """The overflow vote (one Allreduce of two numbers over the data ranks) and the

@@ -37,6 +37,7 @@ from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.grid import Grid
 from hpcsgd.data import archive
 from hpcsgd.data.loader import FrameLoader, batch_split
+from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import to_host
 from hpcsgd.errors import UserError
@@ -135,10 +136,10 @@ def train(cfg, comm, stop):
     loader = open_loader(cfg, grid)
 
     # --- model, exchange, optimizer, step: flat buffers with named views ---------------------
-    shape = {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
-             "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
+    shape = model_shape(cfg, loader)
     model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
                   precision=cfg["train.precision"])
+    model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
     params = model.new_params()
     grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
     ex = make_exchange(cfg, grid.data, params.matrices)   # preallocates every exchange buffer
@@ -148,13 +149,13 @@ def train(cfg, comm, stop):
     opt = optim.from_config(cfg, params.size, ex.state_size, device)
     scaler = loss_scale.from_config(cfg)   # train.loss_scale: None, or the scale's decision
     step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
-                scaler=scaler)
+                scaler=scaler, clip=cfg["train.clip_gradient_norm"])
 
     # --- the training state: a fresh start, or the latest checkpoint -------------------------
     state = TrainState(grid, params, opt, ex, step, loader, {
         "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
-        "data": {"context": cfg["data.context"], "cmvn": cfg["data.cmvn"],
-                 "feature_dim": loader.feature_dim},
+        "data": {"context": loader.context, "cmvn": cfg["data.cmvn"],
+                 "feature_dim": loader.feature_dim, **sequence_meta(cfg)},
         "label_counts": label_counts(loader.index).tolist(), "config": cfg,
         "aggregation": cfg["exchange.aggregation"]})
     # the adaptive bit width (exchange.bits = oland_raj | mqgrad): a decision every T steps
@@ -212,8 +213,8 @@ def train(cfg, comm, stop):
                          f"-> {record['chosen']} ({record['seconds']:.1f} s)")
                 log.record("probe", epoch=epoch, frames=progress["frames"], **record)
             # one step: every rank's count is known here, so the loop ends everywhere together
-            take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size),
-                              rank_frames - progress["offsets"])
+            take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size,
+                                          loader.unit), rank_frames - progress["offsets"])
             t_step, t_exchange = time.perf_counter(), sum(step.phases.times.values())
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
@@ -249,6 +250,7 @@ def train(cfg, comm, stop):
             saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
             if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
                 saved = saved or save()
+                log_clipped(log, step)
                 log.info(f"stopping after {frames} frames (train.stop_after_frames)")
                 return run.close(0, loader)
             # a stop signal (Slurm's time-limit warning, preemption, Ctrl-C) on any rank: all
@@ -271,6 +273,7 @@ def train(cfg, comm, stop):
         timeline.span("cross_validation", t0, time.perf_counter())
         log_epoch(log, epoch, progress, totals, time.perf_counter() - t_epoch,
                   learning_rate(cfg, progress), cv)
+        log_clipped(log, step)
         state.end_epoch(cv["frame_accuracy"] if cv else None)
         save()
     if bitwidth:
@@ -380,11 +383,28 @@ def open_loader(cfg, grid):
     if probing and global_batch > cap:
         raise UserError(f"config key train.minibatch: {global_batch} is above "
                         f"train.probe_max_minibatch={cap} (automatic minibatch size)")
-    max_local = int(batch_split(cap if probing else global_batch, grid.data_size)[0])
-    loader = FrameLoader(cfg["data.train"], grid.data_rank, grid.data_size,
-                         context=cfg["data.context"], cmvn=cfg["data.cmvn"], seed=cfg["train.seed"],
-                         max_batch=max_local, block_frames=cfg["data.block_frames"],
-                         buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
+    if cfg["model.type"] == "lstm":   # minibatches of whole chunks; rows = chunks x steps
+        chunk = cfg["data.chunk"]
+        if global_batch < grid.data_size * chunk:
+            raise UserError(f"config key train.minibatch: {global_batch} frames is less than "
+                            f"one chunk of data.chunk={chunk} frames per rank ({grid.data_size} "
+                            f"ranks)")
+        steps = cfg["data.left_context"] + chunk + cfg["data.right_context"]
+        slots = int(batch_split(cap if probing else global_batch, grid.data_size, chunk)[0])
+        loader = SequenceLoader(cfg["data.train"], grid.data_rank, grid.data_size, chunk=chunk,
+                                left_context=cfg["data.left_context"],
+                                right_context=cfg["data.right_context"], cmvn=cfg["data.cmvn"],
+                                seed=cfg["train.seed"], max_batch=slots // chunk * steps,
+                                block_frames=cfg["data.block_frames"],
+                                buffer_frames=cfg["data.buffer_frames"],
+                                prefetch=cfg["data.prefetch"])
+    else:
+        max_local = int(batch_split(cap if probing else global_batch, grid.data_size)[0])
+        loader = FrameLoader(cfg["data.train"], grid.data_rank, grid.data_size,
+                             context=cfg["data.context"], cmvn=cfg["data.cmvn"],
+                             seed=cfg["train.seed"], max_batch=max_local,
+                             block_frames=cfg["data.block_frames"],
+                             buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
     if cfg["data.cv"]:
         cv_index = archive.read_index(cfg["data.cv"])
         if cv_index["label_inventory_hash"] != loader.index["label_inventory_hash"] \
@@ -394,14 +414,47 @@ def open_loader(cfg, grid):
     return loader
 
 
+def model_shape(cfg, loader):
+    """The model the config names, as the builder's arguments (hpcsgd.model.build): what the
+    checkpoint's meta keeps."""
+    if cfg["model.type"] == "lstm":
+        return {"type": "lstm", "input_dim": loader.input_dim, "cells": cfg["model.cells"],
+                "num_labels": loader.num_labels, "bidirectional": cfg["model.bidirectional"],
+                "bottleneck": cfg["model.bottleneck"], "activation": cfg["model.activation"]}
+    return {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
+            "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
+
+
+def describe_model(shape):
+    """One line: 440-512-512-40 sigmoid, or 40-BLSTM 320x3-40."""
+    if shape.get("type") == "lstm":
+        kind = "BLSTM" if shape["bidirectional"] else "LSTM"
+        cells = shape["cells"]
+        same = len(set(cells)) == 1
+        body = f"{kind} {cells[0]}x{len(cells)}" if same else f"{kind} {'-'.join(map(str, cells))}"
+        bottleneck = "".join(f"-{b}" for b in shape["bottleneck"])
+        return (f"{shape['input_dim']}-{body}{bottleneck}-{shape['num_labels']}"
+                + (f" {shape['activation']}" if shape["bottleneck"] else ""))
+    return (f"{shape['input_dim']}-{'-'.join(map(str, shape['hidden']))}-{shape['num_labels']} "
+            f"{shape['activation']}")
+
+
+def sequence_meta(cfg):
+    """lstm: how the training sequences were cut (inference and CV use the same)."""
+    if cfg["model.type"] != "lstm":
+        return {}
+    return {"chunk": cfg["data.chunk"], "left_context": cfg["data.left_context"],
+            "right_context": cfg["data.right_context"]}
+
+
 def log_start(log, cfg, grid, loader, state, ex):
     minibatch = state.decisions["minibatch"]
     aggregation = cfg["exchange.aggregation"]
     log.info(f"{grid.size} rank(s), minibatch {minibatch} "
-             f"({batch_split(minibatch, grid.data_size)[grid.data_rank]} here, pid {os.getpid()} "
-             f"on {socket.gethostname()}), model "
-             f"{loader.input_dim}-{'-'.join(map(str, cfg['model.hidden']))}-{loader.num_labels} "
-             f"{cfg['model.activation']} ({state.params.size:,} parameters), exchange "
+             f"({batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here, "
+             f"pid {os.getpid()} on {socket.gethostname()}), model "
+             f"{describe_model(model_shape(cfg, loader))} ({state.params.size:,} parameters), "
+             f"exchange "
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
@@ -430,9 +483,19 @@ def cross_validate(cfg, model, params, grid, watchdog):
     most frequent label (the majority-class baseline)."""
     cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
                   grid.data_rank, grid.data_size, grid.data,
-                  heartbeat=lambda: watchdog.beat("cross-validation"))
+                  heartbeat=lambda: watchdog.beat("cross-validation"),
+                  sequences=sequence_meta(cfg))
     cv["majority"] = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
     return cv
+
+
+def log_clipped(log, step):
+    """train.clip_gradient_norm: how many of this rank's gradients were clipped since the
+    last report (a rate near 1 means the limit, not the data, sets the step size)."""
+    if step.clip:
+        log.info(f"clipped {step.clipped} of {step.clip_seen} gradients on this rank "
+                 f"(train.clip_gradient_norm={step.clip:g} per frame)")
+        step.clipped = step.clip_seen = 0
 
 
 def log_epoch(log, epoch, progress, totals, seconds, lr, cv):

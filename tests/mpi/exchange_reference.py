@@ -58,13 +58,15 @@ for lr, take, _ in global_steps(cfg, loaders, batch_of):
     if scale != 1.0 or getattr(model, "half", False):
         bad, _ = model.unscale(grads, scale)
         assert bad == 0, "an overflow: the reference does not skip steps"
-    opt.begin_step(n, n)
+    # the minibatch's frames (a sequence model's frame slots: whole chunks) and those in the
+    # loss, as the trainer's step counts them
+    opt.begin_step(int(take.sum()), int(np.count_nonzero(y >= 0)))
     if mode == "onebit":
         quantize(grads.flat, res1)
     opt.post_exchange(grads.flat, params.flat)
     if mode == "onebit":
         quantize(grads.flat, res2)
     opt.apply(params.flat, grads.flat, lr)
-    frames += n
+    frames += int(take.sum())
 np.savez(out_path, params=params.flat, residual1=res1, residual2=res2, frames=frames)
 print(f"OK reference K={K} mode={mode} frames={frames}")

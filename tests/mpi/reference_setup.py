@@ -10,7 +10,9 @@ import numpy as np
 
 from hpcsgd import optim
 from hpcsgd.data.loader import FrameLoader, batch_split
+from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.model import build as build_model
+from hpcsgd.train import model_shape
 
 
 def float64_flag(argv):
@@ -29,24 +31,40 @@ def batch(x, dtype):
 def build(cfg, K, dtype=np.float32):
     """(batch_of, loaders, model, params, opt) for the config `cfg` and K ranks."""
     gb = cfg["train.minibatch"]
-    batch_of = batch_split(gb, K)
-    loaders = [FrameLoader(cfg["data.train"], r, K, context=cfg["data.context"],
-                           cmvn=cfg["data.cmvn"], seed=cfg["train.seed"],
-                           max_batch=int(batch_of[r]), block_frames=cfg["data.block_frames"],
-                           buffer_frames=cfg["data.buffer_frames"], prefetch=False)
-               for r in range(K)]
-    describe = {"input_dim": loaders[0].input_dim, "hidden": cfg["model.hidden"],
-                "num_labels": loaders[0].num_labels, "activation": cfg["model.activation"]}
+    if cfg["model.type"] == "lstm":   # K sequence loaders; rows = chunks x steps
+        chunk = cfg["data.chunk"]
+        steps = cfg["data.left_context"] + chunk + cfg["data.right_context"]
+        batch_of = batch_split(gb, K, chunk)
+        loaders = [SequenceLoader(cfg["data.train"], r, K, chunk=chunk,
+                                  left_context=cfg["data.left_context"],
+                                  right_context=cfg["data.right_context"], cmvn=cfg["data.cmvn"],
+                                  seed=cfg["train.seed"],
+                                  max_batch=max(int(batch_of[r]) // chunk * steps, steps),
+                                  block_frames=cfg["data.block_frames"],
+                                  buffer_frames=cfg["data.buffer_frames"], prefetch=False)
+                   for r in range(K)]
+        rows = int(batch_of.sum()) // chunk * steps
+    else:
+        steps = None
+        batch_of = batch_split(gb, K)
+        loaders = [FrameLoader(cfg["data.train"], r, K, context=cfg["data.context"],
+                               cmvn=cfg["data.cmvn"], seed=cfg["train.seed"],
+                               max_batch=int(batch_of[r]), block_frames=cfg["data.block_frames"],
+                               buffer_frames=cfg["data.buffer_frames"], prefetch=False)
+                   for r in range(K)]
+        rows = gb
+    describe = model_shape(cfg, loaders[0])
     # mixed precision: the float32 reference computes as the trainer does (float16 stores);
     # the float64 one is the exact trajectory both approximate
     precision = cfg["train.precision"] if dtype == np.float32 else "float32"
-    model32 = build_model(describe, max_batch=max(gb, 1024), precision=precision)
+    model32 = build_model(describe, max_batch=max(rows, 1024), precision=precision)
+    model32.steps = steps
     params = model32.new_params()
     model32.init(params, np.random.default_rng(cfg["train.seed"]))
     model = model32
     if dtype != np.float32:   # the float32 initial weights, widened
-        from hpcsgd.model.dnn import dnn
-        model = dnn(**describe, max_batch=max(gb, 1024), dtype=dtype)
+        model = build_model(describe, max_batch=max(rows, 1024), dtype=dtype)
+        model.steps = steps
         wide = model.new_params()
         wide.flat[:] = params.flat
         params = wide
@@ -81,7 +99,13 @@ def global_steps(cfg, loaders, batch_of):
 
 
 def global_batch(loaders, part, dtype):
-    """Every rank's next part[r] frames, concatenated in rank order: (x, y)."""
+    """Every rank's next part[r] frames, concatenated in rank order: (x, y). Sequences
+    (time-major rows): every rank's chunks side by side at each time step."""
     batches = [ld.next_batch(int(t)) for ld, t in zip(loaders, part)]
-    x = batch(np.ascontiguousarray(np.concatenate([b[0] for b in batches])), dtype)
-    return x, np.concatenate([b[1] for b in batches])
+    steps = getattr(loaders[0], "steps", None)
+    if steps is None:
+        x = batch(np.ascontiguousarray(np.concatenate([b[0] for b in batches])), dtype)
+        return x, np.concatenate([b[1] for b in batches])
+    x = np.concatenate([b[0].reshape(steps, -1, b[0].shape[1]) for b in batches], axis=1)
+    y = np.concatenate([b[1].reshape(steps, -1) for b in batches], axis=1)
+    return batch(np.ascontiguousarray(x.reshape(-1, x.shape[2])), dtype), y.reshape(-1)

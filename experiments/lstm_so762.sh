@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 19 on so762 (112 training, 13 held-out speakers): the BLSTM of
+# jobs/configs/so762_blstm.yaml (40-BLSTM 256x2-40, chunks of 40 + 10/10 context, 64 chunks
+# per step, lr 2.5e-4 per sample, newbob, clipping 2.0/frame) against the DNN of
+# jobs/configs/so762.yaml (440-1024x4-40 sigmoid, minibatch 256), EPOCHS epochs each (the same
+# labelled training frames), float32 allreduce and 1-bit SGD (striped, error feedback), 2 ranks.
+#   bash experiments/lstm_so762.sh [EPOCHS]      (needs runs/so762/archive: see so762.yaml)
+#   ONLY="blstm" bash experiments/lstm_so762.sh   runs whose name starts with ONLY
+# Metrics in runs/lstm/<name>/metrics.jsonl; experiments/summarize_precision.py runs/lstm
+# prints the table (CV accuracy and CE per epoch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EPOCHS=${1:-6}
+export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
+run() {
+    local name=$1 config=$2; shift 2
+    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
+    rm -rf "runs/lstm/$name"
+    echo "== $name: $config $*"
+    local t0=$SECONDS
+    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
+        --config "$config" train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        "train.run_dir=$PWD/runs/lstm/$name" "$@" 2>&1 \
+        | grep -E "done in|error|diverged|clipped" || true
+    echo "   $name: $((SECONDS - t0)) s wall"
+}
+ONEBIT=(exchange.aggregation=striped exchange.codec=onebit)
+run blstm_float32 jobs/configs/so762_blstm.yaml
+run blstm_onebit jobs/configs/so762_blstm.yaml "${ONEBIT[@]}"
+run dnn_float32 jobs/configs/so762.yaml
+run dnn_onebit jobs/configs/so762.yaml "${ONEBIT[@]}"
