@@ -52,7 +52,7 @@ def probe_minibatch(cfg, state, step, loader, rank_frames, lr, reduce, beat):
     epoch = state.progress["epoch"]
     # the same model, buffers, optimizer and exchange; no double buffering, no timeline
     trial = Step(step.model, state.params, step.grads[:1], state.opt, state.ex,
-                 device=step.device, check_finite=False, scaler=step.scaler)
+                 device=step.device, check_finite=False, scaler=step.scaler, unit=step.unit)
     criteria = {}
     for size in sizes:
         batch_of = batch_split(size, state.grid.data_size, loader.unit)

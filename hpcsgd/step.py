@@ -45,10 +45,11 @@ from hpcsgd.errors import UserError
 from hpcsgd.timeline import EXCHANGE_CATEGORY
 
 
-def halves(take):
+def halves(take, unit=1):
     """Double buffering: a step's per-rank frame counts split in two halves, (take + 1) // 2
-    then the rest (a pure function of take, so every rank knows every rank's halves)."""
-    first = (take + 1) // 2
+    then the rest (a pure function of take, so every rank knows every rank's halves), in
+    whole units (a sequence model's chunks: unit = the loader's unit)."""
+    first = (take // unit + 1) // 2 * unit
     return [first, take - first]
 
 
@@ -153,11 +154,13 @@ class Step:
     diverging candidate finish and discards it)."""
 
     def __init__(self, model, params, grads, opt, ex, double_buffering=False, progress="test",
-                 timeline=None, device="cpu", check_finite=True, scaler=None, clip=0.0):
+                 timeline=None, device="cpu", check_finite=True, scaler=None, clip=0.0,
+                 unit=1):
         if double_buffering and len(grads) < 2:
             raise ValueError("double buffering needs two gradient buffers")
         self.model, self.params, self.grads, self.opt, self.ex = model, params, grads, opt, ex
         self.double_buffering = bool(double_buffering)
+        self.unit = int(unit)   # frames of an indivisible batch part (an LSTM's chunk)
         self.test_between_gemms = self.double_buffering and progress == "test"
         self.timeline, self.check_finite = timeline, check_finite
         self.device = device
@@ -176,7 +179,7 @@ class Step:
         """One step: take[r] frames on data rank r (a half with no frames anywhere is
         skipped). Returns this rank's [CE sum, correct frames, frames] as float64."""
         sums = np.zeros(3)
-        for part in (halves(take) if self.double_buffering else [take]):
+        for part in (halves(take, self.unit) if self.double_buffering else [take]):
             if part.sum():
                 sums += self._half(batch, part, rank, lr, where)
         return sums

@@ -149,7 +149,7 @@ def train(cfg, comm, stop):
     opt = optim.from_config(cfg, params.size, ex.state_size, device)
     scaler = loss_scale.from_config(cfg)   # train.loss_scale: None, or the scale's decision
     step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
-                scaler=scaler, clip=cfg["train.clip_gradient_norm"])
+                scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit)
 
     # --- the training state: a fresh start, or the latest checkpoint -------------------------
     state = TrainState(grid, params, opt, ex, step, loader, {

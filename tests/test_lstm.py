@@ -36,8 +36,8 @@ def test_ftanh_float32_absolute_error():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_step_kernels_match_numpy(dtype):
-    """The fused step kernels on strided views (the second direction's columns of a shared
-    gate buffer, as the BLSTM calls them) against the float64 references. float32: the
+    """The fused step kernels on the second direction's columns of a shared gate, cell and
+    output buffer (as the BLSTM calls them) against the float64 references. float32: the
     values are O(1) and each is a few roundings from its inputs (exp within 1 ulp), so
     1e-6 absolute; float64: 1e-13."""
     rng = np.random.default_rng(2)
@@ -49,15 +49,17 @@ def test_step_kernels_match_numpy(dtype):
     cells, out = np.zeros((B, 2 * H), dtype), np.zeros((B, 2 * H), dtype)
     a = gates[:, 4 * H:]
     ref_gates, ref_c, ref_h = KL.ref_forward_step(a, r, b[:, 4 * H:], c_prev)
-    KL.lstm_forward_step(a, r, b[:, 4 * H:], c_prev, cells[:, H:], out[:, H:])
+    wide_prev = np.zeros((B, 2 * H), dtype)
+    wide_prev[:, H:] = c_prev
+    KL.lstm_forward_step(gates, r, b, wide_prev, cells, out, 4 * H, H, H)
     np.testing.assert_allclose(a, ref_gates, **tol)
     np.testing.assert_allclose(cells[:, H:], ref_c, **tol)
     np.testing.assert_allclose(out[:, H:], ref_h, **tol)
     assert not cells[:, :H].any() and not out[:, :H].any()       # the other direction untouched
-    dh, dr = rng.standard_normal((B, H)).astype(dtype), rng.standard_normal((B, H)).astype(dtype)
+    dh, dr = rng.standard_normal((B, 2 * H)).astype(dtype), rng.standard_normal((B, H)).astype(dtype)
     dc = rng.standard_normal((B, H)).astype(dtype)
-    ref_da, ref_dc = KL.ref_backward_step(a, c_prev, cells[:, H:], dh, dr, dc)
-    KL.lstm_backward_step(a, c_prev, cells[:, H:], dh, dr, dc)
+    ref_da, ref_dc = KL.ref_backward_step(a, c_prev, cells[:, H:], dh[:, H:], dr, dc)
+    KL.lstm_backward_step(gates, wide_prev, cells, dh, dr, dc, 4 * H, H, H)
     np.testing.assert_allclose(a, ref_da, **tol)
     np.testing.assert_allclose(dc, ref_dc, **tol)
     partial, gb = np.empty((16, 8 * H), dtype), np.empty((1, 8 * H), dtype)

@@ -40,7 +40,7 @@ else:
         d_c, d_h = cuda.to_device(np.zeros((B, 2 * H), np.float32)), \
             cuda.to_device(np.zeros((B, 2 * H), np.float32))
         KC.lstm_forward_step(d_gates[:, 4 * H:], d_r, d_b[:, 4 * H:], d_cp, d_c[:, H:],
-                             d_h[:, H:])
+                             d_h[:, H:])   # strided views, as CudaOps passes a direction
         want_gates, want_c, want_h = KL.ref_forward_step(gates[:, 4 * H:], r, b[:, 4 * H:],
                                                          c_prev)
         got = d_gates.copy_to_host()

@@ -219,3 +219,14 @@ def test_the_probe_and_the_timeline_work_on_sequences(arch, tmp_path):
     assert probes and all(int(c) >= 32 for c in probes[0]["criteria"])
     assert all(np.isfinite(v) for v in probes[0]["criteria"].values())
     assert os.listdir(os.path.join(run, "timeline"))
+
+
+def test_double_buffering_halves_whole_chunks(arch, tmp_path):
+    """An odd number of chunks per rank (3 of 8 frames): the halves are 2 + 1 chunks, never a
+    cut chunk; the run trains and its replicas agree every step."""
+    run = str(tmp_path / "run")
+    proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={run}", "train.minibatch=48",
+                                      "exchange.double_buffering=true"), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from hpcsgd.step import halves
+    assert [int(h[0]) for h in halves(np.array([24]), 8)] == [16, 8]

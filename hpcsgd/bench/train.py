@@ -52,6 +52,11 @@ from hpcsgd.step import Step, gradient_buffers, halves
 
 PAPER = dict(input_dim=440, hidden=[2048] * 7, num_labels=9304)
 SMALL = dict(input_dim=440, hidden=[256] * 3, num_labels=500)
+# --model lstm: a BLSTM on 40 log-mel features, chunks of 40 frames, 64 chunks per step (the
+# issue's 3 x 320; --cells 512,512,512,512 is IBM's 4 x 512); --small: a tiny one
+LSTM = dict(type="lstm", input_dim=40, cells=[320] * 3, num_labels=40, bidirectional=True,
+            bottleneck=[], steps=40)
+LSTM_SMALL = dict(LSTM, cells=[32, 32], steps=10)
 USES_MPI = True
 LR = 1e-6                       # per sample: small, so random labels do not blow weights up
 MOMENTUM_TC = 9719.0            # samples: momentum 0.9 per 1024-frame minibatch (CNTK's usual)
@@ -64,12 +69,20 @@ CATEGORIES = {"encode": ("encode", "decode_sum", "reencode", "decode"),
 
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true",
-                        help="a 0.4M-parameter model, K = 1,2, N = 256: a CI smoke test (seconds)")
+                        help="a 0.4M-parameter model (lstm: 2 x 32 cells, chunks of 10), K = 1,2, "
+                             "N = 256 (lstm 160): a CI smoke test (seconds)")
     parser.add_argument("--config", metavar="YAML",
                         help="the model of a training config instead of the paper's 46M one: "
                              "its model.hidden, model.activation and train.minibatch, the "
                              "input and label sizes from its archive (e.g. "
                              "jobs/configs/so762.yaml)")
+    parser.add_argument("--model", default="dnn", choices=("dnn", "lstm"),
+                        help="dnn: the paper's 46M DNN (or --config's); lstm: a BLSTM, 3 x 320 "
+                             "cells on 40 features, chunks of 40 frames, N = 2560 (64 chunks)")
+    parser.add_argument("--cells", default=None,
+                        help="lstm: cells per direction of each layer, e.g. 512,512,512,512")
+    parser.add_argument("--unidirectional", action="store_true", help="lstm: an LSTM, not a BLSTM")
+    parser.add_argument("--chunk", type=int, default=None, help="lstm: frames per sequence (40)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: GPU ranks, one GPU per local rank, as train.device=cuda")
     parser.add_argument("--ranks", default=None, help="K values (default 1,2,4; --small 1,2)")
@@ -105,7 +118,34 @@ def add_arguments(parser):
 
 
 def model_of(args):
-    """(name, shape, activation, default minibatch) of the benchmarked model."""
+    """(name, shape, activation, default minibatch) of the benchmarked model; shape is the
+    builder's description (hpcsgd.model.build) without the activation."""
+    lstm_config = None
+    if args.config:
+        from hpcsgd import config
+        lstm_config = config.load(args.config, [])
+        if lstm_config["model.type"] != "lstm":
+            lstm_config = None
+    if getattr(args, "model", "dnn") == "lstm" or lstm_config:
+        shape = dict(LSTM_SMALL if args.small else LSTM)
+        n = 160 if args.small else 2560
+        name = "small lstm" if args.small else "lstm"
+        if lstm_config:   # the config's model; the bench feeds no context (steps = chunk)
+            from hpcsgd.data import archive
+            index = archive.read_index(lstm_config["data.train"])
+            shape.update(input_dim=index["feature_dim"], num_labels=index["num_labels"],
+                         cells=lstm_config["model.cells"],
+                         bidirectional=lstm_config["model.bidirectional"],
+                         bottleneck=lstm_config["model.bottleneck"],
+                         steps=lstm_config["data.chunk"])
+            n, name = lstm_config["train.minibatch"], os.path.basename(args.config)
+        if args.cells:
+            shape["cells"] = [int(c) for c in args.cells.split(",")]
+        if args.unidirectional:
+            shape["bidirectional"] = False
+        if args.chunk:
+            shape["steps"] = args.chunk
+        return name, shape, args.activation or "relu", n
     if args.config:
         from hpcsgd import config
         from hpcsgd.data import archive
@@ -133,11 +173,28 @@ def _settings(args):
     return ranks, ns, {"off": [(False, None)], "on": on, "both": [(False, None)] + on}[db]
 
 
+def describe(shape):
+    """The benchmarked model in one line."""
+    if shape.get("type") == "lstm":
+        kind = "BLSTM" if shape["bidirectional"] else "LSTM"
+        return (f"{shape['input_dim']}-{kind} {'x'.join(map(str, shape['cells']))}"
+                f"{''.join(f'-{b}' for b in shape['bottleneck'])}-{shape['num_labels']}, "
+                f"chunks of {shape['steps']} frames")
+    return f"{shape['input_dim']}-{'x'.join(map(str, shape['hidden']))}-{shape['num_labels']}"
+
+
+def unit_of(shape):
+    """Frames of the indivisible part of a minibatch: one chunk for an LSTM (whole sequences
+    on every rank, hpcsgd.data.loader.batch_split), one frame for a DNN."""
+    return shape.get("steps", 1) if shape.get("type") == "lstm" else 1
+
+
 def run(args):
     ranks, ns, modes = _settings(args)
     name, shape, activation, _ = model_of(args)
-    print(f"hpcsgd bench train: {name} model "
-          f"{shape['input_dim']}-{'x'.join(map(str, shape['hidden']))}-{shape['num_labels']}, "
+    if shape.get("type") == "lstm" and args.precision != "float32":
+        raise SystemExit("bench train --model lstm: float32 only (the LSTM has no mixed precision)")
+    print(f"hpcsgd bench train: {name} model {describe(shape)}, "
           f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
           f"{'/'.join(_db_name(*m) for m in modes)}; {launch.cores()} cores, load average "
           f"{report.load_average():.2f}" + (f"; emulated link {launch.link_gbps():g} Gbit/s"
@@ -152,6 +209,9 @@ def run(args):
     worker += ["--precision", args.precision]
     worker += ["--small"] if args.small else []
     worker += ["--config", args.config] if args.config else []
+    worker += ["--model", args.model] + (["--cells", args.cells] if args.cells else []) \
+        + (["--chunk", str(args.chunk)] if args.chunk else []) \
+        + (["--unidirectional"] if args.unidirectional else [])
     runs = []
     for k in ranks:
         # --small: 1 thread per rank; a 2-thread Numba kernel on a tiny model mostly waits for
@@ -329,13 +389,13 @@ class Rank:
     """This rank's model, buffers and random frames, and the timed step loops."""
 
     def __init__(self, comm, shape, activation, max_local, device="cpu", precisions=("float32",)):
-        from hpcsgd.model.dnn import dnn
+        from hpcsgd.model import build
         self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
-        self.device = device
+        self.device, self.unit = device, unit_of(shape)
         self.models = {}   # precision -> (model, params, the 2 gradient buffers)
         for precision in precisions:
-            model = dnn(**shape, activation=activation, max_batch=max_local, device=device,
-                        precision=precision)
+            model = build(dict(shape, activation=activation), max_batch=max_local, device=device,
+                          precision=precision)
             params = model.new_params()
             model.init(params, np.random.default_rng(0))      # replicas start equal
             self.models[precision] = (model, params, gradient_buffers(model, True))
@@ -389,7 +449,7 @@ class Rank:
         model, params, grads = self.models[precision]
         step = Step(model, params, grads, opt, ex, double_buffering, progress or "none",
                     device=self.device,
-                    scaler=Static(1.0) if precision == "mixed" else None)
+                    scaler=Static(1.0) if precision == "mixed" else None, unit=self.unit)
         marks, ce = [], 0.0
         self.comm.Barrier()
         for s in range(warmup + steps):
@@ -447,7 +507,6 @@ def worker(argv):
 
     from hpcsgd.comm import make_exchange
     from hpcsgd.data.loader import batch_split
-    from hpcsgd.model.dnn import gemm_flop_per_frame
     from hpcsgd.optim import Optimizer
 
     parser = argparse.ArgumentParser()
@@ -465,11 +524,12 @@ def worker(argv):
     precisions = args.precision.split(",")
     if not set(precisions) <= {"float32", "mixed"}:
         raise SystemExit(f"--precision {args.precision}: expected float32 and/or mixed")
-    max_local = max(int(batch_split(n, K)[0]) for n in ns)
+    unit = unit_of(shape)   # an LSTM's rows are whole chunks (steps = chunk: no context)
+    max_local = max(int(batch_split(n, K, unit)[0]) for n in ns)
     r = Rank(comm, shape, activation, max_local, dev, precisions)
     size = r.params.size
-    flop = gemm_flop_per_frame(**shape)
-    configs = [(n, mode, batch_split(n, K)) for n in ns for mode in modes]
+    flop = r.model.gemm_flop_per_frame()
+    configs = [(n, mode, batch_split(n, K, unit)) for n in ns for mode in modes]
     # every exchange (and the skipped one: a replicated momentum optimizer) built once
     runs, precision_of = {}, {}
     for precision in precisions:
@@ -498,7 +558,7 @@ def worker(argv):
         samples = {(name, mode): [] for name in runs for mode, _ in here}
         for _ in range(args.rounds):
             for mode, take in here:
-                parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]
+                parts = [p for p in (halves(take, unit) if mode[0] else [take]) if p.sum()]
                 gemm_s[mode].append(r.gemm_time(parts, args.steps))
                 for name, (ex, opt) in runs.items():
                     samples[(name, mode)].append(r.loop(ex, opt, take, args.steps, args.warmup,
@@ -511,7 +571,7 @@ def worker(argv):
             if (name, mode) not in samples:   # PyTorch: without double buffering only
                 continue
             ex = runs[name][0] if name in runs else None   # "none" first: the others'
-            parts = [p for p in (halves(take) if mode[0] else [take]) if p.sum()]  # overhead
+            parts = [p for p in (halves(take, unit) if mode[0] else [take]) if p.sum()]  # overhead
             roof[(n, mode)] = statistics.median(gemm_s[mode])
             row = dict(measure(r, samples[(name, mode)], n, mode[0],
                                name not in ("none", "none+mixed", "pytorch")),
@@ -538,10 +598,13 @@ def worker(argv):
                    gemm_only_gflops=flop * row["minibatch"] / roof[key] / 1e9)
     if torch_rank is not None:
         torch_rank.close()
-    # activations (each layer's output, overwritten by its dz) and the backward's delta
-    widths = shape["hidden"] + [shape["num_labels"]]
-    acts = {str(n): int(batch_split(n, K)[0]) * (sum(widths) + max(widths[:-1])) * 4
-            for n in ns}
+    # activations (each layer's output, overwritten by its dz), the backward's delta and the
+    # recurrent layers' workspaces (gates, cells, one step's products), per row
+    layers = r.model.layers
+    row_floats = (sum(layer.n_out for layer in layers) + max(layer.n_in for layer in layers[1:])
+                  + sum(shape_[1] for ws in r.model.workspaces if ws for shape_ in
+                        (a.shape for a in ws.values())))
+    acts = {str(n): int(batch_split(n, K, unit)[0]) * row_floats * 4 for n in ns}
     launch.write_result(comm, {"ranks": K, "params": size, "steps": args.steps,
                                "activation_bytes": acts,
                                "mixed_extra_bytes": 4 * (size + max_local * shape["input_dim"]),

@@ -2,20 +2,19 @@
 tested against; the GEMMs around them are in hpcsgd.model.lstm.
 
 Shape key: B = sequences (chunks) in the minibatch, H = cells of one direction, gates in the
-order i, f, g, o, each H wide: a gate block of one time step is (B, 4H). The arrays of one
-time step are row blocks of time-major buffers, so they may be strided (a bidirectional
-layer's two directions share one (T*B, 8H) gate buffer and one (T*B, 2H) output): the kernels
-index rows and columns and take any layout.
+order i, f, g, o, each H wide: a gate block of one time step is (B, 4H). A bidirectional
+layer's two directions share one (T*B, 8H) gate buffer and one (T*B, 2H) cell and output
+buffer; a step's arrays are their row blocks (C-contiguous) and a direction is a column
+offset (ga for gates, gh for cells) passed to the kernel, not a strided column view. The
+loops run over 1-D slices from index 0: Numba vectorizes them only so (on 2-D strided views,
+or a loop over range(2H, 3H), it did not: 3-4x slower, measured), and only inside prange.
+Each launch wakes the second thread (about 40 us here, passive OpenMP wait), so a step is one
+launch.
 
     forward step   a <- [i f g o] = [sig, sig, tanh, sig](a + r + b)
                    c <- f * c_prev + i * g,  h <- o * tanh(c)
     backward step  from dh (the layer above) + dr (the next step's gates, dgates @ U^T) and dc
                    (the next step's cell gradient): a <- dLoss/d(preactivations), dc <- dc * f
-
-The step kernels are serial: one step is B x H cells (16k for 64 chunks of 256 cells, tens of
-microseconds), between two small GEMMs; waking a second thread for it costs more than it saves,
-and a Numba pool spinning after it delays the BLAS threads of the next GEMM (measured: 20x
-slower forward passes with both pools at 2 threads). Column sums run once per layer: parallel.
 
 As in hpcsgd.model.kernels: dtype-generic (float32 training, float64 gradient checks), no
 fastmath, float32 exp and tanh from the vectorizable Cephes exp (`fexp`); column sums in
@@ -53,50 +52,60 @@ def _ftanh_overload(x):
 
 
 @njit(parallel=True, cache=True)
-def lstm_forward_step(a, r, b, c_prev, c, h):
-    """One time step. a (B, 4H): x_t @ Wx in, the gate activations out (in place);
-    r (B, 4H): h_{t-1} @ U (zeros at the first step); b (1, 4H); c_prev (B, H) (zeros at the
-    first step); c, h (B, H) out."""
-    nb, width = a.shape
-    hc = width // GATES
+def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
+    """One time step of one direction, hc cells. a: the step's rows of the gate buffer,
+    x_t @ Wx in columns [ga, ga + 4hc), the gate activations out (in place); r (B, >= 4hc):
+    h_{t-1} @ U (zeros at the first step); b: the bias row, columns from ga; c_prev, c, h:
+    the step's rows of the cell and output buffers, columns [gh, gh + hc) (c_prev zeros at
+    the first step); c and h out."""
+    nb = a.shape[0]
     one = a.dtype.type(1)
     for n in prange(nb):
+        row, rr, bb = a[n, ga:ga + 4 * hc], r[n, :4 * hc], b[0, ga:ga + 4 * hc]
+        for j in range(4 * hc):
+            row[j] = row[j] + rr[j] + bb[j]
+        i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
+        g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
         for j in range(hc):
-            i = one / (one + fexp(-(a[n, j] + r[n, j] + b[0, j])))
-            f = one / (one + fexp(-(a[n, hc + j] + r[n, hc + j] + b[0, hc + j])))
-            g = ftanh(a[n, 2 * hc + j] + r[n, 2 * hc + j] + b[0, 2 * hc + j])
-            o = one / (one + fexp(-(a[n, 3 * hc + j] + r[n, 3 * hc + j] + b[0, 3 * hc + j])))
-            cv = f * c_prev[n, j] + i * g
-            c[n, j] = cv
-            h[n, j] = o * ftanh(cv)
-            a[n, j] = i
-            a[n, hc + j] = f
-            a[n, 2 * hc + j] = g
-            a[n, 3 * hc + j] = o
+            i[j] = one / (one + fexp(-i[j]))
+        for j in range(hc):
+            f[j] = one / (one + fexp(-f[j]))
+        for j in range(hc):
+            g[j] = ftanh(g[j])
+        for j in range(hc):
+            o[j] = one / (one + fexp(-o[j]))
+        cp, cc, hh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], h[n, gh:gh + hc]
+        for j in range(hc):
+            cc[j] = f[j] * cp[j] + i[j] * g[j]
+        for j in range(hc):
+            hh[j] = o[j] * ftanh(cc[j])
 
 
 @njit(parallel=True, cache=True)
-def lstm_backward_step(a, c_prev, c, dh, dr, dc):
-    """One time step backwards. a (B, 4H): the step's gate activations in, dLoss/d(gate
-    preactivations) out (in place); c_prev, c (B, H): the cell before and after the step;
-    dh (B, H): dLoss/dh_t from the layer above; dr (B, H): dLoss/dh_t through the next step's
-    gates (zeros at the last step); dc (B, H): dLoss/dc_t from the next step in (zeros at the
-    last step), dLoss/dc_{t-1} out."""
-    nb, width = a.shape
-    hc = width // GATES
+def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):
+    """One time step of one direction backwards. a: the step's gate activations (columns
+    [ga, ga + 4hc)) in, dLoss/d(gate preactivations) out (in place); c_prev, c: the cell
+    before and after the step and dh: dLoss/dh_t from the layer above, columns [gh, gh + hc);
+    dr (B, >= hc): dLoss/dh_t through the next step's gates (zeros at the last step);
+    dc (B, >= hc): dLoss/dc_t from the next step in (zeros at the last step), dLoss/dc_{t-1}
+    out."""
+    nb = a.shape[0]
     one = a.dtype.type(1)
     for n in prange(nb):
+        i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
+        g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
+        cp, cc, dhh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], dh[n, gh:gh + hc]
+        drr, dcc = dr[n, :hc], dc[n, :hc]
         for j in range(hc):
-            i, f = a[n, j], a[n, hc + j]
-            g, o = a[n, 2 * hc + j], a[n, 3 * hc + j]
-            tc = ftanh(c[n, j])
-            d = dh[n, j] + dr[n, j]
-            dcv = dc[n, j] + d * o * (one - tc * tc)
-            a[n, j] = dcv * g * (i * (one - i))
-            a[n, hc + j] = dcv * c_prev[n, j] * (f * (one - f))
-            a[n, 2 * hc + j] = dcv * i * (one - g * g)
-            a[n, 3 * hc + j] = d * tc * (o * (one - o))
-            dc[n, j] = dcv * f
+            iv, fv, gv, ov = i[j], f[j], g[j], o[j]
+            tc = ftanh(cc[j])
+            d = dhh[j] + drr[j]
+            dcv = dcc[j] + d * ov * (one - tc * tc)
+            i[j] = dcv * gv * (iv * (one - iv))
+            f[j] = dcv * cp[j] * (fv * (one - fv))
+            g[j] = dcv * iv * (one - gv * gv)
+            o[j] = d * tc * (ov * (one - ov))
+            dcc[j] = dcv * fv
 
 
 @njit(parallel=True, cache=True)

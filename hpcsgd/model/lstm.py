@@ -57,9 +57,9 @@ class LSTM:
     def workspace(self, max_rows):
         """The arrays one pass needs besides its input and output (Network allocates them):
         gate values (kept for backward), cells, and one step's recurrent products."""
-        g = GATES * self.cells
+        g = GATES * self.cells   # zeros: the first step's r and c_prev (any cell column)
         return {"gates": (max_rows, self.width), "cells": (max_rows, self.n_out),
-                "rec": (max_rows, g), "zeros": (max_rows, g),
+                "rec": (max_rows, g), "zeros": (max_rows, max(g, self.n_out)),
                 "dh_rec": (max_rows, self.cells), "dc": (max_rows, self.cells)}
 
     def init(self, views, rng):
@@ -74,42 +74,39 @@ class LSTM:
         for d in range(self.dirs):
             b[0, d * g + self.cells:d * g + 2 * self.cells] = FORGET_BIAS
 
-    def _direction(self, p, ws, y, d, n):
-        """The arrays of direction d: (gates, bias, cells, outputs, U) as column views."""
-        g, hc = GATES * self.cells, self.cells
-        cols, out = slice(d * g, (d + 1) * g), slice(d * hc, (d + 1) * hc)
-        return (ws["gates"][:n, cols], p[self.b][:, cols], ws["cells"][:n, out], y[:, out],
-                p[self.U[d]])
-
     def forward(self, p, x, y, ops, progress=None, steps=None, ws=None):
-        n = len(x)
+        n, hc = len(x), self.cells
         nb = n // steps
-        matmul(x, p[self.W], ws["gates"][:n])           # 2 n n_in width FLOP: every step
+        gates, cells, b = ws["gates"][:n], ws["cells"][:n], p[self.b]
+        matmul(x, p[self.W], gates)                     # 2 n n_in width FLOP: every step
         if progress is not None:
             progress()
         zeros, rec = ws["zeros"][:nb], ws["rec"][:nb]
-        for d in range(self.dirs):
-            a, b, c, h, U = self._direction(p, ws, y, d, n)
+        for d in range(self.dirs):   # direction d: gate columns from ga, cell columns from gh
+            ga, gh, U = d * GATES * hc, d * hc, p[self.U[d]]
             order = range(steps) if d == 0 else range(steps - 1, -1, -1)
             prev = None
             for t in order:
                 rows = slice(t * nb, (t + 1) * nb)
                 if prev is None:   # the first step: no previous output or cell
-                    ops.lstm_step(a[rows], zeros, b, zeros[:, :self.cells], c[rows], h[rows])
+                    ops.lstm_step(gates[rows], zeros, b, zeros, cells[rows], y[rows], ga, gh, hc)
                 else:
-                    matmul(h[prev], U, rec)
-                    ops.lstm_step(a[rows], rec, b, c[prev], c[rows], h[rows])
+                    matmul(y[prev, gh:gh + hc], U, rec)
+                    ops.lstm_step(gates[rows], rec, b, cells[prev], cells[rows], y[rows],
+                                  ga, gh, hc)
                 prev = rows
             if progress is not None:   # the exchange in flight is tested per direction
                 progress()
 
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, steps=None, ws=None):
-        n = len(x)
+        n, hc = len(x), self.cells
         nb = n // steps
+        gates, cells = ws["gates"][:n], ws["cells"][:n]
         zeros, dh_rec, dc = ws["zeros"][:nb], ws["dh_rec"][:nb], ws["dc"][:nb]
+        m = (steps - 1) * nb   # rows of the steps that have a previous one
         for d in range(self.dirs):
-            a, _, c, h, U = self._direction(p, ws, y, d, n)
-            dyd = dy[:, d * self.cells:(d + 1) * self.cells]
+            ga, gh, U = d * GATES * hc, d * hc, p[self.U[d]]
+            cols = slice(ga, ga + GATES * hc)
             forward_in_time = d == 0
             order = range(steps - 1, -1, -1) if forward_in_time else range(steps)
             zero(dc)
@@ -120,24 +117,23 @@ class LSTM:
                 earlier = None if first else (slice((t - 1) * nb, t * nb) if forward_in_time
                                               else slice((t + 1) * nb, (t + 2) * nb))
                 if later is None:
-                    dr = zeros[:, :self.cells]
+                    dr = zeros
                 else:
-                    matmul(a[later], U, dh_rec, trans_b=True)
+                    matmul(gates[later, cols], U, dh_rec, trans_b=True)
                     dr = dh_rec
-                ops.lstm_step_backward(a[rows], zeros[:, :self.cells] if first else c[earlier],
-                                       c[rows], dyd[rows], dr, dc)
+                ops.lstm_step_backward(gates[rows], zeros if first else cells[earlier],
+                                       cells[rows], dy[rows], dr, dc, ga, gh, hc)
                 later = rows
             # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
-            gU, m = g[self.U[d]], (steps - 1) * nb
+            gU = g[self.U[d]]
             if m == 0:
                 zero(gU)
             elif forward_in_time:
-                matmul(h[:m], a[nb:], gU, trans_a=True)
+                matmul(y[:m, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
             else:
-                matmul(h[nb:], a[:m], gU, trans_a=True)
+                matmul(y[nb:, gh:gh + hc], gates[:m, cols], gU, trans_a=True)
             if progress is not None:
                 progress()
-        gates = ws["gates"][:n]
         ops.column_sums(gates, g[self.b])
         matmul(x, gates, g[self.W], trans_a=True)
         if progress is not None:

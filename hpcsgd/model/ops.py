@@ -17,6 +17,7 @@ from hpcsgd import half
 from hpcsgd.device import zeros
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
 
 
@@ -53,15 +54,16 @@ class CpuOps:
         """x *= s in float32, in place (the loss scale on the loss gradient)."""
         half.scale(x, s)
 
-    def lstm_step(self, a, r, b, c_prev, c, h):
-        """One LSTM time step: a (B, 4H) preactivations without r and b in, gates out;
-        c, h (B, H) out (model.kernels_lstm.lstm_forward_step)."""
-        KL.lstm_forward_step(a, r, b, c_prev, c, h)
+    def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
+        """One LSTM time step of one direction (hc cells; its gate columns from ga, cell
+        columns from gh): a preactivations without r and b in, gates out; c, h out
+        (model.kernels_lstm.lstm_forward_step)."""
+        KL.lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc)
 
-    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc):
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc, ga, gh, hc):
         """One LSTM time step backwards: a gates in, their preactivations' gradient out;
         dc in and out (model.kernels_lstm.lstm_backward_step)."""
-        KL.lstm_backward_step(a, c_prev, c, dh, dr, dc)
+        KL.lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc)
 
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
@@ -93,11 +95,15 @@ class CudaOps:
     def scale(self, x, s):
         half.scale(x, s)
 
-    def lstm_step(self, a, r, b, c_prev, c, h):
-        KC.lstm_forward_step(a, r, b, c_prev, c, h)
+    def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
+        g = GATES * hc
+        KC.lstm_forward_step(a[:, ga:ga + g], r[:, :g], b[:, ga:ga + g],
+                             c_prev[:, gh:gh + hc], c[:, gh:gh + hc], h[:, gh:gh + hc])
 
-    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc):
-        KC.lstm_backward_step(a, c_prev, c, dh, dr, dc)
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc, ga, gh, hc):
+        g = GATES * hc
+        KC.lstm_backward_step(a[:, ga:ga + g], c_prev[:, gh:gh + hc], c[:, gh:gh + hc],
+                              dh[:, gh:gh + hc], dr[:, :hc], dc[:, :hc])
 
     def column_sums(self, d, gb):
         KC.column_sums(d, gb)
@@ -106,10 +112,10 @@ class CudaOps:
 class GemmOnly:
     """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers."""
 
-    def lstm_step(self, a, r, b, c_prev, c, h):
+    def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
         pass
 
-    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc):
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc, ga, gh, hc):
         pass
 
     def column_sums(self, d, gb):
