@@ -45,8 +45,8 @@ def _ftanh_overload(x):
 
         def tanh32(x):
             e = fexp(two * abs(x))
-            t = (one - e) / (one + e)
-            return t if x >= 0 else -t
+            # branch-free (vectorizes); copysign is exact, and float32 again for the caller
+            return np.float32(math.copysign((one - e) / (one + e), x))
         return tanh32
     return lambda x: math.tanh(x)
 
