@@ -132,24 +132,38 @@ def _adagrad_kernel(g, s, rho, c, inv_n, inv_q, eps):
 
 
 # Two kernels, not one with a "write the update" flag: a conditional store in the loop made
-# Numba's parallel loop 100x slower (3 s instead of 25 ms over 46M values).
+# Numba's parallel loop 100x slower (3 s instead of 25 ms over 46M values). For the same
+# reason the common case -- momentum, no AdaGrad or Adam -- has its own loop, where the
+# inlined post_element_cpu sees constant flags and its branches fold away: the same
+# arithmetic, so the same bits, 10x faster (1.4 against 13 ms over 5.9M values, measured).
 @njit(parallel=True, cache=True)
 def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     """g (a flat slice of the summed gradient) -> the update, in place; w read for decay.
     4-6 streams over memory (g, w, v, s): bandwidth-bound."""
-    for i in prange(g.size):
-        g[i] = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
-                                m, adam_k)
+    if ada == 0 and use_momentum:
+        for i in prange(g.size):
+            g[i] = post_element_cpu(g, w, v, s, i, wd_n, 0, rho, c, inv_n, inv_q, eps, True,
+                                    m, adam_k)
+    else:
+        for i in prange(g.size):
+            g[i] = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps,
+                                    use_momentum, m, adam_k)
 
 
 @njit(parallel=True, cache=True)
 def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k,
                  lr):
     """Single process, fused: W -= lr * update, g left unchanged. 5 streams with momentum."""
-    for i in prange(g.size):
-        x = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m,
-                             adam_k)
-        w[i] = w[i] - lr * x
+    if ada == 0 and use_momentum:
+        for i in prange(g.size):
+            x = post_element_cpu(g, w, v, s, i, wd_n, 0, rho, c, inv_n, inv_q, eps, True, m,
+                                 adam_k)
+            w[i] = w[i] - lr * x
+    else:
+        for i in prange(g.size):
+            x = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps,
+                                 use_momentum, m, adam_k)
+            w[i] = w[i] - lr * x
 
 
 @njit(parallel=True, cache=True)
