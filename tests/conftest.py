@@ -123,6 +123,44 @@ def run_cuda_tests_in_child(test_file):
     assert " passed" in p.stdout and "skipped" not in p.stdout.split("\n")[-2]
 
 
+TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
+EXCHANGE_REFERENCE = [os.path.join(REPO, "tests", "mpi", "exchange_reference.py")]
+
+
+class TrainerRuns:
+    """`hpcsgd train` under mpiexec, run once per distinct setting of a test module (cached),
+    and tests/mpi/exchange_reference.py on the same options: options(arch, *extra) gives a
+    module's trainer overrides."""
+
+    def __init__(self, options, timeout=120):
+        self.options, self.timeout, self.runs = options, timeout, {}
+
+    def train(self, K, arch, tmp_path_factory, *extra):
+        """The run directory of the trainer on K ranks with these options."""
+        key = (K, arch, extra)
+        if key not in self.runs:
+            run = str(tmp_path_factory.mktemp(f"run{K}"))
+            proc = run_mpi(K, TRAIN + self.options(arch, f"train.run_dir={run}", *extra),
+                           timeout=self.timeout)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            self.runs[key] = run
+        return self.runs[key]
+
+    def reference(self, K, mode, arch, tmp_path, *extra, float64=False):
+        """The single-process reference's arrays (npz) on the same global minibatches."""
+        out = str(tmp_path / f"ref{K}{mode}{'64' if float64 else ''}.npz")
+        proc = run_mpi(1, EXCHANGE_REFERENCE + [out, str(K), mode] + ["--float64"] * float64
+                       + self.options(arch, *extra), timeout=self.timeout)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return np.load(out)
+
+
+def latest_arrays(run):
+    """Every array of a run directory's latest checkpoint."""
+    from hpcsgd import checkpoint
+    return checkpoint.load(checkpoint.latest(run))[0]
+
+
 @pytest.fixture(scope="session")
 def small_archive(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("archive"))

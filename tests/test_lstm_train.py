@@ -11,11 +11,10 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import assert_float32_close, make_archive, run_mpi
+from conftest import (TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive,
+                      run_mpi)
 from hpcsgd import checkpoint
 
-TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
-REFERENCE = [os.path.join(os.path.dirname(__file__), "mpi", "exchange_reference.py")]
 
 
 @pytest.fixture(scope="module")
@@ -36,29 +35,8 @@ def options(arch, *extra):
             "train.check_every_steps=1", *extra]
 
 
-_runs = {}
-
-
-def train(K, arch, tmp_path_factory, *extra):
-    key = (K, arch, extra)
-    if key not in _runs:
-        run = str(tmp_path_factory.mktemp(f"lstm{K}"))
-        proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra), timeout=180)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        _runs[key] = run
-    return _runs[key]
-
-
-def arrays(run):
-    return checkpoint.load(checkpoint.latest(run))[0]
-
-
-def reference(K, mode, arch, tmp_path, *extra, float64=False):
-    out = str(tmp_path / f"ref{K}{mode}{'64' if float64 else ''}.npz")
-    proc = run_mpi(1, REFERENCE + [out, str(K), mode] + ["--float64"] * float64
-                   + options(arch, *extra), timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return np.load(out)
+RUNS = TrainerRuns(options, timeout=180)
+train, reference, arrays = RUNS.train, RUNS.reference, latest_arrays
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])
