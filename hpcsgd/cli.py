@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "train": ("hpcsgd.train", "train an acoustic model (run under mpiexec for K ranks)"),
     "eval": ("hpcsgd.evaluate", "cross-entropy, frame accuracy and confusions of a checkpoint"),
     "infer": ("hpcsgd.infer", "write posteriors or scaled log-likelihoods for a decoder"),
+    "export": ("hpcsgd.export", "a model's weights as int8/int4 codes for integer inference"),
     "bench": ("hpcsgd.bench", "benchmarks against this machine's limits"),
     "plot": ("hpcsgd.plot", "learning curves and throughput of a run directory to PNG"),
 }
@@ -63,7 +64,7 @@ def main(argv=None):
         # before numpy and numba start their thread pools (hpcsgd/threads.py)
         from hpcsgd import threads
         threads.for_train(argv[1:])
-    elif name in ("eval", "infer") and not {"-h", "--help"} & set(argv[1:]):
+    elif name in ("eval", "infer", "export") and not {"-h", "--help"} & set(argv[1:]):
         from hpcsgd import threads   # one process: its cores, the pools sleeping between ops
         threads.choose()
     module = importlib.import_module(SUBCOMMANDS[name][0])

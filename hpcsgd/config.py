@@ -37,6 +37,19 @@ DEFAULTS = {
     "model.bottleneck": ([], list, (1, 1 << 16),
                          "lstm: Dense layers (model.activation) between the LSTM layers and the softmax"),
     "model.activation": ("sigmoid", str, ("sigmoid", "relu"), "hidden nonlinearity (the paper: sigmoid)"),
+    # --- quantization-aware training (docs/qat.md) ---
+    "qat.weights": ("none", str, ("none", "max", "sawb", "pact"),
+                    "fake-quantize every weight matrix: clip at max |W|, SAWB's alpha, or a learned alpha"),
+    "qat.weight_bits": (8, int, (2, 8), "weights: 2^b - 1 symmetric levels (+-7 at 4 bits)"),
+    "qat.activations": ("none", str, ("none", "max", "sawb", "pact", "bac"),
+                        "fake-quantize every GEMM input (and an LSTM's h_t-1 on [-1, 1]): "
+                        "dynamic max or SAWB, learned range (PACT), or BAC (PACT on the input "
+                        "layer, the activation's fixed bounds elsewhere)"),
+    "qat.activation_bits": (8, int, (2, 8), "activations: bits per value"),
+    "qat.pact_init": (4.0, float, (0.0, 1e6),
+                      "pact/bac: a learned input range starts at +-this where the input has no bound"),
+    "qat.clip_decay": (1e-4, float, (0.0, 1.0),
+                       "pact/bac: L2 per sample on the learned clip values (PACT's pull inwards)"),
     # --- optimiser (learning rates are per sample: the summed gradient is scaled by lr) ---
     "optim.lr": (0.002, float, (0.0, 10.0), "learning rate per sample"),
     "optim.type": ("sgd", str, ("sgd", "adam"),
@@ -52,7 +65,8 @@ DEFAULTS = {
     "optim.adagrad_eps": (1e-8, float, (0.0, 1.0), "added to the AdaGrad RMS (per-sample units)"),
     "optim.weight_decay": (0.0, float, (0.0, 1.0), "L2 per sample, added to the gradient"),
     # --- learning-rate schedule ---
-    "schedule.type": ("newbob", str, ("constant", "step", "newbob"), "how the learning rate decays"),
+    "schedule.type": ("newbob", str, ("constant", "step", "newbob", "linear"),
+                      "how the learning rate decays (linear: to 0 at the last frame of train.epochs)"),
     "schedule.step_frames": (1_000_000, int, (1, 1 << 50), "step: decay every this many frames"),
     "schedule.factor": (0.5, float, (0.0, 1.0), "step/newbob: multiply the rate by this"),
     "schedule.newbob_threshold": (0.005, float, (0.0, 1.0),
@@ -129,6 +143,9 @@ DEFAULTS = {
                                  "clip each rank's summed gradient to this 2-norm per frame before "
                                  "the exchange (0 = off)"),
     "train.epochs": (4, int, (1, 100000), "passes over the training data"),
+    "train.init_from": ("", str, None,
+                        "start from this checkpoint's (or run directory's) weights: a fine-tune "
+                        "with a fresh optimizer and schedule (e.g. float -> quantization-aware)"),
     "train.seed": (0, int, (0, 2**32 - 1), "seeds init, shuffling and everything random"),
     "train.run_dir": ("runs/run", str, None, "logs, metrics, checkpoints and plots go here"),
     "train.log_every_frames": (20000, int, (1, 1 << 50), "console/metrics line every this many frames"),
@@ -278,7 +295,21 @@ def load(path=None, overrides=()):
                             f"less than one chunk (data.chunk={config['data.chunk']})")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
+    if qat_of(config):   # the rules' combinations: hpcsgd.model.quantize.check, at the build
+        if config["train.precision"] != "float32":
+            raise UserError(f"config keys qat.* and train.precision={config['train.precision']}"
+                            f": quantization-aware training runs in float32")
     return config
+
+
+def qat_of(config):
+    """The model's quantization-aware training description (model.quantize), or None."""
+    if config["qat.weights"] == "none" and config["qat.activations"] == "none":
+        return None
+    return {"weights": config["qat.weights"], "weight_bits": config["qat.weight_bits"],
+            "activations": config["qat.activations"],
+            "activation_bits": config["qat.activation_bits"],
+            "pact_init": config["qat.pact_init"], "clip_decay": config["qat.clip_decay"]}
 
 
 def dump(config):

@@ -23,7 +23,13 @@ EVAL_BATCH = 1024
 
 
 def load_model(path, max_batch=EVAL_BATCH):
-    """(model, params, meta) from a checkpoint file or a run directory (its latest one)."""
+    """(model, params, meta) from a checkpoint file, a run directory (its latest one) or a
+    model written by `hpcsgd export` (integer weights)."""
+    from hpcsgd import export
+    if export.is_exported(path):
+        model, params, meta = export.load(path, max_batch)
+        model.steps = sequence_steps(meta["data"])
+        return model, params, meta
     if os.path.isdir(path):
         found = checkpoint.latest(path)
         if found is None:

@@ -414,7 +414,7 @@ def from_config(cfg, size, post_size=None, device="cpu"):
 
 # ---- learning-rate schedules (lr per sample) ---------------------------------------------------
 
-SCHEDULES = ("constant", "step", "newbob")
+SCHEDULES = ("constant", "step", "newbob", "linear")
 
 
 def step_decay_lr(lr0, frames, decay_frames, factor):
@@ -436,11 +436,19 @@ def newbob_lr(lr0, cv_acc_history, threshold=0.005, factor=0.5):
     return lr
 
 
+def linear_lr(lr0, frames, total_frames):
+    """lr0 falling linearly to 0 at total_frames (the IBM paper's fine-tuning decay)."""
+    return lr0 * max(0.0, 1.0 - int(frames) / max(int(total_frames), 1))
+
+
 def learning_rate(schedule, lr0, frames=0, cv_acc_history=(), decay_frames=1, decay_factor=0.5,
-                  newbob_threshold=0.005):
-    """The per-sample learning rate now, for schedule "constant", "step" or "newbob"."""
+                  newbob_threshold=0.005, total_frames=1):
+    """The per-sample learning rate now, for schedule "constant", "step", "newbob" or
+    "linear" (total_frames: the run's frames, every epoch)."""
     if schedule == "constant":
         return lr0
+    if schedule == "linear":
+        return linear_lr(lr0, frames, total_frames)
     if schedule == "step":
         return step_decay_lr(lr0, frames, decay_frames, decay_factor)
     if schedule == "newbob":

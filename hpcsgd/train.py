@@ -39,11 +39,12 @@ from hpcsgd.data import archive
 from hpcsgd.data.loader import FrameLoader, batch_split
 from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.decisions import probe_due, probe_minibatch
-from hpcsgd.device import to_host
+from hpcsgd.device import assign, to_host
 from hpcsgd.errors import UserError
 from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
+from hpcsgd.model.flat import FlatParams
 from hpcsgd.shutdown import StopSignal, Watchdog, agree, gone_peers
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
@@ -137,8 +138,11 @@ def train(cfg, comm, stop):
 
     # --- model, exchange, optimizer, step: flat buffers with named views ---------------------
     shape = model_shape(cfg, loader)
-    model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
-                  precision=cfg["train.precision"])
+    try:
+        model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
+                      precision=cfg["train.precision"])
+    except ValueError as err:   # a combination the config's per-key checks cannot see
+        raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
     params = model.new_params()
     grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
@@ -170,6 +174,10 @@ def train(cfg, comm, stop):
             set_bits(ex, cfg, bitwidth.bits)
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
+        if cfg["train.init_from"]:
+            source = init_from(model, params, cfg["train.init_from"],
+                               loader.index["label_inventory_hash"])
+            log.info(f"weights from {source} (train.init_from): a fresh optimizer and schedule")
     # the cold start (exchange.cold_start_frames): float32 until that frame, a function of the
     # progress (so a resumed run is in the same phase)
     cold = cold_start(cfg)
@@ -178,6 +186,8 @@ def train(cfg, comm, stop):
         log.info(f"cold start: the float32 exchange until frame {cold:,}, then "
                  f"{cfg['exchange.codec']} (exchange.cold_start_frames)")
     log_start(log, cfg, grid, loader, state, ex)
+    # every epoch trains each labelled frame once: the run's frames (the linear schedule's end)
+    run_frames = cfg["train.epochs"] * loader.index["total_frames"]
 
     def save():
         watchdog.beat("checkpoint")
@@ -200,7 +210,7 @@ def train(cfg, comm, stop):
         while (rank_frames - progress["offsets"]).sum() > 0:
             where = f"step {window.steps} (epoch {epoch}, frame {progress['frames']})"
             watchdog.beat(where)
-            lr = learning_rate(cfg, progress)
+            lr = learning_rate(cfg, progress, run_frames)
             # between-step decisions: the automatic minibatch size (no exchange in flight)
             if probe_due(cfg, state):
                 step.drain()
@@ -272,7 +282,7 @@ def train(cfg, comm, stop):
         cv = cross_validate(cfg, model, params, grid, watchdog) if cfg["data.cv"] else None
         timeline.span("cross_validation", t0, time.perf_counter())
         log_epoch(log, epoch, progress, totals, time.perf_counter() - t_epoch,
-                  learning_rate(cfg, progress), cv)
+                  learning_rate(cfg, progress, run_frames), cv)
         log_clipped(log, step)
         state.end_epoch(cv["frame_accuracy"] if cv else None)
         save()
@@ -417,12 +427,41 @@ def open_loader(cfg, grid):
 def model_shape(cfg, loader):
     """The model the config names, as the builder's arguments (hpcsgd.model.build): what the
     checkpoint's meta keeps."""
+    qat = config.qat_of(cfg)
+    qat = {"qat": qat} if qat else {}
     if cfg["model.type"] == "lstm":
         return {"type": "lstm", "input_dim": loader.input_dim, "cells": cfg["model.cells"],
                 "num_labels": loader.num_labels, "bidirectional": cfg["model.bidirectional"],
-                "bottleneck": cfg["model.bottleneck"], "activation": cfg["model.activation"]}
+                "bottleneck": cfg["model.bottleneck"], "activation": cfg["model.activation"],
+                **qat}
     return {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
-            "num_labels": loader.num_labels, "activation": cfg["model.activation"]}
+            "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}
+
+
+def init_from(model, params, path, label_hash):
+    """Fine-tuning's start: every weight and bias from the checkpoint (or run directory) at
+    `path`, by name; the parameters it does not have (learned clip values) start from their
+    init on the loaded weights. Returns the checkpoint's path."""
+    from hpcsgd.evaluate import load_model
+    _, source, meta = load_model(path)
+    if meta.get("label_inventory_hash") != label_hash:
+        raise UserError(f"train.init_from {meta['path']}: trained on another label inventory "
+                        f"than data.train's")
+    host = FlatParams(model.specs, model.dtype)
+    host.flat[:] = to_host(params.flat)
+    for spec in model.specs:
+        if spec.role == "clip":
+            continue
+        if spec.name not in source.views or source[spec.name].shape != spec.shape:
+            found = source[spec.name].shape if spec.name in source.views else "none"
+            raise UserError(f"train.init_from {meta['path']}: parameter {spec.name} "
+                            f"{spec.shape} not in the checkpoint (there: {found}); it holds "
+                            f"the model {meta['model']}")
+        host[spec.name][...] = source[spec.name]
+    if model.quant:
+        model.quant.init(host.views)
+    assign(params.flat, host.flat)
+    return meta["path"]
 
 
 def describe_model(shape):
@@ -434,9 +473,18 @@ def describe_model(shape):
         body = f"{kind} {cells[0]}x{len(cells)}" if same else f"{kind} {'-'.join(map(str, cells))}"
         bottleneck = "".join(f"-{b}" for b in shape["bottleneck"])
         return (f"{shape['input_dim']}-{body}{bottleneck}-{shape['num_labels']}"
-                + (f" {shape['activation']}" if shape["bottleneck"] else ""))
+                + (f" {shape['activation']}" if shape["bottleneck"] else "")
+                + describe_qat(shape.get("qat")))
     return (f"{shape['input_dim']}-{'-'.join(map(str, shape['hidden']))}-{shape['num_labels']} "
-            f"{shape['activation']}")
+            f"{shape['activation']}") + describe_qat(shape.get("qat"))
+
+
+def describe_qat(qat):
+    """', QAT weights sawb/4 activations bac/4' (nothing for a float model)."""
+    if not qat:
+        return ""
+    return (f", QAT weights {qat['weights']}/{qat['weight_bits']} activations "
+            f"{qat['activations']}/{qat['activation_bits']}")
 
 
 def sequence_meta(cfg):
@@ -587,11 +635,12 @@ def label_counts(index):
     return total
 
 
-def learning_rate(cfg, progress):
+def learning_rate(cfg, progress, run_frames):
     """Per-sample rate now: a pure function of the config, frames seen and the CV history."""
     return optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], progress["frames"],
                                progress["cv_history"], cfg["schedule.step_frames"],
-                               cfg["schedule.factor"], cfg["schedule.newbob_threshold"])
+                               cfg["schedule.factor"], cfg["schedule.newbob_threshold"],
+                               run_frames)
 
 
 def reduce_sum(comm, local):

@@ -23,12 +23,14 @@ def dnn_layers(input_dim, hidden, num_labels, activation="sigmoid"):
 
 
 def dnn(input_dim, hidden, num_labels, activation="sigmoid", max_batch=1024,
-        dtype=np.float32, device="cpu", precision="float32"):
-    """The DNN input_dim-hidden...-num_labels as a Network (precision: network.PRECISIONS)."""
+        dtype=np.float32, device="cpu", precision="float32", qat=None):
+    """The DNN input_dim-hidden...-num_labels as a Network (precision: network.PRECISIONS;
+    qat: quantization-aware training, model.quantize)."""
     describe = {"input_dim": int(input_dim), "hidden": [int(h) for h in hidden],
-                "num_labels": int(num_labels), "activation": activation}
+                "num_labels": int(num_labels), "activation": activation,
+                **({"qat": dict(qat)} if qat else {})}
     return Network(dnn_layers(input_dim, hidden, num_labels, activation), max_batch, dtype,
-                   device, describe, precision)
+                   device, describe, precision, qat=qat)
 
 
 def layout(input_dim, hidden, num_labels):

@@ -269,6 +269,109 @@ def _lstm_backward_step_kernel(a, c_prev, c, dh, dr, dc):
 # host-side wrappers (default stream; no sync unless a host value is returned)
 
 
+# ---------------------------------------------------------------------------------------------
+# fake quantization (hpcsgd.model.kernels_quant): the element-wise grid rounding, and row
+# reductions (one block per row, thread-order sums in float64) whose per-row results the host
+# adds in row order.
+
+
+@cuda.jit
+def _fake_quant_kernel(x, out, step, inv, klo, khi):
+    n, m = x.shape
+    j0, i0 = cuda.grid(2)
+    sj, si = cuda.gridsize(2)
+    for i in range(i0, n, si):
+        for j in range(j0, m, sj):
+            # clip before rounding (the same value: klo, khi are integers), so that the
+            # round's integer conversion never sees a huge value; round() is half-to-even
+            t = min(max(x[i, j] * inv, klo), khi)
+            out[i, j] = x.dtype.type(round(t)) * step
+
+
+@cuda.jit
+def _fake_quant_backward_kernel(x, dy, dx, lo, hi, part):
+    i = cuda.blockIdx.x
+    s_lo_part = cuda.shared.array(ROW_THREADS, np.float64)
+    s_hi_part = cuda.shared.array(ROW_THREADS, np.float64)
+    s_lo, s_hi = 0.0, 0.0
+    zero = dx.dtype.type(0)
+    for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        v, d = x[i, j], dy[i, j]
+        if v < lo:
+            s_lo += d
+            dx[i, j] = zero
+        elif v > hi:
+            s_hi += d
+            dx[i, j] = zero
+        else:
+            dx[i, j] = d
+    s_lo = _row_sum(s_lo_part, s_lo)
+    s_hi = _row_sum(s_hi_part, s_hi)
+    if cuda.threadIdx.x == 0:
+        part[i, 0] = s_lo
+        part[i, 1] = s_hi
+
+
+@cuda.jit
+def _abs_stats_kernel(x, part):
+    i = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    s_mx = cuda.shared.array(ROW_THREADS, np.float64)
+    s_sq = cuda.shared.array(ROW_THREADS, np.float64)
+    s_ab = cuda.shared.array(ROW_THREADS, np.float64)
+    mx, sq, ab = 0.0, 0.0, 0.0
+    for j in range(t, x.shape[1], cuda.blockDim.x):
+        a = abs(np.float64(x[i, j]))
+        mx = max(mx, a)
+        sq += a * a
+        ab += a
+    s_mx[t] = mx
+    cuda.syncthreads()
+    if t == 0:
+        for k in range(1, cuda.blockDim.x):
+            s_mx[0] = max(s_mx[0], s_mx[k])
+    sq = _row_sum(s_sq, sq)
+    ab = _row_sum(s_ab, ab)
+    if t == 0:
+        part[i, 0] = s_mx[0]
+        part[i, 1] = sq
+        part[i, 2] = ab
+
+
+def fake_quant(x, out, step, inv, klo, khi):
+    """out (N, M) <- x on the grid step * [klo, khi] (model.kernels_quant.fake_quant); scalars
+    of x's dtype. Views of any layout; out may be x."""
+    x, out = as_device(x), as_device(out)
+    n, m = x.shape
+    if n and m:
+        _fake_quant_kernel[_elem_launch(n, m)](x, out, step, inv, klo, khi)
+
+
+def fake_quant_backward(x, dy, dx, lo, hi, part):
+    """dx <- dy where lo <= x <= hi, else 0; returns (sum of dy where x < lo, where x > hi),
+    added in row order on the host from part (>= N, 2) float64: a sync point."""
+    x, dy, dx, part = as_device(x), as_device(dy), as_device(dx), as_device(part)
+    n, m = x.shape
+    if n == 0 or m == 0:
+        return 0.0, 0.0
+    _fake_quant_backward_kernel[n, row_threads(m)](x, dy, dx, lo, hi, part)
+    sums = part[:n].copy_to_host()
+    return float(np.sum(sums[:, 0])), float(np.sum(sums[:, 1]))
+
+
+def abs_stats(x, part):
+    """(max |x|, E[x^2], E|x|) of x (N, M), per row on the device, part (>= N, 3) float64
+    scratch: a sync point."""
+    x, part = as_device(x), as_device(part)
+    n, m = x.shape
+    if n == 0 or m == 0:
+        return 0.0, 0.0, 0.0
+    _abs_stats_kernel[n, row_threads(m)](x, part)
+    rows = part[:n].copy_to_host()
+    return float(rows[:, 0].max()), float(np.sum(rows[:, 1])) / x.size, \
+        float(np.sum(rows[:, 2])) / x.size
+
+
 def lstm_forward_step(a, r, b, c_prev, c, h):
     """One LSTM time step (model.kernels_lstm.lstm_forward_step): a (B, 4H) in, the gate
     activations out; c, h (B, H) out. Views of any layout."""

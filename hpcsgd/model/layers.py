@@ -65,6 +65,8 @@ class Dense:
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.activation, self.kind = activation, ACTIVATIONS[activation]
         self.gemm_macs = self.n_in * self.n_out
+        # the values y can take (quantization-aware training: the next layer's input grid)
+        self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)
 
     def specs(self):
         return [ParamSpec(self.W, (self.n_in, self.n_out), "weight", "codec", "rows"),

@@ -37,6 +37,8 @@ class LSTM:
     """An LSTM layer of `cells` cells per direction (bidirectional: outputs [forward |
     backward], 2 * cells wide)."""
     recurrent = True   # Network passes steps (T) and the layer's workspaces
+    output_range = (-1.0, 1.0)   # h = o tanh(c)
+    hidden_grid = None   # quantization-aware training: h_{t-1}'s grid (model.quantize)
 
     def __init__(self, index, n_in, cells, bidirectional=True):
         self.dirs = 2 if bidirectional else 1
@@ -60,7 +62,8 @@ class LSTM:
         g = GATES * self.cells   # zeros: the first step's r and c_prev (any cell column)
         return {"gates": (max_rows, self.width), "cells": (max_rows, self.n_out),
                 "rec": (max_rows, g), "zeros": (max_rows, max(g, self.n_out)),
-                "dh_rec": (max_rows, self.cells), "dc": (max_rows, self.cells)}
+                "dh_rec": (max_rows, self.cells), "dc": (max_rows, self.cells),
+                "hq": (max_rows if self.hidden_grid is not None else 0, self.n_out)}
 
     def init(self, views, rng):
         """Glorot uniform per direction's block of W and of U; b = 0 but the forget gate's
@@ -82,6 +85,8 @@ class LSTM:
         if progress is not None:
             progress()
         zeros, rec = ws["zeros"][:nb], ws["rec"][:nb]
+        grid = self.hidden_grid   # quantized h_{t-1} into the recurrent GEMM, kept in hq
+        h = y if grid is None else ws["hq"][:n]
         for d in range(self.dirs):   # direction d: gate columns from ga, cell columns from gh
             ga, gh, U = d * GATES * hc, d * hc, p[self.U[d]]
             order = range(steps) if d == 0 else range(steps - 1, -1, -1)
@@ -91,9 +96,11 @@ class LSTM:
                 if prev is None:   # the first step: no previous output or cell
                     ops.lstm_step(gates[rows], zeros, b, zeros, cells[rows], y[rows], ga, gh, hc)
                 else:
-                    matmul(y[prev, gh:gh + hc], U, rec)
+                    matmul(h[prev, gh:gh + hc], U, rec)
                     ops.lstm_step(gates[rows], rec, b, cells[prev], cells[rows], y[rows],
                                   ga, gh, hc)
+                if grid is not None:
+                    ops.fake_quant(y[rows, gh:gh + hc], h[rows, gh:gh + hc], grid)
                 prev = rows
             if progress is not None:   # the exchange in flight is tested per direction
                 progress()
@@ -103,6 +110,7 @@ class LSTM:
         nb = n // steps
         gates, cells = ws["gates"][:n], ws["cells"][:n]
         zeros, dh_rec, dc = ws["zeros"][:nb], ws["dh_rec"][:nb], ws["dc"][:nb]
+        h = y if self.hidden_grid is None else ws["hq"][:n]   # what the recurrent GEMM read
         m = (steps - 1) * nb   # rows of the steps that have a previous one
         for d in range(self.dirs):
             ga, gh, U = d * GATES * hc, d * hc, p[self.U[d]]
@@ -129,9 +137,9 @@ class LSTM:
             if m == 0:
                 zero(gU)
             elif forward_in_time:
-                matmul(y[:m, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
+                matmul(h[:m, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
             else:
-                matmul(y[nb:, gh:gh + hc], gates[:m, cols], gU, trans_a=True)
+                matmul(h[nb:, gh:gh + hc], gates[:m, cols], gU, trans_a=True)
             if progress is not None:
                 progress()
         ops.column_sums(gates, g[self.b])
@@ -159,7 +167,8 @@ def lstm_layers(input_dim, cells, num_labels, bidirectional=True, bottleneck=(),
 
 
 def lstm(input_dim, cells, num_labels, bidirectional=True, bottleneck=(), activation="relu",
-         steps=40, max_batch=2560, dtype=np.float32, device="cpu", precision="float32"):
+         steps=40, max_batch=2560, dtype=np.float32, device="cpu", precision="float32",
+         qat=None):
     """The (B)LSTM input_dim-[LSTM cells]...-[bottleneck]...-num_labels as a Network whose
     passes take sequences of `steps` frames (time-major rows) unless told otherwise."""
     if precision != "float32":
@@ -168,7 +177,7 @@ def lstm(input_dim, cells, num_labels, bidirectional=True, bottleneck=(), activa
     describe = {"type": "lstm", "input_dim": int(input_dim), "cells": [int(c) for c in cells],
                 "bidirectional": bool(bidirectional),
                 "bottleneck": [int(b) for b in bottleneck], "activation": activation,
-                "num_labels": int(num_labels)}
+                "num_labels": int(num_labels), **({"qat": dict(qat)} if qat else {})}
     return Network(lstm_layers(input_dim, cells, num_labels, bidirectional, bottleneck,
                                activation), max_batch, dtype, device, describe, precision,
-                   steps=steps)
+                   steps=steps, qat=qat)

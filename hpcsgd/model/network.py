@@ -21,11 +21,17 @@ output rounded to float16 (model.ops.HalfOps); float16 values live in float32 bu
 GEMMs widen float16 operands to float32 anyway). The weight gradients are rounded to float16
 and the loss scale taken off in float32 by unscale(). Inference (forward) uses the float32
 master weights.
+
+qat (a model.quantize description): quantization-aware training. Every pass runs on wq, the
+weights fake-quantized from the float32 master at its start, and on each layer's input
+fake-quantized into aq[i]; backward passes the gradients straight through to the master and
+the float inputs (model/quantize.py).
 """
 import numpy as np
 
 from hpcsgd import half
 from hpcsgd.device import assign, is_device, zeros
+from hpcsgd.model import quantize
 from hpcsgd.model.flat import FlatParams, as_specs
 from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 
@@ -41,15 +47,23 @@ def gemm_flop_per_frame(layers):
 
 class Network:
     def __init__(self, layers, max_batch=1024, dtype=np.float32, device="cpu", describe=None,
-                 precision="float32", steps=None):
+                 precision="float32", steps=None, qat=None):
         self.layers = list(layers)
-        self.specs = as_specs([s for layer in self.layers for s in layer.specs()])
+        qat = quantize.check(qat)
+        if qat and precision != "float32":
+            raise ValueError("quantization-aware training: precision float32 only")
+        # before the workspaces: an LSTM's quantized hidden state needs one
+        self.quant = quantize.Quantizer(self.layers, qat, dtype, device) if qat else None
+        self.specs = as_specs([s for layer in self.layers for s in layer.specs()]
+                              + (self.quant.specs() if self.quant else []))
         self.input_dim, self.num_labels = self.layers[0].n_in, self.layers[-1].n_out
         self.max_batch, self.dtype, self.device = int(max_batch), np.dtype(dtype), device
         self.describe = describe or {}   # the builder's arguments (checkpoints, logs)
         self.acts = [zeros((self.max_batch, layer.n_out), self.dtype, device)
                      for layer in self.layers]
-        self.delta = zeros(self.max_batch * max([layer.n_in for layer in self.layers[1:]],
+        # dLoss/dx of a layer's input: not of the model's, unless its clip values are learned
+        first = 0 if self.quant and self.quant.learns_input(0) else 1
+        self.delta = zeros(self.max_batch * max([layer.n_in for layer in self.layers[first:]],
                                                 default=1), self.dtype, device)
         widest = max(getattr(layer, "width", layer.n_out) for layer in self.layers)
         self.ops = make_ops(device, self.max_batch, widest, self.dtype)
@@ -72,6 +86,11 @@ class Network:
             self.w16 = self.new_params()                       # the float16 copy of W
             self.x16 = zeros((self.max_batch, self.input_dim), self.dtype, device)
             self.half_ops = HalfOps(self.ops)
+        if self.quant:
+            self.wq = self.new_params()   # the fake-quantized weights a pass runs on
+            self.aq = [zeros((self.max_batch, layer.n_in), self.dtype, device)
+                       if rule != "none" else None
+                       for layer, rule in zip(self.layers, self.quant.rules)]
         if device == "cuda":
             self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
             self.y_in = zeros(self.max_batch, np.int32, "cuda")
@@ -90,6 +109,8 @@ class Network:
         host = params if self.device == "cpu" else FlatParams(self.specs, self.dtype)
         for layer in self.layers:
             layer.init(host.views, rng)
+        if self.quant:   # learned clip values: no draws (the float layers' init is unchanged)
+            self.quant.init(host.views)
         if host is not params:
             assign(params.flat, host.flat)
 
@@ -138,10 +159,20 @@ class Network:
 
     def _forward(self, params, x, n, ops, progress=None, steps=None):
         a = x[:n]
-        for layer, out, ws in zip(self.layers, self.acts, self.workspaces):
+        for i, (layer, out, ws) in enumerate(zip(self.layers, self.acts, self.workspaces)):
+            if self.quant:
+                out_q = self.aq[i][:n] if self.aq[i] is not None else None
+                a = self.quant.quantize_input(i, a, out_q, params, ops)
             layer.forward(params, a, out[:n], ops, progress, **self._sequences(layer, ws, steps))
             a = out[:n]
         return a
+
+    def _quantized(self, params, ops):
+        """The weights a pass runs on: the master's, or their fake-quantized copy."""
+        if not self.quant:
+            return params
+        self.quant.quantize_weights(params, self.wq, ops)
+        return self.wq
 
     def forward_backward(self, params, grads, x, y, n, progress=None, ops=None,
                          loss_scale=1.0, steps=None):
@@ -177,16 +208,24 @@ class Network:
             params, x = self.w16, self.x16
             ops = ops if isinstance(ops, GemmOnly) else (
                 self.half_ops if ops is self.ops else HalfOps(ops))
+        master, params = params, self._quantized(params, ops)
         logits = self._forward(params, x, n, ops, progress, steps)
         ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale)
         dy = None                      # the loss has turned the logits into dLoss/dz
+        quant = self.quant
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
             inp = self.acts[i - 1][:n] if i > 0 else x[:n]
-            dx = self.delta[:n * layer.n_in].reshape(n, layer.n_in) if i > 0 else None
-            layer.backward(params, grads, inp, self.acts[i][:n], dy, dx, ops, progress,
+            wants_dx = i > 0 or (quant and quant.learns_input(0))
+            dx = self.delta[:n * layer.n_in].reshape(n, layer.n_in) if wants_dx else None
+            layer.backward(params, grads, self.aq[i][:n] if quant and quant.grids[i] is not None else inp,
+                           self.acts[i][:n], dy, dx, ops, progress,
                            **self._sequences(layer, self.workspaces[i], steps))
+            if quant:   # straight through to the float input (before the layer below reuses it)
+                quant.input_backward(i, inp, dx, master, grads, ops, n * loss_scale)
             dy = dx
+        if quant:
+            quant.weights_backward(master, grads, ops, n * loss_scale)
         return ce, correct
 
     def unscale(self, grads, loss_scale):
@@ -205,6 +244,7 @@ class Network:
         self._check(x, n)
         steps = self._steps(n, steps)
         x, _ = self._to_device(x, None, n)
+        params = self._quantized(params, self.ops)
         z = self._forward(params, x, n, self.ops, steps=steps)
         self.layers[-1].posteriors(params, z, self.ops, log)
         if self.device == "cuda":

@@ -17,6 +17,7 @@ from hpcsgd import half
 from hpcsgd.device import zeros
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.model import kernels_quant as KQ
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
 
@@ -27,6 +28,7 @@ class CpuOps:
         self.lanes = np.empty((max(max_batch, K.NCHUNK), K.LANES), dtype)
         self.ce_part = np.empty(K.NCHUNK, np.float64)
         self.correct_part = np.empty(K.NCHUNK, np.int64)
+        self.quant_part = np.empty((K.NCHUNK, 3), np.float64)
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -69,6 +71,21 @@ class CpuOps:
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
         KL.column_sums(d, gb, self.partial)
 
+    def fake_quant(self, x, out, grid):
+        """out <- x on the grid (model.quantize.Grid; out may be x)."""
+        KQ.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+
+    def fake_quant_backward(self, x, dy, dx, lo, hi):
+        """dx <- dy straight through where lo <= x <= hi, 0 elsewhere (dx may be dy).
+        Returns (sum of dy where x < lo, where x > hi): the clip values' gradients."""
+        KQ.fake_quant_backward(x, dy, dx, lo, hi, self.quant_part)
+        return float(self.quant_part[:, 0].sum()), float(self.quant_part[:, 1].sum())
+
+    def abs_stats(self, x):
+        """(max |x|, E[x^2], E|x|) of a 2-D x."""
+        KQ.abs_stats(x, self.quant_part)
+        return KQ.reduce_stats(self.quant_part, x.size)
+
 
 class CudaOps:
     """The same on a GPU rank: per-row CE and hits come back through small device buffers."""
@@ -76,6 +93,7 @@ class CudaOps:
     def __init__(self, max_batch, max_width, dtype):
         self.ce_rows = zeros(max_batch, np.float64, "cuda")
         self.correct_rows = zeros(max_batch, np.int32, "cuda")
+        self.quant_part = None
 
     def bias_act(self, z, b, kind):
         KC.bias_act_forward(z, b, kind)
@@ -108,6 +126,22 @@ class CudaOps:
     def column_sums(self, d, gb):
         KC.column_sums(d, gb)
 
+    def fake_quant(self, x, out, grid):
+        KC.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+
+    def fake_quant_backward(self, x, dy, dx, lo, hi):
+        return KC.fake_quant_backward(x, dy, dx, lo, hi, self._quant_part(len(x)))
+
+    def abs_stats(self, x):
+        return KC.abs_stats(x, self._quant_part(len(x)))
+
+    def _quant_part(self, rows):
+        """float64 (rows, 3) device scratch of the fake-quantization reductions (grown to the
+        largest matrix: a weight's input units may exceed max_batch)."""
+        if self.quant_part is None or len(self.quant_part) < rows:
+            self.quant_part = zeros((rows, 3), np.float64, "cuda")
+        return self.quant_part
+
 
 class GemmOnly:
     """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers."""
@@ -120,6 +154,15 @@ class GemmOnly:
 
     def column_sums(self, d, gb):
         pass
+
+    def fake_quant(self, x, out, grid):
+        pass
+
+    def fake_quant_backward(self, x, dy, dx, lo, hi):
+        return 0.0, 0.0
+
+    def abs_stats(self, x):
+        return 1.0, 1.0, 1.0
 
     def bias_act(self, z, b, kind):
         pass

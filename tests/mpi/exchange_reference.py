@@ -1,7 +1,7 @@
 """Single-process reference for the exchange tests: train on the SAME global minibatches that
 `hpcsgd train` sees with K ranks, without MPI.
 
-    python tests/mpi/exchange_reference.py OUT.npz K MODE [--float64] key=value ...
+    python tests/mpi/exchange_reference.py OUT.npz K MODE [--float64] [--per-rank] key=value ...
 
 The config overrides are the trainer's (same keys, same defaults). K loaders are built in this
 one process exactly as the K ranks build theirs (rank r of K, the rank's local minibatch); each
@@ -12,6 +12,10 @@ minibatch were the union), then:
   MODE onebit  (K = 1 only) the paper's path written out plainly with the NumPy reference
                codec: encode with residual 1, decode, post-process, encode with residual 2,
                decode, apply -- every gradient quantized twice.
+--per-rank: each rank's gradient computed on its own batch, then added in rank order in
+float32 (at K = 2 the Allreduce's sum bit for bit: one addition, commutative); for a model
+whose forward depends on the batch (quantization-aware training: a learned clip's gradient is
+the same either way, but the sum's rounding is not).
 Writes params (and the residuals for onebit) to OUT.npz.
 """
 import sys
@@ -24,6 +28,9 @@ from hpcsgd.codecs import make_codec
 from reference_setup import build, float64_flag, global_batch, global_steps
 
 dtype = float64_flag(sys.argv)
+per_rank = "--per-rank" in sys.argv
+if per_rank:
+    sys.argv.remove("--per-rank")
 out_path, K, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = config.load(None, sys.argv[4:])
 assert mode in ("float", "onebit") and (mode == "float" or K == 1)
@@ -47,7 +54,30 @@ def quantize(flat, residual):
 
 
 frames = 0
+rank_grads = model.new_params()
+
+
+def per_rank_gradient(take):
+    """grads <- the sum over ranks (in rank order) of each rank's gradient of its batch."""
+    grads.flat[:] = 0
+    ys = []
+    for r, loader in enumerate(loaders):
+        x, y = global_batch([loader], take[r:r + 1], dtype)
+        model.forward_backward(params, rank_grads, x, y, len(y))
+        grads.flat[:] += rank_grads.flat
+        ys.append(y)
+    return np.concatenate(ys)
+
+
 for lr, take, _ in global_steps(cfg, loaders, batch_of):
+    if per_rank:
+        assert cfg["train.loss_scale"] == "none"
+        y = per_rank_gradient(take)
+        opt.begin_step(int(take.sum()), int(np.count_nonzero(y >= 0)))
+        opt.post_exchange(grads.flat, params.flat)
+        opt.apply(params.flat, grads.flat, lr)
+        frames += int(take.sum())
+        continue
     x, y = global_batch(loaders, take, dtype)
     n = len(y)
     # a static loss scale (the trainer's rules for the others are tested on their own): the

@@ -1,0 +1,159 @@
+"""`hpcsgd export`: a model's weights as integers with their scales, for integer inference.
+
+    hpcsgd export RUN_DIR|CHECKPOINT --int8|--int4 --out MODEL.h5
+    hpcsgd eval MODEL.h5 --data ARCHIVE          (and infer: the integer weights)
+
+Every weight matrix W is written as its grid's integer codes k (int8; --int4: two's-complement
+nibbles packed two per byte, the first value in the low nibble) and its step s, so that
+s * k is, bit for bit, the fake-quantized weight the quantization-aware model trained with
+(model/quantize.py). Biases and learned clip values stay float32. A model trained without
+quantized weights is quantized after training with the MAX rule at the export's width (said
+on the console). Evaluation and inference load s * k as float32 and run the model's float32
+GEMMs on them (dequantize, then GEMM: NumPy has no integer BLAS), with the activations
+quantized as in training: the outputs equal the fake-quantized model's exactly.
+
+File: attrs format = "hpcsgd-int", bits, meta (the checkpoint's meta, the model's qat
+description completed); datasets int/<W> (codes), with attrs step and shape; float/<name>.
+"""
+import copy
+import json
+import os
+
+import h5py
+import numpy as np
+
+from hpcsgd.errors import UserError
+
+FORMAT = "hpcsgd-int"
+EXAMPLES = """examples:
+  hpcsgd export runs/qat4 --int4 --out runs/qat4/model_int4.h5
+  hpcsgd eval runs/qat4/model_int4.h5 --data runs/demo/archive/cv"""
+
+
+def add_arguments(parser):
+    parser.add_argument("model", help="run directory (latest checkpoint) or checkpoint file")
+    width = parser.add_mutually_exclusive_group(required=True)
+    width.add_argument("--int8", action="store_const", const=8, dest="bits",
+                       help="8-bit codes (int8)")
+    width.add_argument("--int4", action="store_const", const=4, dest="bits",
+                       help="4-bit codes, two per byte")
+    parser.add_argument("--out", required=True, help="the exported model (HDF5)")
+
+
+def pack_int4(codes):
+    """int codes in [-8, 7] (any shape) -> uint8, two per byte, the first in the low nibble."""
+    flat = codes.reshape(-1).astype(np.int8)
+    if len(flat) % 2:
+        flat = np.append(flat, np.int8(0))
+    nib = (flat.view(np.uint8) & 0xF)
+    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed, size):
+    """pack_int4's inverse: the first `size` codes as int8."""
+    nib = np.empty(2 * len(packed), np.uint8)
+    nib[0::2], nib[1::2] = packed & 0xF, packed >> 4
+    return ((nib[:size].astype(np.int8) ^ 8) - 8).astype(np.int8)
+
+
+def codes_of(wq, grid):
+    """The integer codes of fake-quantized weights wq = s * k (exact: |k| <= 127, so the
+    rounding of wq * (1/s) is far below 1/2), checked against wq."""
+    k = np.rint(wq * grid.inv)
+    if not np.array_equal((k.astype(wq.dtype) * grid.step).astype(wq.dtype), wq):
+        raise RuntimeError("fake-quantized weights are not on their grid")
+    return k.astype(np.int8)
+
+
+def export(path, out, bits, say=print):
+    """Write the integer model of the checkpoint (or run directory) at `path` to `out`;
+    returns {"weights": bytes of the weights as integers, "float32": as float32, "file":
+    bytes of the file}."""
+    from hpcsgd.evaluate import load_model
+    from hpcsgd.model import build
+    model, params, meta = load_model(path)
+    qat = dict(model.describe.get("qat") or {})
+    if qat.get("weights", "none") == "none":
+        say(f"{meta['path']}: weights not trained quantized: quantized now with the MAX rule "
+            f"at {bits} bits (post-training)")
+        qat.update(weights="max", weight_bits=bits)
+    if qat["weight_bits"] > bits:
+        raise UserError(f"{meta['path']}: trained with {qat['weight_bits']}-bit weights; "
+                        f"--int{bits} cannot hold their codes")
+    describe = {**model.describe, "qat": qat}
+    quantized = build(describe, max_batch=8)
+    source = quantized.new_params()
+    for name in source.views:
+        if name in params.views:
+            source[name][...] = params[name]
+        elif name.startswith("clip_"):   # a learned clip the float model had no value for
+            raise UserError(f"{meta['path']}: no {name}")
+    quantized.quant.quantize_weights(source, quantized.wq, quantized.ops)
+    meta = copy.deepcopy({k: v for k, v in meta.items() if k != "path"})
+    meta["model"] = describe
+    weights = set(quantized.quant.weights)
+    sizes = {"weights": 0, "float32": 0}
+    tmp = out + ".tmp"
+    with h5py.File(tmp, "w") as f:
+        f.attrs["format"], f.attrs["bits"], f.attrs["meta"] = FORMAT, bits, json.dumps(meta)
+        for spec in quantized.specs:
+            name = spec.name
+            if name in weights:
+                grid = quantized.quant.w_grids[name]
+                codes = codes_of(quantized.wq[name], grid)
+                data = pack_int4(codes) if bits == 4 else codes
+                d = f.create_dataset(f"int/{name}", data=data)
+                d.attrs["step"], d.attrs["shape"] = float(grid.step), list(spec.shape)
+                sizes["weights"] += data.nbytes
+                sizes["float32"] += codes.size * 4
+            else:
+                f.create_dataset(f"float/{name}", data=source[name])
+    os.replace(tmp, out)   # nothing half-written under the final name
+    sizes["file"] = os.path.getsize(out)
+    return sizes
+
+
+def is_exported(path):
+    if not os.path.isfile(path):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return f.attrs.get("format") == FORMAT
+    except OSError:
+        return False
+
+
+def load(path, max_batch):
+    """(model, params, meta) of an exported file: the weights s * k, marked as on their grid
+    (model.quant.exported: not quantized again)."""
+    from hpcsgd.model import build
+    try:
+        with h5py.File(path, "r") as f:
+            meta = json.loads(f.attrs["meta"])
+            bits = int(f.attrs["bits"])
+            model = build(meta["model"], max_batch=max_batch)
+            params = model.new_params()
+            for spec in model.specs:
+                if spec.name in model.quant.weights:
+                    d = f[f"int/{spec.name}"]
+                    size = spec.shape[0] * spec.shape[1]
+                    codes = unpack_int4(d[()], size) if bits == 4 else d[()].reshape(-1)
+                    step = np.float32(d.attrs["step"])
+                    params[spec.name][...] = (codes.astype(np.float32) * step).reshape(spec.shape)
+                else:
+                    params[spec.name][...] = f[f"float/{spec.name}"][()]
+    except (OSError, KeyError, ValueError) as err:
+        raise UserError(f"exported model {path}: unreadable ({err})") from None
+    model.quant.exported = True
+    meta["path"] = path
+    return model, params, meta
+
+
+def run(args):
+    if not args.out.endswith((".h5", ".hdf5")):
+        raise UserError(f"--out {args.out}: expected an .h5 file name")
+    sizes = export(args.model, args.out, args.bits)
+    print(f"wrote {args.out}: weights {sizes['weights']:,} bytes as int{args.bits} "
+          f"({sizes['float32'] / max(sizes['weights'], 1):.1f}x smaller than float32's "
+          f"{sizes['float32']:,}); file {sizes['file']:,} bytes")
+    return 0

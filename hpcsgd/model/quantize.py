@@ -1,0 +1,249 @@
+"""Quantization-aware training (the IBM paper, ../shared/seeds/004_...): which tensor is fake-
+quantized on which grid, and the straight-through backward. The kernels are
+hpcsgd.model.kernels_quant (CPU) and hpcsgd.model.kernels_cuda (GPU ranks), through the
+device's ops.
+
+What is quantized (docs/qat.md):
+  weights      every weight matrix (not the biases), on a symmetric grid of 2^b - 1 levels;
+               the clip value alpha by rule:
+                 max   alpha = max |W|
+                 sawb  alpha = c1 sqrt(E[W^2]) - c2 E|W| (IBM's coefficients per bit width;
+                       at most max |W|)
+                 pact  a learned alpha (a "clip" parameter), gradient sum(dWq sign(W)) where
+                       |W| >= alpha; the clipped weights get no gradient
+               max and sawb pass the gradient straight through to every weight.
+  activations  the input of every layer's GEMM(s), per layer input:
+                 max / sawb  alpha from the minibatch's statistics (dynamic)
+                 pact  a learned range [alpha_n, alpha_p] (a "clip" parameter)
+                 bac   PACT on the first layer's input (and after a ReLU, which has no
+                       bound); the fixed bounds of the activation below elsewhere: [0, 1]
+                       after a sigmoid, [-1, 1] after an LSTM
+               a signed input (features, LSTM outputs) gets the symmetric grid, a one-signed
+               one (sigmoid, ReLU) the affine grid [0, alpha] of 2^b levels; a learned range
+               the affine grid [alpha_n, alpha_p]. Gradient: straight through inside the
+               range [lo, hi], zero outside; PACT's clip values get the sums outside.
+  LSTM state   the hidden state h_{t-1} fed to the recurrent GEMM, at every step, on the
+               fixed symmetric grid [-1, 1] (the paper's alpha_h = 1; |h| < 1, so its
+               straight-through gradient is the identity); the cell state stays float.
+
+Learned clip values are parameters: role "clip", exchange "float" (summed in float32 by every
+exchange, never through a gradient codec), trained by the optimizer, checkpointed.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from hpcsgd.device import assign, to_host
+from hpcsgd.model.flat import ParamSpec
+from hpcsgd.model.kernels_quant import ref_stats
+
+WEIGHT_RULES = ("none", "max", "sawb", "pact")
+ACTIVATION_RULES = ("none", "max", "sawb", "pact", "bac")
+# SAWB (Choi et al. 2018, IBM's published fit), alpha = c1 sqrt(E[w^2]) - c2 E|w| per bit
+# width; 4 bits: the 15-level variant, as this grid has 2^b - 1 levels (+-7)
+SAWB = {2: (3.12, 2.064), 3: (7.509, 6.892), 4: (12.035, 12.03), 8: (31.76, 35.04)}
+MIN_STEP = 1e-12   # an all-zero tensor: any positive step quantizes it to zero
+
+
+class Grid(NamedTuple):
+    """The values step * k, k integer in [klo, khi]; (lo, hi) the clip range the
+    straight-through gradient passes inside. Fields in the model's dtype."""
+    lo: float
+    hi: float
+    step: float
+    inv: float
+    klo: float
+    khi: float
+
+
+def symmetric_grid(alpha, bits, dtype=np.float32):
+    """+-(2^(b-1) - 1) levels of alpha / (2^(b-1) - 1): 2^b - 1 values, zero exact."""
+    t = np.dtype(dtype).type
+    levels = 2 ** (bits - 1) - 1
+    step = t(max(float(alpha) / levels, MIN_STEP))
+    a = t(alpha)
+    return Grid(-a, a, step, t(1) / step, t(-levels), t(levels))
+
+
+def affine_grid(lo, hi, bits, dtype=np.float32):
+    """2^b values step * k, step = (hi - lo) / (2^b - 1), k from rint(lo / step): zero exact,
+    the range [lo, hi] to within step / 2."""
+    t = np.dtype(dtype).type
+    lo, hi = float(lo), max(float(hi), float(lo))
+    step = t(max((hi - lo) / (2 ** bits - 1), MIN_STEP))
+    klo = float(np.rint(t(lo) / step))
+    return Grid(t(lo), t(hi), step, t(1) / step, t(klo), t(klo + 2 ** bits - 1))
+
+
+def sawb_alpha(mean_sq, mean_abs, max_abs, bits):
+    """SAWB's clip value, kept in (0, max |x|]."""
+    c1, c2 = SAWB[bits]
+    alpha = c1 * np.sqrt(mean_sq) - c2 * mean_abs
+    return float(min(max(alpha, MIN_STEP), max_abs)) if max_abs > 0 else 0.0
+
+
+def check(qat):
+    """A model's qat description -> itself with defaults, or None when nothing is quantized.
+    Raises ValueError naming the bad field."""
+    if not qat:
+        return None
+    out = {"weights": "none", "weight_bits": 8, "activations": "none", "activation_bits": 8,
+           "pact_init": 4.0, "clip_decay": 1e-4, **qat}
+    if out["weights"] not in WEIGHT_RULES:
+        raise ValueError(f"qat weights {out['weights']!r}: expected one of {WEIGHT_RULES} "
+                         f"(bac is a rule for bounded activations)")
+    if out["activations"] not in ACTIVATION_RULES:
+        raise ValueError(f"qat activations {out['activations']!r}: expected one of "
+                         f"{ACTIVATION_RULES}")
+    for what in ("weight", "activation"):
+        bits = out[f"{what}_bits"]
+        if not 2 <= int(bits) <= 8:
+            raise ValueError(f"qat {what}_bits {bits}: expected 2..8")
+        if out[what + "s"] == "sawb" and int(bits) not in SAWB:
+            raise ValueError(f"qat {what}s sawb at {bits} bits: SAWB's coefficients are "
+                             f"published for {sorted(SAWB)} bits only")
+    if out["weights"] == "none" and out["activations"] == "none":
+        return None
+    return out
+
+
+def input_rule(rule, i, bounds):
+    """The rule of layer i's input whose range is `bounds` ((lo, hi), None for unknown)."""
+    if rule != "bac":
+        return rule
+    bounded = bounds[0] is not None and bounds[1] is not None
+    return "fixed" if i > 0 and bounded else "pact"
+
+
+class Quantizer:
+    """The fake quantization of one Network: built from its layers and qat description."""
+
+    def __init__(self, layers, qat, dtype, device="cpu"):
+        self.qat, self.dtype, self.device = qat, np.dtype(dtype), device
+        self.w_rule, self.w_bits = qat["weights"], int(qat["weight_bits"])
+        self.a_rule, self.a_bits = qat["activations"], int(qat["activation_bits"])
+        self.clip_decay = float(qat["clip_decay"])
+        self.exported = False   # integer weights loaded (hpcsgd/export.py): already on the grid
+        # the range each layer's input can take: the features are signed and unbounded
+        self.bounds = [(None, None)] + [getattr(layer, "output_range", (None, None))
+                                        for layer in layers[:-1]]
+        self.rules = [input_rule(self.a_rule, i, b) for i, b in enumerate(self.bounds)]
+        self.weights = [s.name for layer in layers for s in layer.specs() if s.role == "weight"]
+        self.grids = [None] * len(layers)   # the grid of each input in the last forward
+        self.w_grids = {}
+        init = float(qat["pact_init"])
+        self.pact_init = [(lo if lo is not None else -init, hi if hi is not None else init)
+                          for lo, hi in self.bounds]
+        # the LSTM's hidden state: the fixed grid [-1, 1]
+        hidden = symmetric_grid(1.0, self.a_bits, dtype) if self.a_rule != "none" else None
+        for layer in layers:
+            if getattr(layer, "recurrent", False):
+                layer.hidden_grid = hidden
+
+    # ---- the clip parameters ---------------------------------------------------------------
+
+    def specs(self):
+        out = []
+        if self.w_rule == "pact":
+            out += [ParamSpec(f"clip_{w}", (1, 1), "clip", "float") for w in self.weights]
+        out += [ParamSpec(f"clip_in{i}", (1, 2), "clip", "float")
+                for i, rule in enumerate(self.rules) if rule == "pact"]
+        return out
+
+    def init(self, views):
+        """Learned clip values' start (host views): a weight's SAWB alpha at its bit width
+        (MAX's where SAWB has no coefficients), so that the clipped weights give the clip a
+        gradient from the first step; an input's bounds, or +-qat.pact_init where it has
+        none."""
+        if self.w_rule == "pact":
+            for w in self.weights:
+                mx, msq, mab = ref_stats(views[w])
+                alpha = sawb_alpha(msq, mab, mx, self.w_bits) if self.w_bits in SAWB else mx
+                views[f"clip_{w}"][0, 0] = alpha
+        for i, rule in enumerate(self.rules):
+            if rule == "pact":
+                views[f"clip_in{i}"][0, :] = self.pact_init[i]
+
+    def learns_input(self, i):
+        return self.rules[i] == "pact"
+
+    def _clips(self, params, name):
+        return to_host(params[name])[0].astype(np.float64)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def quantize_weights(self, params, wq, ops):
+        """wq <- params with every weight matrix fake-quantized (biases and clips copied)."""
+        assign(wq.flat, params.flat)
+        if self.exported or self.w_rule == "none":
+            return
+        for w in self.weights:
+            W = params[w]
+            if self.w_rule == "pact":
+                alpha = max(self._clips(params, f"clip_{w}")[0], MIN_STEP)
+            else:
+                mx, msq, mab = ops.abs_stats(W)
+                alpha = mx if self.w_rule == "max" else sawb_alpha(msq, mab, mx, self.w_bits)
+            grid = self.w_grids[w] = symmetric_grid(alpha, self.w_bits, self.dtype)
+            ops.fake_quant(W, wq[w], grid)
+
+    def weights_backward(self, params, grads, ops, frames):
+        """PACT weights: no gradient for the clipped weights, and their clip value's, with
+        qat.clip_decay's L2 pull (per sample: `frames` = frames x loss scale)."""
+        if self.w_rule != "pact" or self.exported:
+            return
+        for w in self.weights:
+            grid, name = self.w_grids[w], f"clip_{w}"
+            d_lo, d_hi = ops.fake_quant_backward(params[w], grads[w], grads[w], grid.lo, grid.hi)
+            alpha = self._clips(params, name)
+            set_row(grads[name], [d_hi - d_lo + self.clip_decay * frames * alpha[0]])
+
+    # ---- activations -----------------------------------------------------------------------
+
+    def input_grid(self, i, x, params, ops):
+        rule, bits = self.rules[i], self.a_bits
+        if rule == "none":
+            return None
+        lo_bound, hi_bound = self.bounds[i]
+        if rule == "fixed":
+            if lo_bound < 0:
+                return symmetric_grid(max(-lo_bound, hi_bound), bits, self.dtype)
+            return affine_grid(lo_bound, hi_bound, bits, self.dtype)
+        if rule == "pact":
+            lo, hi = self._clips(params, f"clip_in{i}")
+            return affine_grid(lo, hi, bits, self.dtype)
+        mx, msq, mab = ops.abs_stats(x)
+        alpha = mx if rule == "max" else sawb_alpha(msq, mab, mx, bits)
+        if lo_bound is None or lo_bound < 0:
+            return symmetric_grid(alpha, bits, self.dtype)
+        return affine_grid(0.0, alpha, bits, self.dtype)
+
+    def quantize_input(self, i, x, out, params, ops):
+        """Layer i's input x fake-quantized into out (returned); x itself if not quantized."""
+        grid = self.grids[i] = self.input_grid(i, x, params, ops)
+        if grid is None:
+            return x
+        ops.fake_quant(x, out, grid)
+        return out
+
+    def input_backward(self, i, x, dx, params, grads, ops, frames):
+        """dx (the gradient of the quantized input) <- that of x, straight through inside the
+        range; a learned range gets the sums outside it, and qat.clip_decay's L2 pull."""
+        grid = self.grids[i]
+        # max: nothing is clipped; fixed: the activation cannot leave its bounds
+        if grid is None or dx is None or self.rules[i] in ("max", "fixed"):
+            return
+        d_lo, d_hi = ops.fake_quant_backward(x, dx, dx, grid.lo, grid.hi)
+        if self.rules[i] == "pact":
+            name = f"clip_in{i}"
+            lo, hi = self._clips(params, name) * (self.clip_decay * frames)
+            set_row(grads[name], [d_lo + lo, d_hi + hi])
+
+
+def set_row(view, values):
+    """view (1, n) <- values (host numbers; a GPU view gets a small copy)."""
+    row = np.asarray(values, dtype=view.dtype).reshape(1, -1)
+    if isinstance(view, np.ndarray):
+        view[...] = row
+    else:
+        view.copy_to_device(row)
