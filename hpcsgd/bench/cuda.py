@@ -130,6 +130,20 @@ def record(out_path):
          Optimizer(blstm_params.size, device="cuda"), exchanges[0], device="cuda",
          clip=1e-3).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
     blstm.forward(blstm_params, x, n, log=True)
+    # quantization-aware training (hpcsgd/model/quantize.py): learned clips on weights and
+    # inputs (the backward's reductions), dynamic SAWB ranges (the statistics), the BLSTM's
+    # quantized hidden state on strided views
+    from hpcsgd.model import build
+    for shape, qat in ((dict(input_dim=6, hidden=[5], num_labels=3, activation="sigmoid"),
+                        dict(weights="pact", weight_bits=4, activations="pact", activation_bits=4)),
+                       (dict(type="lstm", input_dim=6, cells=[3], num_labels=3,
+                             bidirectional=True, bottleneck=[4], activation="sigmoid",
+                             steps=steps),
+                        dict(weights="sawb", weight_bits=4, activations="sawb", activation_bits=4))):
+        quantized = build({**shape, "qat": qat}, max_batch=n, device="cuda")
+        q_params = quantized.new_params()
+        quantized.init(q_params, np.random.default_rng(1))
+        quantized.forward_backward(q_params, quantized.new_params(), x, y, n)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")
