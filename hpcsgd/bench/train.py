@@ -115,6 +115,22 @@ def add_arguments(parser):
                         help="float32, mixed, or float32,mixed: the step in each precision "
                              "(train.precision; mixed with a static loss scale of 1: the "
                              "overflow vote runs, no step may be skipped), in the same rounds")
+    parser.add_argument("--qat", default="",
+                        help="quantization-aware variants of the step, measured in the same "
+                             "rounds against the float one: WEIGHTS[/ACTIVATIONS] rule+bits, "
+                             "comma-separated, e.g. sawb4/bac4,pact4/pact4,max8/max8")
+
+
+def parse_qat(spec):
+    """'sawb4/bac4' -> the model's qat description (hpcsgd.model.quantize): weights SAWB at 4
+    bits, activations BAC at 4 bits; 'max8' quantizes the weights only."""
+    out = {}
+    for what, part in zip(("weight", "activation"), spec.split("/")):
+        rule = part.rstrip("0123456789")
+        if not part or rule == part:
+            raise SystemExit(f"--qat {spec}: expected rule+bits[/rule+bits], e.g. sawb4/bac4")
+        out[what + "s"], out[what + "_bits"] = rule, int(part[len(rule):])
+    return out
 
 
 def model_of(args):
@@ -206,7 +222,7 @@ def run(args):
               "--warmup", args.warmup,
               "--activation", activation, "--device", args.device]
     worker += ["--pytorch"] if args.pytorch else []
-    worker += ["--precision", args.precision]
+    worker += ["--precision", args.precision] + (["--qat", args.qat] if args.qat else [])
     worker += ["--small"] if args.small else []
     worker += ["--config", args.config] if args.config else []
     worker += ["--model", args.model] + (["--cells", args.cells] if args.cells else []) \
@@ -225,6 +241,7 @@ def run(args):
                 row["wire_s"] = row["exchanges_per_step"] * row["bytes_per_rank"] * 8 / (gbps * 1e9)
         runs.append(res)
         print_table(res)
+        print_qat_overhead(res)
         print_activation_memory(res)
     out = {"model": name, "shape": shape, "activation": activation, "device": args.device,
            "params": runs[0]["params"], "minibatches": ns, "exchanges": args.exchange.split(","),
@@ -266,6 +283,8 @@ def _run_name(exchange, precision):
 def figures(res):
     out = {}
     for run in res["runs"]:
+        for (n, mode, spec), overhead in qat_overheads(run).items():
+            out[f"K={run['ranks']} N={n} DB {_db_name(*mode)} qat {spec} overhead"] = overhead
         for r in run["rows"]:
             key = f"K={run['ranks']} {_label(r)}"
             out[f"{key} frames/s"] = r["frames_per_s"]
@@ -304,6 +323,23 @@ def print_table(run):
               + " ".join(f"{f[c]:>{w}.0%}" for c, w in
                          (("compute", 7), ("encode", 6), ("communicate", 6), ("update", 6),
                           ("other", 6))))
+
+
+def qat_overheads(run):
+    """{(N, mode, variant): the QAT step's time per frame / the float step's - 1}, exchange
+    skipped (the fake quantization's own cost, the --qat variants)."""
+    base = {(r["minibatch"], _mode(r)): r["frames_per_s"] for r in run["rows"]
+            if r["exchange"] == "none" and r.get("precision", "float32") == "float32"}
+    return {(r["minibatch"], _mode(r), r["precision"][4:]):
+            base[(r["minibatch"], _mode(r))] / r["frames_per_s"] - 1.0
+            for r in run["rows"] if r["exchange"] == "none"
+            and r.get("precision", "").startswith("qat:")}
+
+
+def print_qat_overhead(run):
+    for (n, mode, spec), overhead in qat_overheads(run).items():
+        print(f"fake quantization {spec} at N = {n} (DB {_db_name(*mode)}): {overhead:+.1%} "
+              f"time per frame against the float step (exchange skipped)")
 
 
 def print_activation_memory(run):
@@ -393,9 +429,11 @@ class Rank:
         self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
         self.device, self.unit = device, unit_of(shape)
         self.models = {}   # precision -> (model, params, the 2 gradient buffers)
-        for precision in precisions:
-            model = build(dict(shape, activation=activation), max_batch=max_local, device=device,
-                          precision=precision)
+        for precision in precisions:   # "float32", "mixed" or "qat:SPEC" (parse_qat)
+            qat = parse_qat(precision[4:]) if precision.startswith("qat:") else None
+            model = build(dict(shape, activation=activation, **({"qat": qat} if qat else {})),
+                          max_batch=max_local, device=device,
+                          precision="float32" if qat else precision)
             params = model.new_params()
             model.init(params, np.random.default_rng(0))      # replicas start equal
             self.models[precision] = (model, params, gradient_buffers(model, True))
@@ -524,6 +562,7 @@ def worker(argv):
     precisions = args.precision.split(",")
     if not set(precisions) <= {"float32", "mixed"}:
         raise SystemExit(f"--precision {args.precision}: expected float32 and/or mixed")
+    precisions += [f"qat:{spec}" for spec in args.qat.split(",") if spec]
     unit = unit_of(shape)   # an LSTM's rows are whole chunks (steps = chunk: no context)
     max_local = max(int(batch_split(n, K, unit)[0]) for n in ns)
     r = Rank(comm, shape, activation, max_local, dev, precisions)
@@ -533,12 +572,14 @@ def worker(argv):
     # every exchange (and the skipped one: a replicated momentum optimizer) built once
     runs, precision_of = {}, {}
     for precision in precisions:
-        local_opt = Optimizer(size, momentum_time_constant=MOMENTUM_TC, device=dev)
+        params = r.models[precision][1]   # a QAT model has its learned clips besides
+        local_opt = Optimizer(params.size, momentum_time_constant=MOMENTUM_TC, device=dev)
         runs[_run_name("none", precision)] = (Local(local_opt), local_opt)
         for name in args.exchange.split(","):
-            ex = make_exchange(exchange_config(name, dev), comm, r.params.matrices)
+            ex = make_exchange(exchange_config(name, dev), comm, params.matrices)
             runs[_run_name(name, precision)] = (ex, Optimizer(
-                size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size, device=dev))
+                params.size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size,
+                device=dev))
         precision_of.update({_run_name(name, precision): precision
                              for name in ["none"] + args.exchange.split(",")})
     torch_rank = None
@@ -574,7 +615,7 @@ def worker(argv):
             parts = [p for p in (halves(take, unit) if mode[0] else [take]) if p.sum()]  # overhead
             roof[(n, mode)] = statistics.median(gemm_s[mode])
             row = dict(measure(r, samples[(name, mode)], n, mode[0],
-                               name not in ("none", "none+mixed", "pytorch")),
+                               not name.startswith("none") and name != "pytorch"),
                        exchange=name.split("+")[0], progress=mode[1],
                        precision=precision_of.get(name, "float32"))
             if row["exchange"] == "none":

@@ -289,22 +289,20 @@ def _fake_quant_kernel(x, out, step, inv, klo, khi):
 
 
 @cuda.jit
-def _fake_quant_backward_kernel(x, dy, dx, lo, hi, part):
+def _fake_quant_backward_kernel(x, d, lo, hi, part):
     i = cuda.blockIdx.x
     s_lo_part = cuda.shared.array(ROW_THREADS, np.float64)
     s_hi_part = cuda.shared.array(ROW_THREADS, np.float64)
     s_lo, s_hi = 0.0, 0.0
-    zero = dx.dtype.type(0)
+    zero = d.dtype.type(0)
     for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        v, d = x[i, j], dy[i, j]
+        v, g = x[i, j], d[i, j]
         if v < lo:
-            s_lo += d
-            dx[i, j] = zero
+            s_lo += g
+            d[i, j] = zero
         elif v > hi:
-            s_hi += d
-            dx[i, j] = zero
-        else:
-            dx[i, j] = d
+            s_hi += g
+            d[i, j] = zero
     s_lo = _row_sum(s_lo_part, s_lo)
     s_hi = _row_sum(s_hi_part, s_hi)
     if cuda.threadIdx.x == 0:
@@ -347,14 +345,14 @@ def fake_quant(x, out, step, inv, klo, khi):
         _fake_quant_kernel[_elem_launch(n, m)](x, out, step, inv, klo, khi)
 
 
-def fake_quant_backward(x, dy, dx, lo, hi, part):
-    """dx <- dy where lo <= x <= hi, else 0; returns (sum of dy where x < lo, where x > hi),
-    added in row order on the host from part (>= N, 2) float64: a sync point."""
-    x, dy, dx, part = as_device(x), as_device(dy), as_device(dx), as_device(part)
+def fake_quant_backward(x, d, lo, hi, part):
+    """d <- d where lo <= x <= hi, else 0, in place; returns (sum of d where x < lo, where
+    x > hi), added in row order on the host from part (>= N, 2) float64: a sync point."""
+    x, d, part = as_device(x), as_device(d), as_device(part)
     n, m = x.shape
     if n == 0 or m == 0:
         return 0.0, 0.0
-    _fake_quant_backward_kernel[n, row_threads(m)](x, dy, dx, lo, hi, part)
+    _fake_quant_backward_kernel[n, row_threads(m)](x, d, lo, hi, part)
     sums = part[:n].copy_to_host()
     return float(np.sum(sums[:, 0])), float(np.sum(sums[:, 1]))
 

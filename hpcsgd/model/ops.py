@@ -28,7 +28,8 @@ class CpuOps:
         self.lanes = np.empty((max(max_batch, K.NCHUNK), K.LANES), dtype)
         self.ce_part = np.empty(K.NCHUNK, np.float64)
         self.correct_part = np.empty(K.NCHUNK, np.int64)
-        self.quant_part = np.empty((K.NCHUNK, 3), np.float64)
+        self.quant_part = np.empty((max_batch, 3), np.float64)   # grown for a taller weight
+        self.quant_bits = np.empty(max_batch, np.uint64)
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -75,16 +76,26 @@ class CpuOps:
         """out <- x on the grid (model.quantize.Grid; out may be x)."""
         KQ.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
 
-    def fake_quant_backward(self, x, dy, dx, lo, hi):
-        """dx <- dy straight through where lo <= x <= hi, 0 elsewhere (dx may be dy).
-        Returns (sum of dy where x < lo, where x > hi): the clip values' gradients."""
-        KQ.fake_quant_backward(x, dy, dx, lo, hi, self.quant_part)
-        return float(self.quant_part[:, 0].sum()), float(self.quant_part[:, 1].sum())
+    def fake_quant_backward(self, x, d, lo, hi):
+        """d <- d straight through where lo <= x <= hi, 0 elsewhere, in place. Returns (sum
+        of d where x < lo, where x > hi): the clip values' gradients."""
+        part, _ = self._quant_scratch(len(x))
+        KQ.fake_quant_backward(x, d, lo, hi, part)
+        return float(part[:len(x), 0].sum()), float(part[:len(x), 1].sum())
 
     def abs_stats(self, x):
         """(max |x|, E[x^2], E|x|) of a 2-D x."""
-        KQ.abs_stats(x, self.quant_part)
-        return KQ.reduce_stats(self.quant_part, x.size)
+        part, bits = self._quant_scratch(len(x))
+        KQ.abs_stats(x, part, bits)
+        return KQ.reduce_stats(part, x.shape)
+
+    def _quant_scratch(self, rows):
+        """The row partials of the fake-quantization reductions (a weight matrix may have
+        more rows than max_batch: grown once)."""
+        if len(self.quant_part) < rows:
+            self.quant_part = np.empty((rows, 3), np.float64)
+            self.quant_bits = np.empty(rows, np.uint64)
+        return self.quant_part, self.quant_bits
 
 
 class CudaOps:
@@ -129,8 +140,8 @@ class CudaOps:
     def fake_quant(self, x, out, grid):
         KC.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
 
-    def fake_quant_backward(self, x, dy, dx, lo, hi):
-        return KC.fake_quant_backward(x, dy, dx, lo, hi, self._quant_part(len(x)))
+    def fake_quant_backward(self, x, d, lo, hi):
+        return KC.fake_quant_backward(x, d, lo, hi, self._quant_part(len(x)))
 
     def abs_stats(self, x):
         return KC.abs_stats(x, self._quant_part(len(x)))
@@ -158,7 +169,7 @@ class GemmOnly:
     def fake_quant(self, x, out, grid):
         pass
 
-    def fake_quant_backward(self, x, dy, dx, lo, hi):
+    def fake_quant_backward(self, x, d, lo, hi):
         return 0.0, 0.0
 
     def abs_stats(self, x):

@@ -129,6 +129,8 @@ class Quantizer:
                                         for layer in layers[:-1]]
         self.rules = [input_rule(self.a_rule, i, b) for i, b in enumerate(self.bounds)]
         self.weights = [s.name for layer in layers for s in layer.specs() if s.role == "weight"]
+        self.others = [s.name for layer in layers for s in layer.specs() if s.role != "weight"]
+        self.others += [s.name for s in self.specs()]   # the learned clips
         self.grids = [None] * len(layers)   # the grid of each input in the last forward
         self.w_grids = {}
         init = float(qat["pact_init"])
@@ -174,9 +176,11 @@ class Quantizer:
 
     def quantize_weights(self, params, wq, ops):
         """wq <- params with every weight matrix fake-quantized (biases and clips copied)."""
-        assign(wq.flat, params.flat)
         if self.exported or self.w_rule == "none":
+            assign(wq.flat, params.flat)
             return
+        for name in self.others:   # small: one pass over the weights is the kernel's
+            assign(wq[name], params[name])
         for w in self.weights:
             W = params[w]
             if self.w_rule == "pact":
@@ -194,7 +198,7 @@ class Quantizer:
             return
         for w in self.weights:
             grid, name = self.w_grids[w], f"clip_{w}"
-            d_lo, d_hi = ops.fake_quant_backward(params[w], grads[w], grads[w], grid.lo, grid.hi)
+            d_lo, d_hi = ops.fake_quant_backward(params[w], grads[w], grid.lo, grid.hi)
             alpha = self._clips(params, name)
             set_row(grads[name], [d_hi - d_lo + self.clip_decay * frames * alpha[0]])
 
@@ -233,7 +237,7 @@ class Quantizer:
         # max: nothing is clipped; fixed: the activation cannot leave its bounds
         if grid is None or dx is None or self.rules[i] in ("max", "fixed"):
             return
-        d_lo, d_hi = ops.fake_quant_backward(x, dx, dx, grid.lo, grid.hi)
+        d_lo, d_hi = ops.fake_quant_backward(x, dx, grid.lo, grid.hi)
         if self.rules[i] == "pact":
             name = f"clip_in{i}"
             lo, hi = self._clips(params, name) * (self.clip_decay * frames)
