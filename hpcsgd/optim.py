@@ -173,6 +173,15 @@ def _apply_kernel(w, u, lr):
         w[i] = w[i] - lr * u[i]
 
 
+def apply_update(w, u, lr, device="cpu"):
+    """w -= lr * u over flat slices, on the host or the device (Optimizer.apply's arithmetic;
+    also the striped exchange's for the matrices beside a fused codec)."""
+    if device == "cpu":
+        _apply_kernel(w, u, float(lr))
+    else:
+        _launch_cuda(_apply_kernel, w, u, float(lr))
+
+
 # ---- CUDA kernels: the same, one grid-stride loop each (element-wise, so the launch
 # configuration does not change any result). On a GPU, NVVM may contract w - lr * x into an
 # FMA: GPU ranks agree with each other bit for bit, with CPU ranks to float tolerance.
@@ -333,7 +342,7 @@ class Optimizer:
     def apply(self, params, update, lr, lo=0, hi=None):
         """params[lo:hi] -= lr * update[lo:hi] (lr per sample; update summed over frames)."""
         sl = slice(lo, params.size if hi is None else hi)
-        self._run(_apply_kernel, params[sl], update[sl], float(lr))
+        apply_update(params[sl], update[sl], lr, self.device)
 
     def step(self, params, grad, lr, n):
         """Single process: begin_step + pre_exchange + post_exchange + apply over the whole

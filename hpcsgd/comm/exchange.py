@@ -32,8 +32,10 @@ striped    Seide et al. 2014's O(1) algorithm. Rank j owns a contiguous range of
 Fusions are declared capabilities of the codec (hpcsgd/codecs/common.py: Codec), and the
 exchange offers them to the step: `fuses_owner` (phases 3-5 as one pass per column while it
 is in cache: codec.owner_pass, given the optimizer's element arithmetic) and `fuses_apply`
-(phase 7 with the weight update in one pass over W: codec.decode_apply). The step asks, the
-exchange never calls the optimizer itself.
+(phase 7 with the weight update in one pass over W: codec.decode_apply). The step asks; the
+exchange calls the optimizer itself only for the "float" matrices beside a fused codec (a
+model's learned clip values: a few floats), which take the unfused steps inside
+owner_pass and decode_apply, with the same arithmetic.
 
 Parameters are exchanged as their specs say (hpcsgd/model/flat.py): "codec" matrices through
 the configured codec, "float" ones in float32 (the float32 codec in the striped exchange;
@@ -72,6 +74,7 @@ from hpcsgd.comm.progress import Poller
 from hpcsgd.comm.stripes import exchanged, stripe_ranges
 from hpcsgd.device import assign, cupy_module, synchronize, to_host, zero, zeros
 from hpcsgd.errors import UserError
+from hpcsgd.optim import apply_update
 
 AGGREGATIONS = ("allreduce", "striped")
 
@@ -463,8 +466,8 @@ class Striped(_Collective):
         self._wstripe = None
         self.set_codec(codec, fuse_owner)
         # the unfused owner's sum buffer: also when another codec may take over (widest)
-        self.agg = zeros(0 if self.fuses_owner and widest is None else self.state_size,
-                         np.float32, device)
+        self.agg = zeros(self.state_size if not self.fuses_owner or widest is not None
+                         or self.float_size else 0, np.float32, device)
         self._grad, self._req = None, None   # the exchange in flight
         self.norm_sq = None   # set to 0.0 to sum the squared norm of my stripe's gradient sums
 
@@ -477,9 +480,10 @@ class Striped(_Collective):
         # "float" matrices go through the float32 codec: summed exactly, never quantized
         floats = make_codec("float32", codec.backend)
         self.codec_of = {m.name: codec if m.exchange == "codec" else floats for m in mats}
-        uniform = all(m.exchange == "codec" for m in mats)
-        self.fuses_owner = bool(fuse_owner) and codec.fused_owner and uniform
-        self.fuses_apply = codec.fused_apply and uniform
+        # "float" matrices (learned clips, after the codec ones) take the unfused steps
+        # beside a fused codec: float_pieces
+        self.fuses_owner = bool(fuse_owner) and codec.fused_owner
+        self.fuses_apply = codec.fused_apply
         # pieces[j]: (matrix, flat lo, flat hi, columns, byte offset in a K-layout buffer,
         # nbytes) of owner j's stripe of every matrix, back to back: the send buffer and the
         # gather buffer share this layout (sizes depend only on matrix and owner).
@@ -510,6 +514,9 @@ class Striped(_Collective):
         for p in self.pieces[me]:
             self.mine.append((p, s, s + p[2] - p[1]))
             s += p[2] - p[1]
+        self.codec_mine = [q for q in self.mine if q[0][0].exchange == "codec"]
+        self.float_mine = [q for q in self.mine if q[0][0].exchange != "codec"]
+        self.float_size = sum(b - a for _, a, b in self.float_mine)
 
     def describe_transport(self, why):
         return self.stages["send"].describe(why)
@@ -574,16 +581,22 @@ class Striped(_Collective):
         lo = int(self.displs[self.rank])
         mine = int(self.counts[self.rank])   # the buffer may be sized for a wider codec
         self.codec.owner_pass(self.recv_buf[:self.world * mine], self.world, (lo, lo + mine),
-                              self.mine, params, opt, self.residual2, self.gather_buf)
+                              self.codec_mine, params, opt, self.residual2, self.gather_buf)
+        if self.float_mine:   # the float matrices' pieces: the three steps, unfused
+            total, weights = self.reduce(params, opt.weight_decay != 0, self.float_mine)
+            for _, a, b in self.float_mine:
+                opt.post_exchange(total, weights, a, b)
+            self.reencode(self.float_mine)
 
-    def reduce(self, params, weight_decay=False):
+    def reduce(self, params, weight_decay=False, pieces=None):
         """Phase 3: decode and sum the K contributions to my stripe (the first overwrites, so
         no zeroing pass), in source order 0..K-1 so every run adds in the same order. Returns
         (the compact sum to post-process, the weights it decays: a compact copy of my
         stripe's weights if weight_decay, else the sum itself, which the optimizer then does
-        not read)."""
+        not read). pieces: a part of my stripe's (default all of it)."""
         me, mine = self.rank, int(self.counts[self.rank])
-        for (m, lo, hi, cols, off, nb), a, b in self.mine:
+        pieces = self.mine if pieces is None else pieces
+        for (m, lo, hi, cols, off, nb), a, b in pieces:
             codec = self.codec_of[m.name]
             out = self.agg[a:b].reshape(cols, m.n_rows)
             at = off - self.displs[me]
@@ -600,14 +613,15 @@ class Striped(_Collective):
         if weight_decay:
             if self._wstripe is None:
                 self._wstripe = zeros(self.state_size, np.float32, self.device)
-            for (m, lo, hi, *_), a, b in self.mine:
+            for (m, lo, hi, *_), a, b in pieces:
                 assign(self._wstripe[a:b], params[lo:hi])
             weights = self._wstripe
         return self.agg, weights
 
-    def reencode(self):
-        """Phase 5: my updated stripe, quantized with my second residual, into my gather slot."""
-        for (m, lo, hi, cols, off, nb), a, b in self.mine:
+    def reencode(self, pieces=None):
+        """Phase 5: my updated stripe (or these pieces of it), quantized with my second
+        residual, into my gather slot."""
+        for (m, lo, hi, cols, off, nb), a, b in (self.mine if pieces is None else pieces):
             self.codec_of[m.name].encode(self.agg[a:b].reshape(cols, m.n_rows),
                                          self.residual2[a:b].reshape(cols, m.n_rows),
                                          self.gather_buf[off:off + nb])
@@ -625,8 +639,14 @@ class Striped(_Collective):
         codec's decode_apply: the same arithmetic as Optimizer.apply, so the same bits)."""
         for row in self.pieces:
             for m, lo, hi, cols, off, nb in row:
-                self.codec.decode_apply(self.gather_buf[off:off + nb],
-                                        params[lo:hi].reshape(cols, m.n_rows), lr)
+                w = params[lo:hi].reshape(cols, m.n_rows)
+                codec = self.codec_of[m.name]
+                if codec is self.codec:
+                    codec.decode_apply(self.gather_buf[off:off + nb], w, lr)
+                else:   # a float matrix: decode into the spent gradient, then apply
+                    g = self._grad[lo:hi].reshape(cols, m.n_rows)
+                    codec.decode(self.gather_buf[off:off + nb], g)
+                    apply_update(w.reshape(-1), g.reshape(-1), lr, self.device)
         self._grad = None
 
     def update(self):
