@@ -37,6 +37,9 @@ DEFAULTS = {
     "model.bottleneck": ([], list, (1, 1 << 16),
                          "lstm: Dense layers (model.activation) between the LSTM layers and the softmax"),
     "model.activation": ("sigmoid", str, ("sigmoid", "relu"), "hidden nonlinearity (the paper: sigmoid)"),
+    "model.parallel": (1, int, (1, 4096),
+                       "M: split every layer of the DNN by output columns over M consecutive "
+                       "ranks (a model group); the job's ranks are D data x M model (docs/parallel.md)"),
     # --- quantization-aware training (docs/qat.md) ---
     "qat.weights": ("none", str, ("none", "max", "sawb", "pact"),
                     "fake-quantize every weight matrix: clip at max |W|, SAWB's alpha, or a learned alpha"),
@@ -293,6 +296,15 @@ def load(path=None, overrides=()):
         if config["train.minibatch"] < config["data.chunk"]:
             raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
                             f"less than one chunk (data.chunk={config['data.chunk']})")
+    if config["model.parallel"] > 1:
+        for key, want in (("model.type", "dnn"), ("train.precision", "float32"),
+                          ("train.device", "cpu")):
+            if config[key] != want:
+                raise UserError(f"config keys model.parallel={config['model.parallel']} and "
+                                f"{key}={config[key]}: model parallelism needs {key}={want}")
+        if qat_of(config):
+            raise UserError(f"config keys model.parallel={config['model.parallel']} and qat.*: "
+                            f"quantization-aware training is not split over a model group")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
     if qat_of(config):   # the rules' combinations: hpcsgd.model.quantize.check, at the build

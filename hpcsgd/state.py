@@ -44,6 +44,7 @@ from hpcsgd.comm.stripes import fold_residuals, folded_from, restripe
 from hpcsgd.data.loader import redeal
 from hpcsgd.device import assign, host_copy, to_host
 from hpcsgd.errors import UserError
+from hpcsgd.model.parallel import from_whole, group_of, to_whole
 
 
 class TrainState:
@@ -103,15 +104,35 @@ class TrainState:
         if self.scaler:
             bits["loss_scaler"] = self.scaler.state_dict()
         return {**self.static, **self.progress, **self.decisions, **bits,
-                "world": self.grid.data_size, "per_rank_state": self.per_rank_state,
+                "world": self.grid.data_size, "model_parallel": self.grid.model_size,
+                "per_rank_state": self.per_rank_state,
                 "pending": self.step.pending}
 
+    def _whole(self, local):
+        """A per-parameter array as the whole model's (model parallelism: gathered over the
+        model group to world rank 0, where the shared file is written; None elsewhere)."""
+        layers = self.step.model.layers
+        group = group_of(layers)
+        if group is None or local.size != self.params.size:   # unsplit, or an unused state
+            return local
+        if self.grid.data_rank != 0:   # only world rank 0's shared arrays are written
+            return None
+        return to_whole(layers, local, group)
+
+    def _mine(self, whole):
+        """My slice of a whole per-parameter array (an unsplit model: all of it)."""
+        layers = self.step.model.layers
+        if group_of(layers) is None or whole.size == 0:
+            return whole
+        return from_whole(layers, whole, np.empty(self.params.size, whole.dtype))
+
     def save(self, run_dir, keep):
-        """Collective: shared state from rank 0, per-rank state (residuals, owner stripes, an
-        exchange in flight) from every rank, each into its own file."""
+        """Collective: shared state from rank 0 (whole matrices: a model split over a model
+        group is gathered first), per-rank state (residuals, owner stripes, an exchange in
+        flight) from every rank, each into its own file."""
         # GPU ranks: device -> host copies (sync points); host arrays are written as they are
         opt = {k: to_host(v) for k, v in self.opt.state_dict().items()}
-        shared = {"params": to_host(self.params.flat),
+        shared = {"params": self._whole(to_host(self.params.flat)),
                   "opt/sqr_weight": np.float64(opt["sqr_weight"]),
                   "opt/adam_p": np.float64(opt["adam_p"])}
         own = {f"exchange/{k}": to_host(v) for k, v in self.ex.state_dict().items()}
@@ -120,8 +141,11 @@ class TrainState:
                                             np.float64).reshape(-1, 4)
         if self.step.pending:   # the exchange in flight, communication completed (sync point)
             own["exchange_pending"] = to_host(self.ex.pending_state()["pending"])
-        (own if self.per_rank_opt else shared).update({"opt/velocity": opt["velocity"],
-                                                       "opt/sqr": opt["sqr"]})
+        if self.per_rank_opt:
+            own.update({"opt/velocity": opt["velocity"], "opt/sqr": opt["sqr"]})
+        else:
+            shared.update({"opt/velocity": self._whole(opt["velocity"]),
+                           "opt/sqr": self._whole(opt["sqr"])})
         return checkpoint.save(run_dir, self.progress["frames"], shared, self.meta(), keep,
                                comm=self.grid.world, rank_arrays=own)
 
@@ -130,7 +154,8 @@ class TrainState:
         checkpoint `path`; one of another number of data ranks or aggregation is re-striped
         (see the module docstring)."""
         rank, world = self.grid.data_rank, self.grid.data_size
-        arrays, saved = checkpoint.load(path, rank=rank)
+        # per-rank arrays are keyed by world rank (= the data rank without model parallelism)
+        arrays, saved = checkpoint.load(path, rank=self.grid.rank)
         checkpoint.check_compatible(path, saved, {
             "model": self.static["model"], "data": self.static["data"],
             "label_inventory_hash": self.static["label_inventory_hash"]})
@@ -139,6 +164,15 @@ class TrainState:
         agg = self.static["aggregation"]
         moved = (old_world != world or old_agg != agg) \
             and (saved.get("per_rank_state") or self.per_rank_state)
+        # model parallelism: another M (or another D beside M > 1) re-slices whole matrices;
+        # per-rank state (owner stripes, residuals) of a split model does not move
+        old_M, M = saved.get("model_parallel", 1), self.grid.model_size
+        regrid = old_M != M or (max(old_M, M) > 1 and old_world != world)
+        if regrid and saved.get("pending"):
+            raise UserError(f"checkpoint {path}: written by {old_world} x {old_M} (data x "
+                            f"model) ranks with an exchange in flight "
+                            f"(exchange.double_buffering); resume it with {old_world} x "
+                            f"{old_M} ranks, or from another checkpoint")
         if moved and (saved.get("pending") or "local" in (cfg["optim.adagrad"],
                                                           old_cfg["optim.adagrad"])):
             why = ("an exchange was in flight (exchange.double_buffering)" if saved.get("pending")
@@ -148,10 +182,12 @@ class TrainState:
                             f"{world} ranks with exchange.aggregation={agg}: {why}. Resume it "
                             f"with {old_world} ranks and exchange.aggregation={old_agg}, or from "
                             f"another checkpoint")
-        assign(self.params.flat, arrays["params"])
+        assign(self.params.flat, self._mine(arrays["params"]))
         sqr_weight = float(arrays["opt/sqr_weight"])
         adam_p = float(arrays.get("opt/adam_p", 0.0))   # checkpoints before Adam have none
-        if moved:   # the optimizer state re-sliced, the residuals folded into the new stripes
+        if regrid:
+            self._regrid_opt(path, arrays, old_world, old_M, sqr_weight, adam_p, log)
+        elif moved:   # the optimizer state re-sliced, the residuals folded into the new stripes
             self.opt.load_state_dict(dict(self._restriped_opt(path, saved, old_agg),
                                           sqr_weight=sqr_weight, adam_p=adam_p))
             folded = self._fold_residuals(path, old_world, old_agg)
@@ -160,11 +196,14 @@ class TrainState:
                      + ("folded into the new stripes (nothing lost)" if folded else
                         "start at zero (the old or the new exchange keeps none)"))
         else:
-            mine = checkpoint.rank_prefix(rank) if self.per_rank_opt else ""
-            self.opt.load_state_dict({"velocity": arrays[mine + "opt/velocity"],
-                                      "sqr": arrays[mine + "opt/sqr"], "sqr_weight": sqr_weight,
-                                      "adam_p": adam_p})
-            prefix = checkpoint.rank_prefix(rank) + "exchange/"
+            if self.per_rank_opt:
+                mine = checkpoint.rank_prefix(self.grid.rank)
+                velocity, sqr = arrays[mine + "opt/velocity"], arrays[mine + "opt/sqr"]
+            else:
+                velocity, sqr = (self._mine(arrays[k]) for k in ("opt/velocity", "opt/sqr"))
+            self.opt.load_state_dict({"velocity": velocity, "sqr": sqr,
+                                      "sqr_weight": sqr_weight, "adam_p": adam_p})
+            prefix = checkpoint.rank_prefix(self.grid.rank) + "exchange/"
             self.ex.load_state_dict({k[len(prefix):]: v for k, v in arrays.items()
                                      if k.startswith(prefix)})
         for key in ("epoch", "frames", "cv_history"):
@@ -181,7 +220,7 @@ class TrainState:
                 self.progress["deal"] = None
             self.progress["offsets"] = [0] * world
         if self.bitwidth and saved.get("bitwidth"):   # the width and its controller
-            rows = arrays.get(checkpoint.rank_prefix(rank) + "bitwidth/rows")
+            rows = arrays.get(checkpoint.rank_prefix(self.grid.rank) + "bitwidth/rows")
             if old_world != world and rows is not None and len(rows):
                 # another K: those steps were other ranks'; the period restarts
                 log.info(f"bit width: the {len(rows)} step(s) since the last decision restart "
@@ -202,7 +241,7 @@ class TrainState:
         pending = saved.get("pending")   # double buffering: an exchange was in flight
         if pending:
             # into buffer 0 (the next half computes into buffer 1), with its per-step scalars
-            self.ex.load_pending({"pending": arrays[checkpoint.rank_prefix(rank)
+            self.ex.load_pending({"pending": arrays[checkpoint.rank_prefix(self.grid.rank)
                                                     + "exchange_pending"]},
                                  self.step.grads[0].flat)
             self.opt.sqr_weight = pending["sqr_weight"]
@@ -211,6 +250,22 @@ class TrainState:
             self.step.pending = pending
             if not self.step.double_buffering:   # switched off: apply it now
                 self.step.drain()
+
+    def _regrid_opt(self, path, arrays, old_world, old_M, sqr_weight, adam_p, log):
+        """Another data x model grid: a replicated optimizer state is re-sliced from the whole
+        matrices; per-rank state (owner stripes, both residuals) starts at zero, said."""
+        grid = f"{old_world} x {old_M} to {self.grid.data_size} x {self.grid.model_size}"
+        state = self.opt.state_dict()
+        if not self.per_rank_opt and "opt/velocity" in arrays:
+            velocity, sqr = (self._mine(arrays[k]) for k in ("opt/velocity", "opt/sqr"))
+            log.info(f"model parallelism: {path} re-sliced from {grid} (data x model) ranks")
+        else:
+            velocity, sqr = (np.zeros_like(to_host(state[k])) for k in ("velocity", "sqr"))
+            log.info(f"model parallelism: {path} moved from {grid} (data x model) ranks; the "
+                     f"weights are re-sliced, the optimizer's per-rank stripes and the "
+                     f"error-feedback residuals start at zero (they are not whole matrices)")
+        self.opt.load_state_dict({"velocity": velocity, "sqr": sqr, "sqr_weight": sqr_weight,
+                                  "adam_p": adam_p})
 
     def _fold_residuals(self, path, old_world, old_agg):
         """Both residuals of a striped checkpoint of another K, folded into this rank's new

@@ -45,6 +45,7 @@ from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
+from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_specs
 from hpcsgd.shutdown import StopSignal, Watchdog, agree, gone_peers
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
@@ -128,7 +129,10 @@ def report(cfg, rank, message):
 
 def train(cfg, comm, stop):
     # --- the grid, the run directory, logs, the watchdog ------------------------------------
-    grid = Grid(comm)
+    try:
+        grid = Grid(comm, cfg["model.parallel"])
+    except ValueError as err:
+        raise UserError(f"config key model.parallel: {err}") from None
     run_dir, device, db = cfg["train.run_dir"], cfg["train.device"], cfg["exchange.double_buffering"]
     run = open_run(cfg, grid)
     log, watchdog, timeline = run.log, run.watchdog, run.timeline
@@ -139,8 +143,10 @@ def train(cfg, comm, stop):
     # --- model, exchange, optimizer, step: flat buffers with named views ---------------------
     shape = model_shape(cfg, loader)
     try:
+        # model parallelism: every layer split over this rank's model group
+        group = ModelGroup(grid.model) if grid.model_size > 1 else None
         model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
-                      precision=cfg["train.precision"])
+                      precision=cfg["train.precision"], group=group)
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
@@ -447,9 +453,12 @@ def init_from(model, params, path, label_hash):
     if meta.get("label_inventory_hash") != label_hash:
         raise UserError(f"train.init_from {meta['path']}: trained on another label inventory "
                         f"than data.train's")
-    host = FlatParams(model.specs, model.dtype)
-    host.flat[:] = to_host(params.flat)
-    for spec in model.specs:
+    # a split model (model.parallel) takes its columns of the whole matrices
+    split = group_of(model.layers) is not None
+    host = FlatParams(whole_specs(model.layers) if split else model.specs, model.dtype)
+    if not split:
+        host.flat[:] = to_host(params.flat)
+    for spec in (whole_specs(model.layers) if split else model.specs):
         if spec.role == "clip":
             continue
         if spec.name not in source.views or source[spec.name].shape != spec.shape:
@@ -460,7 +469,8 @@ def init_from(model, params, path, label_hash):
         host[spec.name][...] = source[spec.name]
     if model.quant:
         model.quant.init(host.views)
-    assign(params.flat, host.flat)
+    assign(params.flat, from_whole(model.layers, host.flat, np.empty(params.size, model.dtype))
+           if split else host.flat)
     return meta["path"]
 
 
@@ -498,10 +508,17 @@ def sequence_meta(cfg):
 def log_start(log, cfg, grid, loader, state, ex):
     minibatch = state.decisions["minibatch"]
     aggregation = cfg["exchange.aggregation"]
+    parameters = state.params.size
+    if grid.model_size > 1:
+        parameters = sum(s.shape[0] * s.shape[1] for s in whole_specs(state.step.model.layers))
+        log.info(f"model parallelism: {grid.describe()}; this rank is model rank "
+                 f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "
+                 f"{state.params.size:,} of the model's {parameters:,} parameters "
+                 f"(model.parallel)")
     log.info(f"{grid.size} rank(s), minibatch {minibatch} "
              f"({batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here, "
              f"pid {os.getpid()} on {socket.gethostname()}), model "
-             f"{describe_model(model_shape(cfg, loader))} ({state.params.size:,} parameters), "
+             f"{describe_model(model_shape(cfg, loader))} ({parameters:,} parameters), "
              f"exchange "
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "

@@ -8,9 +8,11 @@ element-wise ops of a device (ops, kernels, kernels_cuda), a model as a stack of
 import numpy as np
 
 
-def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.float32):
+def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.float32,
+          group=None):
     """The Network a checkpoint's or a run's model description names ("type" defaults to
-    "dnn": checkpoints written before there was a choice)."""
+    "dnn": checkpoints written before there was a choice); group: a model-parallel group
+    (model.parallel.ModelGroup) to split it over."""
     from hpcsgd.model.dnn import dnn
     from hpcsgd.model.lstm import lstm
     builders = {"dnn": dnn, "lstm": lstm}
@@ -18,5 +20,10 @@ def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.
     kind = describe.get("type", "dnn")
     if kind not in builders:
         raise ValueError(f"model type {kind!r}: expected one of {sorted(builders)}")
+    extra = {}
+    if group is not None and group.size > 1:
+        if kind != "dnn":
+            raise ValueError(f"model parallelism: model type {kind!r} is not split yet (dnn only)")
+        extra["group"] = group
     return builders[kind](**args, max_batch=max_batch, device=device, precision=precision,
-                          dtype=dtype)
+                          dtype=dtype, **extra)

@@ -11,26 +11,43 @@ for dX (~276 MFLOP for the paper's 46M model).
 import numpy as np
 
 from hpcsgd.model.layers import Dense, SoftmaxOutput
+from hpcsgd.model.parallel import SplitDense, SplitSoftmax
 from hpcsgd.model import network
 from hpcsgd.model.network import Network
 
 
-def dnn_layers(input_dim, hidden, num_labels, activation="sigmoid"):
+def dnn_layers(input_dim, hidden, num_labels, activation="sigmoid", group=None):
+    """The layers; with a model-parallel group of M > 1 ranks, each split by output columns
+    over it (hpcsgd/model/parallel.py)."""
     dims = [int(input_dim), *[int(h) for h in hidden], int(num_labels)]
-    hidden_layers = [Dense(l, n_in, n_out, activation)
-                     for l, (n_in, n_out) in enumerate(zip(dims[:-2], dims[1:-1]))]
-    return hidden_layers + [SoftmaxOutput(len(dims) - 2, dims[-2], dims[-1])]
+    pairs = list(enumerate(zip(dims[:-2], dims[1:-1])))
+    last = len(dims) - 2
+    if group is not None and group.size > 1:
+        return ([SplitDense(l, n_in, n_out, activation, group) for l, (n_in, n_out) in pairs]
+                + [SplitSoftmax(last, dims[-2], dims[-1], group)])
+    return ([Dense(l, n_in, n_out, activation) for l, (n_in, n_out) in pairs]
+            + [SoftmaxOutput(last, dims[-2], dims[-1])])
 
 
 def dnn(input_dim, hidden, num_labels, activation="sigmoid", max_batch=1024,
-        dtype=np.float32, device="cpu", precision="float32", qat=None):
+        dtype=np.float32, device="cpu", precision="float32", qat=None, group=None):
     """The DNN input_dim-hidden...-num_labels as a Network (precision: network.PRECISIONS;
-    qat: quantization-aware training, model.quantize)."""
+    qat: quantization-aware training, model.quantize; group: a model.parallel.ModelGroup to
+    split it over). The description is the unsplit model's, whatever the group: a
+    checkpoint holds whole matrices."""
     describe = {"input_dim": int(input_dim), "hidden": [int(h) for h in hidden],
                 "num_labels": int(num_labels), "activation": activation,
                 **({"qat": dict(qat)} if qat else {})}
-    return Network(dnn_layers(input_dim, hidden, num_labels, activation), max_batch, dtype,
-                   device, describe, precision, qat=qat)
+    if group is not None and group.size > 1:
+        if qat:
+            raise ValueError("model parallelism: quantization-aware training is not split yet")
+        if precision != "float32":
+            raise ValueError("model parallelism: precision float32 only")
+        if device != "cpu":
+            raise ValueError("model parallelism: CPU ranks only (the split softmax has no "
+                             "CUDA kernels yet)")
+    return Network(dnn_layers(input_dim, hidden, num_labels, activation, group), max_batch,
+                   dtype, device, describe, precision, qat=qat)
 
 
 def layout(input_dim, hidden, num_labels):

@@ -71,10 +71,12 @@ class Network:
         # told otherwise; their workspaces, allocated here like the activations
         self.recurrent = any(getattr(layer, "recurrent", False) for layer in self.layers)
         self.steps = steps
+        # a recurrent layer's or a model-parallel layer's scratch (hpcsgd/model/parallel.py)
         self.workspaces = [{name: zeros(shape, self.dtype, device)
                             for name, shape in layer.workspace(self.max_batch).items()}
-                           if getattr(layer, "recurrent", False) else None
+                           if hasattr(layer, "workspace") else None
                            for layer in self.layers]
+        self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
         if precision == "mixed" and self.recurrent:
@@ -143,9 +145,15 @@ class Network:
         return self.x_in, self.y_in
 
     def _sequences(self, layer, ws, steps):
-        """The extra arguments of a recurrent layer's passes: its sequence length and
-        workspaces (nothing for the others)."""
-        return {"steps": steps, "ws": ws} if ws is not None else {}
+        """The extra arguments of a layer's passes: a recurrent layer's sequence length, the
+        workspaces of a layer that has them (nothing for the others)."""
+        if ws is None:
+            return {}
+        return {"steps": steps, "ws": ws} if getattr(layer, "recurrent", False) else {"ws": ws}
+
+    def _last_ws(self):
+        """The output layer's workspaces, if it has any (a split softmax)."""
+        return {"ws": self.workspaces[-1]} if self.workspaces[-1] is not None else {}
 
     def _steps(self, n, steps):
         """The sequence length of a pass of n rows (recurrent models; None otherwise)."""
@@ -210,7 +218,8 @@ class Network:
                 self.half_ops if ops is self.ops else HalfOps(ops))
         master, params = params, self._quantized(params, ops)
         logits = self._forward(params, x, n, ops, progress, steps)
-        ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale)
+        ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale,
+                                           **self._last_ws())
         dy = None                      # the loss has turned the logits into dLoss/dz
         quant = self.quant
         for i in range(len(self.layers) - 1, -1, -1):
@@ -246,7 +255,7 @@ class Network:
         x, _ = self._to_device(x, None, n)
         params = self._quantized(params, self.ops)
         z = self._forward(params, x, n, self.ops, steps=steps)
-        self.layers[-1].posteriors(params, z, self.ops, log)
+        self.layers[-1].posteriors(params, z, self.ops, log, **self._last_ws())
         if self.device == "cuda":
             host = out[:n] if out is not None else self.out_host[:n]
             z.copy_to_host(host)   # a device -> host copy: sync point

@@ -17,6 +17,7 @@ from hpcsgd import half
 from hpcsgd.device import zeros
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.model import kernels_parallel as KP
 from hpcsgd.model import kernels_quant as KQ
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
@@ -88,6 +89,22 @@ class CpuOps:
         part, bits = self._quant_scratch(len(x))
         KQ.abs_stats(x, part, bits)
         return KQ.reduce_stats(part, x.shape)
+
+    # the split softmax of a model-parallel group (hpcsgd/model/parallel.py)
+    def split_xent_stats(self, z, b, y, lo, stats):
+        KP.split_xent_stats(z, b, y, lo, stats, self.lanes)
+
+    def split_xent_finish(self, z, y, lo, me, every, gb):
+        """Returns (CE summed over the rows, rows whose whole argmax is the label)."""
+        KP.split_xent_finish(z, y, lo, me, every, gb, self.partial, self.ce_part,
+                             self.correct_part)
+        return float(self.ce_part.sum()), int(self.correct_part.sum())
+
+    def split_lse_stats(self, z, b, stats):
+        KP.split_lse_stats(z, b, stats)
+
+    def split_lse_finish(self, z, every):
+        KP.split_lse_finish(z, every)
 
     def _quant_scratch(self, rows):
         """The row partials of the fake-quantization reductions (a weight matrix may have
@@ -183,6 +200,18 @@ class GemmOnly:
 
     def softmax_xent(self, z, b, y, gb):
         return 0.0, 0
+
+    def split_xent_stats(self, z, b, y, lo, stats):
+        pass
+
+    def split_xent_finish(self, z, y, lo, me, every, gb):
+        return 0.0, 0
+
+    def split_lse_stats(self, z, b, stats):
+        pass
+
+    def split_lse_finish(self, z, every):
+        pass
 
     def log_softmax(self, z, b):
         pass

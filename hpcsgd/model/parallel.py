@@ -1,0 +1,319 @@
+"""Model parallelism: every linear layer's weight matrix split by output columns over the M
+ranks of a model group (grid.model), the softmax computed without gathering the logits.
+
+    group = ModelGroup(grid.model)                       # M ranks, consecutive in the world
+    net = dnn(440, [2048] * 7, 9304, group=group)        # hpcsgd.model.dnn: split layers
+
+The split (Seide et al. 2014 run 2-way model parallelism inside a node, Table 5; Megatron's
+column-parallel linear layer is the same map). A layer W (n_in, n_out), y = f(x @ W + b):
+model rank j holds the columns [lo_j, hi_j) of W and b, split as evenly as the width allows
+(the first n_out % M ranks one more: 40 labels over M = 3 are 14, 13, 13).
+    forward   y_j = f(x @ W_j + b_j) on every rank's full input x, then an Allgatherv of the
+              y_j: every rank holds the whole y, the next layer's input
+    backward  dz_j = dy_j * f'(y_j); dW_j = x^T dz_j (the full x is here: no communication);
+              dx = sum over j of dz_j W_j^T: each rank computes its term, one GEMM per
+              destination block, straight into a Reduce_scatter's send buffer; rank j receives
+              the sum for the columns it owns of the layer below -- its dy
+    softmax   logits z_j = x @ W_j + b_j stay split: per frame each rank sends 4 numbers (its
+              max, its sum of exp(z - max), the target logit if it owns the label, its first
+              argmax) in one Allgather (float32 holds each exactly as computed); every rank then has the same log-sum-exp, CE and argmax
+The other arrangement, Megatron's column/row pairs with one Allreduce each way, moves the
+same bytes in fewer calls but needs layers in pairs; this one splits any stack, an odd
+number of layers and the softmax included, and keeps every layer alike.
+
+A split layer's gradient comes down as its own slice: the layer above writes it into the first
+n * c_j values of the Network's dx buffer, (n, c_j) contiguous. The input layer computes no dx
+(nothing below it). Every buffer is a preallocated workspace (Network.workspaces); every MPI
+call an uppercase buffer call; activations travel as float32 (model.activation_codec: the
+8-bit and float16 forms are not built yet).
+
+Traffic per step on n frames, counted by ModelGroup (tests/test_parallel.py checks the counts
+against this formula): the Allgatherv of every hidden layer's output (n x n_out values, a rank
+receives n (n_out - c_j) of them), the Reduce_scatter of every layer's input gradient but the
+first's (n x n_in, a rank sends n (n_in - c'_j)), and the softmax's 4 values per frame from each rank to every other.
+
+Checkpoints hold whole matrices (to_whole / from_whole): a run resumes at another M, and
+`hpcsgd eval`, `infer` and `export` read it as the unsplit model.
+"""
+import numpy as np
+
+from hpcsgd.device import matmul
+from hpcsgd.model import kernels as K
+from hpcsgd.model.kernels_parallel import STATS
+from hpcsgd.model.flat import ParamSpec, matrices
+from hpcsgd.model.layers import ACTIVATIONS, glorot_uniform
+
+def split_columns(n, parts):
+    """[lo_0, lo_1, ..., n]: n columns over `parts` ranks, the first n % parts one wider."""
+    base, extra = divmod(int(n), int(parts))
+    counts = [base + (j < extra) for j in range(parts)]
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+class ModelGroup:
+    """The model-parallel group as the split layers use it: the communicator, this rank's
+    place, and the values this rank sent and received per kind of call (the traffic test)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.sent = {"allgather": 0, "reduce_scatter": 0, "softmax": 0}
+        self.received = dict(self.sent)
+
+    def allgather_columns(self, local, out, bounds, recv):
+        """out (n, N) <- every rank's columns: local (n, c_me) C-contiguous; recv: scratch of
+        n * N values (the blocks of all ranks, back to back, then copied into place)."""
+        n = local.shape[0]
+        counts = (np.diff(bounds) * n).astype(np.int64)
+        displs = (bounds[:-1] * n).astype(np.int64)
+        self.comm.Allgatherv(local, [recv[:n * bounds[-1]], (counts, displs)])
+        for j in range(self.size):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            out[:, lo:hi] = recv[displs[j]:displs[j] + counts[j]].reshape(n, hi - lo)
+        mine = int(counts[self.rank])
+        self.sent["allgather"] += mine * (self.size - 1)
+        self.received["allgather"] += int(counts.sum()) - mine
+
+    def reduce_scatter_columns(self, send, out, bounds, n):
+        """out (n * c_me values) <- the sum over ranks of each rank's block for my columns;
+        send: the blocks (n, c_j) for j = 0..M-1, back to back."""
+        counts = (np.diff(bounds) * n).astype(np.int64)
+        self.comm.Reduce_scatter(send[:int(counts.sum())], out[:int(counts[self.rank])],
+                                 counts)
+        mine = int(counts[self.rank])
+        self.sent["reduce_scatter"] += int(counts.sum()) - mine
+        self.received["reduce_scatter"] += mine * (self.size - 1)
+
+    def allgather_stats(self, stats, out):
+        """out (M * n * STATS values) <- every rank's (n, STATS) softmax statistics."""
+        n = stats.shape[0]
+        self.comm.Allgather(stats, out)
+        self.sent["softmax"] += n * STATS * (self.size - 1)
+        self.received["softmax"] += n * STATS * (self.size - 1)
+
+    def traffic(self):
+        """{kind: (values sent, values received)} since the start."""
+        return {k: (self.sent[k], self.received[k]) for k in self.sent}
+
+
+def _slice_dy(dy, n, c):
+    """My slice of the gradient the layer above wrote: the first n * c values of its buffer."""
+    return dy.reshape(-1)[:n * c].reshape(n, c)
+
+
+def _dx_blocks(dz, W, send, below, progress):
+    """send <- the blocks dz @ W[lo_j:hi_j]^T (n, c_j) of the layer below's ranks j, back to
+    back: my term of dx, already in the Reduce_scatter's layout (one GEMM per block)."""
+    n = dz.shape[0]
+    for j in range(len(below) - 1):
+        lo, hi = int(below[j]), int(below[j + 1])
+        matmul(dz, W[lo:hi], send[n * lo:n * hi].reshape(n, hi - lo), trans_b=True)
+        if progress is not None:
+            progress()
+
+
+class SplitDense:
+    """A hidden layer split by output columns (see the module docstring): the same parameters
+    as layers.Dense (W{index}, b{index}), this rank's columns of them. Its output buffer (the
+    Network's acts) holds the whole gathered y; its own slice f(x W_j + b_j) is in ws."""
+
+    def __init__(self, index, n_in, n_out, activation, group):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
+        self.W, self.b = f"W{index}", f"b{index}"
+        self.n_in, self.n_out = int(n_in), int(n_out)
+        self.activation, self.kind = activation, ACTIVATIONS[activation]
+        self.group = group
+        self.bounds = split_columns(self.n_out, group.size)        # my columns of W
+        self.below = split_columns(self.n_in, group.size)          # the layer below's
+        self.lo, self.hi = int(self.bounds[group.rank]), int(self.bounds[group.rank + 1])
+        self.cols = self.hi - self.lo
+        if self.cols < 1:
+            raise ValueError(f"layer {index}: {self.n_out} units over {group.size} model ranks "
+                             f"leave rank {group.rank} none; use model.parallel <= {self.n_out}")
+        self.gemm_macs = self.n_in * self.cols
+        self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)
+
+    def specs(self):
+        return [ParamSpec(self.W, (self.n_in, self.cols), "weight", "codec", "rows"),
+                ParamSpec(self.b, (1, self.cols), "bias", "codec", "rows")]
+
+    def whole(self):
+        """{name: (whole shape, my column range)}: how my parameters sit in the whole model."""
+        return {self.W: ((self.n_in, self.n_out), (self.lo, self.hi)),
+                self.b: ((1, self.n_out), (self.lo, self.hi))}
+
+    def workspace(self, max_batch):
+        return {"y": (max_batch, self.cols), "recv": (max_batch * self.n_out,),
+                "send": (max_batch * self.n_in,)}
+
+    def init(self, views, rng):
+        """The unsplit layer's draw (the same rng sequence on every rank), my columns kept:
+        a split model starts from the unsplit model's weights."""
+        W = np.empty((self.n_in, self.n_out), views[self.W].dtype)
+        glorot_uniform(W, rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
+        views[self.W][...] = W[:, self.lo:self.hi]
+        views[self.b][...] = 0
+
+    def forward(self, p, x, y, ops, progress=None, ws=None):
+        n = x.shape[0]
+        mine = ws["y"][:n]
+        matmul(x, p[self.W], mine)
+        if progress is not None:
+            progress()
+        ops.bias_act(mine, p[self.b], self.kind)
+        self.group.allgather_columns(mine, y, self.bounds, ws["recv"])
+
+    def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None):
+        n = x.shape[0]
+        dz = ws["y"][:n]
+        ops.act_backward(dz, _slice_dy(dy, n, self.cols), dz, g[self.b], self.kind)
+        matmul(x, dz, g[self.W], trans_a=True)
+        if progress is not None:
+            progress()
+        if dx is not None:
+            _dx_blocks(dz, p[self.W], ws["send"], self.below, progress)
+            self.group.reduce_scatter_columns(ws["send"], dx.reshape(-1), self.below, n)
+
+
+class SplitSoftmax:
+    """The output layer split by output columns (labels): logits, softmax and cross-entropy
+    from a group's per-frame statistics (module docstring), never the whole logits; inference
+    gathers the log-posteriors at the end (the caller wants them all)."""
+
+    def __init__(self, index, n_in, n_out, group):
+        self.W, self.b = f"W{index}", f"b{index}"
+        self.n_in, self.n_out = int(n_in), int(n_out)
+        self.group = group
+        self.bounds = split_columns(self.n_out, group.size)
+        self.below = split_columns(self.n_in, group.size)
+        self.lo, self.hi = int(self.bounds[group.rank]), int(self.bounds[group.rank + 1])
+        self.cols = self.hi - self.lo
+        if self.cols < 1:
+            raise ValueError(f"{self.n_out} labels over {group.size} model ranks leave rank "
+                             f"{group.rank} none; use model.parallel <= {self.n_out}")
+        self.gemm_macs = self.n_in * self.cols
+
+    def specs(self):
+        return [ParamSpec(self.W, (self.n_in, self.cols), "weight", "codec", "rows"),
+                ParamSpec(self.b, (1, self.cols), "bias", "codec", "rows")]
+
+    def whole(self):
+        return {self.W: ((self.n_in, self.n_out), (self.lo, self.hi)),
+                self.b: ((1, self.n_out), (self.lo, self.hi))}
+
+    def workspace(self, max_batch):
+        return {"z": (max_batch, self.cols), "recv": (max_batch * self.n_out,),
+                "send": (max_batch * self.n_in,), "stats": (max_batch, STATS),
+                "all": (self.group.size * max_batch * STATS,)}
+
+    def init(self, views, rng):
+        W = np.empty((self.n_in, self.n_out), views[self.W].dtype)
+        glorot_uniform(W, rng)
+        views[self.W][...] = W[:, self.lo:self.hi]
+        views[self.b][...] = 0
+
+    def forward(self, p, x, z, ops, progress=None, ws=None):
+        matmul(x, p[self.W], ws["z"][:x.shape[0]])
+        if progress is not None:
+            progress()
+
+    def _gathered(self, ws, n):
+        """Every rank's statistics of the n frames, (M, n, STATS)."""
+        out = ws["all"][:self.group.size * n * STATS]
+        self.group.allgather_stats(ws["stats"][:n], out)
+        return out.reshape(self.group.size, n, STATS)
+
+    def loss(self, p, g, z, labels, ops, scale=1.0, ws=None):
+        """As layers.SoftmaxOutput.loss, on my columns: my slice of dLoss/dz (times the loss
+        scale) and of the bias gradient; the CE and correct frames of the whole softmax (the
+        same on every rank of the group)."""
+        n = labels.shape[0]
+        mine, stats = ws["z"][:n], ws["stats"][:n]
+        ops.split_xent_stats(mine, p[self.b], labels, self.lo, stats)
+        ce, correct = ops.split_xent_finish(mine, labels, self.lo, self.group.rank,
+                                            self._gathered(ws, n), g[self.b])
+        ops.scale(mine, scale)
+        ops.scale(g[self.b], scale)
+        return ce, correct
+
+    def posteriors(self, p, z, ops, log=True, ws=None):
+        """z (n, V) <- the whole log-posteriors (or posteriors), gathered from the group."""
+        n = z.shape[0]
+        mine, stats = ws["z"][:n], ws["stats"][:n]
+        ops.split_lse_stats(mine, p[self.b], stats)
+        ops.split_lse_finish(mine, self._gathered(ws, n))
+        self.group.allgather_columns(mine, z, self.bounds, ws["recv"])
+        if not log:
+            ops.exp(z)
+
+    def backward(self, p, g, x, z, dy, dx, ops, progress=None, ws=None):
+        n = x.shape[0]
+        dz = ws["z"][:n]
+        matmul(x, dz, g[self.W], trans_a=True)
+        if progress is not None:
+            progress()
+        if dx is not None:
+            _dx_blocks(dz, p[self.W], ws["send"], self.below, progress)
+            self.group.reduce_scatter_columns(ws["send"], dx.reshape(-1), self.below, n)
+
+
+# ---- whole matrices (checkpoints) ------------------------------------------------------------
+
+def whole_specs(layers):
+    """The unsplit model's parameter specs, in the split model's order."""
+    out = []
+    for layer in layers:
+        whole = layer.whole() if hasattr(layer, "whole") else {}
+        out += [s._replace(shape=whole[s.name][0]) if s.name in whole else s
+                for s in layer.specs()]
+    return out
+
+
+def _placed(layers):
+    """[(whole Matrix, my Matrix, my column range or None: not split), ...] in flat order."""
+    ranges = {name: r for layer in layers if hasattr(layer, "whole")
+              for name, (_, r) in layer.whole().items()}
+    split = matrices([s for layer in layers for s in layer.specs()])
+    return [(w, m, ranges.get(m.name)) for w, m in zip(matrices(whole_specs(layers)), split)]
+
+
+def to_whole(layers, local, group, root=0):
+    """The whole flat buffer (the unsplit model's layout) of a per-parameter host array split
+    over the group (parameters, momentum, ...), on model rank `root`; None on the others.
+    A collective of the group: one Gatherv per split matrix."""
+    out = np.empty(sum(w.size for w, _, _ in _placed(layers)), local.dtype) \
+        if group.rank == root else None
+    for w, m, cols in _placed(layers):
+        mine = local[m.offset:m.offset + m.size]
+        if cols is None:   # not split: every rank holds all of it
+            if out is not None:
+                out[w.offset:w.offset + w.size] = mine
+            continue
+        bounds = split_columns(w.n_rows, group.size)
+        counts = (np.diff(bounds) * w.n_cols).astype(np.int64)
+        displs = (bounds[:-1] * w.n_cols).astype(np.int64)
+        recv = np.empty(w.size, local.dtype) if out is not None else None
+        group.comm.Gatherv(mine, [recv, (counts, displs)] if out is not None else None,
+                           root=root)
+        if out is not None:
+            whole = out[w.offset:w.offset + w.size].reshape(w.n_cols, w.n_rows)
+            for j in range(group.size):
+                lo, hi = int(bounds[j]), int(bounds[j + 1])
+                whole[:, lo:hi] = recv[displs[j]:displs[j] + counts[j]].reshape(w.n_cols,
+                                                                               hi - lo)
+    return out
+
+
+def from_whole(layers, whole, out):
+    """out (this rank's split layout) <- my columns of a whole flat buffer."""
+    for w, m, cols in _placed(layers):
+        src = whole[w.offset:w.offset + w.size].reshape(w.n_cols, w.n_rows)
+        lo, hi = cols if cols is not None else (0, w.n_rows)
+        out[m.offset:m.offset + m.size] = src[:, lo:hi].reshape(-1)
+    return out
+
+
+def group_of(layers):
+    """The model-parallel group a model is split over, or None (an unsplit model)."""
+    return next((layer.group for layer in layers if hasattr(layer, "whole")), None)

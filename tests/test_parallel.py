@@ -1,0 +1,168 @@
+"""Model parallelism (hpcsgd/model/parallel.py): the split softmax's kernels against the
+NumPy reference in one process, the split DNN against the unsplit one under a real mpiexec
+(values, gradients, finite differences, traffic), and the trainer on a data x model grid."""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_mpi
+from hpcsgd.model import kernels_parallel as KP
+from hpcsgd.model.kernels import NCHUNK
+from hpcsgd.model.parallel import split_columns
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_split_columns_deals_the_remainder_to_the_first_ranks():
+    assert split_columns(40, 3).tolist() == [0, 14, 27, 40]
+    assert split_columns(5, 4).tolist() == [0, 2, 3, 4, 5]
+    assert split_columns(8, 1).tolist() == [0, 8]
+
+
+def group_softmax(z, b, y, M, dtype):
+    """The split kernels as M ranks run them, the Allgather done by hand: each rank's gradient
+    slice and bias gradient, and each rank's (CE, correct)."""
+    bounds = split_columns(z.shape[1], M)
+    parts = [z[:, lo:hi].astype(dtype) for lo, hi in zip(bounds[:-1], bounds[1:])]   # copies
+    biases = [b[:, lo:hi].astype(dtype) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    n = len(y)
+    lanes = np.empty((n, 16), dtype)
+    stats = [np.empty((n, KP.STATS), dtype) for _ in range(M)]
+    for j in range(M):
+        KP.split_xent_stats(parts[j], biases[j], y, int(bounds[j]), stats[j], lanes)
+    every = np.stack(stats)
+    grads, gbs, sums = [], [], []
+    for j in range(M):
+        gb = np.empty_like(biases[j])
+        partial = np.empty((NCHUNK, parts[j].shape[1]), dtype)
+        ce_part, correct_part = np.empty(NCHUNK), np.empty(NCHUNK, np.int64)
+        KP.split_xent_finish(parts[j], y, int(bounds[j]), j, every, gb, partial, ce_part,
+                             correct_part)
+        grads.append(parts[j])
+        gbs.append(gb)
+        sums.append((ce_part.sum(), int(correct_part.sum())))
+    return grads, gbs, sums, biases
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+def test_split_softmax_kernels_equal_the_reference(M):
+    """float32 kernels against the float64 reference of the whole softmax: gradients within a
+    few float32 ulps of 1 (posteriors are <= 1), the CE within float32 rounding of its terms,
+    the argmax exactly (ties broken to the lowest label, as the unsplit kernel does)."""
+    rng = np.random.default_rng(M)
+    n, V = 700, 41
+    z = rng.normal(0, 3, (n, V)).astype(np.float32)
+    b = rng.normal(0, 1, (1, V)).astype(np.float32)
+    y = rng.integers(0, V, n).astype(np.int32)
+    y[::17] = -1
+    z[3, 7] = z[3, 30] = z[3].max() + 1           # a tie across ranks: the lower label wins
+    y[3] = 7
+    z[4, 9] = z[4, 35] = z[4].max() + 1
+    y[4] = 9
+    z[6, 2] = z[6, 38] = z[6].max() + 1           # ... and the higher one is not the argmax
+    y[6] = 38
+    b[0, [7, 30, 9, 35, 2, 38]] = 0.5             # ties of z + b
+    grads, gbs, sums, biases = group_softmax(z, b, y, M, np.float32)
+    want_g, want_gb, ce, correct, _ = KP.ref_split_softmax(
+        np.split(z, split_columns(V, M)[1:-1], axis=1), biases, y)
+    for j in range(M):
+        assert np.abs(grads[j] - want_g[j]).max() <= 8 * np.finfo(np.float32).eps
+        # a column sum of n terms each within 8 ulp of 1
+        assert np.abs(gbs[j] - want_gb[j]).max() <= 8 * n * np.finfo(np.float32).eps
+        assert sums[j] == sums[0]                  # the same bits on every rank
+        assert abs(sums[j][0] - ce) <= 1e-6 * ce
+        assert sums[j][1] == correct
+    assert correct > 0
+
+
+def test_split_log_softmax_equals_the_reference():
+    rng = np.random.default_rng(0)
+    n, V, M = 50, 13, 3
+    z = rng.normal(0, 4, (n, V)).astype(np.float32)
+    b = rng.normal(0, 1, (1, V)).astype(np.float32)
+    bounds = split_columns(V, M)
+    parts = [np.ascontiguousarray(z[:, lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    stats = [np.empty((n, KP.STATS), np.float32) for _ in range(M)]
+    for j in range(M):
+        KP.split_lse_stats(parts[j], np.ascontiguousarray(b[:, bounds[j]:bounds[j + 1]]),
+                           stats[j])
+    every = np.stack(stats)
+    for part in parts:
+        KP.split_lse_finish(part, every)
+    logpost = KP.ref_split_softmax([z], [b], np.zeros(n, np.int32))[4]
+    # log-posteriors of magnitude up to ~30: float32 rounding of z + b - lse
+    assert np.abs(np.concatenate(parts, axis=1) - logpost).max() <= 64 * np.finfo(np.float32).eps
+
+
+@pytest.mark.parametrize("M, hidden, labels, activation",
+                         [(2, "7,5", 5, "sigmoid"), (3, "7,5", 5, "sigmoid"),
+                          (3, "8", 40, "relu"), (4, "9,4", 5, "relu")])
+def test_split_dnn_equals_the_unsplit_one(M, hidden, labels, activation):
+    """tests/mpi/parallel_network.py: values, gradients, posteriors, finite differences,
+    traffic counted against the formula, whole matrices (uneven splits: 5 over 3 and 4,
+    7 over 2 and 3, 40 over 3)."""
+    proc = run_mpi(M, [os.path.join(HERE, "mpi", "parallel_network.py"), hidden, str(labels),
+                       activation], timeout=240)
+    assert proc.returncode == 0 and f"OK M={M}" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- the trainer on a data x model grid -----------------------------------------------------
+
+from conftest import TrainerRuns, assert_float32_close, latest_arrays, make_archive  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def arch(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("parallel_archive"))
+    make_archive(out, num_shards=2, utts_per_shard=8, max_len=200, num_labels=7)
+    return out
+
+
+def options(arch, *extra):
+    """A tiny model whose widths do not divide by 2 or 3 (uneven splits), 1 epoch, momentum,
+    constant lr; every step checks the replicas of each data group."""
+    return [f"data.train={arch}", "data.context=2", "model.hidden=[25, 17]",
+            "train.minibatch=61", "train.epochs=1", "data.block_frames=300",
+            "data.buffer_frames=900", "train.log_every_frames=500", "optim.lr=0.005",
+            "optim.momentum_tc=300", "schedule.type=constant", "train.check_every_steps=1",
+            *extra]
+
+
+RUNS = TrainerRuns(options, timeout=180)
+
+
+@pytest.mark.parametrize("D, M", [(1, 2), (1, 3), (2, 2)])
+def test_a_grid_trains_as_one_rank_on_the_same_global_minibatches(D, M, arch, tmp_path,
+                                                                   tmp_path_factory):
+    """D x M ranks (float32 allreduce over each data group, float32 activations) against the
+    single-process reference on D ranks' global minibatches: the checkpoint's whole matrices
+    are the float64 trajectory plus float32 rounding, as far from it as the float32
+    reference is (conftest.assert_float32_close)."""
+    run = RUNS.train(D * M, arch, tmp_path_factory, f"model.parallel={M}")
+    got = latest_arrays(run)["params"]
+    want = RUNS.reference(D, "float", arch, tmp_path)["params"]
+    want64 = RUNS.reference(D, "float", arch, tmp_path, float64=True)["params"]
+    assert got.shape == want.shape     # whole matrices, whatever M
+    assert_float32_close(got, want, want64)
+    assert not np.array_equal(got, RUNS.reference(D, "float", arch, tmp_path,
+                                                  "train.stop_after_frames=200")["params"])
+
+
+@pytest.mark.parametrize("codec", ["float32", "onebit"])
+def test_the_striped_exchange_runs_over_each_data_group_of_slices(codec, arch, tmp_path,
+                                                                    tmp_path_factory):
+    """2 x 2 with the striped exchange: float32 equals the single-process reference as above;
+    1-bit SGD keeps every data group's replicas bit-identical at every step (the trainer
+    checks) and learns (its 1-bit columns are each rank's part of a fan-out: docs/parallel.md)."""
+    run = RUNS.train(4, arch, tmp_path_factory, "model.parallel=2",
+                     "exchange.aggregation=striped", f"exchange.codec={codec}")
+    got = latest_arrays(run)
+    if codec == "float32":
+        assert_float32_close(got["params"], RUNS.reference(2, "float", arch, tmp_path)["params"],
+                             RUNS.reference(2, "float", arch, tmp_path, float64=True)["params"])
+    else:
+        start = RUNS.reference(2, "float", arch, tmp_path, "train.stop_after_frames=1")
+        assert not np.array_equal(got["params"], start["params"])
+    # the owners' stripes and residuals are per world rank
+    assert {f"rank{r:04d}/exchange/residual1" for r in range(4)} <= set(got)
