@@ -44,7 +44,7 @@ from hpcsgd.comm.stripes import fold_residuals, folded_from, restripe
 from hpcsgd.data.loader import redeal
 from hpcsgd.device import assign, host_copy, to_host
 from hpcsgd.errors import UserError
-from hpcsgd.model.parallel import from_whole, group_of, to_whole
+from hpcsgd.model.parallel import from_whole, group_of, to_whole, whole_size
 
 
 class TrainState:
@@ -122,7 +122,7 @@ class TrainState:
     def _mine(self, whole):
         """My slice of a whole per-parameter array (an unsplit model: all of it)."""
         layers = self.step.model.layers
-        if group_of(layers) is None or whole.size == 0:
+        if group_of(layers) is None or whole.size != whole_size(layers):   # or unused state
             return whole
         return from_whole(layers, whole, np.empty(self.params.size, whole.dtype))
 

@@ -45,7 +45,7 @@ from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
-from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_specs
+from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_size, whole_specs
 from hpcsgd.shutdown import StopSignal, Watchdog, agree, gone_peers
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
@@ -510,7 +510,7 @@ def log_start(log, cfg, grid, loader, state, ex):
     aggregation = cfg["exchange.aggregation"]
     parameters = state.params.size
     if grid.model_size > 1:
-        parameters = sum(s.shape[0] * s.shape[1] for s in whole_specs(state.step.model.layers))
+        parameters = whole_size(state.step.model.layers)
         log.info(f"model parallelism: {grid.describe()}; this rank is model rank "
                  f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "
                  f"{state.params.size:,} of the model's {parameters:,} parameters "

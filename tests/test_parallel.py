@@ -2,6 +2,7 @@
 NumPy reference in one process, the split DNN against the unsplit one under a real mpiexec
 (values, gradients, finite differences, traffic), and the trainer on a data x model grid."""
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -109,7 +110,7 @@ def test_split_dnn_equals_the_unsplit_one(M, hidden, labels, activation):
 
 # --- the trainer on a data x model grid -----------------------------------------------------
 
-from conftest import TrainerRuns, assert_float32_close, latest_arrays, make_archive  # noqa: E402
+from conftest import TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +167,37 @@ def test_the_striped_exchange_runs_over_each_data_group_of_slices(codec, arch, t
         assert not np.array_equal(got["params"], start["params"])
     # the owners' stripes and residuals are per world rank
     assert {f"rank{r:04d}/exchange/residual1" for r in range(4)} <= set(got)
+
+
+def resume(src, K, arch, tmp_path, name, *extra):
+    """A copy of run directory `src` resumed on K ranks with these options; its directory."""
+    run = str(tmp_path / name)
+    shutil.copytree(src, run)
+    proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run, proc.stdout + open(os.path.join(run, "logs", "rank0000.log")).read()
+
+
+def test_a_split_run_resumes_bit_exactly_and_at_another_model_size(arch, tmp_path,
+                                                                     tmp_path_factory):
+    """2 epochs at 1 x 2 = 1 epoch, a checkpoint, and 1 more at 1 x 2 (bit for bit); the same
+    checkpoint resumed at M = 1 and M = 3 re-slices the whole matrices and the momentum and
+    trains on as the single-process reference does (to float32 rounding); a checkpoint of
+    M = 1 resumed at M = 2 too."""
+    straight = latest_arrays(RUNS.train(2, arch, tmp_path_factory, "model.parallel=2",
+                                        "train.epochs=2"))["params"]
+    first = RUNS.train(2, arch, tmp_path_factory, "model.parallel=2")
+    again, _ = resume(first, 2, arch, tmp_path, "again", "model.parallel=2", "train.epochs=2")
+    np.testing.assert_array_equal(latest_arrays(again)["params"], straight)
+    want = RUNS.reference(1, "float", arch, tmp_path, "train.epochs=2")["params"]
+    want64 = RUNS.reference(1, "float", arch, tmp_path, "train.epochs=2",
+                            float64=True)["params"]
+    for K, M in ((1, 1), (3, 3)):
+        run, log = resume(first, K, arch, tmp_path, f"m{M}", f"model.parallel={M}",
+                          "train.epochs=2")
+        assert "re-sliced from 1 x 2 to 1 x" in log, log
+        assert_float32_close(latest_arrays(run)["params"], want, want64)
+    run, log = resume(RUNS.train(1, arch, tmp_path_factory), 2, arch, tmp_path, "m1to2",
+                      "model.parallel=2", "train.epochs=2")
+    assert "re-sliced from 1 x 1 to 1 x 2" in log, log
+    assert_float32_close(latest_arrays(run)["params"], want, want64)

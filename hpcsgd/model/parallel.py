@@ -278,6 +278,11 @@ def _placed(layers):
     return [(w, m, ranges.get(m.name)) for w, m in zip(matrices(whole_specs(layers)), split)]
 
 
+def whole_size(layers):
+    """Parameters of the whole (unsplit) model."""
+    return sum(s.shape[0] * s.shape[1] for s in whole_specs(layers))
+
+
 def to_whole(layers, local, group, root=0):
     """The whole flat buffer (the unsplit model's layout) of a per-parameter host array split
     over the group (parameters, momentum, ...), on model rank `root`; None on the others.
