@@ -40,6 +40,13 @@ DEFAULTS = {
     "model.parallel": (1, int, (1, 4096),
                        "M: split every layer of the DNN by output columns over M consecutive "
                        "ranks (a model group); the job's ranks are D data x M model (docs/parallel.md)"),
+    "model.activation_codec": ("float32", str, ("float32", "float16", "dettmers", "dettmers_linear"),
+                               "model.parallel > 1: activations and their gradients between the "
+                               "model ranks as float32, float16, or Dettmers' 8-bit dynamic tree "
+                               "or linear type (abs-max scaled, no error feedback)"),
+    "model.activation_block": (0, int, (0, 1 << 30),
+                               "dettmers activations: values per abs-max scale (0 = one per "
+                               "frame's row of a rank's block)"),
     # --- quantization-aware training (docs/qat.md) ---
     "qat.weights": ("none", str, ("none", "max", "sawb", "pact"),
                     "fake-quantize every weight matrix: clip at max |W|, SAWB's alpha, or a learned alpha"),

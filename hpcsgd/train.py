@@ -144,7 +144,8 @@ def train(cfg, comm, stop):
     shape = model_shape(cfg, loader)
     try:
         # model parallelism: every layer split over this rank's model group
-        group = ModelGroup(grid.model) if grid.model_size > 1 else None
+        group = ModelGroup(grid.model, cfg["model.activation_codec"],
+                           cfg["model.activation_block"]) if grid.model_size > 1 else None
         model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
                       precision=cfg["train.precision"], group=group)
     except ValueError as err:   # a combination the config's per-key checks cannot see
@@ -514,7 +515,7 @@ def log_start(log, cfg, grid, loader, state, ex):
         log.info(f"model parallelism: {grid.describe()}; this rank is model rank "
                  f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "
                  f"{state.params.size:,} of the model's {parameters:,} parameters "
-                 f"(model.parallel)")
+                 f"(model.parallel), activations {cfg['model.activation_codec']} between them")
     log.info(f"{grid.size} rank(s), minibatch {minibatch} "
              f"({batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here, "
              f"pid {os.getpid()} on {socket.gethostname()}), model "

@@ -108,6 +108,14 @@ def test_split_dnn_equals_the_unsplit_one(M, hidden, labels, activation):
     assert proc.returncode == 0 and f"OK M={M}" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("M, codec", [(2, "float16"), (3, "dettmers"), (2, "dettmers_linear")])
+def test_coded_activation_traffic_is_each_block_decoded(M, codec):
+    """tests/mpi/parallel_codec.py: the Allgather and the Reduce_scatter with a codec, bit for
+    bit against the codec run locally, and the bytes counted = the packed sizes."""
+    proc = run_mpi(M, [os.path.join(HERE, "mpi", "parallel_codec.py"), codec], timeout=120)
+    assert proc.returncode == 0 and f"OK {codec} M={M}" in proc.stdout, proc.stdout + proc.stderr
+
+
 # --- the trainer on a data x model grid -----------------------------------------------------
 
 from conftest import TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive  # noqa: E402
@@ -201,3 +209,17 @@ def test_a_split_run_resumes_bit_exactly_and_at_another_model_size(arch, tmp_pat
                       "model.parallel=2", "train.epochs=2")
     assert "re-sliced from 1 x 1 to 1 x 2" in log, log
     assert_float32_close(latest_arrays(run)["params"], want, want64)
+
+
+def test_eight_bit_activations_train_close_to_float32_activations(arch, tmp_path,
+                                                                     tmp_path_factory):
+    """1 x 2 with Dettmers 8-bit activations: the run trains (its weights leave the float32
+    run's by far less than they moved from the start) and its log says what moved."""
+    base = latest_arrays(RUNS.train(2, arch, tmp_path_factory, "model.parallel=2"))["params"]
+    run = RUNS.train(2, arch, tmp_path_factory, "model.parallel=2",
+                     "model.activation_codec=dettmers")
+    got = latest_arrays(run)["params"]
+    start = RUNS.reference(1, "float", arch, tmp_path, "train.stop_after_frames=1")["params"]
+    assert 0 < np.linalg.norm(got - base) < 0.2 * np.linalg.norm(base - start)
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert "activations dettmers between them" in log

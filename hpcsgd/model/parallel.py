@@ -50,49 +50,149 @@ def split_columns(n, parts):
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
+ACTIVATION_CODECS = ("float32", "float16", "dettmers", "dettmers_linear")
+
+
+def activation_codec(name, block=0):
+    """A codec for activation traffic (no error feedback: activations do not recur), or None
+    for float32. dettmers: the 8-bit dynamic tree (or linear) type, abs-max per row of the
+    (n, c) block (block=0), or per `block` values; a codec per row width, made on demand."""
+    from hpcsgd.codecs import make_codec
+    if name not in ACTIVATION_CODECS:
+        raise ValueError(f"activation codec {name!r}: expected one of {ACTIVATION_CODECS}")
+    if name == "float32":
+        return None
+    if name == "float16":
+        codec = make_codec("float16", error_feedback=False)
+        return lambda width: codec
+    made = {}
+
+    def for_width(width):
+        if width not in made:
+            made[width] = make_codec("dettmers", error_feedback=False, norm="absmax",
+                                     dtype="linear" if name == "dettmers_linear"
+                                     else "dynamic_tree", block=block or width)
+        return made[width]
+    return for_width
+
+
 class ModelGroup:
     """The model-parallel group as the split layers use it: the communicator, this rank's
-    place, and the values this rank sent and received per kind of call (the traffic test)."""
+    place, the activation codec, and the bytes this rank sent and received per kind of call
+    (the traffic test). Coded traffic: each block is encoded by its sender and decoded by
+    every receiver (the Allgather: the sender too, so that every rank computes on the same
+    values); the Reduce_scatter becomes an Alltoallv of coded blocks, each owner adding its
+    own exact block and the others' decoded ones in rank order."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, codec="float32", block=0):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.codec_name, self.codec = codec, activation_codec(codec, block)
         self.sent = {"allgather": 0, "reduce_scatter": 0, "softmax": 0}
         self.received = dict(self.sent)
+        self._bytes = {}   # coded traffic's byte buffers, grown once to the largest call
+
+    def _scratch(self, name, nbytes):
+        buf = self._bytes.get(name)
+        if buf is None or buf.size < nbytes:
+            buf = self._bytes[name] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
 
     def allgather_columns(self, local, out, bounds, recv):
         """out (n, N) <- every rank's columns: local (n, c_me) C-contiguous; recv: scratch of
         n * N values (the blocks of all ranks, back to back, then copied into place)."""
         n = local.shape[0]
+        if self.codec is not None:
+            return self._allgather_coded(local, out, bounds, recv)
         counts = (np.diff(bounds) * n).astype(np.int64)
         displs = (bounds[:-1] * n).astype(np.int64)
         self.comm.Allgatherv(local, [recv[:n * bounds[-1]], (counts, displs)])
         for j in range(self.size):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
             out[:, lo:hi] = recv[displs[j]:displs[j] + counts[j]].reshape(n, hi - lo)
-        mine = int(counts[self.rank])
+        mine = int(counts[self.rank]) * local.itemsize
         self.sent["allgather"] += mine * (self.size - 1)
-        self.received["allgather"] += int(counts.sum()) - mine
+        self.received["allgather"] += int(counts.sum()) * local.itemsize - mine
+
+    def _allgather_coded(self, local, out, bounds, recv):
+        n = local.shape[0]
+        widths = np.diff(bounds)
+        nbytes = np.array([self.codec(int(c)).packed_nbytes(n, int(c)) for c in widths],
+                          np.int64)
+        displs = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+        packed = self._scratch("allgather", int(nbytes.sum()))
+        me = self.rank
+        self.codec(int(widths[me])).encode(local, None,
+                                           packed[displs[me]:displs[me] + nbytes[me]])
+        from mpi4py import MPI
+        self.comm.Allgatherv(MPI.IN_PLACE, [packed, (nbytes, displs)])
+        for j in range(self.size):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            block = recv[n * lo:n * hi].reshape(n, hi - lo)
+            self.codec(hi - lo).decode(packed[displs[j]:displs[j] + nbytes[j]], block)
+            out[:, lo:hi] = block
+        self.sent["allgather"] += int(nbytes[me]) * (self.size - 1)
+        self.received["allgather"] += int(nbytes.sum() - nbytes[me])
 
     def reduce_scatter_columns(self, send, out, bounds, n):
         """out (n * c_me values) <- the sum over ranks of each rank's block for my columns;
         send: the blocks (n, c_j) for j = 0..M-1, back to back."""
+        if self.codec is not None:
+            return self._reduce_scatter_coded(send, out, bounds, n)
         counts = (np.diff(bounds) * n).astype(np.int64)
         self.comm.Reduce_scatter(send[:int(counts.sum())], out[:int(counts[self.rank])],
                                  counts)
-        mine = int(counts[self.rank])
-        self.sent["reduce_scatter"] += int(counts.sum()) - mine
+        mine = int(counts[self.rank]) * send.itemsize
+        self.sent["reduce_scatter"] += int(counts.sum()) * send.itemsize - mine
         self.received["reduce_scatter"] += mine * (self.size - 1)
 
+    def _reduce_scatter_coded(self, send, out, bounds, n):
+        me, M = self.rank, self.size
+        widths = np.diff(bounds)
+        c = int(widths[me])
+        codec = self.codec
+        out_nbytes = np.array([codec(int(w)).packed_nbytes(n, int(w)) for w in widths],
+                              np.int64)
+        send_counts = out_nbytes.copy()
+        send_counts[me] = 0
+        send_displs = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
+        mine_nbytes = int(out_nbytes[me])
+        recv_counts = np.full(M, mine_nbytes, np.int64)
+        recv_counts[me] = 0
+        recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+        packed = self._scratch("rs_send", int(send_counts.sum()))
+        for j in range(M):
+            if j != me:
+                lo, hi = int(bounds[j]), int(bounds[j + 1])
+                codec(hi - lo).encode(send[n * lo:n * hi].reshape(n, hi - lo), None,
+                                      packed[send_displs[j]:send_displs[j] + send_counts[j]])
+        got = self._scratch("rs_recv", int(recv_counts.sum()))
+        self.comm.Alltoallv([packed, (send_counts, send_displs)],
+                            [got, (recv_counts, recv_displs)])
+        total = out[:n * c].reshape(n, c)
+        exact = send[n * int(bounds[me]):n * int(bounds[me + 1])].reshape(n, c)
+        for r in range(M):   # in rank order: every run adds in the same order
+            if r == me:
+                if r == 0:
+                    total[...] = exact
+                else:
+                    total += exact
+            else:
+                piece = got[recv_displs[r]:recv_displs[r] + mine_nbytes]
+                (codec(c).decode if r == 0 else codec(c).decode_accumulate)(piece, total)
+        self.sent["reduce_scatter"] += int(send_counts.sum())
+        self.received["reduce_scatter"] += int(recv_counts.sum())
+
     def allgather_stats(self, stats, out):
-        """out (M * n * STATS values) <- every rank's (n, STATS) softmax statistics."""
+        """out (M * n * STATS values) <- every rank's (n, STATS) softmax statistics (never
+        coded: a max or a sum of exponentials in 8 bits would break the softmax)."""
         n = stats.shape[0]
         self.comm.Allgather(stats, out)
-        self.sent["softmax"] += n * STATS * (self.size - 1)
-        self.received["softmax"] += n * STATS * (self.size - 1)
+        self.sent["softmax"] += n * STATS * stats.itemsize * (self.size - 1)
+        self.received["softmax"] += n * STATS * stats.itemsize * (self.size - 1)
 
     def traffic(self):
-        """{kind: (values sent, values received)} since the start."""
+        """{kind: (bytes sent, bytes received)} since the start."""
         return {k: (self.sent[k], self.received[k]) for k in self.sent}
 
 

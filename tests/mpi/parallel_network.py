@@ -10,7 +10,7 @@ draw). Checked on every rank, then "OK M=..." printed by rank 0:
   - the gathered log-posteriors of forward() equal the unsplit model's;
   - central finite differences of the group's CE match the split gradient, for elements of
     every parameter on every rank (rank r perturbs its own element; all ranks evaluate);
-  - the values each rank sent and received equal the traffic formula of model/parallel.py;
+  - the bytes each rank sent and received equal the traffic formula of model/parallel.py;
   - to_whole / from_whole give back the unsplit model's parameters and this rank's slice.
 """
 import sys
@@ -69,8 +69,9 @@ for n_in in dims[1:-1]:                           # every layer's input gradient
     c = int(b[me + 1] - b[me])
     rs_sent += n * (n_in - c)
     rs_recv += n * c * (M - 1)
-want = {"allgather": (ag_sent, ag_recv), "reduce_scatter": (rs_sent, rs_recv),
-        "softmax": (2 * n * 4 * (M - 1), 2 * n * 4 * (M - 1))}
+B = 8   # bytes per float64 value
+want = {"allgather": (B * ag_sent, B * ag_recv), "reduce_scatter": (B * rs_sent, B * rs_recv),
+        "softmax": (B * 2 * n * 4 * (M - 1), B * 2 * n * 4 * (M - 1))}
 assert group.traffic() == want, (group.traffic(), want)
 
 # finite differences of the group's CE, element by element (every rank evaluates every one)
