@@ -193,3 +193,28 @@ def test_bench_train_times_both_precisions_in_the_same_rounds(tmp_path):
                                                        / none["frames_per_s"])
     # activations of the 440-256x3-500 model at N = 256: outputs of every layer + delta
     assert run["activation_bytes"]["256"] == 256 * (3 * 256 + 500 + 256) * 4
+
+
+def test_bench_train_grid_measures_the_activation_traffic(tmp_path):
+    """--grid 1x1,1x2: the split model's rows carry the bytes its model group moved per step,
+    exactly the traffic formula of model/parallel.py for the 440-256x3-500 model at N = 256
+    (float32: each rank receives the other's half of every hidden output and of every input
+    gradient but the first layer's, and 4 softmax numbers per frame), 8-bit activations
+    about a quarter of it, and the share of the step that traffic took."""
+    out = tmp_path / "grid.json"
+    text = bench("train", "--small", "--grid", "1x1,1x2", "--exchange", "allreduce",
+                 "--activation-codec", "float32,dettmers", "--double-buffering", "off",
+                 "--json", str(out))
+    assert "vs 1x1" in text
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["grid"] for r in runs] == ["1x1", "1x2"]
+    rows = {(r["exchange"], r["activation_codec"]): r for r in runs[1]["rows"]}
+    assert set(rows) == {(e, c) for e in ("none", "allreduce") for c in ("float32", "dettmers")}
+    n, hidden = 256, 256
+    f32 = 4 * (3 * n * hidden // 2 + 3 * n * hidden // 2 + 4 * n)
+    for ex in ("none", "allreduce"):
+        assert rows[(ex, "float32")]["activation_bytes_per_step"] == f32
+        coded = rows[(ex, "dettmers")]["activation_bytes_per_step"]
+        assert 0.25 * f32 < coded < 0.3 * f32     # 1 byte a value + a scale per row
+        for codec in ("float32", "dettmers"):
+            assert 0 < rows[(ex, codec)]["activation_share"] < 1

@@ -115,6 +115,15 @@ def add_arguments(parser):
                         help="float32, mixed, or float32,mixed: the step in each precision "
                              "(train.precision; mixed with a static loss scale of 1: the "
                              "overflow vote runs, no step may be skipped), in the same rounds")
+    parser.add_argument("--grid", default=None,
+                        help="data x model grids instead of --ranks, e.g. 1x1,1x2,2x1,2x2: "
+                             "D data ranks, each model split over M ranks (model.parallel); "
+                             "adds the activation traffic per step and its share of the step")
+    parser.add_argument("--activation-codec", default="float32",
+                        help="--grid with M > 1: activations between model ranks, one or "
+                             "more of float32,float16,dettmers,dettmers_linear "
+                             "(model.activation_codec), measured in the same rounds")
+    parser.add_argument("--model-parallel", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--qat", default="",
                         help="quantization-aware variants of the step, measured in the same "
                              "rounds against the float one: WEIGHTS[/ACTIVATIONS] rule+bits, "
@@ -229,11 +238,14 @@ def run(args):
         + (["--chunk", str(args.chunk)] if args.chunk else []) \
         + (["--unidirectional"] if args.unidirectional else [])
     runs = []
-    for k in ranks:
+    grids = [(k, 1) for k in ranks] if not args.grid else parse_grid(args.grid)
+    if args.grid:
+        worker += ["--activation-codec", args.activation_codec]
+    for d, m in grids:
         # --small: 1 thread per rank; a 2-thread Numba kernel on a tiny model mostly waits for
         # its second thread on 2 shared cores
-        res = launch.mpirun(k, "hpcsgd.bench.train", worker, args.timeout,
-                            args.threads or (1 if args.small else None))
+        res = launch.mpirun(d * m, "hpcsgd.bench.train", worker + ["--model-parallel", m],
+                            args.timeout, args.threads or (1 if args.small else None))
         gbps = launch.link_gbps()
         for row in res["rows"]:    # the link's limit: the bytes of a step at the link rate
             row["comm_s"] = row["seconds"]["communicate"]
@@ -243,6 +255,8 @@ def run(args):
         print_table(res)
         print_qat_overhead(res)
         print_activation_memory(res)
+    if args.grid:
+        print_grid(runs)
     out = {"model": name, "shape": shape, "activation": activation, "device": args.device,
            "params": runs[0]["params"], "minibatches": ns, "exchanges": args.exchange.split(","),
            "link_gbps": launch.link_gbps(), "runs": runs}
@@ -257,6 +271,34 @@ def run(args):
           f"{one['frames_per_s']:.0f} frames/s, fraction of the GEMM roofline "
           f"{one['roofline_fraction']:.1%}")
     return out
+
+
+def parse_grid(spec):
+    """'1x1,1x2,2x2' -> [(1, 1), (1, 2), (2, 2)] (data ranks, model ranks)."""
+    try:
+        grids = [tuple(int(v) for v in part.lower().split("x")) for part in spec.split(",")]
+    except ValueError:
+        grids = [()]
+    if not all(len(g) == 2 and min(g) >= 1 for g in grids):
+        raise SystemExit(f"--grid {spec}: expected DxM pairs, e.g. 1x1,1x2,2x1,2x2")
+    return grids
+
+
+def print_grid(runs):
+    """Frames/s per grid against 1 x 1 (the same N, exchange and activation codec), with the
+    model-parallel activation traffic of a step and its share of the step's time."""
+    base = {(r["minibatch"], r["exchange"]): r["frames_per_s"] for run in runs
+            if run["grid"] == "1x1" for r in run["rows"] if r["precision"] == "float32"}
+    print(f"\n{'grid':>5s} {'N':>6s} {'exchange':>10s} {'activations':>15s} {'frames/s':>9s} "
+          f"{'vs 1x1':>7s} {'act MB/step':>11s} {'act share':>9s}")
+    for run in runs:
+        for r in run["rows"]:
+            one = base.get((r["minibatch"], r["exchange"]))
+            print(f"{run['grid']:>5s} {r['minibatch']:>6d} {r['exchange']:>10s} "
+                  f"{r.get('activation_codec', '-'):>15s} {r['frames_per_s']:>9.1f} "
+                  f"{format(r['frames_per_s'] / one - 1, '+.1%') if one else '':>7s} "
+                  f"{r.get('activation_bytes_per_step', 0) / 1e6:>11.2f} "
+                  f"{r.get('activation_share', 0.0):>9.1%}")
 
 
 def _db_name(db, progress):
@@ -280,13 +322,21 @@ def _run_name(exchange, precision):
     return exchange if precision == "float32" else f"{exchange}+{precision}"
 
 
+def _ranks_name(run):
+    """K=2, or a data x model grid (--grid) with M > 1: grid 1x2."""
+    m = run.get("model_parallel", 1)
+    return f"grid {run['ranks']}x{m}" if m > 1 else f"K={run['ranks']}"
+
+
 def figures(res):
     out = {}
     for run in res["runs"]:
         for (n, mode, spec), overhead in qat_overheads(run).items():
-            out[f"K={run['ranks']} N={n} DB {_db_name(*mode)} qat {spec} overhead"] = overhead
+            out[f"{_ranks_name(run)} N={n} DB {_db_name(*mode)} qat {spec} overhead"] = overhead
         for r in run["rows"]:
-            key = f"K={run['ranks']} {_label(r)}"
+            key = f"{_ranks_name(run)} {_label(r)}"
+            if "activation_share" in r:
+                out[f"{key} activation share"] = r["activation_share"]
             out[f"{key} frames/s"] = r["frames_per_s"]
             out[f"{key} of roofline"] = r["roofline_fraction"]
             if r["exchange"] != "none":
@@ -298,8 +348,10 @@ def figures(res):
 
 
 def print_table(run):
-    k = run["ranks"]
-    print(f"\nK = {k} rank(s), {run['threads_per_rank']} thread(s) each, {run['params']:,} "
+    m = run.get("model_parallel", 1)
+    k = f"K = {run['ranks']}" if m == 1 else \
+        f"grid {run['ranks']} x {m} (data x model): {run['ranks'] * m}"
+    print(f"\n{k} rank(s), {run['threads_per_rank']} thread(s) each, {run['params']:,} "
           f"parameters; median of {run['rounds']} x {run['steps']} steps, slowest rank. Limits: "
           f"roofline = the step's GEMMs alone; no-exch = the exchange skipped")
     wire = any("wire_s" in r for r in run["rows"])
@@ -424,16 +476,26 @@ class Local:
 class Rank:
     """This rank's model, buffers and random frames, and the timed step loops."""
 
-    def __init__(self, comm, shape, activation, max_local, device="cpu", precisions=("float32",)):
+    def __init__(self, comm, shape, activation, max_local, device="cpu", precisions=("float32",),
+                 grid=None):
         from hpcsgd.model import build
-        self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
+        from hpcsgd.model.parallel import ModelGroup
+        # the data rank: the ranks of a model group take the same frames (grid: --grid)
+        self.comm, self.world = comm, comm.Get_size()
+        self.rank = grid.data_rank if grid is not None else comm.Get_rank()
         self.device, self.unit = device, unit_of(shape)
         self.models = {}   # precision -> (model, params, the 2 gradient buffers)
-        for precision in precisions:   # "float32", "mixed" or "qat:SPEC" (parse_qat)
+        # "float32", "mixed", "qat:SPEC" (parse_qat) or "act:CODEC" (a split model's
+        # activation codec; float32 activations are "float32")
+        for precision in precisions:
             qat = parse_qat(precision[4:]) if precision.startswith("qat:") else None
+            group = None
+            if grid is not None and grid.model_size > 1:
+                group = ModelGroup(grid.model, precision[4:] if precision.startswith("act:")
+                                   else "float32")
             model = build(dict(shape, activation=activation, **({"qat": qat} if qat else {})),
-                          max_batch=max_local, device=device,
-                          precision="float32" if qat else precision)
+                          max_batch=max_local, device=device, group=group,
+                          precision="float32" if qat or group else precision)
             params = model.new_params()
             model.init(params, np.random.default_rng(0))      # replicas start equal
             self.models[precision] = (model, params, gradient_buffers(model, True))
@@ -489,16 +551,23 @@ class Rank:
                     device=self.device,
                     scaler=Static(1.0) if precision == "mixed" else None, unit=self.unit)
         marks, ce = [], 0.0
+        group = next((layer.group for layer in model.layers if hasattr(layer, "group")), None)
+        act = (0.0, 0)
         self.comm.Barrier()
         for s in range(warmup + steps):
             if s == warmup:       # timing starts here; the pipeline keeps running through
                 step.phases.pop()
                 step.pop_compute()
+                if group is not None:
+                    act = (group.seconds, sum(group.received.values()))
             marks.append(time.perf_counter())
             ce = step.run(self.batch, take, self.rank, LR, "bench train")[0]
         marks.append(time.perf_counter())
         exchanges = step.phases.exchanges
         phases = {p: v * exchanges / steps for p, v in step.phases.pop().items()}
+        if group is not None:   # model-parallel traffic: seconds and bytes received per step
+            phases["activation"] = (group.seconds - act[0]) / steps
+            phases["activation_bytes"] = (sum(group.received.values()) - act[1]) / steps
         compute = step.pop_compute()
         step.drain()                               # drain (not timed)
         cats = {"compute": compute / steps}
@@ -552,20 +621,23 @@ def worker(argv):
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     _, ns, modes = _settings(args)
+    from hpcsgd.comm.grid import Grid
     comm = MPI.COMM_WORLD
-    K, dev = comm.Get_size(), args.device
+    grid = Grid(comm, args.model_parallel)
+    K, dev = grid.data_size, args.device   # data ranks: the minibatch is dealt over them
     _, shape, activation, _ = model_of(args)
     if dev == "cuda":   # one GPU per local rank, before any allocation on one
         from hpcsgd.comm.gpu import bind_gpu
-        from hpcsgd.comm.grid import Grid
-        bind_gpu(Grid(comm).node_rank)
+        bind_gpu(grid.node_rank)
     precisions = args.precision.split(",")
     if not set(precisions) <= {"float32", "mixed"}:
         raise SystemExit(f"--precision {args.precision}: expected float32 and/or mixed")
     precisions += [f"qat:{spec}" for spec in args.qat.split(",") if spec]
+    if grid.model_size > 1:
+        precisions += [f"act:{c}" for c in args.activation_codec.split(",") if c != "float32"]
     unit = unit_of(shape)   # an LSTM's rows are whole chunks (steps = chunk: no context)
     max_local = max(int(batch_split(n, K, unit)[0]) for n in ns)
-    r = Rank(comm, shape, activation, max_local, dev, precisions)
+    r = Rank(comm, shape, activation, max_local, dev, precisions, grid)
     size = r.params.size
     flop = r.model.gemm_flop_per_frame()
     configs = [(n, mode, batch_split(n, K, unit)) for n in ns for mode in modes]
@@ -576,7 +648,7 @@ def worker(argv):
         local_opt = Optimizer(params.size, momentum_time_constant=MOMENTUM_TC, device=dev)
         runs[_run_name("none", precision)] = (Local(local_opt), local_opt)
         for name in args.exchange.split(","):
-            ex = make_exchange(exchange_config(name, dev), comm, params.matrices)
+            ex = make_exchange(exchange_config(name, dev), grid.data, params.matrices)
             runs[_run_name(name, precision)] = (ex, Optimizer(
                 params.size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size,
                 device=dev))
@@ -618,6 +690,12 @@ def worker(argv):
                                not name.startswith("none") and name != "pytorch"),
                        exchange=name.split("+")[0], progress=mode[1],
                        precision=precision_of.get(name, "float32"))
+            if grid.model_size > 1 and name != "pytorch":   # the model-parallel traffic
+                act = row["precision"][4:] if row["precision"].startswith("act:") else "float32"
+                row.update(activation_codec=act,
+                           activation_s=row["phases_s"].pop("activation"),
+                           activation_bytes_per_step=row["phases_s"].pop("activation_bytes"))
+                row["activation_share"] = row["activation_s"] / row["step_s"]
             if row["exchange"] == "none":
                 skip[(n, mode, row["precision"])] = row["frames_per_s"]
             else:
@@ -628,8 +706,9 @@ def worker(argv):
                            comm_overhead=1.0 - row["frames_per_s"]
                            / skip[(n, mode, row["precision"])])
             rows.append(row)
-            if r.rank == 0:
-                print(f"  K={K} {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
+            if comm.Get_rank() == 0:
+                print(f"  {'K=' + str(K) if grid.model_size == 1 else 'grid ' + grid.describe()}"
+                      f" {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
     for row in rows:
         key = (row["minibatch"], _mode(row))
         row.update(skip_frames_per_s=skip[key + (row["precision"],)], gemm_only_s=roof[key],
@@ -643,10 +722,12 @@ def worker(argv):
     # recurrent layers' workspaces (gates, cells, one step's products), per row
     layers = r.model.layers
     row_floats = (sum(layer.n_out for layer in layers) + max(layer.n_in for layer in layers[1:])
-                  + sum(shape_[1] for ws in r.model.workspaces if ws for shape_ in
-                        (a.shape for a in ws.values())))
+                  + sum(a.size // r.model.max_batch for ws in r.model.workspaces if ws
+                        for a in ws.values()))
     acts = {str(n): int(batch_split(n, K, unit)[0]) * row_floats * 4 for n in ns}
-    launch.write_result(comm, {"ranks": K, "params": size, "steps": args.steps,
+    launch.write_result(comm, {"ranks": K, "grid": f"{K}x{grid.model_size}",
+                               "model_parallel": grid.model_size, "params": size,
+                               "steps": args.steps,
                                "activation_bytes": acts,
                                "mixed_extra_bytes": 4 * (size + max_local * shape["input_dim"]),
                                "rounds": args.rounds, "warmup": args.warmup, "gflop_per_frame": flop / 1e9,

@@ -35,6 +35,8 @@ first's (n x n_in, a rank sends n (n_in - c'_j)), and the softmax's 4 values per
 Checkpoints hold whole matrices (to_whole / from_whole): a run resumes at another M, and
 `hpcsgd eval`, `infer` and `export` read it as the unsplit model.
 """
+import time
+
 import numpy as np
 
 from hpcsgd.device import matmul
@@ -90,6 +92,7 @@ class ModelGroup:
         self.codec_name, self.codec = codec, activation_codec(codec, block)
         self.sent = {"allgather": 0, "reduce_scatter": 0, "softmax": 0}
         self.received = dict(self.sent)
+        self.seconds = 0.0   # in these calls, coding included (bench train --grid)
         self._bytes = {}   # coded traffic's byte buffers, grown once to the largest call
 
     def _scratch(self, name, nbytes):
@@ -101,9 +104,15 @@ class ModelGroup:
     def allgather_columns(self, local, out, bounds, recv):
         """out (n, N) <- every rank's columns: local (n, c_me) C-contiguous; recv: scratch of
         n * N values (the blocks of all ranks, back to back, then copied into place)."""
-        n = local.shape[0]
+        t0 = time.perf_counter()
         if self.codec is not None:
-            return self._allgather_coded(local, out, bounds, recv)
+            self._allgather_coded(local, out, bounds, recv)
+        else:
+            self._allgather(local, out, bounds, recv)
+        self.seconds += time.perf_counter() - t0
+
+    def _allgather(self, local, out, bounds, recv):
+        n = local.shape[0]
         counts = (np.diff(bounds) * n).astype(np.int64)
         displs = (bounds[:-1] * n).astype(np.int64)
         self.comm.Allgatherv(local, [recv[:n * bounds[-1]], (counts, displs)])
@@ -137,8 +146,14 @@ class ModelGroup:
     def reduce_scatter_columns(self, send, out, bounds, n):
         """out (n * c_me values) <- the sum over ranks of each rank's block for my columns;
         send: the blocks (n, c_j) for j = 0..M-1, back to back."""
+        t0 = time.perf_counter()
         if self.codec is not None:
-            return self._reduce_scatter_coded(send, out, bounds, n)
+            self._reduce_scatter_coded(send, out, bounds, n)
+        else:
+            self._reduce_scatter(send, out, bounds, n)
+        self.seconds += time.perf_counter() - t0
+
+    def _reduce_scatter(self, send, out, bounds, n):
         counts = (np.diff(bounds) * n).astype(np.int64)
         self.comm.Reduce_scatter(send[:int(counts.sum())], out[:int(counts[self.rank])],
                                  counts)
@@ -187,7 +202,9 @@ class ModelGroup:
         """out (M * n * STATS values) <- every rank's (n, STATS) softmax statistics (never
         coded: a max or a sum of exponentials in 8 bits would break the softmax)."""
         n = stats.shape[0]
+        t0 = time.perf_counter()
         self.comm.Allgather(stats, out)
+        self.seconds += time.perf_counter() - t0
         self.sent["softmax"] += n * STATS * stats.itemsize * (self.size - 1)
         self.received["softmax"] += n * STATS * stats.itemsize * (self.size - 1)
 

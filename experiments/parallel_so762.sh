@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 22 on so762 (112 training, 13 held-out speakers): the DNN of jobs/configs/so762.yaml
+# (440-1024x4-40 sigmoid, minibatch 256, newbob) on one process (1 x 1, 2 threads) and split
+# over a model group of 2 ranks (1 x 2, 1 thread each) with float32, 8-bit (Dettmers' dynamic
+# tree, abs-max per row) and float16 activations; EPOCHS epochs each, the same global
+# minibatches (D = 1 in every run).
+#   bash experiments/parallel_so762.sh [EPOCHS]     (needs runs/so762/archive: see so762.yaml)
+#   ONLY="mp2" bash experiments/parallel_so762.sh     runs whose name starts with ONLY
+# Metrics in runs/parallel/<name>/metrics.jsonl; experiments/summarize_precision.py
+# runs/parallel prints the table (CV accuracy and CE per epoch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EPOCHS=${1:-4}
+export MPIR_CVAR_ENABLE_HEAVY_YIELD=1
+run() {
+    local name=$1 ranks=$2; shift 2
+    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
+    rm -rf "runs/parallel/$name"
+    echo "== $name: $ranks rank(s) $*"
+    local t0=$SECONDS
+    .venv/bin/mpiexec -n "$ranks" .venv/bin/python -m mpi4py -m hpcsgd.cli train \
+        --config jobs/configs/so762.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        "train.run_dir=$PWD/runs/parallel/$name" "$@" 2>&1 \
+        | grep -E "done in|error|diverged" || true
+    echo "   $name: $((SECONDS - t0)) s wall"
+}
+run mp1_float32 1
+run mp2_float32 2 model.parallel=2
+run mp2_dettmers 2 model.parallel=2 model.activation_codec=dettmers
+run mp2_float16 2 model.parallel=2 model.activation_codec=float16
