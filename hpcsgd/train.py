@@ -511,6 +511,12 @@ def log_start(log, cfg, grid, loader, state, ex):
     aggregation = cfg["exchange.aggregation"]
     parameters = state.params.size
     if grid.model_size > 1:
+        hosts = sorted(set(grid.model.allgather(socket.gethostname())))   # a few names
+        if len(hosts) > 1:
+            log.info(f"warning: this rank's model group spans {len(hosts)} nodes "
+                     f"({', '.join(hosts)}): its activation traffic crosses the network; "
+                     f"place the M = {grid.model_size} consecutive ranks of a group on one node "
+                     f"(srun --distribution=block, --ntasks-per-node a multiple of M)")
         parameters = whole_size(state.step.model.layers)
         log.info(f"model parallelism: {grid.describe()}; this rank is model rank "
                  f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "

@@ -273,6 +273,24 @@ def test_train_job_forms_one_communicator_and_requeue_is_bit_exact(cluster, arch
         assert a.dtype == sig_arrays[name].dtype and a.tobytes() == sig_arrays[name].tobytes(), name
 
 
+def test_train_job_splits_the_model_over_consecutive_ranks_of_a_node(cluster, archive):
+    """model.parallel=2 from train.sbatch: 2 tasks on the node form one model group (block
+    placement), the job completes, and the checkpoint holds the whole matrices."""
+    job, run_dir = submit_train(cluster, "mpich", "split", archive, 2, "model.parallel=2",
+                                "train.epochs=3")
+    info = cluster.wait(job)
+    out = cluster.output(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-3000:]}"
+    rank0 = open(os.path.join(run_dir, "logs", "rank0000.log")).read()
+    assert "model parallelism: 2 rank(s) = 1 data x 2 model" in rank0, rank0[:1500]
+    assert "spans" not in rank0
+    _, arrays = final_state(run_dir)
+    whole = sum(a.size for name, a in arrays.items() if name == "params")
+    from hpcsgd.evaluate import load_model
+    model, params, _ = load_model(run_dir)   # the unsplit model reads it
+    assert whole == params.size and not model.parallel
+
+
 @pytest.mark.parametrize("launcher,how,bound", [
     ("srun", "kill", 25.0),       # srun ends the other ranks RANK_EXIT_WAIT_S=5 s after one died
     ("mpiexec", "kill", 15.0),    # hydra notices the death itself

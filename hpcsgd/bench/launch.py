@@ -60,13 +60,17 @@ def run_group(cmd, env=None, timeout=None):
         raise
 
 
-def mpirun(k, module, args, timeout=1800, n_threads=None):
-    """`mpiexec -n k python -m module args --json OUT` -> the dict rank 0 wrote to OUT."""
+def mpirun(k, module, args, timeout=1800, n_threads=None, per_host=1):
+    """`mpiexec -n k python -m module args --json OUT` -> the dict rank 0 wrote to OUT.
+    per_host: on an emulated cluster, consecutive ranks per host (a model group's M: its
+    traffic stays inside a host, the data-parallel exchange crosses the links)."""
     t = str(n_threads or threads_per_rank(k))
     env = dict(os.environ, PYTHONUNBUFFERED="1", **threads.environment(int(t)))
     if k > cores():
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     extra = shlex.split(os.environ.get("EMUCLUSTER_MPIEXEC_ARGS", ""))
+    if "-ppn" in extra:
+        extra[extra.index("-ppn") + 1] = str(per_host)
     with tempfile.TemporaryDirectory(prefix="hpcsgd-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [MPIEXEC, *extra, "-n", str(k), sys.executable, "-m", module, *map(str, args),

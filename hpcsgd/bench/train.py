@@ -245,7 +245,7 @@ def run(args):
         # --small: 1 thread per rank; a 2-thread Numba kernel on a tiny model mostly waits for
         # its second thread on 2 shared cores
         res = launch.mpirun(d * m, "hpcsgd.bench.train", worker + ["--model-parallel", m],
-                            args.timeout, args.threads or (1 if args.small else None))
+                            args.timeout, args.threads or (1 if args.small else None), m)
         gbps = launch.link_gbps()
         for row in res["rows"]:    # the link's limit: the bytes of a step at the link rate
             row["comm_s"] = row["seconds"]["communicate"]
