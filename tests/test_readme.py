@@ -59,7 +59,7 @@ def scratch(tmp_path_factory):
 def test_the_readme_pipeline_runs_as_written_and_learns(scratch):
     cmds = pipeline()
     assert any(c.startswith("hpcsgd prep") for c in cmds)
-    assert sum("hpcsgd.cli train" in c for c in cmds) == 4
+    assert sum("hpcsgd.cli train" in c for c in cmds) == 5
     env = dict(ENV, PATH=VENV_BIN + os.pathsep + ENV["PATH"])
     for cmd in cmds:
         argv = shlex.split(cmd)

@@ -5,7 +5,7 @@
     grid.data    the D ranks that hold the same parameters and exchange gradients: the loader
                  shards over it, the exchange sums over it, replica checksums compare within
                  it, optimizer stripes and residuals are re-dealt over it
-    grid.model   the M ranks that split one model (size 1 until model parallelism lands)
+    grid.model   the M ranks that split one model (model.parallel; hpcsgd/model/parallel.py)
     grid.node    the ranks on this node (GPU binding, threads per rank)
 
 World rank w is model rank w % M of data rank w // M: a model group is M consecutive ranks,
