@@ -69,6 +69,33 @@ def test_step_kernels_match_numpy(dtype):
                                atol=10 * tol["atol"] * 37)
 
 
+def test_both_directions_in_one_launch_are_the_two_launches():
+    """lstm_forward_step2 / lstm_backward_step2 (a BLSTM's step: the forward direction at
+    time t, the backward one at another time) give the bits of one launch per direction."""
+    rng = np.random.default_rng(5)
+    T = 3
+    gates = (rng.standard_normal((T * B, 8 * H)) * 3).astype(np.float32)
+    b = rng.standard_normal((1, 8 * H)).astype(np.float32)
+    r0, r1 = (rng.standard_normal((B, 4 * H)).astype(np.float32) for _ in range(2))
+    cells = rng.standard_normal((T * B, 2 * H)).astype(np.float32)
+    out = np.zeros((T * B, 2 * H), np.float32)
+    t0, t1, p0, p1 = slice(0, B), slice(2 * B, 3 * B), slice(B, 2 * B), slice(B, 2 * B)
+    g1, c1, o1 = gates.copy(), cells.copy(), out.copy()
+    KL.lstm_forward_step(g1[t0], r0, b, c1[p0], c1[t0], o1[t0], 0, 0, H)
+    KL.lstm_forward_step(g1[t1], r1, b, c1[p1], c1[t1], o1[t1], 4 * H, H, H)
+    KL.lstm_forward_step2(gates[t0], r0, cells[p0], cells[t0], out[t0],
+                          gates[t1], r1, cells[p1], cells[t1], out[t1], b, H)
+    assert np.array_equal(gates, g1) and np.array_equal(cells, c1) and np.array_equal(out, o1)
+    dh = rng.standard_normal((T * B, 2 * H)).astype(np.float32)
+    dr0, dr1, dc0, dc1 = (rng.standard_normal((B, H)).astype(np.float32) for _ in range(4))
+    g1, e0, e1 = gates.copy(), dc0.copy(), dc1.copy()
+    KL.lstm_backward_step(g1[t0], cells[p0], cells[t0], dh[t0], dr0, e0, 0, 0, H)
+    KL.lstm_backward_step(g1[t1], cells[p1], cells[t1], dh[t1], dr1, e1, 4 * H, H, H)
+    KL.lstm_backward_step2(gates[t0], cells[p0], cells[t0], dh[t0], dr0, dc0,
+                           gates[t1], cells[p1], cells[t1], dh[t1], dr1, dc1, H)
+    assert np.array_equal(gates, g1) and np.array_equal(dc0, e0) and np.array_equal(dc1, e1)
+
+
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_forward_equals_the_sequence_definition(bidirectional):
     net, params, x, y = _net(bidirectional)

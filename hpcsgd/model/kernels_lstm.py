@@ -51,6 +51,30 @@ def _ftanh_overload(x):
     return lambda x: math.tanh(x)
 
 
+@njit(inline="always")
+def _forward_row(a, r, b, c_prev, c, h, ga, gh, hc, n):
+    """Row n of one direction's time step (lstm_forward_step's loop body)."""
+    one = a.dtype.type(1)
+    row, rr, bb = a[n, ga:ga + 4 * hc], r[n, :4 * hc], b[0, ga:ga + 4 * hc]
+    for j in range(4 * hc):
+        row[j] = row[j] + rr[j] + bb[j]
+    i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
+    g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
+    for j in range(hc):
+        i[j] = one / (one + fexp(-i[j]))
+    for j in range(hc):
+        f[j] = one / (one + fexp(-f[j]))
+    for j in range(hc):
+        g[j] = ftanh(g[j])
+    for j in range(hc):
+        o[j] = one / (one + fexp(-o[j]))
+    cp, cc, hh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], h[n, gh:gh + hc]
+    for j in range(hc):
+        cc[j] = f[j] * cp[j] + i[j] * g[j]
+    for j in range(hc):
+        hh[j] = o[j] * ftanh(cc[j])
+
+
 @njit(parallel=True, cache=True)
 def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
     """One time step of one direction, hc cells. a: the step's rows of the gate buffer,
@@ -58,27 +82,42 @@ def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
     h_{t-1} @ U (zeros at the first step); b: the bias row, columns from ga; c_prev, c, h:
     the step's rows of the cell and output buffers, columns [gh, gh + hc) (c_prev zeros at
     the first step); c and h out."""
-    nb = a.shape[0]
+    for n in prange(a.shape[0]):
+        _forward_row(a, r, b, c_prev, c, h, ga, gh, hc, n)
+
+
+@njit(parallel=True, cache=True)
+def lstm_forward_step2(a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, hc):
+    """A BLSTM's two directions in one launch: the forward direction's step (arguments 0:
+    gate columns from 0, cells from 0) and the backward direction's (arguments 1: its own
+    time step's rows, gate columns from 4hc, cells from hc), as lstm_forward_step each: the
+    same bits, one wake-up of the threads instead of two."""
+    nb = a0.shape[0]
+    for k in prange(2 * nb):
+        if k < nb:
+            _forward_row(a0, r0, b, cp0, c0, h0, 0, 0, hc, k)
+        else:
+            _forward_row(a1, r1, b, cp1, c1, h1, 4 * hc, hc, hc, k - nb)
+
+
+@njit(inline="always")
+def _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n):
+    """Row n of one direction's time step backwards (lstm_backward_step's loop body)."""
     one = a.dtype.type(1)
-    for n in prange(nb):
-        row, rr, bb = a[n, ga:ga + 4 * hc], r[n, :4 * hc], b[0, ga:ga + 4 * hc]
-        for j in range(4 * hc):
-            row[j] = row[j] + rr[j] + bb[j]
-        i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
-        g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
-        for j in range(hc):
-            i[j] = one / (one + fexp(-i[j]))
-        for j in range(hc):
-            f[j] = one / (one + fexp(-f[j]))
-        for j in range(hc):
-            g[j] = ftanh(g[j])
-        for j in range(hc):
-            o[j] = one / (one + fexp(-o[j]))
-        cp, cc, hh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], h[n, gh:gh + hc]
-        for j in range(hc):
-            cc[j] = f[j] * cp[j] + i[j] * g[j]
-        for j in range(hc):
-            hh[j] = o[j] * ftanh(cc[j])
+    i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
+    g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
+    cp, cc, dhh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], dh[n, gh:gh + hc]
+    drr, dcc = dr[n, :hc], dc[n, :hc]
+    for j in range(hc):
+        iv, fv, gv, ov = i[j], f[j], g[j], o[j]
+        tc = ftanh(cc[j])
+        d = dhh[j] + drr[j]
+        dcv = dcc[j] + d * ov * (one - tc * tc)
+        i[j] = dcv * gv * (iv * (one - iv))
+        f[j] = dcv * cp[j] * (fv * (one - fv))
+        g[j] = dcv * iv * (one - gv * gv)
+        o[j] = d * tc * (ov * (one - ov))
+        dcc[j] = dcv * fv
 
 
 @njit(parallel=True, cache=True)
@@ -89,23 +128,19 @@ def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):
     dr (B, >= hc): dLoss/dh_t through the next step's gates (zeros at the last step);
     dc (B, >= hc): dLoss/dc_t from the next step in (zeros at the last step), dLoss/dc_{t-1}
     out."""
-    nb = a.shape[0]
-    one = a.dtype.type(1)
-    for n in prange(nb):
-        i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
-        g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
-        cp, cc, dhh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], dh[n, gh:gh + hc]
-        drr, dcc = dr[n, :hc], dc[n, :hc]
-        for j in range(hc):
-            iv, fv, gv, ov = i[j], f[j], g[j], o[j]
-            tc = ftanh(cc[j])
-            d = dhh[j] + drr[j]
-            dcv = dcc[j] + d * ov * (one - tc * tc)
-            i[j] = dcv * gv * (iv * (one - iv))
-            f[j] = dcv * cp[j] * (fv * (one - fv))
-            g[j] = dcv * iv * (one - gv * gv)
-            o[j] = d * tc * (ov * (one - ov))
-            dcc[j] = dcv * fv
+    for n in prange(a.shape[0]):
+        _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n)
+
+
+@njit(parallel=True, cache=True)
+def lstm_backward_step2(a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, hc):
+    """Both directions' steps backwards in one launch (as lstm_forward_step2)."""
+    nb = a0.shape[0]
+    for k in prange(2 * nb):
+        if k < nb:
+            _backward_row(a0, cp0, c0, dh0, dr0, dc0, 0, 0, hc, k)
+        else:
+            _backward_row(a1, cp1, c1, dh1, dr1, dc1, 4 * hc, hc, hc, k - nb)
 
 
 @njit(parallel=True, cache=True)

@@ -11,7 +11,8 @@ to the next): the left/right context frames warm the state up, as Kaldi's chunke
 One LSTM layer, per direction d (forward in time, and for a BLSTM also backward):
     a = x @ Wx                 all steps and both directions: ONE GEMM (T*B, n_in) x (n_in, 8H)
     for each step t:           r = h_{t-1} @ U_d  (B, H) x (H, 4H), then one fused kernel:
-                               gates, c_t, h_t  (model.kernels_lstm.lstm_forward_step)
+                               gates, c_t, h_t  (model.kernels_lstm.lstm_forward_step; a
+                               BLSTM's two directions step together, one launch for both)
 Backward, per direction, steps in reverse: dr = dgates_{t+1} @ U_d^T, one fused kernel; then
 gU_d = h_prev^T @ dgates (ONE GEMM over all steps), gb = column sums, gWx = x^T @ dgates and
 dx = dgates @ Wx^T (one GEMM each, both directions at once).
@@ -58,11 +59,15 @@ class LSTM:
 
     def workspace(self, max_rows):
         """The arrays one pass needs besides its input and output (Network allocates them):
-        gate values (kept for backward), cells, and one step's recurrent products."""
+        gate values (kept for backward), cells, and one step's recurrent products (per
+        direction: a BLSTM's two directions step together)."""
         g = GATES * self.cells   # zeros: the first step's r and c_prev (any cell column)
+        two = max_rows if self.dirs == 2 else 0
         return {"gates": (max_rows, self.width), "cells": (max_rows, self.n_out),
-                "rec": (max_rows, g), "zeros": (max_rows, max(g, self.n_out)),
-                "dh_rec": (max_rows, self.cells), "dc": (max_rows, self.cells),
+                "rec": (max_rows, g), "rec2": (two, g),
+                "zeros": (max_rows, max(g, self.n_out)),
+                "dh_rec": (max_rows, self.cells), "dh_rec2": (two, self.cells),
+                "dc": (max_rows, self.cells), "dc2": (two, self.cells),
                 "hq": (max_rows if self.hidden_grid is not None else 0, self.n_out)}
 
     def init(self, views, rng):
@@ -84,59 +89,76 @@ class LSTM:
         matmul(x, p[self.W], gates)                     # 2 n n_in width FLOP: every step
         if progress is not None:
             progress()
-        zeros, rec = ws["zeros"][:nb], ws["rec"][:nb]
+        zeros, recs = ws["zeros"][:nb], (ws["rec"][:nb], ws["rec2"][:nb])
         grid = self.hidden_grid   # quantized h_{t-1} into the recurrent GEMM, kept in hq
         h = y if grid is None else ws["hq"][:n]
-        for d in range(self.dirs):   # direction d: gate columns from ga, cell columns from gh
-            ga, gh, U = d * GATES * hc, d * hc, p[self.U[d]]
-            order = range(steps) if d == 0 else range(steps - 1, -1, -1)
-            prev = None
-            for t in order:
+        # step s: time s forwards and, for a BLSTM, time T-1-s backwards, in one kernel launch
+        # (a launch wakes the threads: one per step instead of one per direction and step)
+        prev = [None] * self.dirs
+        for s in range(steps):
+            args = []
+            for d in range(self.dirs):   # direction d: gate columns from 4hc d, cells from hc d
+                t = s if d == 0 else steps - 1 - s
                 rows = slice(t * nb, (t + 1) * nb)
-                if prev is None:   # the first step: no previous output or cell
-                    ops.lstm_step(gates[rows], zeros, b, zeros, cells[rows], y[rows], ga, gh, hc)
+                if prev[d] is None:   # the first step: no previous output or cell
+                    args.append((gates[rows], zeros, zeros, cells[rows], y[rows]))
                 else:
-                    matmul(h[prev, gh:gh + hc], U, rec)
-                    ops.lstm_step(gates[rows], rec, b, cells[prev], cells[rows], y[rows],
-                                  ga, gh, hc)
-                if grid is not None:
-                    ops.fake_quant(y[rows, gh:gh + hc], h[rows, gh:gh + hc], grid)
-                prev = rows
-            if progress is not None:   # the exchange in flight is tested per direction
+                    matmul(h[prev[d], d * hc:(d + 1) * hc], p[self.U[d]], recs[d])
+                    args.append((gates[rows], recs[d], cells[prev[d]], cells[rows], y[rows]))
+                prev[d] = rows
+            if self.dirs == 2:
+                ops.lstm_step2(args[0], args[1], b, hc)
+            else:
+                a, r, c_prev, c, out = args[0]
+                ops.lstm_step(a, r, b, c_prev, c, out, 0, 0, hc)
+            if grid is not None:
+                for d in range(self.dirs):
+                    cols = slice(d * hc, (d + 1) * hc)
+                    ops.fake_quant(y[prev[d], cols], h[prev[d], cols], grid)
+            if progress is not None and s in (steps // 2, steps - 1):   # the exchange in flight
                 progress()
 
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, steps=None, ws=None):
         n, hc = len(x), self.cells
         nb = n // steps
         gates, cells = ws["gates"][:n], ws["cells"][:n]
-        zeros, dh_rec, dc = ws["zeros"][:nb], ws["dh_rec"][:nb], ws["dc"][:nb]
+        zeros = ws["zeros"][:nb]
+        dh_recs, dcs = (ws["dh_rec"][:nb], ws["dh_rec2"][:nb]), (ws["dc"][:nb], ws["dc2"][:nb])
         h = y if self.hidden_grid is None else ws["hq"][:n]   # what the recurrent GEMM read
         m = (steps - 1) * nb   # rows of the steps that have a previous one
         for d in range(self.dirs):
-            ga, gh, U = d * GATES * hc, d * hc, p[self.U[d]]
-            cols = slice(ga, ga + GATES * hc)
-            forward_in_time = d == 0
-            order = range(steps - 1, -1, -1) if forward_in_time else range(steps)
-            zero(dc)
-            later = None   # the step processed before this one (the next in the direction)
-            for t in order:
+            zero(dcs[d])
+        # step s: each direction's steps in reverse (time T-1-s for the forward direction,
+        # time s for the backward one), both in one kernel launch
+        later = [None] * self.dirs   # the step processed before this one, per direction
+        for s in range(steps):
+            args = []
+            for d in range(self.dirs):
+                cols = slice(d * GATES * hc, (d + 1) * GATES * hc)
+                t = steps - 1 - s if d == 0 else s
                 rows = slice(t * nb, (t + 1) * nb)
-                first = t == 0 if forward_in_time else t == steps - 1
-                earlier = None if first else (slice((t - 1) * nb, t * nb) if forward_in_time
+                first = t == 0 if d == 0 else t == steps - 1
+                earlier = None if first else (slice((t - 1) * nb, t * nb) if d == 0
                                               else slice((t + 1) * nb, (t + 2) * nb))
-                if later is None:
+                if later[d] is None:
                     dr = zeros
                 else:
-                    matmul(gates[later, cols], U, dh_rec, trans_b=True)
-                    dr = dh_rec
-                ops.lstm_step_backward(gates[rows], zeros if first else cells[earlier],
-                                       cells[rows], dy[rows], dr, dc, ga, gh, hc)
-                later = rows
+                    matmul(gates[later[d], cols], p[self.U[d]], dh_recs[d], trans_b=True)
+                    dr = dh_recs[d]
+                args.append((gates[rows], zeros if first else cells[earlier], cells[rows],
+                             dy[rows], dr, dcs[d]))
+                later[d] = rows
+            if self.dirs == 2:
+                ops.lstm_step_backward2(args[0], args[1], hc)
+            else:
+                ops.lstm_step_backward(*args[0], 0, 0, hc)
+        for d in range(self.dirs):
             # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
+            cols, gh = slice(d * GATES * hc, (d + 1) * GATES * hc), d * hc
             gU = g[self.U[d]]
             if m == 0:
                 zero(gU)
-            elif forward_in_time:
+            elif d == 0:
                 matmul(h[:m, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
             else:
                 matmul(h[nb:, gh:gh + hc], gates[:m, cols], gU, trans_a=True)

@@ -69,6 +69,15 @@ class CpuOps:
         dc in and out (model.kernels_lstm.lstm_backward_step)."""
         KL.lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc)
 
+    def lstm_step2(self, fwd, bwd, b, hc):
+        """A BLSTM's two directions' steps in one launch: fwd and bwd are each direction's
+        (a, r, c_prev, c, h) as lstm_step takes them (model.kernels_lstm.lstm_forward_step2)."""
+        KL.lstm_forward_step2(*fwd, *bwd, b, hc)
+
+    def lstm_step_backward2(self, fwd, bwd, hc):
+        """Both directions backwards in one launch: each (a, c_prev, c, dh, dr, dc)."""
+        KL.lstm_backward_step2(*fwd, *bwd, hc)
+
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
         KL.column_sums(d, gb, self.partial)
@@ -151,6 +160,17 @@ class CudaOps:
         KC.lstm_backward_step(a[:, ga:ga + g], c_prev[:, gh:gh + hc], c[:, gh:gh + hc],
                               dh[:, gh:gh + hc], dr[:, :hc], dc[:, :hc])
 
+    def lstm_step2(self, fwd, bwd, b, hc):
+        """Two launches: a GPU has no thread pool to wake."""
+        a, r, c_prev, c, h = fwd
+        self.lstm_step(a, r, b, c_prev, c, h, 0, 0, hc)
+        a, r, c_prev, c, h = bwd
+        self.lstm_step(a, r, b, c_prev, c, h, GATES * hc, hc, hc)
+
+    def lstm_step_backward2(self, fwd, bwd, hc):
+        self.lstm_step_backward(*fwd, 0, 0, hc)
+        self.lstm_step_backward(*bwd, GATES * hc, hc, hc)
+
     def column_sums(self, d, gb):
         KC.column_sums(d, gb)
 
@@ -178,6 +198,12 @@ class GemmOnly:
         pass
 
     def lstm_step_backward(self, a, c_prev, c, dh, dr, dc, ga, gh, hc):
+        pass
+
+    def lstm_step2(self, fwd, bwd, b, hc):
+        pass
+
+    def lstm_step_backward2(self, fwd, bwd, hc):
         pass
 
     def column_sums(self, d, gb):
