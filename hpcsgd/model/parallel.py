@@ -213,43 +213,23 @@ class ModelGroup:
         return {k: (self.sent[k], self.received[k]) for k in self.sent}
 
 
-def _slice_dy(dy, n, c):
-    """My slice of the gradient the layer above wrote: the first n * c values of its buffer."""
-    return dy.reshape(-1)[:n * c].reshape(n, c)
+class _Columns:
+    """What both split layers share: this rank's columns [lo, hi) of W{index} (n_in, n_out)
+    and b{index} (1, n_out), and the input gradient's Reduce_scatter."""
 
-
-def _dx_blocks(dz, W, send, below, progress):
-    """send <- the blocks dz @ W[lo_j:hi_j]^T (n, c_j) of the layer below's ranks j, back to
-    back: my term of dx, already in the Reduce_scatter's layout (one GEMM per block)."""
-    n = dz.shape[0]
-    for j in range(len(below) - 1):
-        lo, hi = int(below[j]), int(below[j + 1])
-        matmul(dz, W[lo:hi], send[n * lo:n * hi].reshape(n, hi - lo), trans_b=True)
-        if progress is not None:
-            progress()
-
-
-class SplitDense:
-    """A hidden layer split by output columns (see the module docstring): the same parameters
-    as layers.Dense (W{index}, b{index}), this rank's columns of them. Its output buffer (the
-    Network's acts) holds the whole gathered y; its own slice f(x W_j + b_j) is in ws."""
-
-    def __init__(self, index, n_in, n_out, activation, group):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
+    def __init__(self, index, n_in, n_out, group):
         self.W, self.b = f"W{index}", f"b{index}"
         self.n_in, self.n_out = int(n_in), int(n_out)
-        self.activation, self.kind = activation, ACTIVATIONS[activation]
         self.group = group
         self.bounds = split_columns(self.n_out, group.size)        # my columns of W
         self.below = split_columns(self.n_in, group.size)          # the layer below's
         self.lo, self.hi = int(self.bounds[group.rank]), int(self.bounds[group.rank + 1])
         self.cols = self.hi - self.lo
         if self.cols < 1:
-            raise ValueError(f"layer {index}: {self.n_out} units over {group.size} model ranks "
-                             f"leave rank {group.rank} none; use model.parallel <= {self.n_out}")
+            raise ValueError(f"layer {index}: {self.n_out} outputs over {group.size} model "
+                             f"ranks leave rank {group.rank} none; use model.parallel <= "
+                             f"{self.n_out}")
         self.gemm_macs = self.n_in * self.cols
-        self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)
 
     def specs(self):
         return [ParamSpec(self.W, (self.n_in, self.cols), "weight", "codec", "rows"),
@@ -260,17 +240,46 @@ class SplitDense:
         return {self.W: ((self.n_in, self.n_out), (self.lo, self.hi)),
                 self.b: ((1, self.n_out), (self.lo, self.hi))}
 
+    def _init(self, views, rng, gain):
+        """The unsplit layer's Glorot draw (the same rng sequence on every rank), my columns
+        kept: a split model starts from the unsplit model's weights; b = 0."""
+        W = np.empty((self.n_in, self.n_out), views[self.W].dtype)
+        glorot_uniform(W, rng, gain)
+        views[self.W][...] = W[:, self.lo:self.hi]
+        views[self.b][...] = 0
+
+    def _input_gradient(self, p, dz, dx, ws, progress):
+        """dx (the first n * c'_j values: the layer below's slice) <- the group's sum of
+        dz_j W_j^T: my term one GEMM per destination block, straight into the
+        Reduce_scatter's send buffer (no packing copy)."""
+        n, send = dz.shape[0], ws["send"]
+        for j in range(self.group.size):
+            lo, hi = int(self.below[j]), int(self.below[j + 1])
+            matmul(dz, p[self.W][lo:hi], send[n * lo:n * hi].reshape(n, hi - lo), trans_b=True)
+            if progress is not None:
+                progress()
+        self.group.reduce_scatter_columns(send, dx.reshape(-1), self.below, n)
+
+
+class SplitDense(_Columns):
+    """A hidden layer split by output columns (see the module docstring): the same parameters
+    as layers.Dense (W{index}, b{index}), this rank's columns of them. Its output buffer (the
+    Network's acts) holds the whole gathered y; its own slice f(x W_j + b_j) is in ws."""
+
+    def __init__(self, index, n_in, n_out, activation, group):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
+        super().__init__(index, n_in, n_out, group)
+        self.activation, self.kind = activation, ACTIVATIONS[activation]
+        self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)
+
     def workspace(self, max_batch):
         return {"y": (max_batch, self.cols), "recv": (max_batch * self.n_out,),
                 "send": (max_batch * self.n_in,)}
 
     def init(self, views, rng):
-        """The unsplit layer's draw (the same rng sequence on every rank), my columns kept:
-        a split model starts from the unsplit model's weights."""
-        W = np.empty((self.n_in, self.n_out), views[self.W].dtype)
-        glorot_uniform(W, rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
-        views[self.W][...] = W[:, self.lo:self.hi]
-        views[self.b][...] = 0
+        """As layers.Dense: Glorot times 4 for sigmoid, sqrt(2) for ReLU."""
+        self._init(views, rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
 
     def forward(self, p, x, y, ops, progress=None, ws=None):
         n = x.shape[0]
@@ -284,40 +293,20 @@ class SplitDense:
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None):
         n = x.shape[0]
         dz = ws["y"][:n]
-        ops.act_backward(dz, _slice_dy(dy, n, self.cols), dz, g[self.b], self.kind)
+        # my slice of dLoss/dy: the layer above wrote it into the first n * c values
+        ops.act_backward(dz, dy.reshape(-1)[:n * self.cols].reshape(n, self.cols), dz,
+                         g[self.b], self.kind)
         matmul(x, dz, g[self.W], trans_a=True)
         if progress is not None:
             progress()
         if dx is not None:
-            _dx_blocks(dz, p[self.W], ws["send"], self.below, progress)
-            self.group.reduce_scatter_columns(ws["send"], dx.reshape(-1), self.below, n)
+            self._input_gradient(p, dz, dx, ws, progress)
 
 
-class SplitSoftmax:
+class SplitSoftmax(_Columns):
     """The output layer split by output columns (labels): logits, softmax and cross-entropy
     from a group's per-frame statistics (module docstring), never the whole logits; inference
     gathers the log-posteriors at the end (the caller wants them all)."""
-
-    def __init__(self, index, n_in, n_out, group):
-        self.W, self.b = f"W{index}", f"b{index}"
-        self.n_in, self.n_out = int(n_in), int(n_out)
-        self.group = group
-        self.bounds = split_columns(self.n_out, group.size)
-        self.below = split_columns(self.n_in, group.size)
-        self.lo, self.hi = int(self.bounds[group.rank]), int(self.bounds[group.rank + 1])
-        self.cols = self.hi - self.lo
-        if self.cols < 1:
-            raise ValueError(f"{self.n_out} labels over {group.size} model ranks leave rank "
-                             f"{group.rank} none; use model.parallel <= {self.n_out}")
-        self.gemm_macs = self.n_in * self.cols
-
-    def specs(self):
-        return [ParamSpec(self.W, (self.n_in, self.cols), "weight", "codec", "rows"),
-                ParamSpec(self.b, (1, self.cols), "bias", "codec", "rows")]
-
-    def whole(self):
-        return {self.W: ((self.n_in, self.n_out), (self.lo, self.hi)),
-                self.b: ((1, self.n_out), (self.lo, self.hi))}
 
     def workspace(self, max_batch):
         return {"z": (max_batch, self.cols), "recv": (max_batch * self.n_out,),
@@ -325,10 +314,7 @@ class SplitSoftmax:
                 "all": (self.group.size * max_batch * STATS,)}
 
     def init(self, views, rng):
-        W = np.empty((self.n_in, self.n_out), views[self.W].dtype)
-        glorot_uniform(W, rng)
-        views[self.W][...] = W[:, self.lo:self.hi]
-        views[self.b][...] = 0
+        self._init(views, rng, 1.0)
 
     def forward(self, p, x, z, ops, progress=None, ws=None):
         matmul(x, p[self.W], ws["z"][:x.shape[0]])
@@ -365,14 +351,12 @@ class SplitSoftmax:
             ops.exp(z)
 
     def backward(self, p, g, x, z, dy, dx, ops, progress=None, ws=None):
-        n = x.shape[0]
-        dz = ws["z"][:n]
+        dz = ws["z"][:x.shape[0]]
         matmul(x, dz, g[self.W], trans_a=True)
         if progress is not None:
             progress()
         if dx is not None:
-            _dx_blocks(dz, p[self.W], ws["send"], self.below, progress)
-            self.group.reduce_scatter_columns(ws["send"], dx.reshape(-1), self.below, n)
+            self._input_gradient(p, dz, dx, ws, progress)
 
 
 # ---- whole matrices (checkpoints) ------------------------------------------------------------
