@@ -5,26 +5,31 @@
 # the same data, seed, model and rate (equal frames).
 #   bash experiments/precision_so762.sh [EPOCHS]     (needs runs/so762/archive: see so762.yaml)
 #   ONLY="mixed_logmax" bash experiments/precision_so762.sh 2     runs whose name starts with ONLY
-# Each run's metrics land in runs/precision/<name>/metrics.jsonl;
+#   CONFIG=jobs/configs/so762_blstm.yaml ROOT=runs/precision_blstm bash experiments/precision_so762.sh 2
+#                                                               the BLSTM (static scale: not run)
+# Each run's metrics land in $ROOT/<name>/metrics.jsonl (default runs/precision);
 # experiments/summarize_precision.py prints the table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=${1:-2}
+CONFIG=${CONFIG:-jobs/configs/so762.yaml}
+ROOT=${ROOT:-runs/precision}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 MPIR_CVAR_ENABLE_HEAVY_YIELD=1
 run() {
     local name=$1; shift
     case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/precision/$name"
+    rm -rf "$ROOT/$name"
     echo "== $name: $*"
     .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
-        train.log_every_frames=50000 "train.run_dir=$PWD/runs/precision/$name" "$@" 2>&1 \
+        --config "$CONFIG" train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        train.log_every_frames=50000 "train.run_dir=$PWD/$ROOT/$name" "$@" 2>&1 \
         | grep -E "done in|error|skipped steps|diverged" || true
 }
 run float32
 run mixed_none train.precision=mixed
 # static: the gradients are sums over the frames, large (backoff settles at 512-2048 and
 # overflows above 1024 in the first steps): 1024 skips every step, 256 trains
-run mixed_static train.precision=mixed train.loss_scale=static train.loss_scale_init=256
+[ "$CONFIG" = jobs/configs/so762.yaml ] && \
+    run mixed_static train.precision=mixed train.loss_scale=static train.loss_scale_init=256
 run mixed_backoff train.precision=mixed train.loss_scale=backoff
 run mixed_logmax train.precision=mixed train.loss_scale=logmax

@@ -297,9 +297,6 @@ def load(path=None, overrides=()):
                         f"{config['optim.adagrad']}: Adam normalises by its own second moment; "
                         f"set optim.adagrad=off")
     if config["model.type"] == "lstm":
-        if config["train.precision"] != "float32":
-            raise UserError("config keys model.type=lstm and train.precision="
-                            f"{config['train.precision']}: the LSTM trains in float32 only")
         if config["train.minibatch"] < config["data.chunk"]:
             raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
                             f"less than one chunk (data.chunk={config['data.chunk']})")

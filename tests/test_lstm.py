@@ -192,11 +192,40 @@ def test_progress_and_bad_shapes():
     assert np.array_equal(plain.flat, poked.flat) and len(calls) > 0
     with pytest.raises(ValueError, match="whole sequences"):
         net.forward_backward(params, plain, x, y, T * B - 1)
-    with pytest.raises(ValueError, match="float32 only"):
-        lstm(D, [H], V, precision="mixed")
     # a whole utterance: steps = n, one sequence
     out = net.forward(params, x, T * B, steps=T * B)
     assert out.shape == (T * B, V) and np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_mixed_precision_stores_float16_and_stays_within_float16_rounding(bidirectional):
+    """train.precision=mixed on a (B)LSTM: after forward and backward every stored gate,
+    cell, output and their gradients is a float16 value; the weight gradient is the float64
+    one to within float16 rounding (unit roundoff u = 2^-11, a few dozen roundings deep: 64 u
+    in norm), and really rounded (10x farther from float64 than the float32 gradient)."""
+    def grads(dtype, precision="float32"):
+        net = lstm(D, [H, H], V, bidirectional, [5], "sigmoid", steps=T, max_batch=64,
+                   dtype=dtype, precision=precision)
+        _, params64, x, y = _net(bidirectional)
+        params = net.new_params()
+        params.flat[:] = params64.flat
+        g = net.new_params()
+        net.forward_backward(params, g, x.astype(dtype), y, T * B)
+        if precision == "mixed":
+            net.unscale(g, 1.0)
+        return net, np.asarray(g.flat, np.float64)
+
+    net, mixed = grads(np.float32, "mixed")
+    _, g32 = grads(np.float32)
+    _, g64 = grads(np.float64)
+    for ws in net.workspaces[:2]:
+        for name in ("gates", "cells"):
+            stored = ws[name][:T * B]
+            assert np.array_equal(stored, stored.astype(np.float16).astype(np.float32)), name
+    u = 2.0 ** -11
+    err = np.linalg.norm(mixed - g64) / np.linalg.norm(g64)
+    assert err <= 64 * u, err
+    assert np.linalg.norm(mixed - g64) > 10 * np.linalg.norm(g32 - g64)
 
 
 def test_float32_agrees_with_float64():

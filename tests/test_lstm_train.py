@@ -53,6 +53,24 @@ def test_allreduce_equals_one_process_on_the_same_global_minibatches(K, arch, tm
                                              "train.stop_after_frames=64")["params"])
 
 
+MIXED = ("train.precision=mixed", "train.loss_scale=static", "train.loss_scale_init=1024")
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_mixed_precision_equals_one_mixed_process(K, arch, tmp_path, tmp_path_factory):
+    """A mixed-precision BLSTM (float16 stores, a static loss scale): one rank is the
+    single-process mixed reference bit for bit; two ranks round two partial weight gradients
+    where one process rounds their sum, both the float64 trajectory plus float16 rounding."""
+    got = arrays(train(K, arch, tmp_path_factory, *MIXED))
+    want = reference(K, "float", arch, tmp_path, *MIXED)["params"]
+    if K == 1:
+        np.testing.assert_array_equal(got["params"], want)
+    else:
+        assert_float32_close(got["params"], want, reference(K, "float", arch, tmp_path, *MIXED,
+                                                            float64=True)["params"])
+    assert not np.array_equal(got["params"], arrays(train(K, arch, tmp_path_factory))["params"])
+
+
 def test_striped_onebit_on_one_rank_equals_the_two_residual_loop(arch, tmp_path,
                                                                  tmp_path_factory):
     extra = ("exchange.aggregation=striped", "exchange.codec=onebit")

@@ -217,8 +217,6 @@ def unit_of(shape):
 def run(args):
     ranks, ns, modes = _settings(args)
     name, shape, activation, _ = model_of(args)
-    if shape.get("type") == "lstm" and args.precision != "float32":
-        raise SystemExit("bench train --model lstm: float32 only (the LSTM has no mixed precision)")
     print(f"hpcsgd bench train: {name} model {describe(shape)}, "
           f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
           f"{'/'.join(_db_name(*m) for m in modes)}; {launch.cores()} cores, load average "

@@ -193,9 +193,6 @@ def lstm(input_dim, cells, num_labels, bidirectional=True, bottleneck=(), activa
          qat=None):
     """The (B)LSTM input_dim-[LSTM cells]...-[bottleneck]...-num_labels as a Network whose
     passes take sequences of `steps` frames (time-major rows) unless told otherwise."""
-    if precision != "float32":
-        raise ValueError(f"precision {precision!r}: the LSTM trains in float32 only (mixed "
-                         f"precision covers the DNN)")
     describe = {"type": "lstm", "input_dim": int(input_dim), "cells": [int(c) for c in cells],
                 "bidirectional": bool(bidirectional),
                 "bottleneck": [int(b) for b in bottleneck], "activation": activation,

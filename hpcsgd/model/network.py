@@ -79,8 +79,6 @@ class Network:
         self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
-        if precision == "mixed" and self.recurrent:
-            raise ValueError("precision mixed: recurrent layers train in float32 only")
         self.half = precision == "mixed"
         if self.half:
             if self.dtype != np.float32:

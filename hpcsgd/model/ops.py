@@ -286,6 +286,44 @@ class HalfOps:
         self.ops.scale(x, s)
         half.round_half(x, x)
 
+    # The LSTM's step kernels get whole C-contiguous row blocks: a step's gate rows hold both
+    # directions' columns, the other direction's maybe at another stage. Every value stored
+    # there is either a GEMM's output, which is rounded before any kernel reads it, or a
+    # kernel's output, rounded after: rounding a whole block is idempotent on both.
+    def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
+        self._before_step(a, r)
+        self.ops.lstm_step(a, r, b, c_prev, c, h, ga, gh, hc)
+        self._after_step(a, c, h)
+
+    def lstm_step2(self, fwd, bwd, b, hc):
+        for a, r, *_ in (fwd, bwd):
+            self._before_step(a, r)
+        self.ops.lstm_step2(fwd, bwd, b, hc)
+        for a, _, _, c, h in (fwd, bwd):
+            self._after_step(a, c, h)
+
+    def lstm_step_backward(self, a, c_prev, c, dh, dr, dc, ga, gh, hc):
+        self._before_step(dh, dr)            # dx of the layer above, dgates_{t+1} @ U^T
+        self.ops.lstm_step_backward(a, c_prev, c, dh, dr, dc, ga, gh, hc)
+        self._after_step(a, dc)
+
+    def lstm_step_backward2(self, fwd, bwd, hc):
+        for _, _, _, dh, dr, _ in (fwd, bwd):
+            self._before_step(dh, dr)
+        self.ops.lstm_step_backward2(fwd, bwd, hc)
+        for a, _, _, _, _, dc in (fwd, bwd):
+            self._after_step(a, dc)
+
+    def column_sums(self, d, gb):
+        self.ops.column_sums(d, gb)
+
+    @staticmethod
+    def _before_step(*gemm_outputs):
+        for x in gemm_outputs:
+            half.round_half(x, x)
+
+    _after_step = _before_step   # the kernel's outputs: stored as float16 too
+
 
 def make_ops(device, max_batch, max_width, dtype):
     return (CudaOps if device == "cuda" else CpuOps)(max_batch, max_width, dtype)
