@@ -223,3 +223,17 @@ def test_eight_bit_activations_train_close_to_float32_activations(arch, tmp_path
     assert 0 < np.linalg.norm(got - base) < 0.2 * np.linalg.norm(base - start)
     log = open(os.path.join(run, "logs", "rank0000.log")).read()
     assert "activations dettmers between them" in log
+
+
+def test_a_split_model_fine_tunes_from_an_unsplit_run(arch, tmp_path_factory):
+    """train.init_from into a 1 x 2 model: each rank takes its columns of the whole matrices,
+    so its first step is the unsplit model's first step from the same weights (the two
+    differ by float32 reassociation, far below 1e-4 of what the step changed)."""
+    source = RUNS.train(1, arch, tmp_path_factory)
+    init = latest_arrays(source)["params"]
+    one = latest_arrays(RUNS.train(1, arch, tmp_path_factory, f"train.init_from={source}",
+                                   "train.stop_after_frames=1"))["params"]
+    split = latest_arrays(RUNS.train(2, arch, tmp_path_factory, f"train.init_from={source}",
+                                     "train.stop_after_frames=1", "model.parallel=2"))["params"]
+    step = np.abs(one - init).max()
+    assert step > 0 and np.abs(split - one).max() <= 1e-4 * step
