@@ -51,6 +51,9 @@ DEFAULTS = {
     "qat.weights": ("none", str, ("none", "max", "sawb", "pact"),
                     "fake-quantize every weight matrix: clip at max |W|, SAWB's alpha, or a learned alpha"),
     "qat.weight_bits": (8, int, (2, 8), "weights: 2^b - 1 symmetric levels (+-7 at 4 bits)"),
+    "qat.weight_scale": ("tensor", str, ("tensor", "channel"),
+                         "weights max/sawb: one clip value per matrix, or per output unit "
+                         "(a column of W)"),
     "qat.activations": ("none", str, ("none", "max", "sawb", "pact", "bac"),
                         "fake-quantize every GEMM input (and an LSTM's h_t-1 on [-1, 1]): "
                         "dynamic max or SAWB, learned range (PACT), or BAC (PACT on the input "
@@ -325,7 +328,9 @@ def qat_of(config):
     return {"weights": config["qat.weights"], "weight_bits": config["qat.weight_bits"],
             "activations": config["qat.activations"],
             "activation_bits": config["qat.activation_bits"],
-            "pact_init": config["qat.pact_init"], "clip_decay": config["qat.clip_decay"]}
+            "pact_init": config["qat.pact_init"], "clip_decay": config["qat.clip_decay"],
+            # only when not the default: checkpoints from before the key describe the same model
+            **({"weight_scale": "channel"} if config["qat.weight_scale"] == "channel" else {})}
 
 
 def dump(config):

@@ -13,7 +13,9 @@ GEMMs on them (dequantize, then GEMM: NumPy has no integer BLAS), with the activ
 quantized as in training: the outputs equal the fake-quantized model's exactly.
 
 File: attrs format = "hpcsgd-int", bits, meta (the checkpoint's meta, the model's qat
-description completed); datasets int/<W> (codes), with attrs step and shape; float/<name>.
+description completed); datasets int/<W> (codes), with attrs step and shape (a model with a
+clip value per output unit: step/<W>, the step of each column, instead of the attribute);
+float/<name>.
 """
 import copy
 import json
@@ -103,7 +105,12 @@ def export(path, out, bits, say=print):
                 codes = codes_of(quantized.wq[name], grid)
                 data = pack_int4(codes) if bits == 4 else codes
                 d = f.create_dataset(f"int/{name}", data=data)
-                d.attrs["step"], d.attrs["shape"] = float(grid.step), list(spec.shape)
+                d.attrs["shape"] = list(spec.shape)
+                if np.ndim(grid.step):   # a step per output unit (qat.weight_scale=channel)
+                    f.create_dataset(f"step/{name}", data=np.asarray(grid.step, np.float32))
+                    sizes["weights"] += 4 * np.size(grid.step)
+                else:
+                    d.attrs["step"] = float(grid.step)
                 sizes["weights"] += data.nbytes
                 sizes["float32"] += codes.size * 4
             else:
@@ -138,8 +145,9 @@ def load(path, max_batch):
                     d = f[f"int/{spec.name}"]
                     size = spec.shape[0] * spec.shape[1]
                     codes = unpack_int4(d[()], size) if bits == 4 else d[()].reshape(-1)
-                    step = np.float32(d.attrs["step"])
-                    params[spec.name][...] = (codes.astype(np.float32) * step).reshape(spec.shape)
+                    step = (f[f"step/{spec.name}"][()] if f"step/{spec.name}" in f
+                            else np.float32(d.attrs["step"]))
+                    params[spec.name][...] = codes.astype(np.float32).reshape(spec.shape) * step
                 else:
                     params[spec.name][...] = f[f"float/{spec.name}"][()]
     except (OSError, KeyError, ValueError) as err:

@@ -177,3 +177,32 @@ def test_the_exported_integer_model_evaluates_as_the_fake_quantized_one(width, a
     np.testing.assert_array_equal(results[0].pop("values"), results[1].pop("values"))
     assert results[0]["ce"] == results[1]["ce"]
     assert results[0]["frame_accuracy"] == results[1]["frame_accuracy"]
+
+
+CHANNEL = ("qat.weights=sawb", "qat.weight_bits=4", "qat.weight_scale=channel",
+           "qat.activations=bac", "qat.activation_bits=4", "qat.pact_init=1.0")
+
+
+def test_a_clip_value_per_output_unit_trains_exports_and_evaluates_as_trained(arch, tmp_path,
+                                                                              tmp_path_factory):
+    """qat.weight_scale=channel: one rank = the single-process reference bit for bit; the
+    export keeps a step per output unit (step/<W>) and evaluates as the checkpoint."""
+    run = train(1, arch, tmp_path_factory, *CHANNEL)
+    np.testing.assert_array_equal(arrays(run)["params"],
+                                  reference(1, "float", arch, tmp_path, *CHANNEL)["params"])
+    out = str(tmp_path / "channel.h5")
+    proc = subprocess.run(CLI + ["export", run, "--int4", "--out", out], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out) as f:
+        assert f["step/W0"].shape == (24,) and len(np.unique(f["step/W0"][()])) > 1
+        assert "step" not in f["int/W0"].attrs
+    results = []
+    for model in (run, out):
+        js = str(tmp_path / f"channel{len(results)}.json")
+        p = subprocess.run(CLI + ["eval", model, "--data", arch, "--json", js],
+                           capture_output=True, text=True, env=ENV, timeout=120)
+        assert p.returncode == 0, p.stderr
+        results.append(json.load(open(js)))
+    assert results[0]["ce"] == results[1]["ce"]
+    assert results[0]["frame_accuracy"] == results[1]["frame_accuracy"]

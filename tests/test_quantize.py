@@ -97,6 +97,47 @@ def test_statistics_and_the_sawb_rule():
         Q.check({"weights": "bac"})
 
 
+def test_a_clip_value_per_output_unit():
+    """qat.weight_scale=channel: column j of W on its own grid, alpha_j = max |W[:, j]| (MAX)
+    or SAWB's formula over the column: bit for bit the scalar kernel applied to that column
+    alone; the statistics kernel against the reference (float64 sums in row order: n eps64)."""
+    W = values((57, 150), seed=4) * np.linspace(0.1, 3.0, 150, dtype=np.float32)
+    W[:, 7] = 0.0                                      # an all-zero unit: quantized to zero
+    out = np.empty((150, 3))
+    KQ.column_abs_stats(W, out)
+    mx, msq, mab = KQ.ref_column_stats(W)
+    assert np.array_equal(out[:, 0], mx)
+    assert np.all(np.abs(out[:, 1] / 57 - msq) <= 57 * EPS64 * msq)
+    assert np.all(np.abs(out[:, 2] / 57 - mab) <= 57 * EPS64 * mab)
+    for rule in ("max", "sawb"):
+        model = build({**DNN, "qat": {"weights": rule, "weight_bits": 4,
+                                      "weight_scale": "channel"}}, max_batch=8)
+        params = model.new_params()
+        model.init(params, np.random.default_rng(0))
+        params["W0"][...] = W[:DNN["input_dim"], :DNN["hidden"][0]]
+        model.quant.quantize_weights(params, model.wq, model.ops)
+        for name in ("W0", "W1"):
+            w, wq = params[name], model.wq[name]
+            for j in range(w.shape[1]):
+                col = np.ascontiguousarray(w[:, j:j + 1])
+                m, sq, ab = KQ.ref_stats(col)
+                alpha = m if rule == "max" else Q.sawb_alpha(sq, ab, m, 4)
+                want = quantized(col, Q.symmetric_grid(alpha, 4))
+                assert np.array_equal(wq[:, j:j + 1], want), (rule, name, j)
+            assert len(np.unique(wq)) > 15     # more levels than one grid of 15 has
+        assert not model.wq["W0"][:, 7].any()
+        again = np.empty_like(model.wq["W0"])
+        grid = model.quant.w_grids["W0"]
+        KQ.fake_quant_channels(model.wq["W0"], again, grid.step, grid.inv, grid.klo, grid.khi)
+        assert np.array_equal(again, model.wq["W0"])                        # idempotent
+        assert np.array_equal(again, KQ.ref_fake_quant(model.wq["W0"], grid.step, grid.inv,
+                                                       grid.klo, grid.khi))
+    with pytest.raises(ValueError, match="learned clip per"):
+        Q.check({"weights": "pact", "weight_scale": "channel"})
+    with pytest.raises(ValueError, match="weight_scale"):
+        Q.check({"weights": "max", "weight_scale": "row"})
+
+
 def test_the_backward_kernel_equals_the_reference():
     x, dy = values((45, 31), seed=4, scale=2.0), values((45, 31), seed=5)
     dx, part = dy.copy(), np.empty((len(x), 2))

@@ -62,6 +62,20 @@ else:
         assert abs(msq - want[1]) <= 2 * x.size * EPS64 * want[1]
         assert abs(mab - want[2]) <= 2 * x.size * EPS64 * want[2]
 
+    def test_the_per_channel_kernels_equal_the_cpu_ones():
+        x = (np.random.default_rng(3).standard_normal((13, 70)) * 2).astype(np.float32)
+        part = cuda.to_device(np.zeros((70, 3)))
+        got = KC.column_abs_stats(cuda.to_device(x), part)
+        want = np.empty((70, 3))
+        KQ.column_abs_stats(x, want)
+        np.testing.assert_array_equal(got, want)            # the same sums in the same order
+        grid = Q.channel_grid(want[:, 0], 4)
+        d_out = cuda.to_device(np.zeros_like(x))
+        KC.fake_quant_channels(cuda.to_device(x), d_out, grid.step, grid.inv, grid.klo, grid.khi)
+        np.testing.assert_array_equal(d_out.copy_to_host(),
+                                      KQ.ref_fake_quant(x, grid.step, grid.inv, grid.klo,
+                                                        grid.khi))
+
     QAT = {"weights": "pact", "weight_bits": 4, "activations": "bac", "activation_bits": 4}
 
     @pytest.mark.parametrize("shape", [

@@ -136,6 +136,8 @@ def record(out_path):
     from hpcsgd.model import build
     for shape, qat in ((dict(input_dim=6, hidden=[5], num_labels=3, activation="sigmoid"),
                         dict(weights="pact", weight_bits=4, activations="pact", activation_bits=4)),
+                       (dict(input_dim=6, hidden=[5], num_labels=3, activation="sigmoid"),
+                        dict(weights="sawb", weight_bits=4, weight_scale="channel")),
                        (dict(type="lstm", input_dim=6, cells=[3], num_labels=3,
                              bidirectional=True, bottleneck=[4], activation="sigmoid",
                              steps=steps),

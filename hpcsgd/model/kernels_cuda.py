@@ -289,6 +289,35 @@ def _fake_quant_kernel(x, out, step, inv, klo, khi):
 
 
 @cuda.jit
+def _fake_quant_channels_kernel(x, out, step, inv, klo, khi):
+    n, m = x.shape
+    j0, i0 = cuda.grid(2)
+    sj, si = cuda.gridsize(2)
+    for i in range(i0, n, si):
+        for j in range(j0, m, sj):
+            t = min(max(x[i, j] * inv[j], klo), khi)
+            out[i, j] = x.dtype.type(round(t)) * step[j]
+
+
+@cuda.jit
+def _column_stats_kernel(x, out):
+    """A thread per column: its rows in order (consecutive threads read consecutive columns:
+    coalesced), the same float64 sums as the CPU kernel."""
+    j = cuda.grid(1)
+    if j >= x.shape[1]:
+        return
+    mx, sq, ab = 0.0, 0.0, 0.0
+    for i in range(x.shape[0]):
+        a = abs(np.float64(x[i, j]))
+        mx = max(mx, a)
+        sq += a * a
+        ab += a
+    out[j, 0] = mx
+    out[j, 1] = sq
+    out[j, 2] = ab
+
+
+@cuda.jit
 def _fake_quant_backward_kernel(x, d, lo, hi, part):
     i = cuda.blockIdx.x
     s_lo_part = cuda.shared.array(ROW_THREADS, np.float64)
@@ -343,6 +372,27 @@ def fake_quant(x, out, step, inv, klo, khi):
     n, m = x.shape
     if n and m:
         _fake_quant_kernel[_elem_launch(n, m)](x, out, step, inv, klo, khi)
+
+
+def fake_quant_channels(x, out, step, inv, klo, khi):
+    """out (N, M) <- x, column j on the grid step[j] * [klo, khi] (step, inv device or host
+    vectors of x's dtype; model.kernels_quant.fake_quant_channels)."""
+    x, out = as_device(x), as_device(out)
+    step, inv = (cuda.to_device(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
+                 else as_device(v) for v in (step, inv))
+    n, m = x.shape
+    if n and m:
+        _fake_quant_channels_kernel[_elem_launch(n, m)](x, out, step, inv, klo, khi)
+
+
+def column_abs_stats(x, out):
+    """out (M, 3) float64 device scratch <- per column max |x|, sum x^2, sum |x|; returned
+    on the host (a sync point)."""
+    x, out = as_device(x), as_device(out)
+    n, m = x.shape
+    if m:
+        _column_stats_kernel[-(-m // 128), 128](x, out)
+    return out[:m].copy_to_host()
 
 
 def fake_quant_backward(x, d, lo, hi, part):

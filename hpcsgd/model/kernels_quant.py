@@ -8,6 +8,7 @@ A grid is (step, klo, khi): the values step * k for integers k in [klo, khi], ze
                         (2^b levels; activations with a one-signed or learned range)
 
     forward   out = step * clip(rint(x * inv), klo, khi)          inv = 1 / step (float32)
+              (per output unit: step[j], inv[j] for column j, fake_quant_channels)
     backward  straight through inside [lo, hi], zero outside (in place); the clip values' gradients
               (PACT): d lo = sum of dy where x < lo, d hi = sum of dy where x > hi
 
@@ -32,6 +33,40 @@ def fake_quant(x, out, step, inv, klo, khi):
         xi, oi = x[i], out[i]
         for j in range(m):
             oi[j] = min(max(np.rint(xi[j] * inv), klo), khi) * step
+
+
+@njit(parallel=True, cache=True)
+def fake_quant_channels(x, out, step, inv, klo, khi):
+    """out (N, M) <- x quantized per output unit: column j on the grid (step[j], klo, khi)
+    (qat.weight_scale=channel); out may be x. The same float32 operations as fake_quant."""
+    n, m = x.shape
+    for i in prange(n):
+        xi, oi = x[i], out[i]
+        for j in range(m):
+            oi[j] = min(max(np.rint(xi[j] * inv[j]), klo), khi) * step[j]
+
+
+COLUMNS = 64   # columns per task of column_abs_stats: its rows' loop vectorizes over them
+
+
+@njit(parallel=True, cache=True)
+def column_abs_stats(x, out):
+    """out (M, 3) float64 <- per column of x (N, M): max |x|, sum x^2, sum |x|, each column's
+    rows added in row order (the same bits for any number of threads)."""
+    n, m = x.shape
+    for t in prange((m + COLUMNS - 1) // COLUMNS):
+        lo, hi = t * COLUMNS, min(m, (t + 1) * COLUMNS)
+        mx, sq, ab = out[lo:hi, 0], out[lo:hi, 1], out[lo:hi, 2]
+        mx[:] = 0.0
+        sq[:] = 0.0
+        ab[:] = 0.0
+        for i in range(n):
+            xi = x[i, lo:hi]
+            for j in range(hi - lo):
+                a = abs(np.float64(xi[j]))
+                mx[j] = max(mx[j], a)
+                sq[j] += a * a
+                ab[j] += a
 
 
 @njit(parallel=True, cache=True, fastmath=REDUCE)
@@ -104,6 +139,13 @@ def ref_fake_quant_backward(x, dy, lo, hi):
     below, above = x < lo, x > hi
     dx = np.where(below | above, 0, dy).astype(dy.dtype)
     return dx, float(dy[below].astype(np.float64).sum()), float(dy[above].astype(np.float64).sum())
+
+
+def ref_column_stats(x):
+    """(max |x|, E[x^2], E|x|) per column, float64 arrays."""
+    a = np.abs(x.astype(np.float64))
+    n = max(len(a), 1)
+    return a.max(axis=0, initial=0.0), (a * a).sum(axis=0) / n, a.sum(axis=0) / n
 
 
 def ref_stats(x):

@@ -83,8 +83,18 @@ class CpuOps:
         KL.column_sums(d, gb, self.partial)
 
     def fake_quant(self, x, out, grid):
-        """out <- x on the grid (model.quantize.Grid; out may be x)."""
-        KQ.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+        """out <- x on the grid (model.quantize.Grid; out may be x); a grid of vectors
+        (qat.weight_scale=channel) has a step per column."""
+        if np.ndim(grid.step):
+            KQ.fake_quant_channels(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+        else:
+            KQ.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+
+    def column_abs_stats(self, x):
+        """(max |x|, E[x^2], E|x|) per column of a 2-D x, float64 arrays."""
+        out = np.empty((x.shape[1], 3))
+        KQ.column_abs_stats(x, out)
+        return out[:, 0], out[:, 1] / max(len(x), 1), out[:, 2] / max(len(x), 1)
 
     def fake_quant_backward(self, x, d, lo, hi):
         """d <- d straight through where lo <= x <= hi, 0 elsewhere, in place. Returns (sum
@@ -175,7 +185,19 @@ class CudaOps:
         KC.column_sums(d, gb)
 
     def fake_quant(self, x, out, grid):
-        KC.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+        if np.ndim(grid.step):   # per column: the vectors go to the device (a small copy)
+            KC.fake_quant_channels(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+        else:
+            KC.fake_quant(x, out, grid.step, grid.inv, grid.klo, grid.khi)
+
+    def column_abs_stats(self, x):
+        out = KC.column_abs_stats(x, self._column_part(x.shape[1]))
+        return out[:, 0], out[:, 1] / max(len(x), 1), out[:, 2] / max(len(x), 1)
+
+    def _column_part(self, columns):
+        if getattr(self, "column_part", None) is None or len(self.column_part) < columns:
+            self.column_part = zeros((columns, 3), np.float64, "cuda")
+        return self.column_part
 
     def fake_quant_backward(self, x, d, lo, hi):
         return KC.fake_quant_backward(x, d, lo, hi, self._quant_part(len(x)))
@@ -217,6 +239,10 @@ class GemmOnly:
 
     def abs_stats(self, x):
         return 1.0, 1.0, 1.0
+
+    def column_abs_stats(self, x):
+        ones = np.ones(x.shape[1])
+        return ones, ones, ones
 
     def bias_act(self, z, b, kind):
         pass

@@ -11,7 +11,8 @@ What is quantized (docs/qat.md):
                        at most max |W|)
                  pact  a learned alpha (a "clip" parameter), gradient sum(dWq sign(W)) where
                        |W| >= alpha; the clipped weights get no gradient
-               max and sawb pass the gradient straight through to every weight.
+               max and sawb pass the gradient straight through to every weight; with
+               weight_scale "channel" they take one alpha per output unit (a column of W).
   activations  the input of every layer's GEMM(s), per layer input:
                  max / sawb  alpha from the minibatch's statistics (dynamic)
                  pact  a learned range [alpha_n, alpha_p] (a "clip" parameter)
@@ -38,6 +39,7 @@ from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.kernels_quant import ref_stats
 
 WEIGHT_RULES = ("none", "max", "sawb", "pact")
+WEIGHT_SCALES = ("tensor", "channel")   # one clip value per matrix, or per output unit
 ACTIVATION_RULES = ("none", "max", "sawb", "pact", "bac")
 # SAWB (Choi et al. 2018, IBM's published fit), alpha = c1 sqrt(E[w^2]) - c2 E|w| per bit
 # width; 4 bits: the 15-level variant, as this grid has 2^b - 1 levels (+-7)
@@ -65,6 +67,17 @@ def symmetric_grid(alpha, bits, dtype=np.float32):
     return Grid(-a, a, step, t(1) / step, t(-levels), t(levels))
 
 
+def channel_grid(alphas, bits, dtype=np.float32):
+    """symmetric_grid per output unit: step, inv, lo and hi vectors (one per column of the
+    weight matrix), the levels shared."""
+    t = np.dtype(dtype).type
+    levels = 2 ** (bits - 1) - 1
+    a = np.asarray(alphas, np.float64)
+    step = np.maximum(a / levels, MIN_STEP).astype(dtype)
+    alpha = a.astype(dtype)
+    return Grid(-alpha, alpha, step, (t(1) / step).astype(dtype), t(-levels), t(levels))
+
+
 def affine_grid(lo, hi, bits, dtype=np.float32):
     """2^b values step * k, step = (hi - lo) / (2^b - 1), k from rint(lo / step): zero exact,
     the range [lo, hi] to within step / 2."""
@@ -82,13 +95,26 @@ def sawb_alpha(mean_sq, mean_abs, max_abs, bits):
     return float(min(max(alpha, MIN_STEP), max_abs)) if max_abs > 0 else 0.0
 
 
+def sawb_alphas(mean_sq, mean_abs, max_abs, bits):
+    """sawb_alpha per output unit (arrays)."""
+    c1, c2 = SAWB[bits]
+    alpha = np.minimum(np.maximum(c1 * np.sqrt(mean_sq) - c2 * mean_abs, MIN_STEP), max_abs)
+    return np.where(max_abs > 0, alpha, 0.0)
+
+
 def check(qat):
     """A model's qat description -> itself with defaults, or None when nothing is quantized.
     Raises ValueError naming the bad field."""
     if not qat:
         return None
     out = {"weights": "none", "weight_bits": 8, "activations": "none", "activation_bits": 8,
-           "pact_init": 4.0, "clip_decay": 1e-4, **qat}
+           "pact_init": 4.0, "clip_decay": 1e-4, "weight_scale": "tensor", **qat}
+    if out["weight_scale"] not in WEIGHT_SCALES:
+        raise ValueError(f"qat weight_scale {out['weight_scale']!r}: expected one of "
+                         f"{WEIGHT_SCALES}")
+    if out["weight_scale"] == "channel" and out["weights"] == "pact":
+        raise ValueError("qat weights pact with weight_scale channel: a learned clip per "
+                         "output unit is not built (use max or sawb per channel)")
     if out["weights"] not in WEIGHT_RULES:
         raise ValueError(f"qat weights {out['weights']!r}: expected one of {WEIGHT_RULES} "
                          f"(bac is a rule for bounded activations)")
@@ -121,6 +147,7 @@ class Quantizer:
     def __init__(self, layers, qat, dtype, device="cpu"):
         self.qat, self.dtype, self.device = qat, np.dtype(dtype), device
         self.w_rule, self.w_bits = qat["weights"], int(qat["weight_bits"])
+        self.per_channel = qat.get("weight_scale", "tensor") == "channel"
         self.a_rule, self.a_bits = qat["activations"], int(qat["activation_bits"])
         self.clip_decay = float(qat["clip_decay"])
         self.exported = False   # integer weights loaded (hpcsgd/export.py): already on the grid
@@ -183,6 +210,12 @@ class Quantizer:
             assign(wq[name], params[name])
         for w in self.weights:
             W = params[w]
+            if self.per_channel:   # a clip value per output unit (a column of W)
+                mx, msq, mab = ops.column_abs_stats(W)
+                alphas = mx if self.w_rule == "max" else sawb_alphas(msq, mab, mx, self.w_bits)
+                grid = self.w_grids[w] = channel_grid(alphas, self.w_bits, self.dtype)
+                ops.fake_quant(W, wq[w], grid)
+                continue
             if self.w_rule == "pact":
                 alpha = max(self._clips(params, f"clip_{w}")[0], MIN_STEP)
             else:
