@@ -60,6 +60,15 @@ def test_two_ranks_equal_one_process_adding_their_gradients(arch, tmp_path, tmp_
     np.testing.assert_array_equal(got, want)
 
 
+def evaluate(model, arch, tmp_path):
+    """`hpcsgd eval MODEL` on the archive: its JSON."""
+    js = str(tmp_path / f"eval-{os.path.basename(model)}.json")
+    p = subprocess.run(CLI + ["eval", model, "--data", arch, "--json", js], capture_output=True,
+                       text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.load(open(js))
+
+
 def clip_values(run):
     from hpcsgd.evaluate import load_model
     _, params, _ = load_model(run)
@@ -161,11 +170,7 @@ def test_the_exported_integer_model_evaluates_as_the_fake_quantized_one(width, a
     assert stored == [(n + 1) // 2 if bits == 4 else n for n in sizes]
     results = []
     for model in (run, out):
-        js = str(tmp_path / f"eval{len(results)}.json")
-        p = subprocess.run(CLI + ["eval", model, "--data", arch, "--json", js],
-                           capture_output=True, text=True, env=ENV, timeout=120)
-        assert p.returncode == 0, p.stderr
-        results.append(json.load(open(js)))
+        results.append(evaluate(model, arch, tmp_path))
         h5 = str(tmp_path / f"post{len(results)}")
         p = subprocess.run(CLI + ["infer", model, "--data", arch, "--out", h5, "--format",
                                   "hdf5", "--output", "logpost"],
@@ -197,12 +202,6 @@ def test_a_clip_value_per_output_unit_trains_exports_and_evaluates_as_trained(ar
     with h5py.File(out) as f:
         assert f["step/W0"].shape == (24,) and len(np.unique(f["step/W0"][()])) > 1
         assert "step" not in f["int/W0"].attrs
-    results = []
-    for model in (run, out):
-        js = str(tmp_path / f"channel{len(results)}.json")
-        p = subprocess.run(CLI + ["eval", model, "--data", arch, "--json", js],
-                           capture_output=True, text=True, env=ENV, timeout=120)
-        assert p.returncode == 0, p.stderr
-        results.append(json.load(open(js)))
+    results = [evaluate(model, arch, tmp_path) for model in (run, out)]
     assert results[0]["ce"] == results[1]["ce"]
     assert results[0]["frame_accuracy"] == results[1]["frame_accuracy"]
