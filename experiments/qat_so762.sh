@@ -6,8 +6,8 @@
 #   float32 runs (EPOCHS epochs, the configs' newbob), then from each FINE epochs of linear
 #   decay from lr0 = half the config's rate (the paper's recipe): float32 (the control: the
 #   same extra epochs unquantized), INT8 (MAX weights and inputs), INT4 with MAX, SAWB
-#   (weights and inputs), PACT and BAC inputs (SAWB weights); for the DNN also BAC + 1-bit
-#   SGD, and INT4 BAC trained from scratch for EPOCHS epochs (how fast fine-tuning gets there).
+#   (weights and inputs), PACT and BAC inputs (SAWB weights); INT4 BAC trained from scratch
+#   for EPOCHS epochs (how fast fine-tuning gets there); for the DNN also BAC + 1-bit SGD.
 #   bash experiments/qat_so762.sh [EPOCHS] [FINE]    (needs runs/so762/archive: see so762.yaml)
 #   ONLY="dnn" bash experiments/qat_so762.sh           runs whose name starts with ONLY
 # Metrics in runs/qat/<name>/metrics.jsonl; experiments/summarize_qat.py runs/qat prints the
@@ -45,8 +45,8 @@ for model in dnn blstm; do
     run "${model}_tune_int4_max" "$config" "$FINE" "${tune[@]}" $(qat max 4 max 4)
     run "${model}_tune_int4_sawb" "$config" "$FINE" "${tune[@]}" $(qat sawb 4 sawb 4)
     run "${model}_tune_int4_pact" "$config" "$FINE" "${tune[@]}" $(qat sawb 4 pact 4)
-    [ "$model" = blstm ] && continue   # the BLSTM: no 1-bit and no from-scratch run (time)
+    run "${model}_scratch_int4_bac" "$config" "$EPOCHS" $(qat sawb 4 bac 4)
+    [ "$model" = blstm ] && continue   # the BLSTM: no 1-bit run (time)
     run "${model}_tune_int4_bac_onebit" "$config" "$FINE" "${tune[@]}" $(qat sawb 4 bac 4) \
         "${ONEBIT[@]}"
-    run "${model}_scratch_int4_bac" "$config" "$EPOCHS" $(qat sawb 4 bac 4)
 done
