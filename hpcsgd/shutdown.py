@@ -33,6 +33,7 @@ import numpy as np
 EXIT_REQUEUE = 75      # sysexits EX_TEMPFAIL: checkpointed on a signal, run me again
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: checkpointed on Ctrl-C
 EXIT_WATCHDOG = 4      # a rank made no progress for train.watchdog_s seconds
+ABORT_FORWARD_S = 0.5  # between a rank's last words on stderr and its MPI_Abort
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 HEARTBEAT_BYTES = 512       # a heartbeat file's fixed size (one record)
@@ -187,6 +188,10 @@ class Watchdog:
                         self.log.info(message)
                     except ValueError:   # the log was closed meanwhile
                         pass
+                # MPI_Abort makes the launcher kill every rank at once: give it a moment to
+                # forward the message first (it was lost from the console in one of a few
+                # runs on a loaded machine)
+                time.sleep(ABORT_FORWARD_S)
                 self.comm.Abort(EXIT_WATCHDOG)
 
     def stop(self):

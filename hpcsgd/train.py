@@ -46,7 +46,7 @@ from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
 from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_size, whole_specs
-from hpcsgd.shutdown import StopSignal, Watchdog, agree, gone_peers
+from hpcsgd.shutdown import ABORT_FORWARD_S, StopSignal, Watchdog, agree, gone_peers
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
 from hpcsgd.timeline import Timeline
@@ -94,8 +94,9 @@ def run(args):
         return code
     except UserError as err:
         report(cfg, rank, f"error: {err}")
-        if world > 1:
-            comm.Abort(2)   # a failing rank ends the job instead of leaving the others waiting
+        if world > 1:   # a failing rank ends the job instead of leaving the others waiting,
+            time.sleep(ABORT_FORWARD_S)   # once the launcher has had its words to forward
+            comm.Abort(2)
         return 2
     except BaseException:
         report(cfg, rank, f"failed:\n{traceback.format_exc()}")
@@ -105,6 +106,7 @@ def run(args):
             report(cfg, rank, f"{', '.join(gone)} no longer running: it died or was killed, "
                               f"which is why this rank's MPI call failed")
         if world > 1:
+            time.sleep(ABORT_FORWARD_S)
             comm.Abort(1)
         return 1
     finally:
