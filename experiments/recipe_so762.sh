@@ -29,4 +29,13 @@ run float32_lr1e-3 optim.lr=0.001
 run float32_lr2e-3 optim.lr=0.002
 run onebit_lr1e-3 "${ONEBIT[@]}" optim.lr=0.001
 run onebit_lr2e-3 "${ONEBIT[@]}" optim.lr=0.002
-run float32_lr1e-3_shuffle optim.lr=0.001 data.block_frames=1024 data.buffer_frames=600000
+SHUFFLE=(data.block_frames=1024 data.buffer_frames=600000)
+run float32_lr1e-3_shuffle optim.lr=0.001 "${SHUFFLE[@]}"
+# the third round: the linear decay and the fine shuffle together, higher rates, and Adam
+# (per-sample lr 3.9e-6 is PyTorch's 1e-3 at minibatch 256) with the same decay and shuffle
+run float32_lr2e-3_shuffle optim.lr=0.002 "${SHUFFLE[@]}"
+run float32_lr4e-3_shuffle optim.lr=0.004 "${SHUFFLE[@]}"
+run adam_lr3.9e-6_shuffle optim.type=adam optim.lr=3.9e-6 "${SHUFFLE[@]}"
+run adam_lr7.8e-6_shuffle optim.type=adam optim.lr=7.8e-6 "${SHUFFLE[@]}"
+run onebit_lr4e-3_shuffle "${ONEBIT[@]}" optim.lr=0.004 "${SHUFFLE[@]}"
+run onebit_adam_lr3.9e-6_shuffle "${ONEBIT[@]}" optim.type=adam optim.lr=3.9e-6 "${SHUFFLE[@]}"

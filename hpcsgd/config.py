@@ -44,6 +44,10 @@ DEFAULTS = {
                                "model.parallel > 1: activations and their gradients between the "
                                "model ranks as float32, float16, or Dettmers' 8-bit dynamic tree "
                                "or linear type (abs-max scaled, no error feedback)"),
+    "model.codec_columns": ("whole", str, ("whole", "slice"),
+                            "model.parallel > 1: a gradient codec's column statistics (1-bit's "
+                            "two means) over the whole column, added over the model group (the "
+                            "unsplit model's quantization), or over each rank's slice"),
     "model.activation_block": (0, int, (0, 1 << 30),
                                "dettmers activations: values per abs-max scale (0 = one per "
                                "frame's row of a rank's block)"),

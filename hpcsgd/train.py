@@ -155,7 +155,8 @@ def train(cfg, comm, stop):
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
     params = model.new_params()
     grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
-    ex = make_exchange(cfg, grid.data, params.matrices)   # preallocates every exchange buffer
+    ex = make_exchange(cfg, grid.data, params.matrices,   # preallocates every exchange buffer
+                       grid.model if grid.model_size > 1 else None)
     # double buffering: the communication timed blocking once, the reference that turns the
     # exposed time into an overlap
     comm_blocking = ex.blocking_seconds(grads[1].flat) if db and grid.data_size > 1 else None

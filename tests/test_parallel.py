@@ -116,6 +116,43 @@ def test_coded_activation_traffic_is_each_block_decoded(M, codec):
     assert proc.returncode == 0 and f"OK {codec} M={M}" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_onebit_slices_encode_as_the_whole_columns_with_the_groups_column_sums(backend):
+    """A codec column cut in parts, as a model group's slices hold it: each part encoded with
+    the parts' column sums added (model.codec_columns=whole) decodes to the whole column's
+    encoding, cut, and leaves its part of the whole column's residual. Values on a dyadic
+    grid make every float64 sum exact in any order: bit for bit. With each part's own sums
+    (codec_columns=slice) the means differ."""
+    from hpcsgd.codecs import make_codec
+    rng = np.random.default_rng(5)
+    n_cols, n_rows, cuts = 37, 70, [0, 23, 24, 70]
+    g = (rng.integers(-512, 512, (n_cols, n_rows)) / 1024).astype(np.float32)
+    r = (rng.integers(-64, 64, (n_cols, n_rows)) / 4096).astype(np.float32)
+    codec = make_codec("onebit", backend)
+    whole_r, packed = r.copy(), np.zeros(codec.packed_nbytes(n_cols, n_rows), np.uint8)
+    codec.encode(g, whole_r, packed)
+    want = np.zeros_like(g)
+    codec.decode(packed, want)
+    spans = list(zip(cuts, cuts[1:]))
+    parts = [(np.ascontiguousarray(g[:, a:b]), np.ascontiguousarray(r[:, a:b])) for a, b in spans]
+    sums = np.zeros((n_cols, 4))
+    for gp, rp in parts:
+        mine = np.zeros((n_cols, 4))
+        codec.column_sums(gp, rp, mine)
+        sums += mine
+    for (a, b), (gp, rp) in zip(spans, parts):
+        own_r, own = rp.copy(), np.zeros(codec.packed_nbytes(n_cols, b - a), np.uint8)
+        codec.encode(gp, own_r, own)
+        out = np.zeros(codec.packed_nbytes(n_cols, b - a), np.uint8)
+        codec.encode(gp, rp, out, sums=sums)
+        got, alone = np.zeros_like(gp), np.zeros_like(gp)
+        codec.decode(out, got)
+        codec.decode(own, alone)
+        np.testing.assert_array_equal(got, want[:, a:b])
+        np.testing.assert_array_equal(rp, whole_r[:, a:b])
+        assert not np.array_equal(alone, want[:, a:b])
+
+
 # --- the trainer on a data x model grid -----------------------------------------------------
 
 from conftest import TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive  # noqa: E402
@@ -158,23 +195,49 @@ def test_a_grid_trains_as_one_rank_on_the_same_global_minibatches(D, M, arch, tm
                                                   "train.stop_after_frames=200")["params"])
 
 
-@pytest.mark.parametrize("codec", ["float32", "onebit"])
-def test_the_striped_exchange_runs_over_each_data_group_of_slices(codec, arch, tmp_path,
-                                                                    tmp_path_factory):
-    """2 x 2 with the striped exchange: float32 equals the single-process reference as above;
-    1-bit SGD keeps every data group's replicas bit-identical at every step (the trainer
-    checks) and learns (its 1-bit columns are each rank's part of a fan-out: docs/parallel.md)."""
-    run = RUNS.train(4, arch, tmp_path_factory, "model.parallel=2",
-                     "exchange.aggregation=striped", f"exchange.codec={codec}")
+STRIPED = ("exchange.aggregation=striped",)
+
+
+def test_striped_float32_runs_over_each_data_group_of_slices(arch, tmp_path, tmp_path_factory):
+    """2 x 2 with the striped float32 exchange equals the single-process reference as above;
+    the owners' stripes and residuals are per world rank."""
+    run = RUNS.train(4, arch, tmp_path_factory, "model.parallel=2", *STRIPED,
+                     "exchange.codec=float32")
     got = latest_arrays(run)
-    if codec == "float32":
-        assert_float32_close(got["params"], RUNS.reference(2, "float", arch, tmp_path)["params"],
-                             RUNS.reference(2, "float", arch, tmp_path, float64=True)["params"])
-    else:
-        start = RUNS.reference(2, "float", arch, tmp_path, "train.stop_after_frames=1")
-        assert not np.array_equal(got["params"], start["params"])
-    # the owners' stripes and residuals are per world rank
+    assert_float32_close(got["params"], RUNS.reference(2, "float", arch, tmp_path)["params"],
+                         RUNS.reference(2, "float", arch, tmp_path, float64=True)["params"])
     assert {f"rank{r:04d}/exchange/residual1" for r in range(4)} <= set(got)
+
+
+@pytest.mark.parametrize("feedback", ["true", "false"])
+def test_striped_onebit_on_a_grid_equals_onebit_on_the_unsplit_model(feedback, arch,
+                                                                     tmp_path_factory):
+    """2 x 2 striped 1-bit SGD against 2-rank 1-bit SGD on the unsplit model: each slice's
+    columns are quantized with the whole columns' means (the model group adds their sums),
+    so the two runs are the same computation and differ by the float rounding of their
+    summation orders (the split GEMMs, the sums added over the group): no farther apart
+    than the float32 striped exchange at 2 x 2 is from its 2-rank run (times the factor of
+    conftest.assert_float32_close). With each slice's own means (model.codec_columns=slice)
+    the runs are another computation: many times farther apart."""
+    onebit = (*STRIPED, "exchange.codec=onebit", f"exchange.error_feedback={feedback}")
+    params = {name: latest_arrays(RUNS.train(K, arch, tmp_path_factory, *extra))["params"]
+              .astype(np.float64)
+              for name, K, extra in [
+                  ("grid", 4, ("model.parallel=2", *onebit)),
+                  ("unsplit", 2, onebit),
+                  ("slice", 4, ("model.parallel=2", "model.codec_columns=slice", *onebit)),
+                  ("grid32", 4, ("model.parallel=2", *STRIPED, "exchange.codec=float32")),
+                  ("unsplit32", 2, (*STRIPED, "exchange.codec=float32"))]}
+    noise = (np.linalg.norm(params["grid32"] - params["unsplit32"])
+             + 1e-7 * np.linalg.norm(params["unsplit32"]))
+    dist = np.linalg.norm(params["grid"] - params["unsplit"])
+    print(f"1-bit grid vs unsplit {dist:.3g}, float32 {noise:.3g}, slice "
+          f"{np.linalg.norm(params['slice'] - params['unsplit']):.3g}")
+    assert dist <= 10 * noise, (dist, noise)
+    assert np.linalg.norm(params["slice"] - params["unsplit"]) > 100 * noise
+    start = latest_arrays(RUNS.train(2, arch, tmp_path_factory, *onebit,
+                                     "train.stop_after_frames=1"))["params"]
+    assert not np.array_equal(params["unsplit"], start)
 
 
 def resume(src, K, arch, tmp_path, name, *extra):

@@ -646,7 +646,8 @@ def worker(argv):
         local_opt = Optimizer(params.size, momentum_time_constant=MOMENTUM_TC, device=dev)
         runs[_run_name("none", precision)] = (Local(local_opt), local_opt)
         for name in args.exchange.split(","):
-            ex = make_exchange(exchange_config(name, dev), grid.data, params.matrices)
+            ex = make_exchange(exchange_config(name, dev), grid.data, params.matrices,
+                               grid.model if grid.model_size > 1 else None)
             runs[_run_name(name, precision)] = (ex, Optimizer(
                 params.size, momentum_time_constant=MOMENTUM_TC, post_size=ex.state_size,
                 device=dev))

@@ -44,19 +44,29 @@ def words_per_column(n_rows):
 
 
 # ---------------------------------------------------------------- NumPy reference
-def encode_ref(g, r, packed):
+def column_sums_ref(g, r):
+    """(n_cols, 4) float64: per column of g + r the negative sum, the non-negative sum and
+    count (canonical lane order), the number of values; None-free: NaN/Inf pass through."""
+    v64 = (g + r).astype(np.float64)
+    pos = v64 >= 0
+    return np.stack([ref_lane_sums(np.where(pos, 0.0, v64)), ref_lane_sums(np.where(pos, v64, 0.0)),
+                     pos.sum(axis=1).astype(np.float64),
+                     np.full(g.shape[0], g.shape[1], np.float64)], axis=1)
+
+
+def encode_ref(g, r, packed, sums=None):
+    """sums: the columns' sums added over a model group (column_sums_ref's layout), or None
+    for this matrix's own."""
     n_cols, n_rows = g.shape
     W = words_per_column(n_rows)
     v = g + r
-    v64 = v.astype(np.float64)
     pos = v >= 0
-    s_pos = ref_lane_sums(np.where(pos, v64, 0.0))
-    s_neg = ref_lane_sums(np.where(pos, 0.0, v64))
+    sums = column_sums_ref(g, r) if sums is None else sums
+    s_neg, s_pos, n_pos, n = sums.T
     bad = ~np.isfinite(s_pos + s_neg)
     if bad.any():
         return int(np.argmax(bad))
-    n_pos = pos.sum(axis=1)
-    m0 = (s_neg / np.maximum(n_rows - n_pos, 1)).astype(np.float32)
+    m0 = (s_neg / np.maximum(n - n_pos, 1)).astype(np.float32)
     m1 = (s_pos / np.maximum(n_pos, 1)).astype(np.float32)
     cols = packed.view(np.uint32).reshape(n_cols, W)
     cols[:, 0] = m0.view(np.uint32)
@@ -88,14 +98,12 @@ def decode_ref(packed, out, accumulate):
 
 
 @njit(inline="always")
-def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
-    """Encode one column: g, r (n_rows,) float32 -> its packed bytes col8 (4W uint8; colf the
-    same bytes as float32), r <- the new residual. pos/neg (LANES float64) and signs
-    (ceil(n_rows/8)*8 uint8, its padding 0; signs64 the same as uint64) are the caller's
-    scratch. Returns False, writing nothing, if g + r has a NaN or Inf."""
+def column_sums_cpu(g, r, pos, neg):
+    """(sum of the negative side, sum of the non-negative side, count of the non-negative
+    side) of one column of g + r, in float64 by the canonical lane order (codecs/common.py).
+    pos/neg (LANES float64) are the caller's scratch. Reads grad and residual from memory."""
     n_rows = g.shape[0]
     nfull = n_rows // LANES
-    # pass 1: canonical lane sums of each side (reads grad and residual from memory)
     pos[:] = 0.0
     neg[:] = 0.0
     n_pos = 0
@@ -112,11 +120,15 @@ def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
         pos[j - nfull * LANES] += p
         neg[j - nfull * LANES] += x - p
         n_pos += x >= 0.0
-    s_pos = lane_tree_cpu(pos)
-    s_neg = lane_tree_cpu(neg)
-    if not _finite_cpu(s_pos + s_neg):
-        return False
-    m0, m1 = _means_cpu(s_neg, s_pos, n_pos, n_rows)
+    return lane_tree_cpu(neg), lane_tree_cpu(pos), n_pos
+
+
+@njit(inline="always")
+def quantize_column_cpu(g, r, col8, colf, m0, m1, signs, signs64):
+    """The column's packed bytes for reconstruction values m0 (v < 0) and m1 (v >= 0), and
+    r <- the new residual. signs (ceil(n_rows/8)*8 uint8, its padding 0; signs64 the same as
+    uint64) is the caller's scratch."""
+    n_rows = g.shape[0]
     colf[0] = m0
     colf[1] = m1
     # pass 2, from L1/L2 (the column is 8-74 KB): new residual and one sign byte per row, a
@@ -134,6 +146,18 @@ def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
         col8[8 + b] = np.uint8((signs64[b] * np.uint64(0x0102040810204080)) >> np.uint64(56))
     for b in range(8 + nbytes, col8.shape[0]):
         col8[b] = 0   # zero padding to the word
+
+
+@njit(inline="always")
+def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
+    """Encode one column: g, r (n_rows,) float32 -> its packed bytes col8 (4W uint8; colf the
+    same bytes as float32), r <- the new residual; the scratch as above. Returns False,
+    writing nothing, if g + r has a NaN or Inf."""
+    s_neg, s_pos, n_pos = column_sums_cpu(g, r, pos, neg)
+    if not _finite_cpu(s_pos + s_neg):
+        return False
+    m0, m1 = _means_cpu(s_neg, s_pos, n_pos, g.shape[0])
+    quantize_column_cpu(g, r, col8, colf, m0, m1, signs, signs64)
     return True
 
 
@@ -206,6 +230,40 @@ def encode_cpu(g, r, cols8, meancols, bad, nchunk):
             if not encode_column_cpu(g[c], r[c], cols8[c], meancols[c], pos, neg, signs,
                                      signs64):
                 bad[c] = 1
+
+
+# A model-parallel slice holds part of each column (hpcsgd/model/parallel.py): its sums are
+# added over the model group first, so the means are the whole column's (Codec.column_sums).
+@njit(parallel=True, cache=True)
+def column_sums_kernel(g, r, sums, nchunk):
+    """sums (n_cols, 4) float64 <- per column: negative sum, non-negative sum and count,
+    number of values."""
+    n_cols, n_rows = g.shape
+    for t in prange(nchunk):
+        pos = np.empty(LANES, np.float64)
+        neg = np.empty(LANES, np.float64)
+        for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
+            s_neg, s_pos, n_pos = column_sums_cpu(g[c], r[c], pos, neg)
+            sums[c, 0] = s_neg
+            sums[c, 1] = s_pos
+            sums[c, 2] = n_pos
+            sums[c, 3] = n_rows
+
+
+@njit(parallel=True, cache=True)
+def encode_with_sums_cpu(g, r, cols8, meancols, sums, bad, nchunk):
+    """encode_cpu with each column's means taken from `sums` (column_sums_kernel's layout,
+    added over the columns' parts)."""
+    n_cols, n_rows = g.shape
+    for t in prange(nchunk):
+        signs = np.zeros((n_rows + 7) // 8 * 8, np.uint8)
+        signs64 = signs.view(np.uint64)
+        for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
+            if not _finite_cpu(sums[c, 0] + sums[c, 1]):
+                bad[c] = 1
+                continue
+            m0, m1 = _means_cpu(sums[c, 0], sums[c, 1], sums[c, 2], sums[c, 3])
+            quantize_column_cpu(g[c], r[c], cols8[c], meancols[c], m0, m1, signs, signs64)
 
 
 @njit(parallel=True, cache=True)
@@ -318,21 +376,39 @@ class OneBit(Codec):
     def packed_nbytes(self, n_cols, n_rows):
         return 4 * n_cols * words_per_column(n_rows) if n_rows else 0
 
-    def encode(self, grad, residual, out):
+    def column_sums(self, grad, residual, sums):
+        """sums (n_cols, 4) float64 <- each column's negative sum, non-negative sum and
+        count, and length: what a model-parallel slice's columns add over the group before
+        encode(..., sums=) takes the whole columns' means (CPU and reference backends)."""
+        if self.backend == "reference":
+            sums[:] = column_sums_ref(grad, residual)
+        elif self.backend == "cpu":
+            column_sums_kernel(grad, residual, sums, max(1, min(grad.shape[0],
+                                                               8 * numba.get_num_threads())))
+        else:
+            raise NotImplementedError("onebit: column sums over a model group on CUDA ranks")
+
+    def encode(self, grad, residual, out, sums=None):
+        """sums: the columns' sums over a model group (column_sums), or None."""
         self._check_encode(grad, residual, out)
         n_cols, n_rows = grad.shape
         if n_cols == 0 or n_rows == 0:
             return
         if self.backend == "reference":
-            bad = encode_ref(grad, residual, out)
+            bad = encode_ref(grad, residual, out, sums)
         elif self.backend == "cpu":
             W = words_per_column(n_rows)
             flags = np.zeros(n_cols, np.uint8)
-            encode_cpu(grad, residual, out.reshape(n_cols, 4 * W),
-                       out.view(np.float32).reshape(n_cols, W), flags,
-                       min(n_cols, 8 * numba.get_num_threads()))
+            args = (out.reshape(n_cols, 4 * W), out.view(np.float32).reshape(n_cols, W))
+            nchunk = min(n_cols, 8 * numba.get_num_threads())
+            if sums is None:
+                encode_cpu(grad, residual, *args, flags, nchunk)
+            else:
+                encode_with_sums_cpu(grad, residual, *args, sums, flags, nchunk)
             bad = int(np.argmax(flags)) if flags.any() else -1
         else:
+            if sums is not None:
+                raise NotImplementedError("onebit: column sums over a model group on CUDA ranks")
             flag = cuda.to_device(np.zeros(1, np.int32))
             o = as_device(out)
             encode_cuda[n_cols, LANES](as_device(grad), as_device(residual),

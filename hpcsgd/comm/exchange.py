@@ -132,9 +132,10 @@ def set_bits(ex, cfg, bits):
     ex.set_codec(configured_codec(cfg, bits), cfg["exchange.fuse_owner"])
 
 
-def make_exchange(cfg, comm, mats):
+def make_exchange(cfg, comm, mats, group=None):
     """The exchange the config asks for, over the flat layout `mats` (FlatParams.matrices),
-    among the data ranks of `comm`, on the config's device. ex.transport says how its bytes
+    among the data ranks of `comm`, on the config's device; `group`: the model group's
+    communicator of a split model (model.parallel > 1). ex.transport says how its bytes
     move (for the log)."""
     device = cfg["train.device"]
     aware, why = False, ""
@@ -163,7 +164,8 @@ def make_exchange(cfg, comm, mats):
             widest = make_codec("float32", device)
         ex = Striped(comm, mats, codec, error_feedback=cfg["exchange.error_feedback"],
                      device=device, cuda_aware=aware, fuse_owner=cfg["exchange.fuse_owner"],
-                     widest=widest)
+                     widest=widest,
+                     group=group if cfg["model.codec_columns"] == "whole" else None)
     ex.transport = ex.describe_transport(why)
     if cfg["exchange.progress"] == "thread":
         ex.poller = Poller()
@@ -440,10 +442,15 @@ class Striped(_Collective):
     replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
 
     def __init__(self, comm, mats, codec, error_feedback=True, device="cpu", cuda_aware=False,
-                 fuse_owner=True, widest=None):
+                 fuse_owner=True, widest=None, group=None):
         """widest: the codec whose packed sizes the buffers are allocated for, when set_codec
-        may switch codecs between steps (exchange.bits = oland_raj | mqgrad); default codec."""
+        may switch codecs between steps (exchange.bits = oland_raj | mqgrad); default codec.
+        group: the model group's communicator when this rank holds a slice of each
+        "rows"-split matrix (model.parallel > 1, model.codec_columns = whole): a codec with
+        column statistics (codec.column_sums) adds them over the group, so each slice is
+        quantized with its whole columns' statistics, as the unsplit model would be."""
         self.comm, self.error_feedback = comm, bool(error_feedback)
+        self.group = group.Dup() if group is not None else None   # its own calls, in step order
         self.device = device
         self.mats = mats = exchanged(mats)
         K, me = comm.Get_size(), comm.Get_rank()
@@ -468,6 +475,10 @@ class Striped(_Collective):
         # the unfused owner's sum buffer: also when another codec may take over (widest)
         self.agg = zeros(self.state_size if not self.fuses_owner or widest is not None
                          or self.float_size else 0, np.float32, device)
+        # the column sums of the split matrices' pieces, added over the model group: one row
+        # per column of my whole gradient (encode) or of my stripe (reencode)
+        n_split = sum(p[3] for row in self.pieces for p in row if self._split(p[0]))
+        self._sums = np.zeros((n_split if self.group is not None else 0, 4), np.float64)
         self._grad, self._req = None, None   # the exchange in flight
         self.norm_sq = None   # set to 0.0 to sum the squared norm of my stripe's gradient sums
 
@@ -482,7 +493,10 @@ class Striped(_Collective):
         self.codec_of = {m.name: codec if m.exchange == "codec" else floats for m in mats}
         # "float" matrices (learned clips, after the codec ones) take the unfused steps
         # beside a fused codec: float_pieces
-        self.fuses_owner = bool(fuse_owner) and codec.fused_owner
+        self.sums_over_group = getattr(self, "group", None) is not None and hasattr(
+            codec, "column_sums")
+        # the group's sums come between an owner's sum and its re-encode: unfused
+        self.fuses_owner = bool(fuse_owner) and codec.fused_owner and not self.sums_over_group
         self.fuses_apply = codec.fused_apply
         # pieces[j]: (matrix, flat lo, flat hi, columns, byte offset in a K-layout buffer,
         # nbytes) of owner j's stripe of every matrix, back to back: the send buffer and the
@@ -542,11 +556,39 @@ class Striped(_Collective):
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
             zero(self.residual1)
             zero(self.residual2)
-        for row in self.pieces:
-            for m, lo, hi, cols, off, nb in row:
-                self.codec_of[m.name].encode(grad[lo:hi].reshape(cols, m.n_rows),
-                                             self.residual1[lo:hi].reshape(cols, m.n_rows),
-                                             self.send_buf[off:off + nb])
+        self._encode([p for row in self.pieces for p in row], grad, self.residual1,
+                     self.send_buf, lambda p: (p[1], p[2]))
+
+    def _split(self, m):
+        """Whether matrix m's columns are cut over the model group (their sums are added)."""
+        return self.group is not None and m.shard == "rows" and m.exchange == "codec"
+
+    def _encode(self, pieces, src, residual, out, span):
+        """Encode each piece (matrix, lo, hi, cols, off, nbytes) of `src` with `residual`
+        ([a, b) = span(piece) in both) into out[off:off + nbytes]; the split matrices' pieces
+        with their column sums added over the model group first (one Allreduce)."""
+        sums, k = None, 0
+        if self.sums_over_group:
+            from mpi4py import MPI
+            for p in pieces:
+                if self._split(p[0]):
+                    (m, _, _, cols, _, _), (a, b) = p, span(p)
+                    self.codec.column_sums(src[a:b].reshape(cols, m.n_rows),
+                                           residual[a:b].reshape(cols, m.n_rows),
+                                           self._sums[k:k + cols])
+                    k += cols
+            sums = self._sums[:k]
+            self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)   # model-group sync point
+            k = 0
+        for p in pieces:
+            (m, _, _, cols, off, nb), (a, b) = p, span(p)
+            args = (src[a:b].reshape(cols, m.n_rows), residual[a:b].reshape(cols, m.n_rows),
+                    out[off:off + nb])
+            if sums is not None and self._split(m):
+                self.codec.encode(*args, sums=sums[k:k + cols])
+                k += cols
+            else:
+                self.codec_of[m.name].encode(*args)
 
     def send(self, blocking=False):
         """Phase 2: stripe j of every rank to rank j (Ialltoallv unless `blocking`: double
@@ -621,10 +663,10 @@ class Striped(_Collective):
     def reencode(self, pieces=None):
         """Phase 5: my updated stripe (or these pieces of it), quantized with my second
         residual, into my gather slot."""
-        for (m, lo, hi, cols, off, nb), a, b in (self.mine if pieces is None else pieces):
-            self.codec_of[m.name].encode(self.agg[a:b].reshape(cols, m.n_rows),
-                                         self.residual2[a:b].reshape(cols, m.n_rows),
-                                         self.gather_buf[off:off + nb])
+        mine = self.mine if pieces is None else pieces
+        spans = {id(p): (a, b) for p, a, b in mine}
+        self._encode([p for p, _, _ in mine], self.agg, self.residual2, self.gather_buf,
+                     lambda p: spans[id(p)])
 
     def gather(self):
         """Phase 6: every owner's stripe to every rank (a cross-rank sync point)."""
