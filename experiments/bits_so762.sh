@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 K=${1:-2}; EPOCHS=${2:-1}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 MPIR_CVAR_ENABLE_HEAVY_YIELD=1
-COMMON=(--config jobs/configs/so762.yaml "model.hidden=[512, 512, 512]" train.epochs=$EPOCHS schedule.type=constant
+COMMON=(--config jobs/configs/so762_sgd.yaml "model.hidden=[512, 512, 512]" train.epochs=$EPOCHS schedule.type=constant
         train.log_every_frames=50000 train.log_every_seconds=0 exchange.aggregation=striped)
 run() {
     local name=$1; shift

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 18 on so762 (13 held-out speakers): the paper's cold start and Adam at the owner. The
-# DNN and recipe of jobs/configs/so762.yaml (440-1024x4-40 sigmoid, minibatch 256, newbob), 2
+# DNN and recipe of jobs/configs/so762_sgd.yaml (440-1024x4-40 sigmoid, minibatch 256, newbob), 2
 # ranks, EPOCHS epochs: 1-bit SGD (striped, error feedback) without and with a cold start of
 # 50k and 200k frames (9% and 36% of an epoch); Adam (per-sample lr 1e-3 / 256, PyTorch's
 # default rate at this minibatch) with the float32 allreduce and with 1-bit at the owner.
 # The float32 baseline is experiments/precision_so762.sh's float32 run (the same recipe).
-#   bash experiments/coldstart_so762.sh [EPOCHS]    (needs runs/so762/archive: see so762.yaml)
+#   bash experiments/coldstart_so762.sh [EPOCHS]    (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 #   ONLY="adam" bash experiments/coldstart_so762.sh 2     runs whose name starts with ONLY
 # Metrics in runs/coldstart/<name>/metrics.jsonl; experiments/summarize_precision.py
 # runs/coldstart prints the table (CV accuracy and CE per epoch).
@@ -19,7 +19,7 @@ run() {
     rm -rf "runs/coldstart/$name"
     echo "== $name: $*"
     .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
         train.log_every_frames=50000 "train.run_dir=$PWD/runs/coldstart/$name" "$@" 2>&1 \
         | grep -E "done in|error|cold start over|diverged" || true
 }

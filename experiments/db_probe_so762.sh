@@ -2,7 +2,7 @@
 # Issue 6's accuracy results on real speech: double buffering on/off, and automatic
 # minibatch-size selection against fixed sizes, on so762_dev (13 held-out speakers), K ranks,
 # the same frames (3 epochs) for every run; striped 1-bit SGD with error feedback.
-#   bash experiments/db_probe_so762.sh [K]     (needs runs/so762/archive: see jobs/configs/so762.yaml)
+#   bash experiments/db_probe_so762.sh [K]     (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 #   ONLY="mb4096_db_lr5e-4" bash experiments/db_probe_so762.sh   (some runs only)
 #   python experiments/summarize_runs.py runs/db_probe     (the table in docs/results.md)
 set -euo pipefail

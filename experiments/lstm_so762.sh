@@ -2,9 +2,9 @@
 # Issue 19 on so762 (112 training, 13 held-out speakers): the BLSTM of
 # jobs/configs/so762_blstm.yaml (40-BLSTM 256x2-40, chunks of 40 + 10/10 context, 64 chunks
 # per step, lr 2.5e-4 per sample, newbob, clipping 2.0/frame) against the DNN of
-# jobs/configs/so762.yaml (440-1024x4-40 sigmoid, minibatch 256), EPOCHS epochs each (the same
+# jobs/configs/so762_sgd.yaml (440-1024x4-40 sigmoid, minibatch 256), EPOCHS epochs each (the same
 # labelled training frames), float32 allreduce and 1-bit SGD (striped, error feedback), 2 ranks.
-#   bash experiments/lstm_so762.sh [EPOCHS]      (needs runs/so762/archive: see so762.yaml)
+#   bash experiments/lstm_so762.sh [EPOCHS]      (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 #   ONLY="blstm" bash experiments/lstm_so762.sh   runs whose name starts with ONLY
 # Metrics in runs/lstm/<name>/metrics.jsonl; experiments/summarize_precision.py runs/lstm
 # prints the table (CV accuracy and CE per epoch).
@@ -27,5 +27,5 @@ run() {
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit)
 run blstm_float32 jobs/configs/so762_blstm.yaml
 run blstm_onebit jobs/configs/so762_blstm.yaml "${ONEBIT[@]}"
-run dnn_float32 jobs/configs/so762.yaml
-run dnn_onebit jobs/configs/so762.yaml "${ONEBIT[@]}"
+run dnn_float32 jobs/configs/so762_sgd.yaml
+run dnn_onebit jobs/configs/so762_sgd.yaml "${ONEBIT[@]}"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 22 on so762 (112 training, 13 held-out speakers): the DNN of jobs/configs/so762.yaml
+# Issue 22 on so762 (112 training, 13 held-out speakers): the DNN of jobs/configs/so762_sgd.yaml
 # (440-1024x4-40 sigmoid, minibatch 256, newbob) on one process (1 x 1, 2 threads) and split
 # over a model group of 2 ranks (1 x 2, 1 thread each) with float32, 8-bit (Dettmers' dynamic
 # tree, abs-max per row) and float16 activations; EPOCHS epochs each, the same global
 # minibatches (D = 1 in every run).
-#   bash experiments/parallel_so762.sh [EPOCHS]     (needs runs/so762/archive: see so762.yaml)
+#   bash experiments/parallel_so762.sh [EPOCHS]     (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 #   ONLY="mp2" bash experiments/parallel_so762.sh     runs whose name starts with ONLY
 # Metrics in runs/parallel/<name>/metrics.jsonl; experiments/summarize_precision.py
 # runs/parallel prints the table (CV accuracy and CE per epoch).
@@ -19,7 +19,7 @@ run() {
     echo "== $name: $ranks rank(s) $*"
     local t0=$SECONDS
     .venv/bin/mpiexec -n "$ranks" .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
         "train.run_dir=$PWD/runs/parallel/$name" "$@" 2>&1 \
         | grep -E "done in|error|diverged" || true
     echo "   $name: $((SECONDS - t0)) s wall"

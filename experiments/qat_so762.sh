@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20 on so762 (112 training, 13 held-out speakers): quantization-aware fine-tuning of the
-# DNN of jobs/configs/so762.yaml (440-1024x4-40 sigmoid) and the BLSTM of
+# DNN of jobs/configs/so762_sgd.yaml (440-1024x4-40 sigmoid) and the BLSTM of
 # jobs/configs/so762_blstm.yaml from their float32 runs, 2 ranks, float32 allreduce unless
 # said otherwise:
 #   float32 runs (EPOCHS epochs, the configs' newbob), then from each FINE epochs of linear
@@ -8,7 +8,7 @@
 #   same extra epochs unquantized), INT8 (MAX weights and inputs), INT4 with MAX, SAWB
 #   (weights and inputs), PACT and BAC inputs (SAWB weights); INT4 BAC trained from scratch
 #   for EPOCHS epochs (how fast fine-tuning gets there); for the DNN also BAC + 1-bit SGD.
-#   bash experiments/qat_so762.sh [EPOCHS] [FINE]    (needs runs/so762/archive: see so762.yaml)
+#   bash experiments/qat_so762.sh [EPOCHS] [FINE]    (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 #   ONLY="dnn" bash experiments/qat_so762.sh           runs whose name starts with ONLY
 # Metrics in runs/qat/<name>/metrics.jsonl; experiments/summarize_qat.py runs/qat prints the
 # table, with the post-training quantized float models and the exported integer models.
@@ -34,7 +34,7 @@ qat() {   # weights rule+bits, inputs rule+bits
     echo "qat.weights=$1" "qat.weight_bits=$2" "qat.activations=$3" "qat.activation_bits=$4"
 }
 for model in dnn blstm; do
-    config=jobs/configs/so762.yaml
+    config=jobs/configs/so762_sgd.yaml
     [ "$model" = blstm ] && config=jobs/configs/so762_blstm.yaml
     lr=$(.venv/bin/python -c "from hpcsgd import config; print(config.load('$config')['optim.lr'] / 2)")
     run "${model}_float32" "$config" "$EPOCHS"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 18's recipe on so762 (13 held-out speakers): the DNN of jobs/configs/so762.yaml
+# Issue 18's recipe on so762 (13 held-out speakers): the DNN of jobs/configs/so762_sgd.yaml
 # (440-1024x4-40 sigmoid, minibatch 256), 2 ranks, EPOCHS epochs, with the learning rate
 # decayed linearly to zero over the run (schedule.type=linear) instead of newbob: float32
 # at lr 0.001 and 0.002 per sample, and 1-bit SGD (striped, error feedback) with the paper's
 # cold start of 200k frames, at lr 0.001; and float32 with each rank's whole epoch in one
 # shuffled RAM buffer of blocks of 1024 frames (close to a full random shuffle of the frames,
 # what the PyTorch recipe of issue 18 does).
-#   bash experiments/recipe_so762.sh [EPOCHS]      (needs runs/so762/archive: see so762.yaml)
+#   bash experiments/recipe_so762.sh [EPOCHS]      (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 #   ONLY="onebit" bash experiments/recipe_so762.sh   runs whose name starts with ONLY
 # Metrics in runs/recipe/<name>/metrics.jsonl; experiments/summarize_precision.py runs/recipe
 # prints the table (CV accuracy and CE per epoch).
@@ -20,7 +20,7 @@ run() {
     rm -rf "runs/recipe/$name"
     echo "== $name: $*"
     .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
+        --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
         "train.run_dir=$PWD/runs/recipe/$name" schedule.type=linear "$@" 2>&1 \
         | grep -E "done in|error|cold start over|diverged" || true
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's Table 2 (1-bit with/without error feedback vs float) and Table 3 (AdaGrad
 # placements) on real speech: so762_dev, 13 held-out speakers, K ranks, same frames for all.
-#   bash experiments/table23_so762.sh [K]      (needs runs/so762/archive: see jobs/configs/so762.yaml)
+#   bash experiments/table23_so762.sh [K]      (needs runs/so762/archive: see jobs/configs/so762_sgd.yaml)
 # Each run's CV frame accuracy per epoch lands in runs/table23/<name>/metrics.jsonl;
 # experiments/summarize_runs.py prints the table.
 set -euo pipefail

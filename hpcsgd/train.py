@@ -57,7 +57,7 @@ option with its default and allowed values."""
 EXAMPLES = """examples:
   hpcsgd train --config jobs/configs/demo.yaml                       one process
   mpiexec -n 2 python -m mpi4py -m hpcsgd.cli train --config jobs/configs/so762.yaml \\
-      exchange.aggregation=striped exchange.codec=onebit                 2 ranks, 1-bit SGD
+      exchange.aggregation=striped exchange.codec=onebit             2 ranks, 1-bit exchange
   hpcsgd train --config jobs/configs/demo.yaml train.run_dir=runs/other optim.lr=0.002
   hpcsgd train --help-config
 Ctrl-C, SIGTERM or SIGUSR1 write a checkpoint and stop; the same command resumes from it.

@@ -213,23 +213,49 @@ class _Target:
     compute_capability = (9, 0)
 
 
-def compile_all(recorded, ccs):
+def _compile_one(task):
+    """One (kernel, signature, cc) -> its row: PTX from NVVM, then ptxas's report."""
     from numba import cuda
+    name, sig, cc = task
+    nsig = numba_signature(sig)
+    _Target.compute_capability = divmod(cc, 10)
+    ptx, _ = cuda.compile_ptx(project_kernels()[name].py_func, nsig, cc=divmod(cc, 10))
+    return {"kernel": name, "signature": [str(t) for t in nsig], "cc": cc,
+            **ptxas_report(ptx, cc)}
+
+
+def _compile_many(tasks):
+    return [_compile_one(t) for t in tasks]
+
+
+def compile_all(recorded, ccs, workers=None):
+    """Every recorded (kernel, signature) for every target. Each target in its own forked
+    processes (a device function compiled for one target is cached and would be reused for
+    the next: the cubin sizes then depend on the order), as many as this process may use
+    cores (each compilation independent, NVVM single-threaded)."""
+    import concurrent.futures
+    import multiprocessing
+
     from numba.cuda import dispatcher
+
+    from hpcsgd.threads import affinity
     dispatcher.get_current_device = lambda: _Target
     kernels = project_kernels()
     missing = sorted(set(kernels) - set(recorded))
     if missing:
         raise SystemExit(f"hpcsgd bench cuda: kernels no recorded launch reached: {missing}")
+    workers = workers or len(affinity())
     rows = []
-    for name in sorted(recorded):
-        for sig in recorded[name]:
-            nsig = numba_signature(sig)
-            for cc in ccs:
-                _Target.compute_capability = divmod(cc, 10)
-                ptx, _ = cuda.compile_ptx(kernels[name].py_func, nsig, cc=divmod(cc, 10))
-                rows.append({"kernel": name, "signature": [str(t) for t in nsig], "cc": cc,
-                             **ptxas_report(ptx, cc)})
+    fork = multiprocessing.get_context("fork")
+    for cc in ccs:
+        tasks = [(name, sig, cc) for name in sorted(recorded) for sig in recorded[name]]
+        n = min(workers, len(tasks))
+        with concurrent.futures.ProcessPoolExecutor(n, mp_context=fork) as pool:
+            done = list(pool.map(_compile_many, [tasks[i::n] for i in range(n)]))
+        ordered = [None] * len(tasks)
+        for i, share in enumerate(done):   # share i holds tasks i, i + n, i + 2n, ...
+            ordered[i::n] = share
+        rows += ordered
     return rows
 
 
