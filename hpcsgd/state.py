@@ -140,7 +140,7 @@ class TrainState:
             own["bitwidth/rows"] = np.array(self.bitwidth.state_dict()["rows"],
                                             np.float64).reshape(-1, 4)
         if self.step.pending:   # the exchange in flight, communication completed (sync point)
-            own["exchange_pending"] = to_host(self.ex.pending_state()["pending"])
+            own.update({f"exchange_{k}": to_host(v) for k, v in self.ex.pending_state().items()})
         if self.per_rank_opt:
             own.update({"opt/velocity": opt["velocity"], "opt/sqr": opt["sqr"]})
         else:
@@ -241,9 +241,9 @@ class TrainState:
         pending = saved.get("pending")   # double buffering: an exchange was in flight
         if pending:
             # into buffer 0 (the next half computes into buffer 1), with its per-step scalars
-            self.ex.load_pending({"pending": arrays[checkpoint.rank_prefix(self.grid.rank)
-                                                    + "exchange_pending"]},
-                                 self.step.grads[0].flat)
+            mine = checkpoint.rank_prefix(self.grid.rank) + "exchange_"
+            self.ex.load_pending({k[len(mine):]: v for k, v in arrays.items()
+                                  if k.startswith(mine + "pending")}, self.step.grads[0].flat)
             self.opt.sqr_weight = pending["sqr_weight"]
             self.opt.adam_p = pending.get("adam_p", 0.0)
             self.opt.begin_step(pending["n"], pending["n_local"])

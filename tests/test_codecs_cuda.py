@@ -28,6 +28,7 @@ else:
     CONFIGS = ([("onebit", {})]
                + [("kbit", {"bits": k}) for k in (2, 3, 5, 8)]
                + [("kbit", {"bits": 5, "range": "rms"})]
+               + [("float16", {"scale": 2.0 ** 14})]   # values beyond 4 saturate
                + [("dettmers", {"dtype": d}) for d in DTYPES]
                + [("dettmers", {"dtype": "dynamic_tree", "block": 16, "refresh": 2}),
                   ("float32", {}), ("float16", {})])

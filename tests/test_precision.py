@@ -198,6 +198,64 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_untouched(tmp_path
     assert proc.stdout.count("skip ok") == 3, proc.stdout
 
 
+# --- the striped float16 codec with the loss scale ------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_the_float16_codec_sends_v_times_the_scale_saturated_and_keeps_the_rest(backend):
+    """float16(v * S) saturated to +-65504, decoded / S, residual v - decoded: the decoded
+    value plus the residual is v exactly (S a power of two); gradients below float16's range
+    survive a scale that lifts them (unscaled they flush to zero); what saturation cuts off
+    stays in the residual; the reference and the kernel give the same bits."""
+    from hpcsgd.codecs import make_codec
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal((40, 25)) * 1e-7).astype(np.float32)   # ~float16's subnormals
+    g[0, :4] = [1.0, -3.0, 2e-3, 0.0]                               # beyond 65504 / S
+    got = {}
+    for scale in (1.0, 2.0 ** 20):
+        codec = make_codec("float16", backend, scale=scale)
+        r = np.zeros_like(g)
+        packed = np.zeros(codec.packed_nbytes(*g.shape), np.uint8)
+        if scale == 1.0:
+            g1 = g.copy()
+            g1[0, :2] = 0.0      # unscaled, 1.0 and 3.0 fit and 1e-7 flushes
+            codec.encode(g1, r, packed)
+        else:
+            codec.encode(g, r, packed)
+        dec = np.zeros_like(g)
+        codec.decode(packed, dec)
+        got[scale] = dec, r, packed
+    dec, r, packed = got[2.0 ** 20]
+    np.testing.assert_array_equal(dec + r, g)                        # exact, saturation included
+    assert dec[0, 0] == np.float32(65504.0 / 2 ** 20) and r[0, 0] == 1.0 - dec[0, 0]
+    assert dec[0, 1] == -np.float32(65504.0 / 2 ** 20)
+    small = np.abs(g) < 2.9e-8           # below half float16's smallest subnormal: flushed
+    assert (got[1.0][0][small] == 0).all() and (dec[small & (g != 0)] != 0).all()
+    ref = make_codec("float16", "reference", scale=2.0 ** 20)
+    r2, p2 = np.zeros_like(g), np.zeros_like(packed)
+    ref.encode(g, r2, p2)
+    np.testing.assert_array_equal(p2, packed)
+    np.testing.assert_array_equal(r2, r)
+
+
+def test_the_float16_codec_refuses_a_scale_not_a_power_of_two_and_names_a_nan():
+    from hpcsgd.codecs import make_codec
+    g = np.ones((3, 4), np.float32)
+    packed = np.zeros(make_codec("float16", "cpu").packed_nbytes(3, 4), np.uint8)
+    with pytest.raises(ValueError, match="power of two"):
+        make_codec("float16", "cpu", scale=3.0).encode(g, np.zeros_like(g), packed)
+    g[2, 1] = np.nan
+    with pytest.raises(ValueError, match="column 2"):
+        make_codec("float16", "cpu", scale=2.0 ** 10).encode(g, np.zeros_like(g), packed)
+
+
+def test_the_striped_exchange_gives_the_float16_codec_the_loss_scale():
+    _, _, _, ex, step = setup(exchange="float16", precision="mixed",
+                              scaler=loss_scale.Static(2.0 ** 12))
+    run_steps(step, steps=2)
+    assert ex.codec.scale == 2.0 ** 12 and np.isfinite(ex.residual1).all()
+    assert step.scaler.skipped == 0
+
+
 # --- mixed runs under the CLI --------------------------------------------------------------------
 
 MIXED = ("train.precision=mixed", "train.loss_scale=backoff", "train.loss_scale_window=20",
@@ -226,6 +284,24 @@ def test_a_mixed_run_learns_logs_its_skips_and_resumes_bit_exactly(synth, tmp_pa
     assert epochs[-1]["train_ce"] < epochs[0]["train_ce"]   # it learns (so762: docs/results.md)
     assert "loss_scale.png" in hpcsgd("plot", full).stdout
     assert os.path.getsize(os.path.join(full, "plots", "loss_scale.png")) > 1000
+
+
+def test_a_mixed_run_with_the_scaled_float16_codec_resumes_mid_exchange_bit_exactly(synth,
+                                                                                   tmp_path):
+    """The striped float16 codec sends g * S; cut with an exchange in flight (double
+    buffering), the resumed run decodes it with the scale it was sent with (checkpointed)."""
+    extra = (*MIXED, "exchange.aggregation=striped", "exchange.codec=float16",
+             "exchange.double_buffering=true")
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    hpcsgd(*train_args(synth, full, *extra))
+    total = json.load(open(os.path.join(synth, "index.json")))["total_frames"]
+    hpcsgd(*train_args(synth, cut, *extra, f"train.stop_after_frames={total * 3 // 2}"))
+    arrays, meta = final_params(cut)
+    assert meta["pending"] and any(k.endswith("exchange_pending_scale") for k in arrays)
+    hpcsgd(*train_args(synth, cut, *extra))
+    (a, _), (b, _) = final_params(full), final_params(cut)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 # --- the float16 allreduce ------------------------------------------------------------------------

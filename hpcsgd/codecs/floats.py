@@ -4,6 +4,10 @@ float32: packed = the float32 bytes of v = grad (+ residual, which is then zeroe
 float16: packed = float16(v) (round to nearest even on every backend); with error feedback
 (default on when a residual is passed) residual <- v - float32(float16(v)).
 |v| > 65504 overflows float16: reported as the same non-finite ValueError as NaN input.
+float16 with a scale S (a power of two, `codec.scale`; the striped exchange sets the loss
+scale of mixed precision): packed = float16(v * S) saturated to +-65504, decoded as
+float32(half) / S, residual <- v - float32(half) / S (unscaled, so a change of S between
+steps needs no rescaling; what saturation cut off is carried too). S = 1 is the plain codec.
 
 Backends: "reference" is NumPy (astype(float16)); "cpu" is Numba, which has no float16 type on
 the CPU, so its kernels convert with LLVM's fptrunc/fpext to `half` (the CPU's own conversion
@@ -40,6 +44,34 @@ def _encode16_cpu(g, r, out, ef):
     return bad
 
 
+HALF_MAX = np.float32(65504.0)
+
+
+@njit(parallel=True, cache=True)
+def _encode16_scaled_cpu(g, r, out, ef, s, inv_s):
+    """_encode16_cpu of v * s (s a power of two), saturated to +-65504 (a non-finite v is
+    still counted), the residual v - float16(v * s) / s."""
+    bad = 0
+    for i in prange(g.size):
+        v = g[i] + r[i] if ef else g[i]
+        h = _half_bits(min(max(v * s, -HALF_MAX), HALF_MAX))
+        out[i] = h
+        if ef:
+            r[i] = v - _half_value(h) * inv_s
+        bad += not v - v == 0.0
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def _decode16_scaled_cpu(p, out, accumulate, inv_s):
+    if accumulate:
+        for i in prange(out.size):
+            out[i] += _half_value(p[i]) * inv_s
+    else:
+        for i in prange(out.size):
+            out[i] = _half_value(p[i]) * inv_s
+
+
 @njit(parallel=True, cache=True)
 def _decode16_cpu(p, out, accumulate):
     """out[i] (+)= float32 value of the half with bits p[i]; flat uint16 p, float32 out."""
@@ -67,16 +99,21 @@ def _sum_cpu(g, r, out):
 
 
 @cuda.jit
-def _encode_cuda(g, r, out32, out16, half, ef):
+def _encode_cuda(g, r, out32, out16, half, ef, s, inv_s):
+    """s: the float16 scale (1: unscaled, unsaturated)."""
     i = cuda.grid(1)
     if i >= g.size:
         return
     v = g[i] + r[i] if ef else g[i]
     if half:
-        h = np.float16(v)
+        x = v
+        if s != 1:
+            x = v * s
+            x = min(max(x, np.float32(-65504.0)), np.float32(65504.0)) if v - v == 0 else x
+        h = np.float16(x)
         out16[i] = h
         if ef:
-            r[i] = v - np.float32(h)
+            r[i] = v - np.float32(h) * inv_s
     else:
         out32[i] = v
         if ef:
@@ -84,11 +121,11 @@ def _encode_cuda(g, r, out32, out16, half, ef):
 
 
 @cuda.jit
-def _decode_cuda(p32, p16, out, half, accumulate):
+def _decode_cuda(p32, p16, out, half, accumulate, inv_s):
     i = cuda.grid(1)
     if i >= out.size:
         return
-    val = np.float32(p16[i]) if half else p32[i]
+    val = np.float32(p16[i]) * inv_s if half else p32[i]
     if accumulate:
         out[i] += val
     else:
@@ -108,11 +145,18 @@ def _decode32_cpu(p, out, accumulate):
 class Float(Codec):
     """float32 / float16 pass-through; error_feedback only matters for float16."""
 
-    def __init__(self, backend="cpu", dtype="float32", error_feedback=True):
+    def __init__(self, backend="cpu", dtype="float32", error_feedback=True, scale=1.0):
         super().__init__(backend)
         self.name = dtype
         self.half = dtype == "float16"
         self.error_feedback = bool(error_feedback)
+        self.scale = scale   # float16: v * scale is sent (a power of two; see the docstring)
+
+    def _scales(self):
+        s = float(self.scale)
+        if not (s > 0 and np.frexp(s)[0] == 0.5):
+            raise ValueError(f"float16 codec: scale {s:g} is not a power of two")
+        return np.float32(s), np.float32(1.0 / s)
 
     def packed_nbytes(self, n_cols, n_rows):
         n = n_cols * n_rows
@@ -124,15 +168,31 @@ class Float(Codec):
         if n == 0:
             return
         ef = self.error_feedback and residual is not None
+        s, inv_s = self._scales() if self.half else (np.float32(1), np.float32(1))
         if self.backend == "cuda":
             o = as_device(out)
             g = as_device(grad).reshape(n)
             r = as_device(residual).reshape(n) if ef else g
             p16 = o.view(np.float16)
             _encode_cuda[-(-n // 256), 256](g, r, o.view(np.float32) if not self.half else p16,
-                                            p16, self.half, ef)
+                                            p16, self.half, ef, s, inv_s)
             chk = p16.copy_to_host()[:n] if self.half else o.view(np.float32).copy_to_host()
             bad = ~np.isfinite(chk)  # device sync + copy: baselines, not the fast path
+        elif self.half and s != 1:
+            # a non-finite v leaves a non-finite residual: that names it on the error path
+            g = grad.reshape(n)
+            if self.backend == "cpu":
+                bad = _encode16_scaled_cpu(g, residual.reshape(n) if ef else g,
+                                           out.view(np.uint16)[:n], ef, s, inv_s)
+            else:
+                v = g + residual.reshape(n) if ef else g
+                with np.errstate(invalid="ignore"):
+                    h = np.clip(v * s, -HALF_MAX, HALF_MAX).astype(np.float16)
+                    out.view(np.float16)[:n] = h
+                    if ef:
+                        residual.reshape(n)[:] = v - h.astype(np.float32) * inv_s
+                bad = int((~np.isfinite(v)).sum())
+            bad = ~np.isfinite(residual if ef else grad) if bad else np.zeros(1, bool)
         elif self.half and self.backend == "cpu":
             g = grad.reshape(n)
             halves = out.view(np.uint16)
@@ -163,11 +223,23 @@ class Float(Codec):
         n = out.size
         if n == 0:
             return
+        inv_s = self._scales()[1] if self.half else np.float32(1)
         if self.backend == "cuda":
             p = as_device(packed)
             p16 = p.view(np.float16)
             _decode_cuda[-(-n // 256), 256](p.view(np.float32) if not self.half else p16, p16,
-                                            as_device(out).reshape(n), self.half, accumulate)
+                                            as_device(out).reshape(n), self.half, accumulate,
+                                            inv_s)
+        elif self.half and inv_s != 1:
+            if self.backend == "cpu":
+                _decode16_scaled_cpu(packed.view(np.uint16)[:n], out.reshape(n), accumulate,
+                                     inv_s)
+            else:
+                h = packed.view(np.float16)[:n].reshape(out.shape).astype(np.float32) * inv_s
+                if accumulate:
+                    out += h
+                else:
+                    out[:] = h
         elif self.half and self.backend == "cpu":
             _decode16_cpu(packed.view(np.uint16)[:n], out.reshape(n), accumulate)
         elif self.half:

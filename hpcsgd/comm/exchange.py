@@ -440,6 +440,9 @@ class Striped(_Collective):
              "post_process": "post_process", "reencode": "reencode", "gather": "allgatherv",
              "update": "decode_apply"}
     replicated_optimizer = False  # each owner keeps the optimizer state of its stripe only
+    # mixed precision (the step sets it): the float16 codec sends v * loss_scale, so that the
+    # scaled gradient's small values stay float16 normals (hpcsgd/codecs/floats.py)
+    loss_scale = None
 
     def __init__(self, comm, mats, codec, error_feedback=True, device="cpu", cuda_aware=False,
                  fuse_owner=True, widest=None, group=None):
@@ -553,6 +556,8 @@ class Striped(_Collective):
         """Phase 1: encode my whole local gradient with residual 1, grouped by owner. grad is
         not read after this, but an update() decodes into it: the step keeps it until then."""
         self._grad = grad
+        if self.codec.name == "float16":   # this exchange's scale, for all its phases
+            self.codec.scale = self.loss_scale or 1.0
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
             zero(self.residual1)
             zero(self.residual2)
@@ -715,12 +720,15 @@ class Striped(_Collective):
         """The exchange in flight, Alltoallv completed, for a checkpoint: my K received
         contributions (phases 3-7 not yet done)."""
         self.wait()
-        return {"pending": self.recv_buf}
+        return {"pending": self.recv_buf,
+                "pending_scale": np.array([getattr(self.codec, "scale", 1.0)], np.float64)}
 
     def load_pending(self, state, grad):
         """Resume an exchange whose Alltoallv had completed (grad: the buffer a non-fused
         codec decodes into)."""
         assign(self.recv_buf, state["pending"])
+        if "pending_scale" in state and hasattr(self.codec, "scale"):
+            self.codec.scale = float(np.asarray(state["pending_scale"])[0])
         self._grad, self._req = grad, None
 
     def state_dict(self):
