@@ -19,7 +19,11 @@ for run in runs:
     name = os.path.basename(os.path.normpath(run))
     acc_ax.plot([r["frames"] / 1e6 for r in epochs],
                 [100 * r["cv_frame_accuracy"] for r in epochs], marker="o", label=name)
-    ce_ax.plot([r["frames"] / 1e6 for r in train], [r["ce"] for r in train], label=name)
+    if len(train) >= len(epochs):   # the log windows; else (sparse logging) each epoch's
+        ce_ax.plot([r["frames"] / 1e6 for r in train], [r["ce"] for r in train], label=name)
+    else:
+        ce_ax.plot([r["frames"] / 1e6 for r in epochs], [r["train_ce"] for r in epochs],
+                   marker="o", label=name)
 acc_ax.set(xlabel="training frames (millions)", ylabel="CV frame accuracy (%)",
            title="held-out speakers")
 ce_ax.set(xlabel="training frames (millions)", ylabel="train CE (nats/frame)",
