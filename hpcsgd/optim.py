@@ -133,9 +133,10 @@ def _adagrad_kernel(g, s, rho, c, inv_n, inv_q, eps):
 
 # Two kernels, not one with a "write the update" flag: a conditional store in the loop made
 # Numba's parallel loop 100x slower (3 s instead of 25 ms over 46M values). For the same
-# reason the common case -- momentum, no AdaGrad or Adam -- has its own loop, where the
-# inlined post_element_cpu sees constant flags and its branches fold away: the same
-# arithmetic, so the same bits, 10x faster (1.4 against 13 ms over 5.9M values, measured).
+# reason the common cases -- momentum without AdaGrad, AdaGrad on the sum with momentum,
+# Adam -- have their own loops, where the inlined post_element_cpu sees constant flags and
+# its branches fold away: the same arithmetic, so the same bits, 10x faster (1.4 against
+# 13 ms over 5.9M values with momentum, measured; Adam: docs/benchmarks.md).
 @njit(parallel=True, cache=True)
 def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     """g (a flat slice of the summed gradient) -> the update, in place; w read for decay.
@@ -144,6 +145,14 @@ def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
         for i in prange(g.size):
             g[i] = post_element_cpu(g, w, v, s, i, wd_n, 0, rho, c, inv_n, inv_q, eps, True,
                                     m, adam_k)
+    elif ada == ADAM:
+        for i in prange(g.size):
+            g[i] = post_element_cpu(g, w, v, s, i, wd_n, ADAM, rho, c, inv_n, inv_q, eps,
+                                    False, m, adam_k)
+    elif ada == AGGREGATE and use_momentum:
+        for i in prange(g.size):
+            g[i] = post_element_cpu(g, w, v, s, i, wd_n, AGGREGATE, rho, c, inv_n, inv_q, eps,
+                                    True, m, adam_k)
     else:
         for i in prange(g.size):
             g[i] = post_element_cpu(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps,
@@ -158,6 +167,16 @@ def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
         for i in prange(g.size):
             x = post_element_cpu(g, w, v, s, i, wd_n, 0, rho, c, inv_n, inv_q, eps, True, m,
                                  adam_k)
+            w[i] = w[i] - lr * x
+    elif ada == ADAM:
+        for i in prange(g.size):
+            x = post_element_cpu(g, w, v, s, i, wd_n, ADAM, rho, c, inv_n, inv_q, eps, False,
+                                 m, adam_k)
+            w[i] = w[i] - lr * x
+    elif ada == AGGREGATE and use_momentum:
+        for i in prange(g.size):
+            x = post_element_cpu(g, w, v, s, i, wd_n, AGGREGATE, rho, c, inv_n, inv_q, eps,
+                                 True, m, adam_k)
             w[i] = w[i] - lr * x
     else:
         for i in prange(g.size):
