@@ -154,7 +154,9 @@ def test_small_json_and_compare(name, tmp_path):
     for label in changed:   # every figure named, with its change (ratios of two scaled floats: ~0%)
         line = next((ln for ln in table if ln.startswith(label + " ")), None)
         assert line is not None and line.rstrip().endswith("%"), f"--compare: {label!r}"
-        ends[label] = line.rstrip().endswith("-99.9%")
+        # a figure scaled by 1000 in the old file shows about -99.9%: anything below -99%
+        # (a timing that moved by half between the two runs on a loaded machine still does)
+        ends[label] = float(line.split()[-1].rstrip("%")) < -99.0
     # (cuda's figures are register counts, integers in the JSON, which the scaling leaves)
     assert any(ends.values()) or name == "cuda"
     assert json.loads(again.read_text())["bench"] == name
