@@ -115,7 +115,8 @@ DEFAULTS = {
     "exchange.mqgrad_reward_scale": (300.0, float, (0.0, 1e12), "mqgrad: reward = -slope x this / time"),
     "exchange.cold_start_frames": (0, int, (0, 1 << 50),
                                    "striped + a lossy codec: the first N frames exchange float32 "
-                                   "(the paper's cold start), then the codec with zeroed residuals"),
+                                   "(the paper's cold start), then the codec with zeroed residuals; "
+                                   "so762: 200000, a third of an epoch (docs/results.md)"),
     "exchange.kbit_range": ("minmax", str, ("minmax", "rms"), "striped + kbit: per-column range rule"),
     "exchange.dettmers_type": ("dynamic_tree", str, ("linear", "mantissa", "static_tree", "dynamic_tree"),
                                "striped + dettmers: 8-bit data type"),
