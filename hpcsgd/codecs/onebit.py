@@ -386,7 +386,8 @@ class OneBit(Codec):
             column_sums_kernel(grad, residual, sums, max(1, min(grad.shape[0],
                                                                8 * numba.get_num_threads())))
         else:
-            raise NotImplementedError("onebit: column sums over a model group on CUDA ranks")
+            raise ValueError("onebit: column sums over a model group are CPU-only (model "
+                             "parallelism runs on CPU ranks: train.device=cuda is refused)")
 
     def encode(self, grad, residual, out, sums=None):
         """sums: the columns' sums over a model group (column_sums), or None."""
@@ -408,7 +409,8 @@ class OneBit(Codec):
             bad = int(np.argmax(flags)) if flags.any() else -1
         else:
             if sums is not None:
-                raise NotImplementedError("onebit: column sums over a model group on CUDA ranks")
+                raise ValueError("onebit: column sums over a model group are CPU-only (model "
+                             "parallelism runs on CPU ranks: train.device=cuda is refused)")
             flag = cuda.to_device(np.zeros(1, np.int32))
             o = as_device(out)
             encode_cuda[n_cols, LANES](as_device(grad), as_device(residual),

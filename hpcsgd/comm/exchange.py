@@ -519,6 +519,8 @@ class Striped(_Collective):
             counts.append(offset - start)
         self.counts = np.array(counts, np.int64)
         self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        # every piece of my whole gradient, as _encode takes them: (piece, flat lo, flat hi)
+        self.send_pieces = [(p, p[1], p[2]) for row in self.pieces for p in row]
         if hasattr(self, "agg") and (offset > self.send_buf.size
                                      or K * self.counts[me] > self.recv_buf.size
                                      or (not self.fuses_owner and self.agg.size < self.state_size)):
@@ -561,32 +563,30 @@ class Striped(_Collective):
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
             zero(self.residual1)
             zero(self.residual2)
-        self._encode([p for row in self.pieces for p in row], grad, self.residual1,
-                     self.send_buf, lambda p: (p[1], p[2]))
+        self._encode(self.send_pieces, grad, self.residual1, self.send_buf)
 
     def _split(self, m):
         """Whether matrix m's columns are cut over the model group (their sums are added)."""
         return self.group is not None and m.shard == "rows" and m.exchange == "codec"
 
-    def _encode(self, pieces, src, residual, out, span):
-        """Encode each piece (matrix, lo, hi, cols, off, nbytes) of `src` with `residual`
-        ([a, b) = span(piece) in both) into out[off:off + nbytes]; the split matrices' pieces
+    def _encode(self, pieces, src, residual, out):
+        """Encode each (piece, a, b) -- piece = (matrix, lo, hi, cols, off, nbytes) -- from
+        src[a:b] with residual[a:b] into out[off:off + nbytes]; the split matrices' pieces
         with their column sums added over the model group first (one Allreduce)."""
-        sums, k = None, 0
+        sums = None
         if self.sums_over_group:
             from mpi4py import MPI
-            for p in pieces:
-                if self._split(p[0]):
-                    (m, _, _, cols, _, _), (a, b) = p, span(p)
+            k = 0
+            for (m, _, _, cols, _, _), a, b in pieces:
+                if self._split(m):
                     self.codec.column_sums(src[a:b].reshape(cols, m.n_rows),
                                            residual[a:b].reshape(cols, m.n_rows),
                                            self._sums[k:k + cols])
                     k += cols
             sums = self._sums[:k]
             self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)   # model-group sync point
-            k = 0
-        for p in pieces:
-            (m, _, _, cols, off, nb), (a, b) = p, span(p)
+        k = 0
+        for (m, _, _, cols, off, nb), a, b in pieces:
             args = (src[a:b].reshape(cols, m.n_rows), residual[a:b].reshape(cols, m.n_rows),
                     out[off:off + nb])
             if sums is not None and self._split(m):
@@ -668,10 +668,8 @@ class Striped(_Collective):
     def reencode(self, pieces=None):
         """Phase 5: my updated stripe (or these pieces of it), quantized with my second
         residual, into my gather slot."""
-        mine = self.mine if pieces is None else pieces
-        spans = {id(p): (a, b) for p, a, b in mine}
-        self._encode([p for p, _, _ in mine], self.agg, self.residual2, self.gather_buf,
-                     lambda p: spans[id(p)])
+        self._encode(self.mine if pieces is None else pieces, self.agg, self.residual2,
+                     self.gather_buf)
 
     def gather(self):
         """Phase 6: every owner's stripe to every rank (a cross-rank sync point)."""
