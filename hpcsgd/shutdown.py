@@ -83,6 +83,23 @@ def agree(comm, stop_code, log_due, buffers=(np.zeros(2, np.int32), np.zeros(2, 
     return int(agreed[0]), bool(agreed[1])
 
 
+def process_exists(pid):
+    """Whether `pid` is a live process. A killed rank stays a zombie until its launcher reaps
+    it, and signal 0 still reaches a zombie: so its state in /proc decides where there is one."""
+    try:
+        os.kill(pid, 0)   # signal 0: does the process exist?
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True       # exists, not ours
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]   # the name may hold spaces
+    except (OSError, IndexError):
+        return True       # no /proc (macOS): signal 0 is all we know
+    return state not in ("Z", "X")
+
+
 def gone_peers(heartbeat_dir, rank, world):
     """Peers on this host whose process no longer exists, from their heartbeat files (pid and
     host): ["rank 1 (PID 123 on node7)", ...]. When an MPI call fails because a peer died,
@@ -94,10 +111,8 @@ def gone_peers(heartbeat_dir, rank, world):
         try:
             with open(os.path.join(heartbeat_dir, f"rank{r:04d}.heartbeat")) as f:
                 _, _, pid, host, _ = f.read().rstrip().split(" ", 4)
-            if host == here:
-                os.kill(int(pid), 0)   # signal 0: does the process exist?
-        except ProcessLookupError:
-            out.append(f"rank {r} (PID {pid} on {host})")
+            if host == here and not process_exists(int(pid)):
+                out.append(f"rank {r} (PID {pid} on {host})")
         except (OSError, ValueError):
             pass   # no file yet, another host's peer, or not ours to signal: cannot tell
     return out

@@ -100,8 +100,13 @@ def run(args):
         return 2
     except BaseException:
         report(cfg, rank, f"failed:\n{traceback.format_exc()}")
-        gone = gone_peers(os.path.join(cfg["train.run_dir"], "logs"), rank, world) \
-            if cfg is not None and world > 1 else []
+        gone = []
+        if cfg is not None and world > 1 and isinstance(sys.exc_info()[1], MPI.Exception):
+            # a killed peer's sockets close before its process ends: give it a moment
+            deadline = time.monotonic() + 1.0
+            while not gone and time.monotonic() < deadline:
+                gone = gone_peers(os.path.join(cfg["train.run_dir"], "logs"), rank, world)
+                time.sleep(0.05)
         if gone:   # an MPI call fails when a peer dies: say which one
             report(cfg, rank, f"{', '.join(gone)} no longer running: it died or was killed, "
                               f"which is why this rank's MPI call failed")
