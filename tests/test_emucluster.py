@@ -22,10 +22,12 @@ def _netns_works():
         return "not root (ip netns and tc need root)"
     if not shutil.which("ip") or not shutil.which("tc"):
         return "ip or tc not installed"
-    probe = subprocess.run(["ip", "netns", "add", "hpeprobe"], capture_output=True, text=True)
+    # a name of this process's own: every pytest-xdist worker imports this module at once
+    name = f"hpeprobe{os.getpid()}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"ip netns add fails here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "hpeprobe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
