@@ -1,5 +1,6 @@
-"""Every `hpcsgd bench` subcommand as a CI smoke test: --small, --json, then --compare against
-that JSON (its floats scaled by 1000, so a figure stored as such shows a -99.9% change).
+"""Every `hpcsgd bench` subcommand as a CI smoke test: --small, --json, then a comparison with
+that JSON (its floats scaled by 1000, so a figure stored as such shows a -99.9% change), in
+process for every subcommand and through the CLI's --compare for two.
 The subcommands with an MPI part launch their own mpiexec (hpcsgd/bench/launch.py)."""
 import importlib
 import json
@@ -122,8 +123,33 @@ def check_train(res):
     assert res["frames_per_s"] > 0 and res["batch"] == 256
 
 
+# a second run through the CLI's --compare for these (the wiring is one implementation for
+# all, hpcsgd/bench/report.py); every bench's figures go through report.compare in-process
+CLI_COMPARE = {"plan": [], "cuda": ["--kernels", "codecs.onebit"]}
+
+
+def compare_table(module, new, old, old_path, capsys):
+    report.compare(module, new, old, old_path)
+    out = capsys.readouterr().out
+    return out[out.index(f"compare with {old_path}"):].splitlines()
+
+
+def check_changes(table, figs, keep=lambda label: True):
+    """Every float figure named with its change; the scaled ones show about -99.9%."""
+    changed = [lab for lab, v in figs.items() if isinstance(v, float) and keep(lab)]
+    assert changed
+    ends = {}
+    for label in changed:
+        line = next((ln for ln in table if ln.startswith(label + " ")), None)
+        assert line is not None and line.rstrip().endswith("%"), f"--compare: {label!r}"
+        # a figure scaled by 1000 in the old file shows about -99.9%: anything below -99%
+        # (a timing that moved by half between the two runs on a loaded machine still does)
+        ends[label] = float(line.split()[-1].rstrip("%")) < -99.0
+    return ends
+
+
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_small_json_and_compare(name, tmp_path):
+def test_small_json_and_compare(name, tmp_path, capsys):
     extra, must_print = EXTRA[name]
     extra = [a.format(tmp=tmp_path) for a in extra]
     first, again = tmp_path / "first.json", tmp_path / "again.json"
@@ -145,21 +171,22 @@ def test_small_json_and_compare(name, tmp_path):
             assert math.isfinite(value), label
     old = tmp_path / "old.json"
     old.write_text(json.dumps(scaled(res, 1000.0)))
-    out = bench(name, *extra, "--json", str(again), "--compare", str(old))
-    assert f"compare with {old}" in out
-    table = out[out.index(f"compare with {old}"):].splitlines()
-    changed = [lab for lab, v in figs.items() if isinstance(v, float)]
-    assert changed
-    ends = {}
-    for label in changed:   # every figure named, with its change (ratios of two scaled floats: ~0%)
-        line = next((ln for ln in table if ln.startswith(label + " ")), None)
-        assert line is not None and line.rstrip().endswith("%"), f"--compare: {label!r}"
-        # a figure scaled by 1000 in the old file shows about -99.9%: anything below -99%
-        # (a timing that moved by half between the two runs on a loaded machine still does)
-        ends[label] = float(line.split()[-1].rstrip("%")) < -99.0
+    ends = check_changes(compare_table(module, res, json.loads(old.read_text()), str(old),
+                                       capsys), figs)
     # (cuda's figures are register counts, integers in the JSON, which the scaling leaves)
     assert any(ends.values()) or name == "cuda"
-    assert json.loads(again.read_text())["bench"] == name
+    if name not in CLI_COMPARE:
+        return
+    out = bench(name, *extra, *CLI_COMPARE[name], "--json", str(again), "--compare", str(old))
+    assert f"compare with {old}" in out
+    table = out[out.index(f"compare with {old}"):].splitlines()
+    ends = check_changes(table, figs, lambda label: name != "cuda" or "codecs.onebit" in label)
+    assert any(ends.values()) or name == "cuda"
+    res = json.loads(again.read_text())
+    assert res["bench"] == name
+    if name == "cuda":   # --kernels: only the named kernels compiled
+        assert res["kernels"] and all("codecs.onebit" in k for k in res["kernels"])
+        assert {r["kernel"] for r in res["compilations"]} == set(res["kernels"])
 
 
 def test_compare_names_each_link_of_an_emulated_run(capsys):

@@ -2,7 +2,7 @@
 sm_90) by NVVM, with the argument types the trainer launches it with, and the registers per
 thread and spills ptxas reports -- on a machine without a GPU.
 
-    hpcsgd bench cuda [--cc 80,90] [--json FILE]
+    hpcsgd bench cuda [--cc 80,90] [--kernels NAMES] [--json FILE]
 
 No GPU has run this project's CUDA kernels (none was lent to it); Numba's simulator runs them
 (every test) but does not compile them. So this:
@@ -25,16 +25,21 @@ import sys
 KERNEL_MODULES = ("hpcsgd.device", "hpcsgd.optim", "hpcsgd.model.kernels_cuda",
                   "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit", "hpcsgd.codecs.dettmers",
                   "hpcsgd.codecs.floats", "hpcsgd.half")
-USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--json FILE]"
+USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--kernels NAMES] [--json FILE]"
 EXAMPLES = """examples:
   hpcsgd bench cuda                     every kernel for sm_80 and sm_90
-  hpcsgd bench cuda --cc 90 --json cuda.json"""
+  hpcsgd bench cuda --cc 90 --json cuda.json
+  hpcsgd bench cuda --kernels codecs.onebit,optim     only the kernels you changed"""
 
 
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true", help="the same (it takes seconds)")
     parser.add_argument("--cc", default="80,90",
                         help="compute capabilities to compile for, e.g. 80,90 (A100, H100)")
+    parser.add_argument("--kernels", metavar="NAMES",
+                        help="compile only the kernels whose name contains one of these "
+                             "comma-separated parts, e.g. codecs.onebit,optim (default: all; "
+                             "the recording still has to reach every kernel)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the recording")
     parser.add_argument("--launches", metavar="JSON",
                         help="the recorded launches: read from this file if it exists, else "
@@ -228,7 +233,7 @@ def _compile_many(tasks):
     return [_compile_one(t) for t in tasks]
 
 
-def compile_all(recorded, ccs, workers=None):
+def compile_all(recorded, ccs, workers=None, only=None):
     """Every recorded (kernel, signature) for every target. Each target in its own forked
     processes (a device function compiled for one target is cached and would be reused for
     the next: the cubin sizes then depend on the order), as many as this process may use
@@ -245,6 +250,10 @@ def compile_all(recorded, ccs, workers=None):
     if missing:
         raise SystemExit(f"hpcsgd bench cuda: kernels no recorded launch reached: {missing}")
     workers = workers or len(affinity())
+    if only:
+        recorded = {k: v for k, v in recorded.items() if any(part in k for part in only)}
+        if not recorded:
+            raise SystemExit(f"hpcsgd bench cuda: no kernel name contains any of {only}")
     rows = []
     fork = multiprocessing.get_context("fork")
     for cc in ccs:
@@ -273,7 +282,9 @@ def run(args):
                 return 1
         with open(out) as f:
             recorded = json.load(f)
-    rows = compile_all(recorded, ccs)
+    only = [part for part in (args.kernels or "").split(",") if part]
+    rows = compile_all(recorded, ccs, only=only)
+    recorded = sorted({r["kernel"] for r in rows})
     print(f"hpcsgd bench cuda: {len(recorded)} kernels, {len(rows)} compilations "
           f"(signatures as launched x sm_{', sm_'.join(map(str, ccs))})")
     print(f"{'kernel':<46s} {'args':>4s} {'cc':>3s} {'regs':>5s} {'spill st':>8s} {'spill ld':>8s}")
@@ -287,7 +298,7 @@ def run(args):
               f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8}")
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     print(f"spills: {len(spilling)} of {len(rows)} compilations")
-    return {"kernels": sorted(recorded), "ccs": ccs, "compilations": rows,
+    return {"kernels": recorded, "ccs": ccs, "compilations": rows,
             "spilling": len(spilling)}
 
 
