@@ -35,34 +35,8 @@ def _post_loop(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
 
 
 @njit(inline="always")
-def _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
-    if ada == AGGREGATE:
-        _post_loop(col, w, v, s, wd_n, AGGREGATE, rho, c, inv_n, inv_q, eps, use_momentum, m,
-                   adam_k)
-    elif ada == AFTER_MOMENTUM:
-        _post_loop(col, w, v, s, wd_n, AFTER_MOMENTUM, rho, c, inv_n, inv_q, eps, use_momentum,
-                   m, adam_k)
-    elif ada == ADAM:
-        _post_loop(col, w, v, s, wd_n, ADAM, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k)
-    else:
-        _post_loop(col, w, v, s, wd_n, 0, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k)
-
-
-@njit(inline="always")
-def _post_column(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
-    """col <- the update of one column (post_element_cpu row by row; w is read for weight
-    decay). Each branch passes the momentum flag and the AdaGrad placement as constants, and
-    the caller passes col itself as w when there is no decay: only so does LLVM drop the
-    branches and vectorise the loop (momentum: 6 instead of 24 ms over 22.5M values)."""
-    if use_momentum:
-        _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, True, m, adam_k)
-    else:
-        _post_placed(col, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, False, m, adam_k)
-
-
-@njit(parallel=True, cache=True)
-def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, nchunk,
-                          wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
+def _owner_columns(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, nchunk,
+                   wd_n, rho, c, inv_n, inv_q, eps, m, adam_k, ada, use_momentum):
     """One matrix piece of the owner's stripe, n_cols columns of n_rows values:
     recvw (K, mine / 4) uint32 and recvf (the same bytes as float32): the K contributions,
     the piece's packed columns starting at word `at` of each row; w (n_cols, n_rows): the
@@ -70,7 +44,8 @@ def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf
     and AdaGrad state over the whole stripe (1-element dummies where unused), the piece at
     offset `base`; r2 (n_cols, n_rows): the piece's second residual; out8/outf (n_cols, 4W)
     uint8 / (n_cols, W) float32: its slot of the gather buffer. bad[j] = 1 where column j
-    of the post-processed sum + r2 is not finite. The rest: post_element_cpu's scalars."""
+    of the post-processed sum + r2 is not finite. The rest: post_element_cpu's scalars;
+    `ada` and `use_momentum` are constants of each compiled pass below."""
     K = recvw.shape[0]
     n_cols, n_rows = r2.shape
     W = outf.shape[1]           # packed words per column
@@ -90,13 +65,80 @@ def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf
             vj = v[e:e + n_rows] if use_momentum or ada == ADAM else v[0:1]
             sj = s[e:e + n_rows] if ada != 0 else s[0:1]
             if use_w:
-                _post_column(col, w[j], vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
-                             use_momentum, m, adam_k)
+                _post_loop(col, w[j], vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
+                           use_momentum, m, adam_k)
             else:   # the sum itself, as unfused; passed as col so LLVM sees the alias
-                _post_column(col, col, vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
-                             use_momentum, m, adam_k)
+                _post_loop(col, col, vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
+                           use_momentum, m, adam_k)
             if not encode_column_cpu(col, r2[j], out8[j], outf[j], pos, neg, signs, signs64):
                 bad[j] = 1
+
+
+# One compiled pass per (AdaGrad placement or Adam, momentum), each passing its two as
+# constants: LLVM drops the other branches of post_element_cpu and vectorises the update
+# loop (momentum: 6 instead of 24 ms over 22.5M values), and a run compiles only the pass it
+# uses (all eight in one function took 15 s to compile, one takes 5).
+@njit(parallel=True, cache=True)
+def _owner_plain(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, 0, False)
+
+
+@njit(parallel=True, cache=True)
+def _owner_plain_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, 0, True)
+
+
+@njit(parallel=True, cache=True)
+def _owner_aggregate(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, AGGREGATE, False)
+
+
+@njit(parallel=True, cache=True)
+def _owner_aggregate_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, AGGREGATE, True)
+
+
+@njit(parallel=True, cache=True)
+def _owner_after_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, AFTER_MOMENTUM, False)
+
+
+@njit(parallel=True, cache=True)
+def _owner_after_momentum_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, AFTER_MOMENTUM, True)
+
+
+@njit(parallel=True, cache=True)
+def _owner_adam(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, ADAM, False)
+
+
+@njit(parallel=True, cache=True)
+def _owner_adam_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
+    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak, ADAM, True)
+
+
+OWNER_PASSES = {(0, False): _owner_plain, (0, True): _owner_plain_momentum,
+                (AGGREGATE, False): _owner_aggregate, (AGGREGATE, True): _owner_aggregate_momentum,
+                (AFTER_MOMENTUM, False): _owner_after_momentum,
+                (AFTER_MOMENTUM, True): _owner_after_momentum_momentum,
+                (ADAM, False): _owner_adam, (ADAM, True): _owner_adam_momentum}
+
+
+def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, nchunk,
+                          wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
+    """_owner_columns with the compiled pass of this placement and momentum."""
+    OWNER_PASSES[int(ada), bool(use_momentum)](recvw, recvf, at, w, use_w, v, s, base, r2, out8,
+                                              outf, bad, nchunk, wd_n, rho, c, inv_n, inv_q,
+                                              eps, m, adam_k)
 
 
 def owner_pass(codec_name, recv, world, slot, pieces, params, opt, residual2, gather):
