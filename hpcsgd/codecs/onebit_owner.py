@@ -74,63 +74,22 @@ def _owner_columns(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, 
                 bad[j] = 1
 
 
-# One compiled pass per (AdaGrad placement or Adam, momentum), each passing its two as
-# constants: LLVM drops the other branches of post_element_cpu and vectorises the update
-# loop (momentum: 6 instead of 24 ms over 22.5M values), and a run compiles only the pass it
-# uses (all eight in one function took 15 s to compile, one takes 5).
-@njit(parallel=True, cache=True)
-def _owner_plain(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, 0, False)
+def _compiled_pass(ada, use_momentum):
+    """One compiled pass per (AdaGrad placement or Adam, momentum), which it passes on as
+    constants (closure values are compile-time constants to Numba): LLVM drops the other
+    branches of post_element_cpu and vectorises the update loop (momentum: 6 instead of 24 ms
+    over 22.5M values), and a run compiles only the pass it uses (all eight in one function
+    took 15 s to compile, one takes 5-7). Its own name gives each its own cache file."""
+    def owner_pass(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
+                   eps, m, ak):
+        _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n,
+                       i_q, eps, m, ak, ada, use_momentum)
+    owner_pass.__name__ = owner_pass.__qualname__ = f"owner_pass_{ada}_{int(use_momentum)}"
+    return njit(parallel=True, cache=True)(owner_pass)
 
 
-@njit(parallel=True, cache=True)
-def _owner_plain_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, 0, True)
-
-
-@njit(parallel=True, cache=True)
-def _owner_aggregate(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, AGGREGATE, False)
-
-
-@njit(parallel=True, cache=True)
-def _owner_aggregate_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, AGGREGATE, True)
-
-
-@njit(parallel=True, cache=True)
-def _owner_after_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, AFTER_MOMENTUM, False)
-
-
-@njit(parallel=True, cache=True)
-def _owner_after_momentum_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, AFTER_MOMENTUM, True)
-
-
-@njit(parallel=True, cache=True)
-def _owner_adam(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, ADAM, False)
-
-
-@njit(parallel=True, cache=True)
-def _owner_adam_momentum(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q, eps, m, ak):
-    _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
-                   eps, m, ak, ADAM, True)
-
-
-OWNER_PASSES = {(0, False): _owner_plain, (0, True): _owner_plain_momentum,
-                (AGGREGATE, False): _owner_aggregate, (AGGREGATE, True): _owner_aggregate_momentum,
-                (AFTER_MOMENTUM, False): _owner_after_momentum,
-                (AFTER_MOMENTUM, True): _owner_after_momentum_momentum,
-                (ADAM, False): _owner_adam, (ADAM, True): _owner_adam_momentum}
+OWNER_PASSES = {(ada, mom): _compiled_pass(ada, mom)
+                for ada in (0, AGGREGATE, AFTER_MOMENTUM, ADAM) for mom in (False, True)}
 
 
 def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, nchunk,
