@@ -10,7 +10,7 @@ while it sits in L1 (8 KB for a 2048-row column); what remains is the optimizer 
 the second residual, read and written once: 16 B per value with momentum, plus the K packed
 contributions (1 bit each) and the packed result. With one thread per rank the pass is
 compute-bound rather than memory-bound, so it pays only where LLVM vectorises each part
-(_post_column says how); measured at K = 2: 23 ms against 30 for the three passes
+(_compiled_pass says how); measured at K = 2: 23 ms against 30 for the three passes
 (docs/exchange.md, "Fusions tried").
 
 Bit-identical to the unfused phases: the same column functions (hpcsgd/codecs/onebit.py:
