@@ -120,6 +120,14 @@ DEFAULTS = {
     "exchange.kbit_range": ("minmax", str, ("minmax", "rms"), "striped + kbit: per-column range rule"),
     "exchange.dettmers_type": ("dynamic_tree", str, ("linear", "mantissa", "static_tree", "dynamic_tree"),
                                "striped + dettmers: 8-bit data type"),
+    "exchange.dettmers_block": (0, int, (0, 1 << 40),
+                                "striped + dettmers: values per abs-max scale (0 = one per stripe "
+                                "of a matrix, the paper; up to 16384 the encode takes each "
+                                "block's max in its one read of memory)"),
+    "exchange.dettmers_refresh": (1, int, (1, 1 << 20),
+                                  "striped + dettmers: take the abs-max every N encodes (the "
+                                  "paper's fast setting: 50); in between, values past the stale "
+                                  "max clip and error feedback carries the rest"),
     "exchange.fuse_owner": (True, bool, None,
                             "striped + onebit, CPU ranks: decode-sum, post-process and re-encode "
                             "the owner's stripe in one pass per column (same bits; false = 3 passes)"),

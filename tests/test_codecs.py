@@ -12,6 +12,7 @@ CONFIGS = ([("onebit", {})]
            + [("kbit", {"bits": k, "range": "rms"}) for k in (3, 8)]
            + [("dettmers", {"dtype": d}) for d in DTYPES]
            + [("dettmers", {"dtype": "dynamic_tree", "block": 16, "refresh": 3}),
+              ("dettmers", {"dtype": "mantissa", "norm": "absmax", "block": 1000}),
               ("dettmers", {"dtype": "linear", "error_feedback": False}),
               ("float32", {}), ("float16", {})])
 IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in CONFIGS]
@@ -253,3 +254,22 @@ def test_onebit_decode_keeps_the_sign_of_a_zero_mean(m0, m1):
     codec.decode(packed, got)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert (np.signbit(want) == np.signbit(np.float32(m0))).any()
+
+
+def test_dettmers_block_and_refresh_come_from_the_config_and_a_fused_block_takes_its_max():
+    """exchange.dettmers_block/_refresh reach the striped exchange's codec; blocks a task holds
+    whole take their abs-max in the encode's pass (the same scales as a pass of their own)."""
+    from hpcsgd import config
+    from hpcsgd.comm.exchange import configured_codec
+    cfg = config.load(None, ["data.train=x", "exchange.aggregation=striped",
+                             "exchange.codec=dettmers", "exchange.dettmers_block=64",
+                             "exchange.dettmers_refresh=3"])
+    c = configured_codec(cfg)
+    assert (c.block, c.refresh, c.dtype) == (64, 3, "dynamic_tree")
+    g = grads((3, 100), 1, seed=4)[0]   # 300 values: blocks of 64, the last one short
+    buf = np.zeros(c.packed_nbytes(*g.shape), np.uint8)
+    c.encode(g, np.zeros_like(g), buf)
+    flat = g.reshape(-1)
+    want = [np.abs(flat[i:i + 64]).max() for i in range(0, flat.size, 64)]
+    np.testing.assert_array_equal(buf[4:4 + 4 * len(want)].view(np.float32), want)
+    assert buf[:4].view(np.uint32)[0] == 1   # age: the next two encodes reuse these scales

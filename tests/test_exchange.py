@@ -202,8 +202,11 @@ def test_a_run_moves_mid_epoch_from_2_to_3_to_2_ranks(arch, tmp_path):
 @pytest.mark.parametrize("codec", ["kbit", "dettmers", "float16"])
 def test_other_codecs_through_the_striped_exchange_keep_replicas_identical(codec, arch,
                                                                            tmp_path_factory):
+    """(Dettmers with a scale per 64 values refreshed every 3rd step: each send buffer keeps
+    its scales between steps, and every rank still decodes the same bits.)"""
     run = train(3, arch, tmp_path_factory, "exchange.aggregation=striped",
-                f"exchange.codec={codec}", "exchange.bits=3")
+                f"exchange.codec={codec}", "exchange.bits=3", "exchange.dettmers_block=64",
+                "exchange.dettmers_refresh=3")
     got = arrays(run)["params"]
     base = arrays(train(3, arch, tmp_path_factory))["params"]
     assert np.isfinite(got).all() and not np.array_equal(got, base)

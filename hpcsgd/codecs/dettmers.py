@@ -132,8 +132,39 @@ def _task_range(t, per_block, block, n):
     return b, lo, min(lo + CHUNK, (b + 1) * block, n)
 
 
+@njit(inline="always")
+def _absmax(g, r, ef, lo, hi, ml):
+    """max |g + r| (or |g|) over [lo, hi). LANES running maxima in ml (scratch of LANES): one
+    is a dependency chain LLVM keeps scalar; max is exact, so the lanes give the same value
+    as one scan. Plain loops, no array methods: a call there stops LLVM vectorising the
+    encode's code loop that follows."""
+    for l in range(LANES):
+        ml[l] = 0.0
+    nfull = (hi - lo) // LANES
+    for k in range(nfull):
+        base = np.uint64(lo + k * LANES)  # unsigned: contiguous loads (encode_cpu)
+        if ef:
+            for l in range(np.uint64(LANES)):
+                ml[l] = max(ml[l], abs(g[base + l] + r[base + l]))
+        else:
+            for l in range(np.uint64(LANES)):
+                ml[l] = max(ml[l], abs(g[base + l]))
+    for i in range(np.uint64(lo + nfull * LANES), np.uint64(hi)):
+        v = g[i] + r[i] if ef else g[i]
+        ml[0] = max(ml[0], abs(v))
+    m = ml[0]
+    for l in range(1, LANES):
+        m = max(m, ml[l])
+    return m
+
+
+_reuse_cpu = njit(inline="always")(_reuse)
+
+
 @njit(parallel=True, cache=True)
 def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
+    """The scales of blocks larger than a task (block > CHUNK): a pass of its own before the
+    encode. Smaller blocks take their abs-max inside the encode's task (encode_cpu)."""
     n, nb = g.size, scales.size
     per_block = -(-block // CHUNK)
     if not norm_absmax:
@@ -141,29 +172,12 @@ def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
         return
     keep = np.zeros(nb, np.bool_)
     for b in range(nb):
-        old = scales[b]
-        keep[b] = refresh > 1 and 1 <= age < refresh and old - old == 0.0 and old > 0.0
+        keep[b] = _reuse_cpu(age, refresh, scales[b])
     part = np.zeros(nb * per_block, np.float32)
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
-        if keep[b]:
-            continue
-        # LANES running maxima (one is a dependency chain LLVM keeps scalar); max is exact,
-        # so the lanes give the same value as one scan
-        ml = np.zeros(LANES, np.float32)
-        nfull = (hi - lo) // LANES
-        for k in range(nfull):
-            base = np.uint64(lo + k * LANES)  # unsigned: contiguous loads (encode_cpu)
-            if ef:
-                for l in range(np.uint64(LANES)):
-                    ml[l] = max(ml[l], abs(g[base + l] + r[base + l]))
-            else:
-                for l in range(np.uint64(LANES)):
-                    ml[l] = max(ml[l], abs(g[base + l]))
-        for i in range(np.uint64(lo + nfull * LANES), np.uint64(hi)):
-            v = g[i] + r[i] if ef else g[i]
-            ml[0] = max(ml[0], abs(v))
-        part[t] = ml.max()
+        if not keep[b]:
+            part[t] = _absmax(g, r, ef, lo, hi, np.empty(LANES, np.float32))
     for b in range(nb):
         if not keep[b]:
             scales[b] = part[b * per_block:(b + 1) * per_block].max()
@@ -245,16 +259,22 @@ def _scaled_table(table, s, out):
 SUB = 2048
 
 
-@njit(parallel=True, cache=True)
-def encode_cpu(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad):
-    """bad[b] = 1 where block b holds a NaN or Inf. Branch-free loops (vectorised)."""
+@njit(inline="always")
+def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad,
+                  take_max):
+    """bad[b] = 1 where block b holds a NaN or Inf. Branch-free loops (vectorised).
+    take_max (blocks of at most CHUNK values, one a task): the task takes its block's abs-max
+    just before its codes, so the codes read the values from cache, not a second time from
+    memory (otherwise scales_cpu has taken the scales in a pass of its own)."""
     n, nb = g.size, scales.size
     per_block = -(-block // CHUNK)
     flags = np.zeros(nb * per_block, np.uint8)
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
+        vt, ml = np.empty(table.size, np.float32), np.empty(LANES, np.float32)
+        if take_max:
+            scales[b] = _absmax(g, r, ef, lo, hi, ml)   # a task is its block: no other reads it
         s = scales[b]
-        vt = np.empty(table.size, np.float32)
         _scaled_table(table, s, vt)
         # a zero scale gives x = 0 for every value (_code's rule); 1 keeps the division finite
         sd = np.float64(s) if s > 0 else 1.0
@@ -280,6 +300,21 @@ def encode_cpu(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qz
     for t in range(nb * per_block):
         if flags[t]:
             bad[t // per_block] = 1
+
+
+def _compiled_encode(take_max):
+    """One compiled encode per take_max, passed on as a constant (a closure value): with a
+    run-time flag LLVM stopped vectorising the code loop (2.5x slower). Its own name gives
+    each its own cache file."""
+    def encode(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad):
+        _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad,
+                      take_max)
+    encode.__name__ = encode.__qualname__ = f"encode_cpu_{'fused' if take_max else 'scaled'}"
+    return njit(parallel=True, cache=True)(encode)
+
+
+encode_cpu = _compiled_encode(False)        # the scales are set (scales_cpu)
+encode_fused_cpu = _compiled_encode(True)   # each task takes its block's abs-max first
 
 
 @njit(parallel=True, cache=True)
@@ -448,8 +483,13 @@ class Dettmers(Codec):
             else:
                 flags = np.zeros(nb, np.uint8)
                 rr = r if ef else g
-                scales_cpu(g, rr, ef, scales, block, age, self.refresh, absmax, self.offset)
-                encode_cpu(g, rr, ef, codes, scales, block, self.table, *self.buckets, flags)
+                if absmax and block <= CHUNK and not (1 <= age < self.refresh):
+                    # a fresh abs-max of blocks a task holds whole: one read of memory
+                    encode_fused_cpu(g, rr, ef, codes, scales, block, self.table, *self.buckets,
+                                     flags)
+                else:
+                    scales_cpu(g, rr, ef, scales, block, age, self.refresh, absmax, self.offset)
+                    encode_cpu(g, rr, ef, codes, scales, block, self.table, *self.buckets, flags)
                 bad = int(np.argmax(flags)) if flags.any() else -1
             head[0] = 1 if age < 1 or age >= self.refresh else age + 1
             out[4 + 4 * nb + n:] = 0  # padding bytes defined, so buffers compare equal

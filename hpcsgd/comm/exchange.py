@@ -100,7 +100,8 @@ def configured_codec(cfg, bits=None):
         width = bits or (cfg["exchange.bits_start"] if adaptive_bits(cfg) else cfg["exchange.bits"])
         options = {"bits": width, "range": cfg["exchange.kbit_range"]}
     elif name == "dettmers":
-        options = {"dtype": cfg["exchange.dettmers_type"]}
+        options = {"dtype": cfg["exchange.dettmers_type"], "block": cfg["exchange.dettmers_block"],
+                   "refresh": cfg["exchange.dettmers_refresh"]}
     return make_codec(name, device, **options)
 
 
