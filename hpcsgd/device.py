@@ -12,7 +12,8 @@ simulator has no cuBLAS, so `matmul` multiplies the wrapped host arrays with Num
 a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
 import numpy as np
-from numba import cuda
+
+from hpcsgd.lazy_cuda import cuda
 
 DEVICES = ("cpu", "cuda")
 

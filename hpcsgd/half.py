@@ -16,8 +16,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import cuda, njit, prange, types
+from numba import njit, prange, types
 from numba.core.extending import intrinsic
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.device import is_device
 

@@ -54,7 +54,9 @@ the CPU's to float tolerance (the GPU may fuse a multiply-add), and are bit-repr
 import math
 
 import numpy as np
-from numba import cuda, njit, prange
+from numba import njit, prange
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.device import DEVICES, assign, host_copy, is_device, zeros
 

@@ -167,9 +167,12 @@ def project_kernels():
     import importlib
 
     from numba.cuda.dispatcher import CUDADispatcher
+
+    from hpcsgd.lazy_cuda import load
+    modules = [importlib.import_module(name) for name in KERNEL_MODULES]
+    load()   # the deferred kernels made, and rebound in their modules
     out = {}
-    for name in KERNEL_MODULES:
-        module = importlib.import_module(name)
+    for module in modules:
         for attr, obj in vars(module).items():
             if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"):
                 out[f"{obj.py_func.__module__}.{obj.py_func.__name__}"] = obj

@@ -9,7 +9,9 @@ Products of two float32 values are exact in float64, so a GPU fused multiply-add
 same bits as a separate multiply and add; every formula below keeps to such exact products.
 """
 import numpy as np
-from numba import cuda, njit
+from numba import njit
+
+from hpcsgd.lazy_cuda import cuda
 
 LANES = 32
 

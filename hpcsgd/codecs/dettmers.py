@@ -24,8 +24,10 @@ same matrix each step (the exchange's preallocated buffers); a fresh buffer reco
 """
 import numpy as np
 from llvmlite import ir
-from numba import cuda, njit, prange, types
+from numba import njit, prange, types
 from numba.core.extending import intrinsic
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.codecs.common import LANES, Codec, nonfinite_error
 from hpcsgd.device import as_device

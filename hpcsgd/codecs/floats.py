@@ -16,7 +16,9 @@ rounding on the float's bits with integer operations); "cuda" uses the GPU's flo
 conversion. All three give the same bits (tested at every half and every tie).
 """
 import numpy as np
-from numba import cuda, njit, prange
+from numba import njit, prange
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.codecs.common import Codec, nonfinite_error
 from hpcsgd.device import as_device

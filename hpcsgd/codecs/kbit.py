@@ -18,7 +18,9 @@ fields may straddle two words (k = 3, 5, 6, 7).
 """
 import numba
 import numpy as np
-from numba import cuda, njit, prange
+from numba import njit, prange
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
                                   ref_lane_sums, row_threads)

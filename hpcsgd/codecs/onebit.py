@@ -16,7 +16,9 @@ while the GPU stays coalesced by reading one row per thread. See docs/codecs.md.
 """
 import numpy as np
 import numba
-from numba import cuda, njit, prange
+from numba import njit, prange
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
                                   ref_lane_sums, row_threads)

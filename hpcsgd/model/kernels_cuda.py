@@ -23,7 +23,8 @@ GPU ranks of a data-parallel job stay bit-identical.
 import math
 
 import numpy as np
-from numba import cuda
+
+from hpcsgd.lazy_cuda import cuda
 
 from hpcsgd.device import as_device, fill  # noqa: F401  (fill: re-exported)
 from hpcsgd.model.kernels import SIGMOID

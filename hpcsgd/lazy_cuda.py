@@ -1,0 +1,85 @@
+"""numba.cuda, imported when a GPU path first needs it.
+
+Importing numba.cuda takes about 0.4 s, a third of a small CPU run's start, in every rank and
+every CLI command, and CPU ranks never launch a CUDA kernel. So the kernel modules write
+
+    from hpcsgd.lazy_cuda import cuda
+
+and decorate as usual (`@cuda.jit`, `cuda.jit(device=True)(f)`): until numba.cuda is loaded the
+decorators only record the function. The first use of any recorded kernel or of any other
+`cuda.X` loads it (`load()`), makes every recorded function's real dispatcher, and rebinds, in
+every loaded module, the `cuda` name to numba.cuda and each recorded function to its
+dispatcher: Numba, compiling a kernel, must find real objects among its globals (a kernel
+calls device functions and `cuda.grid` through them). After that the decorators are numba's.
+"""
+import sys
+
+_made = []      # every _Deferred made before load(), in order
+_real = None    # numba.cuda once loaded
+
+
+class _Deferred:
+    """A function given to cuda.jit before numba.cuda was loaded; stands in for its dispatcher
+    (launch `k[grid, block](...)`, attributes) until load() rebinds the names that hold it."""
+
+    def __init__(self, make):
+        self._make_with, self._dispatcher = make, None
+        _made.append(self)
+
+    def _make(self, real):
+        if self._dispatcher is None:
+            self._dispatcher = self._make_with(real)
+        return self._dispatcher
+
+    def __getitem__(self, config):
+        load()
+        return self._dispatcher[config]
+
+    def __call__(self, *args, **kwargs):
+        load()
+        return self._dispatcher(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        load()
+        return getattr(self._dispatcher, name)
+
+
+class _Cuda:
+    """Stands in for the numba.cuda module until load()."""
+
+    def jit(self, *args, **kwargs):
+        if _real is not None:
+            return _real.jit(*args, **kwargs)
+        if len(args) == 1 and not kwargs and callable(args[0]):   # @cuda.jit
+            fn = args[0]
+            return _Deferred(lambda real: real.jit(fn))
+        # @cuda.jit(device=True), @cuda.jit(signature, ...): a decorator
+        return lambda fn: _Deferred(lambda real: real.jit(*args, **kwargs)(fn))
+
+    def __getattr__(self, name):
+        return getattr(load(), name)
+
+
+cuda = _Cuda()
+
+
+def load():
+    """numba.cuda, loaded now if it was not, with every deferred kernel made and rebound."""
+    global _real
+    if _real is None:
+        import numba.cuda as real
+        _real = real
+        for d in _made:
+            d._make(real)
+        for module in list(sys.modules.values()):   # the modules that hold deferred names
+            names = getattr(module, "__dict__", None)
+            if not isinstance(names, dict):
+                continue
+            for key, value in list(names.items()):
+                if type(value) is _Cuda:   # (not `is cuda`: this module's own name is rebound too)
+                    names[key] = real
+                elif type(value) is _Deferred:
+                    names[key] = value._dispatcher
+    return _real
