@@ -1,0 +1,50 @@
+"""numba.cuda is imported at a GPU path's first use (hpcsgd/lazy_cuda.py): a CPU run never
+pays its 0.4 s, and the first use leaves every module with the real module and dispatchers."""
+import subprocess
+import sys
+
+from conftest import CUDA_ENV, REPO, make_archive
+
+
+def python(code, env=None):
+    import os
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=dict(os.environ, **(env or {})))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_a_cpu_training_run_never_imports_numba_cuda(tmp_path):
+    make_archive(str(tmp_path / "arch"), num_shards=1, utts_per_shard=4, max_len=100)
+    code = f"""
+import sys
+from hpcsgd import cli
+try:
+    cli.main(["train", "data.train={tmp_path / 'arch'}", "model.hidden=[8]", "train.epochs=1",
+              "train.minibatch=32", "exchange.aggregation=striped",
+              "train.run_dir={tmp_path / 'run'}"])
+except SystemExit as e:
+    assert not e.code, e.code
+print("numba.cuda" in sys.modules)
+"""
+    assert python(code) == "False"
+
+
+def test_the_first_use_rebinds_cuda_and_every_kernel_in_their_modules():
+    code = """
+import numpy as np
+from hpcsgd.codecs import common, dettmers as D
+from hpcsgd import lazy_cuda
+assert type(D.encode_cuda).__name__ == "_Deferred" and type(D.cuda).__name__ == "_Cuda"
+real = lazy_cuda.load()
+import numba.cuda
+assert real is numba.cuda and D.cuda is numba.cuda and common.cuda is numba.cuda
+# the dispatchers themselves (the simulator's or, with HPCSGD_TEST_GPU=1, the real ones)
+assert all(type(k).__module__.startswith("numba") and hasattr(k, "py_func")
+           for k in (D.encode_cuda, D._code_cuda, common.lane_tree_cuda))
+out = numba.cuda.to_device(np.zeros(300, np.float32))
+from hpcsgd.device import fill
+fill(out, 2.5)   # a kernel made before load() launches
+print(float(out.copy_to_host().sum()))
+"""
+    assert python(code, CUDA_ENV) == "750.0"
