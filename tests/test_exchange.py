@@ -135,10 +135,18 @@ def test_the_fused_owner_pass_trains_the_same_bits_as_the_three_passes(adagrad, 
         [r for r in phases if r["kind"] == "train"][-1]["exchange_s"])
 
 
-@pytest.mark.parametrize("K", [2, 3])
-def test_striped_onebit_resumes_bit_exactly_with_both_residuals(K, arch, tmp_path, tmp_path_factory):
-    extra = ("exchange.aggregation=striped", "exchange.codec=onebit", "optim.adagrad=aggregate",
-             "train.epochs=2")
+DETTMERS_REFRESH = ("exchange.codec=dettmers", "exchange.dettmers_block=64",
+                    "exchange.dettmers_refresh=3")
+
+
+@pytest.mark.parametrize("K,codec", [(2, ("exchange.codec=onebit",)),
+                                     (3, ("exchange.codec=onebit",)), (2, DETTMERS_REFRESH)],
+                         ids=["2-onebit", "3-onebit", "2-dettmers_refresh"])
+def test_striped_onebit_resumes_bit_exactly_with_both_residuals(K, codec, arch, tmp_path,
+                                                                 tmp_path_factory):
+    """(Dettmers with its scales reused for 3 encodes: the packed buffers that hold them are
+    checkpointed too, so the resumed run reuses the scales the whole run reused.)"""
+    extra = ("exchange.aggregation=striped", *codec, "optim.adagrad=aggregate", "train.epochs=2")
     full = arrays(train(K, arch, tmp_path_factory, *extra))
     cut = str(tmp_path / "cut")
     total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]

@@ -88,11 +88,14 @@ class Codec:
       fused_owner  owner_pass(recv, K, slot, pieces, params, opt, residual2, gather): the
                    owner's decode-sum, the optimizer's post-exchange element arithmetic and
                    the re-encode in one pass per column, the same bits as the three passes
+    And one property: buffer_state, whether an encode reads state an earlier encode left in
+    its output buffer (Dettmers' scales with refresh > 1); a checkpoint then keeps the buffers.
     """
     name = "?"
     error_feedback = True
     fused_apply = False
     fused_owner = False
+    buffer_state = False
 
     def __init__(self, backend="cpu"):
         if backend not in ("cpu", "cuda", "reference"):

@@ -432,6 +432,7 @@ class Dettmers(Codec):
             raise ValueError("dettmers: block must be >= 0 and refresh >= 1")
         self.norm, self.offset, self.block = norm, float(offset), int(block)
         self.refresh, self.error_feedback = int(refresh), bool(error_feedback)
+        self.buffer_state = self.refresh > 1   # the scales (and their age) are reused
         self._dev = None  # device copies of table and midpoints, made on first CUDA use
 
     def _blocking(self, n):

@@ -731,11 +731,21 @@ class Striped(_Collective):
         self._grad, self._req = grad, None
 
     def state_dict(self):
-        """This rank's error feedback (by reference): both residuals."""
-        return {"residual1": self.residual1, "residual2": self.residual2}
+        """This rank's error feedback (by reference): both residuals; and the packed buffers
+        when the codec reads state from them (Dettmers' reused scales)."""
+        state = {"residual1": self.residual1, "residual2": self.residual2}
+        if self.codec.buffer_state:
+            state.update(send_buf=self.send_buf, gather_buf=self.gather_buf)
+        return state
 
     def load_state_dict(self, state):
-        for name in ("residual1", "residual2"):
+        # the buffers are absent from a checkpoint re-striped to another K, or of a codec that
+        # keeps nothing in them, or of another layout (dettmers_block): the codec then starts
+        # afresh (Dettmers: new scales at the first encode)
+        names = ("residual1", "residual2") + tuple(
+            n for n in ("send_buf", "gather_buf") if n in state and self.codec.buffer_state
+            and tuple(state[n].shape) == tuple(getattr(self, n).shape))
+        for name in names:
             src = state[name]
             if tuple(src.shape) != tuple(getattr(self, name).shape):
                 raise UserError(f"checkpoint: exchange {name} has shape {src.shape}, this rank "
