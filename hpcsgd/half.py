@@ -19,9 +19,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.device import is_device
+from hpcsgd.lazy_cuda import cuda
 
 BLOCK = 256   # CUDA threads per block of the element-wise kernels here
 

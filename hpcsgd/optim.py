@@ -56,9 +56,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.device import DEVICES, assign, host_copy, is_device, zeros
+from hpcsgd.lazy_cuda import cuda
 
 ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
 AGGREGATE, AFTER_MOMENTUM = 1, 2   # kernel codes of the post-exchange AdaGrad placements

@@ -27,10 +27,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.codecs.common import LANES, Codec, nonfinite_error
 from hpcsgd.device import as_device
+from hpcsgd.lazy_cuda import cuda
 
 DTYPES = ("linear", "mantissa", "static_tree", "dynamic_tree")
 

@@ -18,11 +18,10 @@ conversion. All three give the same bits (tested at every half and every tie).
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.codecs.common import Codec, nonfinite_error
 from hpcsgd.device import as_device
 from hpcsgd.half import half_bits as _half_bits, half_value as _half_value
+from hpcsgd.lazy_cuda import cuda
 
 
 @njit(parallel=True, cache=True)

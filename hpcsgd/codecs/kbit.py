@@ -20,11 +20,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
                                   ref_lane_sums, row_threads)
 from hpcsgd.device import as_device
+from hpcsgd.lazy_cuda import cuda
 
 
 

@@ -18,11 +18,10 @@ import numpy as np
 import numba
 from numba import njit, prange
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
                                   ref_lane_sums, row_threads)
 from hpcsgd.device import as_device
+from hpcsgd.lazy_cuda import cuda
 
 
 def _means(s_neg, s_pos, n_pos, n):

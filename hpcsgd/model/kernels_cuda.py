@@ -24,9 +24,8 @@ import math
 
 import numpy as np
 
-from hpcsgd.lazy_cuda import cuda
-
 from hpcsgd.device import as_device, fill  # noqa: F401  (fill: re-exported)
+from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels import SIGMOID
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
