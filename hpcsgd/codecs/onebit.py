@@ -96,9 +96,11 @@ def decode_ref(packed, out, accumulate):
 # ---------------------------------------------------------------- Numba CPU
 # One column at a time: the kernels below and the striped exchange's fused owner pass
 # (hpcsgd/codecs/onebit_owner.py) share these, so every path packs the same bytes.
+# They are called, not inlined (inline="always"): a call per column costs nothing, while
+# Numba copying their IR into each owner-pass variant took 6 of its 9 s of compiling.
 
 
-@njit(inline="always")
+@njit(cache=True)
 def column_sums_cpu(g, r, pos, neg):
     """(sum of the negative side, sum of the non-negative side, count of the non-negative
     side) of one column of g + r, in float64 by the canonical lane order (codecs/common.py).
@@ -124,7 +126,7 @@ def column_sums_cpu(g, r, pos, neg):
     return lane_tree_cpu(neg), lane_tree_cpu(pos), n_pos
 
 
-@njit(inline="always")
+@njit(cache=True)
 def quantize_column_cpu(g, r, col8, colf, m0, m1, signs, signs64):
     """The column's packed bytes for reconstruction values m0 (v < 0) and m1 (v >= 0), and
     r <- the new residual. signs (ceil(n_rows/8)*8 uint8, its padding 0; signs64 the same as
@@ -149,7 +151,7 @@ def quantize_column_cpu(g, r, col8, colf, m0, m1, signs, signs64):
         col8[b] = 0   # zero padding to the word
 
 
-@njit(inline="always")
+@njit(cache=True)
 def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
     """Encode one column: g, r (n_rows,) float32 -> its packed bytes col8 (4W uint8; colf the
     same bytes as float32), r <- the new residual; the scratch as above. Returns False,
@@ -195,7 +197,7 @@ def _decode_words(colw, colf, out, mode, lr):
 NEG_ZERO = np.uint32(0x80000000)   # -0.0's bits
 
 
-@njit(inline="always")
+@njit(cache=True)
 def decode_column_cpu(colw, colf, out, mode, lr):
     """Decode one column's packed words (colw uint32, colf the same as float32) into out
     (n_rows,) float32 by `mode`; SUB_LR is the optimizer's apply: float64 lr times the
