@@ -133,12 +133,11 @@ def _task_range(t, per_block, block, n):
     return b, lo, min(lo + CHUNK, (b + 1) * block, n)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _absmax(g, r, ef, lo, hi, ml):
     """max |g + r| (or |g|) over [lo, hi). LANES running maxima in ml (scratch of LANES): one
     is a dependency chain LLVM keeps scalar; max is exact, so the lanes give the same value
-    as one scan. Plain loops, no array methods: a call there stops LLVM vectorising the
-    encode's code loop that follows."""
+    as one scan. Called once per task, not inlined (inlining only added compile time)."""
     for l in range(LANES):
         ml[l] = 0.0
     nfull = (hi - lo) // LANES
@@ -247,7 +246,7 @@ def _bucket_code(x, buckets, emin, emax, M, qzero):
     return qzero if x == 0.0 else q
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _scaled_table(table, s, out):
     """out[c] = _value(table[c], s): every value a code can decode to under scale s, once per
     block (256 products) instead of once per value; decoding is then a lookup."""

@@ -173,10 +173,11 @@ def _quantize(v, lower, inv, maxq_f, step):
     return q, np.float32(np.float64(lower) + np.float64(step) * (q + 0.5))
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, mnl, mxl, codes):
     """One column: statistics in one pass, then codes and residuals in a second one, the
-    column still in L1 (16 KB for 2048 rows of g and r). False if it is not finite."""
+    column still in L1 (16 KB for 2048 rows of g and r). False if it is not finite.
+    Called once per column, not inlined: inlining cost a second of compiling, no speed."""
     n_rows = gc.size
     maxq = (1 << k) - 1
     sumsq, mn, mx = _column_stats(gc, rc, sq, mnl, mxl)
