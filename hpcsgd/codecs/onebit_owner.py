@@ -79,7 +79,8 @@ def _compiled_pass(ada, use_momentum):
     constants (closure values are compile-time constants to Numba): LLVM drops the other
     branches of post_element_cpu and vectorises the update loop (momentum: 6 instead of 24 ms
     over 22.5M values), and a run compiles only the pass it uses (all eight in one function
-    took 15 s to compile, one takes 5-7). Its own name gives each its own cache file."""
+    took 15 s to compile; one takes 2.5-3 s since the 1-bit column kernels are called, not
+    inlined). Its own name gives each its own cache file."""
     def owner_pass(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n, i_q,
                    eps, m, ak):
         _owner_columns(rw, rf, at, w, use_w, v, s, base, r2, o8, of, bad, nc, wd, rho, c, i_n,
