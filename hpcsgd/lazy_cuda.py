@@ -11,8 +11,12 @@ decorators only record the function. The first use of any recorded kernel or of 
 every loaded module, the `cuda` name to numba.cuda and each recorded function to its
 dispatcher: Numba, compiling a kernel, must find real objects among its globals (a kernel
 calls device functions and `cuda.grid` through them). After that the decorators are numba's.
+
+Under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1: the tests, `bench cuda`'s recording),
+load() also makes the simulator faster and fixes a race in it (below).
 """
 import sys
+import threading
 
 _made = []      # every _Deferred made before load(), in order
 _real = None    # numba.cuda once loaded
@@ -73,6 +77,7 @@ def load():
         _real = real
         if real.config.ENABLE_CUDASIM:
             _hand_over_the_gil_sooner()
+            _lock_shared_allocation()
         for d in _made:
             d._make(real)
         for module in list(sys.modules.values()):   # the modules that hold deferred names
@@ -93,7 +98,39 @@ def load():
 # (tests/test_quantize_cuda.py 16.4 -> 6.4 s, test_codecs_cuda.py 24.7 -> 13.3 s, Zen 4). The
 # simulator only: a GPU run keeps the default.
 SIMULATOR_SWITCH_INTERVAL_S = 2e-4
+_shared_lock = threading.Lock()
 
 
 def _hand_over_the_gil_sooner():
     sys.setswitchinterval(min(sys.getswitchinterval(), SIMULATOR_SWITCH_INTERVAL_S))
+
+
+def _lock_shared_allocation():
+    """The simulator's `cuda.shared.array` gives every thread of a block the array made for
+    its source line, made by the first thread that asks: a get, then a set, without a lock
+    (numba-cuda 0.30.4, simulator/kernelapi.py). Two threads that switch in between get two
+    arrays, and a block's reduction then loses the other threads' partials. With the GIL
+    handed over every 0.2 ms that happened: one clean-clone suite failed a GPU ranks'
+    bit-for-bit test, and rerunning each launch of `bench cuda`'s recording gave other bits
+    in 2-4 of 217 launches per run (column sums, softmax, 1-bit encode, fake-quant backward:
+    the kernels with shared memory), none with the lock. The key is the original's (file,
+    line), from the caller's frame instead of a formatted stack."""
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+    original = FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:   # dynamic shared memory, or unsupported
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with _shared_lock:
+            made = self._allocations.get(caller)
+            if made is None:
+                made = self._allocations[caller] = np.empty(shape, dtype)
+        return made
+    FakeCUDAShared.array = array

@@ -3,7 +3,9 @@ pays its 0.4 s, and the first use leaves every module with the real module and d
 import subprocess
 import sys
 
-from conftest import CUDA_ENV, REPO, make_archive
+import pytest
+
+from conftest import CUDA_ENV, REAL_GPU, REPO, make_archive
 from hpcsgd import lazy_cuda
 
 
@@ -55,3 +57,37 @@ print(float(out.copy_to_host().sum()), sys.getswitchinterval())
     # a real GPU's process keeps CPython's default
     want = 0.005 if CUDA_ENV == {} else lazy_cuda.SIMULATOR_SWITCH_INTERVAL_S
     assert abs(float(interval) - want) < 1e-6 * want   # (CPython keeps it in microseconds)
+
+
+
+def test_every_thread_of_a_block_gets_the_same_shared_array():
+    """The simulator's shared-array lookup is locked (hpcsgd/lazy_cuda.py). The window between
+    its lookup and its store is widened here to 10 ms (a slow np.empty): unlocked, each of 8
+    threads asking for the array of one source line got an array of its own."""
+    if REAL_GPU:
+        pytest.skip("the simulator's shared memory (a real GPU has its own)")
+    code = """
+import threading, time
+import numpy as np
+from hpcsgd import lazy_cuda
+lazy_cuda.load()
+from numba.cuda.simulator.kernelapi import FakeCUDAShared
+shared, real_empty, got = FakeCUDAShared(0), np.empty, []
+
+def slow_empty(*args, **kwargs):
+    time.sleep(0.01)
+    return real_empty(*args, **kwargs)
+
+def take():
+    got.append(shared.array(16, np.float64))   # one source line for every thread
+
+np.empty = slow_empty
+threads = [threading.Thread(target=take) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+np.empty = real_empty
+print(len(got), len({id(a) for a in got}))
+"""
+    assert python(code, CUDA_ENV) == "8 1"
