@@ -64,12 +64,21 @@ def fill_kernel(out, value):
         out[i] = value
 
 
+def one_thread_each(n, most=256):
+    """(blocks, threads) of a launch with one thread per element of n (n >= 1): blocks of
+    `most` threads, narrowed to n for a smaller array. No idle threads: on a GPU they would
+    only take a block's slots, and in Numba's simulator each is a Python thread to start
+    (the tests' tiny models exchange matrices of tens of values)."""
+    threads = min(most, n)
+    return -(-n // threads), threads
+
+
 def fill(a, value):
     """Every element of the C-contiguous device array a (any shape) <- value."""
     a = as_device(a)
-    if a.size:   # a small array gets a small block (grid-stride: the same result)
-        threads = min(FILL_THREADS, a.size)
-        fill_kernel[min(-(-a.size // threads), MAX_GRID), threads](a.reshape(a.size), value)
+    if a.size:   # grid-stride: capping the grid gives the same result
+        blocks, threads = one_thread_each(a.size, FILL_THREADS)
+        fill_kernel[min(blocks, MAX_GRID), threads](a.reshape(a.size), value)
 
 
 def to_host(a):

@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
-from hpcsgd.device import is_device
+from hpcsgd.device import is_device, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
 BLOCK = 256   # CUDA threads per block of the element-wise kernels here
@@ -188,7 +188,7 @@ def round_half(src, dst):
     src, dst = src.reshape(-1), dst.reshape(-1)
     if is_device(src):
         if src.size:
-            _round_half_cuda[-(-src.size // BLOCK), BLOCK](src, dst)
+            _round_half_cuda[one_thread_each(src.size, BLOCK)](src, dst)
         return
     round_half_cpu(src, dst)
 
@@ -200,7 +200,7 @@ def scale(x, s):
     if is_device(x):
         flat = x.reshape(-1)
         if flat.size:
-            _scale_cuda[-(-flat.size // BLOCK), BLOCK](flat, np.float32(s))
+            _scale_cuda[one_thread_each(flat.size, BLOCK)](flat, np.float32(s))
         return
     np.multiply(x, np.float32(s), out=x)
 
@@ -215,7 +215,7 @@ def unscale(g, scale, half):
     if is_device(g):
         stats = cuda.to_device(np.zeros(2, np.float32))
         if g.size:
-            _unscale_cuda[-(-g.size // BLOCK), BLOCK](g, inv, bool(half), stats)
+            _unscale_cuda[one_thread_each(g.size, BLOCK)](g, inv, bool(half), stats)
         bad, amax = stats.copy_to_host()   # device -> host: sync point
         return int(bad), float(amax)
     bad, amax = unscale_cpu(g, inv, bool(half))

@@ -56,7 +56,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.device import DEVICES, assign, host_copy, is_device, zeros
+from hpcsgd.device import DEVICES, assign, host_copy, is_device, one_thread_each, zeros
 from hpcsgd.lazy_cuda import cuda
 
 ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
@@ -249,8 +249,8 @@ def _launch_cuda(kernel, first, *args):
     if first.size == 0:          # an empty stripe: nothing to launch
         return
     args = [np.float64(a) if type(a) is float else a for a in args]
-    threads = min(THREADS, first.size)   # a small slice, a small block (element-wise)
-    _CUDA[kernel][min(-(-first.size // threads), MAX_BLOCKS), threads](first, *args)
+    blocks, threads = one_thread_each(first.size, THREADS)   # grid-stride past MAX_BLOCKS
+    _CUDA[kernel][min(blocks, MAX_BLOCKS), threads](first, *args)
 
 
 class Optimizer:

@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
 from hpcsgd.codecs.common import LANES, Codec, nonfinite_error
-from hpcsgd.device import as_device
+from hpcsgd.device import as_device, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
 DTYPES = ("linear", "mantissa", "static_tree", "dynamic_tree")
@@ -466,7 +466,7 @@ class Dettmers(Codec):
                 self._dev = cuda.to_device(self.table), cuda.to_device(self.mids)
             flag = cuda.to_device(np.zeros(1, np.int32))
             scales_cuda[nb, 128](g, r, ef, scales, block, age, self.refresh, absmax, self.offset)
-            encode_cuda[-(-n // 256), 256](g, r, ef, codes, scales, block, *self._dev, flag)
+            encode_cuda[one_thread_each(n)](g, r, ef, codes, scales, block, *self._dev, flag)
             bad = int(flag.copy_to_host()[0]) - 1  # device sync: the NaN check needs it
             new_age = 1 if age < 1 or age >= self.refresh else age + 1
             head.copy_to_device(np.array([new_age], np.uint32))
@@ -512,8 +512,8 @@ class Dettmers(Codec):
             _, scales, codes = self._views(as_device(packed), n)
             if self._dev is None:
                 self._dev = cuda.to_device(self.table), cuda.to_device(self.mids)
-            decode_cuda[-(-n // 256), 256](codes, scales, self._dev[0],
-                                           as_device(out).reshape(n), block, accumulate)
+            decode_cuda[one_thread_each(n)](codes, scales, self._dev[0],
+                                            as_device(out).reshape(n), block, accumulate)
         else:
             _, scales, codes = self._views(packed, n)
             fn = decode_ref if self.backend == "reference" else decode_cpu

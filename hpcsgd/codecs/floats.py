@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from hpcsgd.codecs.common import Codec, nonfinite_error
-from hpcsgd.device import as_device
+from hpcsgd.device import as_device, one_thread_each
 from hpcsgd.half import half_bits as _half_bits, half_value as _half_value
 from hpcsgd.lazy_cuda import cuda
 
@@ -175,8 +175,8 @@ class Float(Codec):
             g = as_device(grad).reshape(n)
             r = as_device(residual).reshape(n) if ef else g
             p16 = o.view(np.float16)
-            _encode_cuda[-(-n // 256), 256](g, r, o.view(np.float32) if not self.half else p16,
-                                            p16, self.half, ef, s, inv_s)
+            _encode_cuda[one_thread_each(n)](g, r, o.view(np.float32) if not self.half else p16,
+                                             p16, self.half, ef, s, inv_s)
             chk = p16.copy_to_host()[:n] if self.half else o.view(np.float32).copy_to_host()
             bad = ~np.isfinite(chk)  # device sync + copy: baselines, not the fast path
         elif self.half and s != 1:
@@ -228,9 +228,9 @@ class Float(Codec):
         if self.backend == "cuda":
             p = as_device(packed)
             p16 = p.view(np.float16)
-            _decode_cuda[-(-n // 256), 256](p.view(np.float32) if not self.half else p16, p16,
-                                            as_device(out).reshape(n), self.half, accumulate,
-                                            inv_s)
+            _decode_cuda[one_thread_each(n)](p.view(np.float32) if not self.half else p16, p16,
+                                             as_device(out).reshape(n), self.half, accumulate,
+                                             inv_s)
         elif self.half and inv_s != 1:
             if self.backend == "cpu":
                 _decode16_scaled_cpu(packed.view(np.uint16)[:n], out.reshape(n), accumulate,
