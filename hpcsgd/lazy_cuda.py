@@ -112,9 +112,9 @@ def _lock_shared_allocation():
     arrays, and a block's reduction then loses the other threads' partials. With the GIL
     handed over every 0.2 ms that happened: one clean-clone suite failed a GPU ranks'
     bit-for-bit test, and rerunning each launch of `bench cuda`'s recording gave other bits
-    in 2-4 of 217 launches per run (column sums, softmax, 1-bit encode, fake-quant backward:
-    the kernels with shared memory), none with the lock. The key is the original's (file,
-    line), from the caller's frame instead of a formatted stack."""
+    for two kernels in each of two runs (column sums, softmax, 1-bit encode, fake-quant
+    backward: kernels with shared memory), for none in five runs with the lock. The key is
+    the original's (file, line), from the caller's frame instead of a formatted stack."""
     import numpy as np
     from numba.core import types
     from numba.cuda.simulator.kernelapi import FakeCUDAShared
