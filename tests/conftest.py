@@ -1,5 +1,6 @@
 """Shared test helpers: synthetic archives (exact, tiny) and a real `mpiexec` launcher."""
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -143,7 +144,23 @@ def run_cuda_tests_in_child(test_file):
 
 
 TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
-EXCHANGE_REFERENCE = [os.path.join(REPO, "tests", "mpi", "exchange_reference.py")]
+EXCHANGE_REFERENCE = os.path.join(REPO, "tests", "mpi", "exchange_reference.py")
+
+
+def run_reference(script, args):
+    """Run a single-process reference (tests/mpi/*_reference.py: no MPI) in this process, as
+    `python script args` would: a new process would spend about 1 s starting Python, NumPy and
+    Numba's CPU target for a run of milliseconds, and the suite runs about a hundred of them.
+    Its kernels are the same cached ones, each parallel kernel adds its partials in a fixed
+    order and OpenBLAS splits a GEMM's output, not its sums, over threads: the arithmetic is
+    a 1-thread trainer's whatever this process's pools."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))   # the script's own imports (reference_setup)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
 
 
 class TrainerRuns:
@@ -168,9 +185,8 @@ class TrainerRuns:
     def reference(self, K, mode, arch, tmp_path, *extra, float64=False):
         """The single-process reference's arrays (npz) on the same global minibatches."""
         out = str(tmp_path / f"ref{K}{mode}{'64' if float64 else ''}.npz")
-        proc = run_mpi(1, EXCHANGE_REFERENCE + [out, str(K), mode] + ["--float64"] * float64
-                       + self.options(arch, *extra), timeout=self.timeout)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        run_reference(EXCHANGE_REFERENCE, [out, str(K), mode] + ["--float64"] * float64
+                      + self.options(arch, *extra))
         return np.load(out)
 
 

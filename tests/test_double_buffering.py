@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from conftest import assert_float32_close, make_archive, run_mpi
+from conftest import assert_float32_close, make_archive, run_mpi, run_reference
 from hpcsgd import checkpoint
 
 TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
-REFERENCE = [os.path.join(os.path.dirname(__file__), "mpi", "double_buffering_reference.py")]
+REFERENCE = os.path.join(os.path.dirname(__file__), "mpi", "double_buffering_reference.py")
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,7 @@ def train(K, arch, run, *extra):
 
 def reference(K, arch, tmp_path, extra, float64):
     out = str(tmp_path / f"ref{'64' if float64 else ''}.npz")
-    proc = run_mpi(1, REFERENCE + [out, str(K)] + ["--float64"] * float64 + options(arch, *extra),
-                   timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_reference(REFERENCE, [out, str(K)] + ["--float64"] * float64 + options(arch, *extra))
     return np.load(out)["params"]
 
 
