@@ -86,7 +86,7 @@ def _small(act, dtype=np.float64, max_batch=16):
     rng = np.random.default_rng(4)
     params.flat[:] += rng.standard_normal(params.size) * 0.1   # non-zero biases too
     x = rng.standard_normal((max_batch, 7)).astype(dtype)
-    y = rng.integers(0, 4, max_batch)
+    y = rng.integers(0, 4, max_batch).astype(np.int32)   # the loader's dtype: its compiled kernels
     return model, params, x, y
 
 
@@ -170,7 +170,7 @@ def test_tiny_model_learns_separable_problem(act):
     """4 Gaussian blobs in 10-D, well separated: the model must get >= 98% frame accuracy."""
     rng = np.random.default_rng(5)
     centres = rng.standard_normal((4, 10)) * 3
-    labels = rng.integers(0, 4, 4096)
+    labels = rng.integers(0, 4, 4096).astype(np.int32)
     feats = (centres[labels] + rng.standard_normal((4096, 10))).astype(np.float32)
     model = dnn(10, [32, 32], 4, act, max_batch=128)
     params, grads = model.new_params(), model.new_params()

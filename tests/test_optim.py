@@ -163,7 +163,7 @@ def test_per_sample_learning_rate_with_a_real_model():
     model.init(params, np.random.default_rng(3))
     rng = np.random.default_rng(4)
     x = rng.standard_normal((8, 5))
-    y = rng.integers(0, 3, 8)
+    y = rng.integers(0, 3, 8).astype(np.int32)
     total = np.zeros(params.size)
     g1 = model.new_params()
     for i in range(8):
