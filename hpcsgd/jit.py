@@ -73,7 +73,8 @@ def _release(cache):
 
 def _load_or_lock(cache, sig, target_context, _load=caching.Cache.load_overload):
     """Numba's load; on a miss, wait for the lock and look again, and keep the lock while this
-    process compiles. Without a lock file (a read-only cache directory), just the miss."""
+    process compiles. Where no lock can be had (a read-only cache directory, a file system
+    without flock), just the miss: each process compiles, as without this module."""
     cres = _load(cache, sig, target_context)
     if cres is not None or not _ours(cache) or id(cache) in _held:
         return cres
@@ -84,6 +85,10 @@ def _load_or_lock(cache, sig, target_context, _load=caching.Cache.load_overload)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:   # a file system without flock (Lustre mounted without -o flock)
+        os.close(fd)
+        return None
+    try:
         cres = _load(cache, sig, target_context)   # whoever held the lock may have saved it
     except BaseException:
         os.close(fd)
@@ -111,8 +116,9 @@ class _UnlockFailed(event.Listener):
 
     def on_end(self, ev):
         dispatcher = ev.data["dispatcher"]
-        if tuple(ev.data["args"]) not in dispatcher.overloads:
-            _release(dispatcher._cache)
+        cache = getattr(dispatcher, "_cache", None)   # (a CUDA dispatcher's: never locked)
+        if id(cache) in _held and tuple(ev.data["args"]) not in dispatcher.overloads:
+            _release(cache)
 
 
 def compile_once():

@@ -102,3 +102,21 @@ def test_a_failed_compile_releases_its_lock(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("hpcsgd_locktest_kernel", None)
+
+
+def test_a_file_system_without_flock_compiles_without_the_lock(tmp_path, monkeypatch):
+    """Lustre mounted without -o flock refuses flock(): the kernel compiles as if unlocked."""
+    import errno
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(jit.fcntl, "flock", refuse)
+    (tmp_path / "hpcsgd_locktest_kernel.py").write_text(KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hpcsgd_locktest_kernel", raising=False)
+    import hpcsgd_locktest_kernel as k
+    x = np.arange(10.0)
+    assert abs(k.scaled_sum(x, 2.0) - (2.0 * x + np.sin(x)).sum()) < 1e-9
+    assert not jit._held
+    sys.modules.pop("hpcsgd_locktest_kernel", None)
