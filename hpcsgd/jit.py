@@ -62,7 +62,7 @@ _held = {}   # id(cache) -> lock file descriptor, from a miss until the save or 
 
 
 def _ours(cache):
-    return getattr(cache._py_func, "__module__", "").startswith("hpcsgd")
+    return getattr(getattr(cache, "_py_func", None), "__module__", "").startswith("hpcsgd")
 
 
 def _release(cache):
@@ -74,14 +74,15 @@ def _release(cache):
 def _load_or_lock(cache, sig, target_context, _load=caching.Cache.load_overload):
     """Numba's load; on a miss, wait for the lock and look again, and keep the lock while this
     process compiles. Where no lock can be had (a read-only cache directory, a file system
-    without flock), just the miss: each process compiles, as without this module."""
+    without flock, a Numba whose cache keeps its paths elsewhere), just the miss: each process
+    compiles, as without this module."""
     cres = _load(cache, sig, target_context)
     if cres is not None or not _ours(cache) or id(cache) in _held:
         return cres
-    path = os.path.join(cache._cache_path, cache._cache_file._index_name[:-len(".nbi")] + ".lock")
     try:
+        path = os.path.join(cache._cache_path, cache._cache_file._index_name + ".lock")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
+    except (AttributeError, OSError):   # another Numba's internals; a read-only directory
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
