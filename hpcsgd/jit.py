@@ -6,6 +6,7 @@ a minute or two compiling, which the user should be told instead of seeing nothi
     compiles = announce(log.info)    # says "compiling kernels ..." at the first cache miss
     ...
     compiles.summary()               # "compiled N kernels in S s" once, if any were compiled
+    compiles.close()                 # stops listening (a second run in this process has its own)
 
 Numba's event API reports "numba:compile" only for real compilations (a cache hit loads
 without it), so a warm run says nothing.
@@ -49,6 +50,9 @@ class _Compiles(event.Listener):
         if self.count and not self.reported:
             self.reported = True
             self.say(f"compiled {self.count} kernel(s) in {self.seconds:.0f} s")
+
+    def close(self):
+        event.unregister("numba:compile", self)
 
 
 def announce(say):

@@ -360,6 +360,7 @@ class Run(NamedTuple):
     resume: str
 
     def close(self, code, loader):
+        self.compiles.close()
         self.watchdog.stop()
         self.timeline.close()
         loader.close()

@@ -120,3 +120,21 @@ def test_a_file_system_without_flock_compiles_without_the_lock(tmp_path, monkeyp
     assert abs(k.scaled_sum(x, 2.0) - (2.0 * x + np.sin(x)).sum()) < 1e-9
     assert not jit._held
     sys.modules.pop("hpcsgd_locktest_kernel", None)
+
+
+def test_a_closed_announcer_stops_listening(tmp_path, monkeypatch):
+    """A second run in one process (a notebook, the suite's train jobs) has its own announcer:
+    the first run's, closed with its log, must not be called at the next compile."""
+    said = []
+    first = jit.announce(lambda message: said.append(("first", message)))
+    first.close()
+    second = jit.announce(lambda message: said.append(("second", message)))
+    (tmp_path / "hpcsgd_announce_kernel.py").write_text(KERNEL.replace("cache=True", "cache=False"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hpcsgd_announce_kernel as k
+    try:
+        k.scaled_sum(np.arange(4.0), 2.0)
+    finally:
+        second.close()
+        sys.modules.pop("hpcsgd_announce_kernel", None)
+    assert [who for who, _ in said] == ["second"] and "compiling kernels" in said[0][1]
