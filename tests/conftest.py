@@ -1,9 +1,14 @@
 """Shared test helpers: synthetic archives (exact, tiny) and a real `mpiexec` launcher."""
+import atexit
+import json
 import os
 import runpy
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -92,18 +97,80 @@ def assert_float32_close(got, ref32, ref64, factor=10.0):
     return dist / noise
 
 
-def run_mpi(num_ranks, args, timeout=120, env=None):
-    """Run `mpiexec -n K python ARGS` for real; a hang becomes a failure after `timeout` s."""
+def mpi_env(env=None):
+    """A test job's environment: one thread per rank, ranks that yield when oversubscribed."""
     full_env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     full_env.update(env or {})
+    return full_env
+
+
+def run_mpi(num_ranks, args, timeout=120, env=None):
+    """Run `mpiexec -n K python ARGS` for real; a hang becomes a failure after `timeout` s."""
     cmd = [MPIEXEC, "-n", str(num_ranks), sys.executable, *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                              cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=mpi_env(env), cwd=REPO)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"mpiexec -n {num_ranks} hung for {timeout}s: {err.stdout}\n{err.stderr}")
     return proc
+
+
+TRAIN_JOBS = os.path.join(REPO, "tests", "mpi", "train_jobs.py")
+_train_jobs = {}   # (K, env) -> this worker's running tests/mpi/train_jobs.py job
+
+
+def run_train(num_ranks, train_args, timeout=120, env=None):
+    """`hpcsgd train TRAIN_ARGS` on K ranks, as `run_mpi(K, TRAIN + TRAIN_ARGS)` returns it
+    (returncode, stdout, stderr), run by a job of tests/mpi/train_jobs.py that this pytest
+    worker keeps for its later runs on K ranks: each run is a real one under mpiexec without
+    the job's start-up (about 1.3 s per rank). For runs expected to succeed; a run that fails
+    ends its job (the next run starts another), and a run that hangs is killed after
+    `timeout` s and fails the test."""
+    key = (num_ranks, tuple(sorted((env or {}).items())))
+    job = _train_jobs.get(key)
+    if job is None or job.poll() is not None:
+        job_err = tempfile.NamedTemporaryFile("w+", prefix="train_jobs_", suffix=".err")
+        job = subprocess.Popen(
+            [MPIEXEC, "-n", str(num_ranks), sys.executable, "-m", "mpi4py", TRAIN_JOBS],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=job_err, cwd=REPO,
+            env=mpi_env(env), start_new_session=True)
+        job.err = job_err
+        _train_jobs[key] = job
+    out_dir = tempfile.mkdtemp(prefix="run_train_")
+    out, err = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
+    request = {"argv": ["train", *train_args], "stdout": out, "stderr": err}
+    job.stdin.write((json.dumps(request) + "\n").encode())
+    job.stdin.flush()
+    ready, _, _ = select.select([job.stdout], [], [], timeout)
+    answer = job.stdout.readline() if ready else None
+    if answer is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    elif not answer.strip():   # the job ended: a failed run aborted it
+        job.wait()
+    returncode = int(answer) if answer and answer.strip() else job.returncode
+    stdout, stderr = (open(path).read() if os.path.exists(path) else "" for path in (out, err))
+    shutil.rmtree(out_dir)
+    if answer is None or answer.strip() == "" or returncode:
+        job.err.seek(0)
+        stderr += job.err.read()
+    if answer is None:
+        pytest.fail(f"hpcsgd train on {num_ranks} rank(s) hung for {timeout}s: "
+                    f"{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(["train", *train_args], returncode, stdout, stderr)
+
+
+@atexit.register
+def _end_train_jobs():
+    for job in _train_jobs.values():
+        if job.poll() is None:
+            job.stdin.close()   # end of input ends the job
+    for job in _train_jobs.values():
+        try:
+            job.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
 
 
 def family_env(family):
@@ -176,8 +243,8 @@ class TrainerRuns:
         key = (K, arch, extra)
         if key not in self.runs:
             run = str(tmp_path_factory.mktemp(f"run{K}"))
-            proc = run_mpi(K, TRAIN + self.options(arch, f"train.run_dir={run}", *extra),
-                           timeout=self.timeout)
+            proc = run_train(K, self.options(arch, f"train.run_dir={run}", *extra),
+                             timeout=self.timeout)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             self.runs[key] = run
         return self.runs[key]

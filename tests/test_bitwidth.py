@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import run_mpi
+from conftest import run_train
 from hpcsgd import bitwidth as bw
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.exchange import Striped
@@ -197,23 +197,22 @@ def test_ranks_agree_on_the_width_and_resume_bit_exactly_across_a_change(synth, 
              "exchange.mqgrad_epsilon=0.5", "exchange.bits_start=4" if rule == "oland_raj"
              else "exchange.bits_start=2", "train.check_every_steps=1"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    cli = ["-m", "mpi4py", "-m", "hpcsgd.cli"]
-    proc = run_mpi(2, cli + train_args(synth, full, *extra), timeout=300)
+    proc = run_train(2, train_args(synth, full, *extra)[1:], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     changes = bits_lines(full, 0)
     assert changes and changes == bits_lines(full, 1)
     assert len(changes) >= 2
     # stop one step after a decision that changed the width, with a change still to come
     frame = int(changes[len(changes) // 2 - 1].split("frame ")[1].split(" ")[0].replace(",", ""))
-    proc = run_mpi(2, cli + train_args(synth, cut, *extra, f"train.stop_after_frames={frame + 1}"),
-                   timeout=300)
+    proc = run_train(2, train_args(synth, cut, *extra, f"train.stop_after_frames={frame + 1}")[1:],
+                     timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stopped, meta = final_params(cut)
     assert meta["bitwidth"]["bits"] in range(2, 9)
     assert any(len(stopped[f"rank{r:04d}/bitwidth/rows"]) for r in range(2))  # mid-period
     before = bits_lines(cut, 0)
     assert before and before == changes[:len(before)] and len(before) < len(changes)
-    proc = run_mpi(2, cli + train_args(synth, cut, *extra), timeout=300)
+    proc = run_train(2, train_args(synth, cut, *extra)[1:], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a, meta_a = final_params(full)
     b, meta_b = final_params(cut)
@@ -244,12 +243,11 @@ def test_a_resume_at_another_k_keeps_the_width_and_restarts_the_period(synth, tm
              "exchange.bits_every_steps=3", "exchange.bits_time=model",
              "exchange.mqgrad_epsilon=0.5", "train.epochs=1"]
     run = str(tmp_path / "run")
-    cli = ["-m", "mpi4py", "-m", "hpcsgd.cli"]
-    proc = run_mpi(2, cli + train_args(synth, run, *extra, "train.stop_after_frames=700"),
-                   timeout=300)
+    proc = run_train(2, train_args(synth, run, *extra, "train.stop_after_frames=700")[1:],
+                     timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stopped_bits = final_params(run)[1]["bitwidth"]["bits"]
-    proc = run_mpi(3, cli + train_args(synth, run, *extra), timeout=300)
+    proc = run_train(3, train_args(synth, run, *extra)[1:], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = open(os.path.join(run, "logs", "rank0000.log")).read()
     assert "since the last decision restart at 3 ranks" in log

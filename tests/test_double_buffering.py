@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import assert_float32_close, make_archive, run_mpi, run_reference
+from conftest import assert_float32_close, make_archive, run_mpi, run_reference, run_train
 from hpcsgd import checkpoint
 
 TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
@@ -32,7 +32,7 @@ def options(arch, *extra):
 
 
 def train(K, arch, run, *extra):
-    proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra), timeout=180)
+    proc = run_train(K, options(arch, f"train.run_dir={run}", *extra), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return checkpoint.load(checkpoint.latest(run))[0]
 

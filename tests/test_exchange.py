@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import (TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive,
-                      run_mpi)
+                      run_mpi, run_train)
 from hpcsgd import checkpoint
 
 
@@ -151,7 +151,7 @@ def test_striped_onebit_resumes_bit_exactly_with_both_residuals(K, codec, arch, 
     cut = str(tmp_path / "cut")
     total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
     for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
-        proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
+        proc = run_train(K, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         if stop.endswith("=0"):
             assert "resumed from" in open(os.path.join(cut, "logs", "rank0001.log")).read()
@@ -171,8 +171,8 @@ def test_a_striped_checkpoint_is_re_striped_at_an_epoch_end(arch, tmp_path, tmp_
     extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
     run = str(tmp_path / "run")
     shutil.copytree(train(2, arch, tmp_path_factory, *extra), run)   # an epoch-end checkpoint
-    proc = run_mpi(3, TRAIN + options(arch, f"train.run_dir={run}", *extra, "train.epochs=2"),
-                   timeout=120)
+    proc = run_train(3, options(arch, f"train.run_dir={run}", *extra, "train.epochs=2"),
+                     timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = open(os.path.join(run, "logs", "rank0002.log")).read()
     assert "re-striped the optimizer state" in log and "folded into the new stripes" in log
@@ -187,8 +187,8 @@ def test_a_run_moves_mid_epoch_from_2_to_3_to_2_ranks(arch, tmp_path):
     run = str(tmp_path / "run")
     total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
     for K, stop in ((2, total // 3), (3, total * 3 // 4), (2, 0)):
-        proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra,
-                                          f"train.stop_after_frames={stop}"), timeout=180)
+        proc = run_train(K, options(arch, f"train.run_dir={run}", *extra,
+                                    f"train.stop_after_frames={stop}"), timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         if stop:
             mid = arrays(run)
@@ -298,8 +298,8 @@ def test_a_run_resumed_inside_and_after_the_cold_start_is_bit_exact(double_buffe
     for stop in (F // 2, F + F // 2):   # inside the cold start, and after it
         cut = str(tmp_path / f"cut{stop}")
         for last in (f"train.stop_after_frames={stop}", "train.stop_after_frames=0"):
-            proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra, last),
-                           timeout=120)
+            proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, last),
+                             timeout=120)
             assert proc.returncode == 0, proc.stdout + proc.stderr
         resumed = arrays(cut)
         for name in full:
@@ -337,7 +337,7 @@ def test_one_bit_adam_at_the_owner_resumes_bit_exactly(arch, tmp_path, tmp_path_
     cut = str(tmp_path / "cut")
     total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
     for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
-        proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = arrays(cut)
     for name in full:

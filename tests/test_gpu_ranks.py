@@ -19,11 +19,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import CUDA_ENV, REAL_GPU, ensure_openmpi, family_env, make_archive, run_mpi
+from conftest import CUDA_ENV, REAL_GPU, ensure_openmpi, family_env, make_archive, run_train
 from hpcsgd import checkpoint
 from hpcsgd.comm.gpu import ENV_CUDA_AWARE, mpi_cuda_aware
-
-TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
 
 
 def library_cuda_aware():
@@ -62,8 +60,8 @@ def train(K, arch, run_dir, *extra, aware=None, timeout=300):
     env = dict(CUDA_ENV)
     if aware is not None:
         env[ENV_CUDA_AWARE] = "1" if aware else "0"
-    proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run_dir}", *extra),
-                   timeout=timeout, env=env)
+    proc = run_train(K, options(arch, f"train.run_dir={run_dir}", *extra),
+                     timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return checkpoint.load(checkpoint.latest(run_dir))[0]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import (TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive,
-                      run_mpi)
+                      run_mpi, run_train)
 from hpcsgd import checkpoint
 
 
@@ -91,8 +91,8 @@ def test_striped_onebit_resumes_bit_exactly_mid_epoch_at_two_ranks(double_buffer
     cut = str(tmp_path / "cut")
     index = json.load(open(os.path.join(arch, "index.json")))
     for stop in ("train.stop_after_frames=96", "train.stop_after_frames=0"):
-        proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra, stop),
-                       timeout=180)
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop),
+                         timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         if stop.endswith("=96"):
             meta = checkpoint.read_meta(checkpoint.latest(cut))
@@ -111,8 +111,8 @@ def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
     run = str(tmp_path / "run")
     for K, stop in ((2, 96), (3, 0)):
-        proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra,
-                                          f"train.stop_after_frames={stop}"), timeout=180)
+        proc = run_train(K, options(arch, f"train.run_dir={run}", *extra,
+                                    f"train.stop_after_frames={stop}"), timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     log = open(os.path.join(run, "logs", "rank0000.log")).read()
     assert "re-dealt from 2 to 3 ranks" in log and "folded into the new stripes" in log
@@ -189,7 +189,7 @@ def test_clipping_bounds_each_update(arch, tmp_path):
     run = str(tmp_path / "run")
     extra = ("optim.momentum_tc=0", "train.clip_gradient_norm=0.01", "optim.lr=0.5",
              "train.stop_after_frames=32")
-    proc = run_mpi(1, TRAIN + options(arch, f"train.run_dir={run}", *extra), timeout=120)
+    proc = run_train(1, options(arch, f"train.run_dir={run}", *extra), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = config.load(None, options(arch, f"train.run_dir={run}", *extra))
     model = build(model_shape(cfg, SequenceLoader(arch, chunk=8, prefetch=False)))
@@ -205,10 +205,10 @@ def test_the_probe_and_the_timeline_work_on_sequences(arch, tmp_path):
     on with the chosen one; the timeline records the steps; double buffering keeps the
     replicas identical (checked every step)."""
     run = str(tmp_path / "run")
-    proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={run}",
-                                      "train.probe_every_frames=200", "train.probe_frames=64",
-                                      "train.probe_max_minibatch=128", "train.timeline=true",
-                                      "exchange.double_buffering=true"), timeout=180)
+    proc = run_train(2, options(arch, f"train.run_dir={run}",
+                                "train.probe_every_frames=200", "train.probe_frames=64",
+                                "train.probe_max_minibatch=128", "train.timeline=true",
+                                "exchange.double_buffering=true"), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     probes = [r for r in records if r["kind"] == "probe"]
@@ -221,8 +221,8 @@ def test_double_buffering_halves_whole_chunks(arch, tmp_path):
     """An odd number of chunks per rank (3 of 8 frames): the halves are 2 + 1 chunks, never a
     cut chunk; the run trains and its replicas agree every step."""
     run = str(tmp_path / "run")
-    proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={run}", "train.minibatch=48",
-                                      "exchange.double_buffering=true"), timeout=120)
+    proc = run_train(2, options(arch, f"train.run_dir={run}", "train.minibatch=48",
+                                "exchange.double_buffering=true"), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     from hpcsgd.step import halves
     assert [int(h[0]) for h in halves(np.array([24]), 8)] == [16, 8]

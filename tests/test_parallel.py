@@ -155,7 +155,8 @@ def test_onebit_slices_encode_as_the_whole_columns_with_the_groups_column_sums(b
 
 # --- the trainer on a data x model grid -----------------------------------------------------
 
-from conftest import TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive  # noqa: E402
+from conftest import (TrainerRuns, assert_float32_close, latest_arrays, make_archive,  # noqa: E402
+                      run_train)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +245,7 @@ def resume(src, K, arch, tmp_path, name, *extra):
     """A copy of run directory `src` resumed on K ranks with these options; its directory."""
     run = str(tmp_path / name)
     shutil.copytree(src, run)
-    proc = run_mpi(K, TRAIN + options(arch, f"train.run_dir={run}", *extra), timeout=180)
+    proc = run_train(K, options(arch, f"train.run_dir={run}", *extra), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run, proc.stdout + open(os.path.join(run, "logs", "rank0000.log")).read()
 

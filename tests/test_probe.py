@@ -8,10 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import make_archive, run_mpi
+from conftest import make_archive, run_train
 from hpcsgd import checkpoint
-
-TRAIN = ["-m", "mpi4py", "-m", "hpcsgd.cli", "train"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +28,7 @@ def options(arch, run, *extra):
 
 
 def train(K, arch, run, *extra):
-    proc = run_mpi(K, TRAIN + options(arch, run, *extra), timeout=180)
+    proc = run_train(K, options(arch, run, *extra), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return checkpoint.load(checkpoint.latest(run))[0]
 

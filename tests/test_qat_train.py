@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import TRAIN, TrainerRuns, latest_arrays, make_archive, run_mpi
+from conftest import TrainerRuns, latest_arrays, make_archive, run_train
 from hpcsgd.export import pack_int4, unpack_int4
 
 # INT4 weights with SAWB, INT4 inputs with learned ranges (the features' start narrow enough
@@ -88,8 +88,8 @@ def test_a_qat_run_with_onebit_sgd_resumes_bit_exactly(double_buffering, arch, t
     full = arrays(full_run)
     cut = str(tmp_path / "cut")
     for stop in ("train.stop_after_frames=400", "train.stop_after_frames=0"):
-        proc = run_mpi(2, TRAIN + options(arch, f"train.run_dir={cut}", *extra, stop),
-                       timeout=120)
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop),
+                         timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = arrays(cut)
     assert set(full) == set(resumed)
@@ -103,9 +103,9 @@ def test_fine_tuning_starts_from_the_float_weights_with_a_linear_decay(arch, tmp
                                                                        tmp_path_factory):
     source = train(1, arch, tmp_path_factory)
     run = str(tmp_path / "tuned")
-    proc = run_mpi(1, TRAIN + options(arch, f"train.run_dir={run}", *QAT,
-                                      f"train.init_from={source}", "optim.lr=0",
-                                      "train.stop_after_frames=61"), timeout=120)
+    proc = run_train(1, options(arch, f"train.run_dir={run}", *QAT,
+                                f"train.init_from={source}", "optim.lr=0",
+                                "train.stop_after_frames=61"), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(train.init_from): a fresh optimizer and schedule" in \
         open(os.path.join(run, "logs", "rank0000.log")).read()
@@ -117,10 +117,10 @@ def test_fine_tuning_starts_from_the_float_weights_with_a_linear_decay(arch, tmp
     assert tuned["clip_in0"].tolist() == [[-1.0, 1.0]]
     # the linear decay: lr0 (1 - frames before the step / the run's frames)
     run = str(tmp_path / "linear")
-    proc = run_mpi(1, TRAIN + options(arch, f"train.run_dir={run}", *QAT,
-                                      f"train.init_from={source}", "schedule.type=linear",
-                                      "train.epochs=2", "train.log_every_frames=200"),
-                   timeout=120)
+    proc = run_train(1, options(arch, f"train.run_dir={run}", *QAT,
+                                f"train.init_from={source}", "schedule.type=linear",
+                                "train.epochs=2", "train.log_every_frames=200"),
+                     timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     total = 2 * json.load(open(os.path.join(arch, "index.json")))["total_frames"]
     lines = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]

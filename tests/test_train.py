@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, make_archive, run_mpi
+from conftest import REPO, make_archive, run_mpi, run_train
 from hpcsgd import checkpoint
 from hpcsgd.errors import UserError
 
@@ -157,14 +157,13 @@ def test_killed_and_resumed_run_ends_bit_identical(synth, tmp_path, adagrad):
 
 def test_resume_under_two_ranks_is_bit_identical(synth, tmp_path):
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    args = ["-m", "mpi4py", "-m", "hpcsgd.cli"]
-    proc = run_mpi(2, args + train_args(synth, full, "train.check_every_steps=1"), timeout=300)
+    proc = run_train(2, train_args(synth, full, "train.check_every_steps=1")[1:], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     total = json.load(open(os.path.join(synth, "index.json")))["total_frames"]
-    proc = run_mpi(2, args + train_args(synth, cut, f"train.stop_after_frames={total // 2}"),
-                   timeout=300)
+    proc = run_train(2, train_args(synth, cut, f"train.stop_after_frames={total // 2}")[1:],
+                     timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = run_mpi(2, args + train_args(synth, cut), timeout=300)
+    proc = run_train(2, train_args(synth, cut)[1:], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     np.testing.assert_array_equal(final_params(full)[0]["params"], final_params(cut)[0]["params"])
     assert "2 rank(s)" in open(os.path.join(full, "logs", "rank0001.log")).read()
@@ -262,8 +261,8 @@ def test_a_cv_set_smaller_than_one_block_per_rank_is_evaluated_by_three_ranks(sy
     frames, would leave this 2-shard set with 2 blocks for 3 ranks); the sums are the same as
     one process evaluating the whole set."""
     run = str(tmp_path / "run")
-    proc = run_mpi(3, ["-m", "mpi4py", "-m", "hpcsgd.cli"]
-                   + train_args(synth, run, f"data.cv={synth}", "train.epochs=1"), timeout=300)
+    proc = run_train(3, train_args(synth, run, f"data.cv={synth}", "train.epochs=1")[1:],
+                     timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     epoch = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))
              if '"epoch"' in l and json.loads(l)["kind"] == "epoch"][-1]
