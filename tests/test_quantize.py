@@ -183,7 +183,8 @@ DNN = {"input_dim": 12, "hidden": [9, 7], "num_labels": 5, "activation": "sigmoi
 
 def batch(n=30, dim=12, labels=5, seed=7):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, dim)) * 2).astype(np.float32), rng.integers(0, labels, n)
+    x = (rng.standard_normal((n, dim)) * 2).astype(np.float32)
+    return x, rng.integers(0, labels, n).astype(np.int32)   # the loader's dtype: its kernels
 
 
 def test_a_qat_network_computes_the_float_networks_gradient_at_the_quantized_weights():
