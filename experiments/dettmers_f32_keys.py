@@ -13,7 +13,8 @@ from numba import njit, prange, types
 from numba.core.extending import intrinsic
 from llvmlite import ir
 from hpcsgd.bench import membw
-from hpcsgd.codecs.dettmers import (CHUNK, SUB, make_table, midpoints, code_buckets, _bucket_code)
+from hpcsgd.codecs.dettmers import (CHUNK, SUB, _bucket_code, code_buckets, encode_cpu,
+                                    make_table, midpoints)
 
 SHIFT = 23
 
@@ -70,33 +71,31 @@ def bcode32(x, buckets, emin, emax, M, qzero):
     q = (entry >> SHIFT) + (xlow >= (entry & ((1 << SHIFT) - 1)))
     return qzero if x == 0.0 else q
 
-@njit(parallel=True)
-def enc32(g, r, codes, s, vt, buckets, emin, emax, M, qzero):
-    n = g.size
-    emin = np.int32(emin); emax = np.int32(emax); M = np.int32(M)
-    for t in prange(-(-n // CHUNK)):
-        lo, hi = t * CHUNK, min(t * CHUNK + CHUNK, n)
-        for j in range(lo, hi, SUB):
-            ja, jb = np.uint64(j), np.uint64(min(j + SUB, hi))
-            for i in range(ja, jb):
-                v = g[i] + r[i]
-                codes[i] = bcode32(v / s, buckets, emin, emax, M, qzero)
-            for i in range(ja, jb):
-                r[i] = (g[i] + r[i]) - vt[codes[i]]
+def make_encode(f32):
+    """The CPU encode's two loops (codes, then residuals) under either code rule."""
+    @njit(parallel=True)
+    def encode(g, r, codes, s, vt, buckets, emin, emax, M, qzero):
+        n = g.size
+        sd = np.float64(s)
+        for t in prange(-(-n // CHUNK)):
+            lo, hi = t * CHUNK, min(t * CHUNK + CHUNK, n)
+            for j in range(lo, hi, SUB):
+                ja, jb = np.uint64(j), np.uint64(min(j + SUB, hi))
+                for i in range(ja, jb):
+                    v = g[i] + r[i]
+                    if f32:
+                        codes[i] = bcode32(v / s, buckets, np.int32(emin), np.int32(emax),
+                                           np.int32(M), qzero)
+                    else:
+                        codes[i] = _bucket_code(np.float64(v) / sd, buckets, emin, emax, M,
+                                                qzero)
+                for i in range(ja, jb):
+                    r[i] = (g[i] + r[i]) - vt[codes[i]]
+    return encode
 
-@njit(parallel=True)
-def enc64(g, r, codes, s, vt, buckets, emin, emax, M, qzero):
-    n = g.size
-    sd = np.float64(s)
-    for t in prange(-(-n // CHUNK)):
-        lo, hi = t * CHUNK, min(t * CHUNK + CHUNK, n)
-        for j in range(lo, hi, SUB):
-            ja, jb = np.uint64(j), np.uint64(min(j + SUB, hi))
-            for i in range(ja, jb):
-                v = g[i] + r[i]
-                codes[i] = _bucket_code(np.float64(v) / sd, buckets, emin, emax, M, qzero)
-            for i in range(ja, jb):
-                r[i] = (g[i] + r[i]) - vt[codes[i]]
+
+enc32, enc64 = make_encode(True), make_encode(False)
+
 
 def main():
     threads = membw.set_threads(2)
@@ -123,13 +122,20 @@ def main():
     vt = (table.astype(np.float64) * s).astype(np.float32)
     triad, nbytes = membw.triad_timer(200 << 20)
     b64 = code_buckets(mids); b32 = code_buckets32(mids)
-    for name, fn, b in [("f64", enc64, b64), ("f32", enc32, b32)] * 2:
-        fn(g, r, codes, s, vt, *b)
+    scales, flags = np.array([s], np.float32), np.zeros(1, np.uint8)
+    runs = {"hpcsgd encode_cpu": lambda: encode_cpu(g, r, True, codes, scales, g.size, table,
+                                                      *b64, flags),
+            "float64 rule": lambda: enc64(g, r, codes, s, vt, *b64),
+            "float32 rule": lambda: enc32(g, r, codes, s, vt, *b32)}
+    for name, fn in list(runs.items()) * 2:
+        fn()
         t = tt = float("inf")
         for _ in range(7):
             tt = min(tt, membw.best_time(triad, 1))
-            t = min(t, membw.best_time(lambda: fn(g, r, codes, s, vt, *b), 1))
-        print(f"{name} {t*1e3:6.2f} ms {t / g.size * threads * 1e9:5.2f} ns/v/thr {13 * g.size / t / (nbytes / tt):4.0%} of triad ({nbytes/tt/1e9:.1f} GB/s)")
+            t = min(t, membw.best_time(fn, 1))
+        print(f"{name:18s} {t * 1e3:6.2f} ms {t / g.size * threads * 1e9:5.2f} ns/value/thread "
+              f"{13 * g.size / t / (nbytes / tt):4.0%} of the triad ({nbytes / tt / 1e9:.1f} GB/s)")
+
 
 if __name__ == "__main__":
     main()
