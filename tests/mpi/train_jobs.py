@@ -11,9 +11,9 @@ would any job.
 
 Why: a new job spends about 1.3 s per rank starting Python, NumPy, MPI and Numba's CPU target
 and loading cached kernels before its first step, for runs of a fraction of a second; the
-suite runs about a hundred and fifty of them. The trainer keeps no state between runs (its
-bits are a fresh process's, tests/test_exchange.py checks), and start-up itself is still run
-by every test that launches `mpiexec` directly.
+suite has about 180 trainer runs. The trainer keeps no state between runs (its bits are a
+fresh process's, tests/test_exchange.py checks), and start-up itself is still run by every
+test that launches `mpiexec` directly.
 """
 import json
 import os
