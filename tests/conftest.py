@@ -119,7 +119,19 @@ def run_mpi(num_ranks, args, timeout=120, env=None):
 
 
 TRAIN_JOBS = os.path.join(REPO, "tests", "mpi", "train_jobs.py")
-_train_jobs = {}   # (K, env) -> this worker's running tests/mpi/train_jobs.py job
+_train_jobs = {}   # (K, env) -> this worker's running tests/mpi/train_jobs.py job, last used last
+# Idle ranks a worker keeps (about 80-120 MB of their own memory each): room for K = 1..4 at
+# once, which is what most files use; beyond it the least recently used job ends
+TRAIN_JOB_RANKS = 10
+
+
+def _end_job(job):
+    if job.poll() is None:
+        job.stdin.close()   # end of input ends the job
+    try:
+        job.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
 
 
 def run_train(num_ranks, train_args, timeout=120, env=None):
@@ -130,15 +142,17 @@ def run_train(num_ranks, train_args, timeout=120, env=None):
     ends its job (the next run starts another), and a run that hangs is killed after
     `timeout` s and fails the test."""
     key = (num_ranks, tuple(sorted((env or {}).items())))
-    job = _train_jobs.get(key)
+    job = _train_jobs.pop(key, None)
     if job is None or job.poll() is not None:
+        while _train_jobs and sum(k[0] for k in _train_jobs) + num_ranks > TRAIN_JOB_RANKS:
+            _end_job(_train_jobs.pop(next(iter(_train_jobs))))
         job_err = tempfile.NamedTemporaryFile("w+", prefix="train_jobs_", suffix=".err")
         job = subprocess.Popen(
             [MPIEXEC, "-n", str(num_ranks), sys.executable, "-m", "mpi4py", TRAIN_JOBS],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=job_err, cwd=REPO,
             env=mpi_env(env), start_new_session=True)
         job.err = job_err
-        _train_jobs[key] = job
+    _train_jobs[key] = job
     out_dir = tempfile.mkdtemp(prefix="run_train_")
     out, err = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
     request = {"argv": ["train", *train_args], "stdout": out, "stderr": err}
@@ -149,7 +163,7 @@ def run_train(num_ranks, train_args, timeout=120, env=None):
     if answer is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    elif not answer.strip():   # the job ended: a failed run aborted it
+    elif answer.strip() != b"0":   # the job ends: a failed run aborted it or said its code
         job.wait()
     returncode = int(answer) if answer and answer.strip() else job.returncode
     stdout, stderr = (open(path).read() if os.path.exists(path) else "" for path in (out, err))
@@ -166,13 +180,7 @@ def run_train(num_ranks, train_args, timeout=120, env=None):
 @atexit.register
 def _end_train_jobs():
     for job in _train_jobs.values():
-        if job.poll() is None:
-            job.stdin.close()   # end of input ends the job
-    for job in _train_jobs.values():
-        try:
-            job.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
+        _end_job(job)
 
 
 def family_env(family):

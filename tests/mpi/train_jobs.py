@@ -73,10 +73,10 @@ def main():
     buf = bytearray(REQUEST_BYTES)
     while (request := next_request(comm, buf)) is not None:
         code = run(request)
-        if code:
+        if code:   # the job ends (sys.exit would make `python -m mpi4py` call MPI_Abort)
             if comm.rank == 0:
                 print(code, flush=True)
-            sys.exit(code)
+            return
         wait(comm.Ibarrier())   # every rank's files are written before the answer
         if comm.rank == 0:
             print(0, flush=True)
