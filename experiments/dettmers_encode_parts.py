@@ -5,6 +5,8 @@
   bucket    the 64-bit gather of the bucket entry  -> arithmetic on the index
   residual  the 32-bit gather of the decoded value -> code x scale
 The stand-ins give wrong codes; only the times count. The memory traffic is the same in all.
+This keeps the encode's loops as they were up to 2026-11-25 (keys and codes in one loop); the
+product now computes keys, codes and residuals in three loops (see hpcsgd/codecs/dettmers.py).
     python experiments/dettmers_encode_parts.py
 """
 import numpy as np
@@ -16,7 +18,7 @@ from hpcsgd.codecs.dettmers import (CHUNK, SUB, _bucket_code, _f64_bits, code_bu
 
 
 @njit(inline="always")
-def _bucket_index_only(x, buckets, emin, emax, M, qzero):
+def _bucket_index_only(x, buckets, emin, emax, M):
     """_bucket_code's arithmetic, the index standing in for the gathered entry."""
     u = _f64_bits(x)
     s = (u >> 63) & 1
@@ -26,12 +28,12 @@ def _bucket_index_only(x, buckets, emin, emax, M, qzero):
     entry = ((s * (emax - emin + 1) + e - emin) << M) | m
     xlow = (u & lowmask) ^ (lowmask & -s)
     q = (entry >> 3) + (xlow >= (entry & 1023))
-    return qzero if x == 0.0 else q
+    return 0 if x == 0.0 else q
 
 
 def variant(divide, bucket, residual):
     @njit(parallel=True)
-    def encode(g, r, codes, s, vt, buckets, emin, emax, M, qzero):
+    def encode(g, r, codes, s, vt, buckets, emin, emax, M):
         n = g.size
         sd = np.float64(s)
         rs = 1.0 / sd
@@ -43,9 +45,9 @@ def variant(divide, bucket, residual):
                     v = g[i] + r[i]
                     x = np.float64(v) / sd if divide else np.float64(v) * rs
                     if bucket:
-                        codes[i] = _bucket_code(x, buckets, emin, emax, M, qzero)
+                        codes[i] = _bucket_code(x, buckets, emin, emax, M)
                     else:
-                        codes[i] = _bucket_index_only(x, buckets, emin, emax, M, qzero)
+                        codes[i] = _bucket_index_only(x, buckets, emin, emax, M)
                 for i in range(ja, jb):
                     if residual:
                         r[i] = (g[i] + r[i]) - vt[codes[i]]

@@ -87,8 +87,7 @@ def make_encode(f32):
                         codes[i] = bcode32(v / s, buckets, np.int32(emin), np.int32(emax),
                                            np.int32(M), qzero)
                     else:
-                        codes[i] = _bucket_code(np.float64(v) / sd, buckets, emin, emax, M,
-                                                qzero)
+                        codes[i] = _bucket_code(np.float64(v) / sd, buckets, emin, emax, M)
                 for i in range(ja, jb):
                     r[i] = (g[i] + r[i]) - vt[codes[i]]
     return encode
@@ -125,7 +124,7 @@ def main():
     scales, flags = np.array([s], np.float32), np.zeros(1, np.uint8)
     runs = {"hpcsgd encode_cpu": lambda: encode_cpu(g, r, True, codes, scales, g.size, table,
                                                       *b64, flags),
-            "float64 rule": lambda: enc64(g, r, codes, s, vt, *b64),
+            "float64 rule": lambda: enc64(g, r, codes, s, vt, *b64, 0),
             "float32 rule": lambda: enc32(g, r, codes, s, vt, *b32)}
     for name, fn in list(runs.items()) * 2:
         fn()

@@ -188,14 +188,16 @@ def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
 # the smallest that leaves at most one midpoint in any bucket. Entry = (lo << 53) | t: lo = the
 # count at the bucket's lower end; t = the midpoint's remaining mantissa bits (mirrored for
 # negative x, whose bits grow as x falls), or 2^(52-M), above every x, for a bucket without
-# one. So code = lo + (x's remaining bits >= t): exact, branch-free, one 64-bit gather per value
-# (a binary search is 8 dependent gathers: 8% of the memory limit). x = +-0 is the one value
-# outside the rule (mantissa's duplicate zeros put midpoints at 0): it takes `qzero`.
+# one. So code = lo + (x's remaining bits >= t): exact, branch-free, one 64-bit lookup per value
+# (a binary search is 8 dependent lookups: 8% of the memory limit). x = +-0 is the one value
+# outside the rule (mantissa's duplicate zeros put midpoints at 0): its key is the table's last
+# entry, (qzero << 53) | 2^(52-M), which always gives qzero.
 BUCKET_CODE_SHIFT = 53
 
 
 def code_buckets(mids):
-    """(entries int64, emin, emax, M, qzero) for `_bucket_code`; emin/emax biased exponents."""
+    """(entries int64, emin, emax, M) for `_bucket_key`; emin/emax biased exponents. The last
+    entry is the zero key's."""
     mids = np.asarray(mids, np.float64)
     mag = np.abs(mids[mids != 0])
     emin = int(np.frexp(mag.min())[1]) - 1 + 1023 - 1   # the octave below the smallest
@@ -218,9 +220,10 @@ def code_buckets(mids):
             t = np.where(hi > lo, thr_low if sign == 0 else lowmask - thr_low, lowmask + 1)
             entries.append((lo.astype(np.int64) << BUCKET_CODE_SHIFT) | t)
         else:
-            table = np.concatenate(entries)
-            assert table.size == 2 * ne << M
-            return table, emin, emax, M, int(np.searchsorted(mids, 0.0, side="right"))
+            qzero = int(np.searchsorted(mids, 0.0, side="right"))
+            table = np.concatenate(entries + [[(qzero << BUCKET_CODE_SHIFT) | (lowmask + 1)]])
+            assert table.size == (2 * ne << M) + 1
+            return table, emin, emax, M
     raise ValueError("dettmers: a table whose midpoints are too close for the bucket search")
 
 
@@ -233,17 +236,29 @@ def _f64_bits(typingctx, x):
 
 
 @njit(inline="always")
-def _bucket_code(x, buckets, emin, emax, M, qzero):
-    """Number of midpoints <= x (= _code's q), from `code_buckets`' table."""
+def _bucket_key(x, emin, emax, M):
+    """(index into `code_buckets`' table, x's remaining bits, mirrored when x < 0). No table
+    read: the encode computes the keys of a run of values as a vector loop of its own."""
     u = _f64_bits(x)
     s = (u >> 63) & 1
     e = min(max((u >> 52) & 0x7FF, emin), emax)
     m = (u >> (52 - M)) & ((1 << M) - 1)
     lowmask = (1 << (52 - M)) - 1
-    entry = buckets[((s * (emax - emin + 1) + e - emin) << M) | m]
-    xlow = (u & lowmask) ^ (lowmask & -s)
-    q = (entry >> BUCKET_CODE_SHIFT) + (xlow >= (entry & ((1 << BUCKET_CODE_SHIFT) - 1)))
-    return qzero if x == 0.0 else q
+    key = ((s * (emax - emin + 1) + e - emin) << M) | m
+    return (2 * (emax - emin + 1) << M) if x == 0.0 else key, (u & lowmask) ^ (lowmask & -s)
+
+
+@njit(inline="always")
+def _bucket_count(entry, xlow):
+    """Number of midpoints <= x, from x's bucket entry and remaining bits."""
+    return (entry >> BUCKET_CODE_SHIFT) + (xlow >= (entry & ((1 << BUCKET_CODE_SHIFT) - 1)))
+
+
+@njit(inline="always")
+def _bucket_code(x, buckets, emin, emax, M):
+    """Number of midpoints <= x (= _code's q), from `code_buckets`' table."""
+    key, xlow = _bucket_key(x, emin, emax, M)
+    return _bucket_count(buckets[key], xlow)
 
 
 @njit(cache=True)
@@ -254,15 +269,17 @@ def _scaled_table(table, s, out):
         out[c] = _value_cpu(table[c], s)
 
 
-# The residual is a second loop over a run of SUB values still in L1: in the code loop it
-# would stop LLVM vectorising (a store to r beside gathers it cannot prove apart).
-SUB = 2048
+# The encode works on runs of SUB values still in L1, in three loops: keys (contiguous loads,
+# the divide and bit arithmetic: vectorised), codes (one table read per value), residuals (one
+# read of the block's decoded values per value). One loop doing all three is not vectorised on
+# CPUs whose gathers LLVM rates slow (Zen 3: all scalar, 1.7x slower), and a store to r beside
+# table reads it cannot prove apart stops vectorisation on the others.
+SUB = 1024
 
 
 @njit(inline="always")
-def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad,
-                  take_max):
-    """bad[b] = 1 where block b holds a NaN or Inf. Branch-free loops (vectorised).
+def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, bad, take_max):
+    """bad[b] = 1 where block b holds a NaN or Inf. Branch-free loops.
     take_max (blocks of at most CHUNK values, one a task): the task takes its block's abs-max
     just before its codes, so the codes read the values from cache, not a second time from
     memory (otherwise scales_cpu has taken the scales in a pass of its own)."""
@@ -272,31 +289,35 @@ def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M,
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
         vt, ml = np.empty(table.size, np.float32), np.empty(LANES, np.float32)
+        keys, xlows = np.empty(SUB, np.int32), np.empty(SUB, np.int64)
         if take_max:
             scales[b] = _absmax(g, r, ef, lo, hi, ml)   # a task is its block: no other reads it
         s = scales[b]
         _scaled_table(table, s, vt)
-        # a zero scale gives x = 0 for every value (_code's rule); 1 keeps the division finite
-        sd = np.float64(s) if s > 0 else 1.0
-        z = 1.0 if s > 0 else 0.0
-        nonfinite = 0
+        # a zero scale gives x = 0 for every value (_code's rule): v / inf is +-0 for a finite v
+        # and NaN for the others, which the exponent check still sees
+        sd = np.float64(s) if s > 0 else np.inf
+        top = 0  # the largest exponent field of x: 0x7FF is a NaN or Inf
         for j in range(lo, hi, SUB):
             # unsigned indices: with a signed computed start, Numba's negative-index wraparound
             # hides that the loads are contiguous and LLVM gathers every one
             ja, jb = np.uint64(j), np.uint64(min(j + SUB, hi))
-            if ef:
+            if ef:  # outside the loop: a flag inside it stops LLVM vectorising the loop
                 for i in range(ja, jb):
-                    v = g[i] + r[i]
-                    codes[i] = _bucket_code(z * (np.float64(v) / sd), buckets, emin, emax, M, qzero)
-                    nonfinite += not v - v == 0.0
-                for i in range(ja, jb):
-                    r[i] = (g[i] + r[i]) - vt[codes[i]]
+                    x = np.float64(g[i] + r[i]) / sd
+                    keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
+                    top = max(top, (_f64_bits(x) >> 52) & 0x7FF)
             else:
                 for i in range(ja, jb):
-                    v = g[i]
-                    codes[i] = _bucket_code(z * (np.float64(v) / sd), buckets, emin, emax, M, qzero)
-                    nonfinite += not v - v == 0.0
-        flags[t] = nonfinite > 0
+                    x = np.float64(g[i]) / sd
+                    keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
+                    top = max(top, (_f64_bits(x) >> 52) & 0x7FF)
+            for i in range(ja, jb):
+                codes[i] = _bucket_count(buckets[keys[i - ja]], xlows[i - ja])
+            if ef:
+                for i in range(ja, jb):
+                    r[i] = (g[i] + r[i]) - vt[codes[i]]
+        flags[t] = top == 0x7FF
     for t in range(nb * per_block):
         if flags[t]:
             bad[t // per_block] = 1
@@ -306,9 +327,8 @@ def _compiled_encode(take_max):
     """One compiled encode per take_max, passed on as a constant (a closure value): with a
     run-time flag LLVM stopped vectorising the code loop (2.5x slower). Its own name gives
     each its own cache file."""
-    def encode(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad):
-        _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, qzero, bad,
-                      take_max)
+    def encode(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, bad):
+        _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M, bad, take_max)
     encode.__name__ = encode.__qualname__ = f"encode_cpu_{'fused' if take_max else 'scaled'}"
     return njit(parallel=True, cache=True)(encode)
 
