@@ -13,14 +13,15 @@ import numpy as np
 from numba import njit, prange
 
 from hpcsgd.bench import membw
-from hpcsgd.codecs.dettmers import (CHUNK, SUB, _bucket_code, _f64_bits, code_buckets,
+from hpcsgd.codecs.common import f64_bits
+from hpcsgd.codecs.dettmers import (CHUNK, SUB, _bucket_code, code_buckets,
                                     make_table, midpoints)
 
 
 @njit(inline="always")
 def _bucket_index_only(x, buckets, emin, emax, M):
     """_bucket_code's arithmetic, the index standing in for the gathered entry."""
-    u = _f64_bits(x)
+    u = f64_bits(x)
     s = (u >> 63) & 1
     e = min(max((u >> 52) & 0x7FF, emin), emax)
     m = (u >> (52 - M)) & ((1 << M) - 1)

@@ -174,6 +174,35 @@ def test_dettmers_stale_zero_scale_still_finds_a_nonfinite_value(backend, bad):
         codec.encode(g, r, buf)
 
 
+def signed_zero_columns():
+    """(g, r) whose v = g + r columns have a zero minimum or maximum of either sign: -0 + -0
+    is the only sum that gives -0."""
+    g = np.array([[-0.0, 0.0, 1.0, 2.0], [-0.0, -0.0, -1.0, -2.0], [0.0, -0.0, -1.0, -3.0],
+                  [0.0, 0.0, 0.0, 0.0], [-0.0, -0.0, -0.0, -0.0], [-0.0, 0.5, 0.0, 0.25]],
+                 np.float32)
+    r = np.where(np.signbit(g), np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    return g, r
+
+
+def test_kbit_minmax_orders_minus_zero_below_plus_zero():
+    """The range of a column whose min or max is zero takes the zero's sign by one rule on
+    every backend (-0 below +0), not by what a CPU's min instruction returns."""
+    g, r0 = signed_zero_columns()
+    bufs = {}
+    for backend in ("reference", "cpu"):
+        c = make_codec("kbit", bits=4, backend=backend)
+        buf = np.zeros(c.packed_nbytes(*g.shape), np.uint8)
+        c.encode(g, r0.copy(), buf)
+        bufs[backend] = buf
+    assert bufs["reference"].tobytes() == bufs["cpu"].tobytes()
+    words = bufs["cpu"].view(np.uint32).reshape(g.shape[0], -1)
+    lower, upper = words[:, 0].view(np.float32), words[:, 1].view(np.float32)
+    np.testing.assert_array_equal(np.signbit(lower), [True, True, True, False, True, True])
+    np.testing.assert_array_equal(np.signbit(upper), [False, True, False, False, True, False])
+    np.testing.assert_array_equal(lower, [0, -2, -3, 0, 0, 0])
+    np.testing.assert_array_equal(upper, [2, 0, 0, 0, 0, 0.5])
+
+
 def test_bad_arguments():
     with pytest.raises(UserError, match="unknown codec"):
         make_codec("twobit")

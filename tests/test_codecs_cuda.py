@@ -65,6 +65,18 @@ else:
         for x, y in zip(a[1:], b[1:]):
             np.testing.assert_array_equal(x, y)
 
+    def test_kbit_minmax_signed_zeros_cuda_equals_cpu():
+        from test_codecs import signed_zero_columns
+        g, r0 = signed_zero_columns()
+        bufs = {}
+        for backend in ("cpu", "cuda"):
+            c = make_codec("kbit", bits=4, backend=backend)
+            put = cuda.to_device if backend == "cuda" else (lambda a: a.copy())
+            buf = put(np.zeros(c.packed_nbytes(*g.shape), np.uint8))
+            c.encode(put(g), put(r0), buf)
+            bufs[backend] = np.array(buf.copy_to_host() if backend == "cuda" else buf)
+        assert bufs["cpu"].tobytes() == bufs["cuda"].tobytes()
+
     @pytest.mark.parametrize("shape", [(3, 70), (2, 1), (4, 64)])
     def test_onebit_decode_apply_cuda_equals_cpu_and_reference(shape):
         rng = np.random.default_rng(1)

@@ -9,11 +9,53 @@ Products of two float32 values are exact in float64, so a GPU fused multiply-add
 same bits as a separate multiply and add; every formula below keeps to such exact products.
 """
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core.extending import intrinsic
 
 from hpcsgd.lazy_cuda import cuda
 
 LANES = 32
+
+
+@intrinsic
+def f64_bits(typingctx, x):
+    """The bits of a float64 as int64 (a register move, vectorised)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The bits of a float32 as int32 (a register move, vectorised)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, u):
+    """The float32 whose bits are the int32 u."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+def order_key(u):
+    """A float32's bits (int32) -> an int32 in the float's order: -0 just below +0, NaNs
+    beyond the infinities. Its own inverse; works on scalars and NumPy arrays. Integer
+    min/max of keys vectorise where a float min/max (NaN rules) does not, and are exact."""
+    return u ^ ((u >> np.int32(31)) & np.int32(0x7FFFFFFF))
+
+
+def order_key_ref(v):
+    """order_key of a float32 array's bits (NumPy)."""
+    return order_key(np.ascontiguousarray(v, np.float32).view(np.int32))
+
+
+KEY_NEG_INF = int(order_key_ref(np.array([-np.inf], np.float32))[0])   # finite keys lie
+KEY_POS_INF = int(order_key_ref(np.array([np.inf], np.float32))[0])    # strictly between
 
 
 def row_threads(n_rows, most=128):

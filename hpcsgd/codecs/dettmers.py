@@ -23,11 +23,9 @@ from the same output buffer, so `refresh` > 1 needs the caller to pass the same 
 same matrix each step (the exchange's preallocated buffers); a fresh buffer recomputes.
 """
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core.extending import intrinsic
+from numba import njit, prange
 
-from hpcsgd.codecs.common import LANES, Codec, nonfinite_error
+from hpcsgd.codecs.common import LANES, Codec, f64_bits, nonfinite_error
 from hpcsgd.device import as_device, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
@@ -227,19 +225,11 @@ def code_buckets(mids):
     raise ValueError("dettmers: a table whose midpoints are too close for the bucket search")
 
 
-@intrinsic
-def _f64_bits(typingctx, x):
-    """The bits of a float64 as int64 (a register move, vectorised)."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-    return types.int64(types.float64), codegen
-
-
 @njit(inline="always")
 def _bucket_key(x, emin, emax, M):
     """(index into `code_buckets`' table, x's remaining bits, mirrored when x < 0). No table
     read: the encode computes the keys of a run of values as a vector loop of its own."""
-    u = _f64_bits(x)
+    u = f64_bits(x)
     s = (u >> 63) & 1
     e = min(max((u >> 52) & 0x7FF, emin), emax)
     m = (u >> (52 - M)) & ((1 << M) - 1)
@@ -306,12 +296,12 @@ def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M,
                 for i in range(ja, jb):
                     x = np.float64(g[i] + r[i]) / sd
                     keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
-                    top = max(top, (_f64_bits(x) >> 52) & 0x7FF)
+                    top = max(top, (f64_bits(x) >> 52) & 0x7FF)
             else:
                 for i in range(ja, jb):
                     x = np.float64(g[i]) / sd
                     keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
-                    top = max(top, (_f64_bits(x) >> 52) & 0x7FF)
+                    top = max(top, (f64_bits(x) >> 52) & 0x7FF)
             for i in range(ja, jb):
                 codes[i] = _bucket_count(buckets[keys[i - ja]], xlows[i - ja])
             if ef:

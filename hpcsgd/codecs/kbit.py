@@ -16,12 +16,15 @@ Packed layout, per column, 32-bit little-endian words:
 row r's k-bit field starts at bit r * k of the column's word area, least significant bit first;
 fields may straddle two words (k = 3, 5, 6, 7).
 """
+import math
+
 import numba
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
-                                  ref_lane_sums, row_threads)
+from hpcsgd.codecs.common import (KEY_NEG_INF, KEY_POS_INF, LANES, Codec, f32_bits, f32_from_bits,
+                                  lane_tree_cpu, lane_tree_cuda, nonfinite_error, order_key,
+                                  order_key_ref, ref_lane_sums, row_threads)
 from hpcsgd.device import as_device
 from hpcsgd.lazy_cuda import cuda
 
@@ -60,6 +63,7 @@ def _value(q, lower, step):
 
 _range_cpu, _step_cpu, _inv_cpu, _code_cpu, _value_cpu = (
     njit(inline="always")(f) for f in (_range, _step, _inv, _code, _value))
+_order_key_cpu = njit(inline="always")(order_key)
 _range_cuda, _step_cuda, _inv_cuda, _code_cuda, _value_cuda = (
     cuda.jit(device=True)(f) for f in (_range, _step, _inv, _code, _value))
 
@@ -78,8 +82,10 @@ def encode_ref(g, r, packed, k, use_minmax, clip):
     bad = ~np.isfinite(sumsq)
     if bad.any():
         return int(np.argmax(bad))
-    if use_minmax:
-        lower, upper = v.min(axis=1), v.max(axis=1)
+    if use_minmax:   # in the order of order_key: a zero minimum is -0 if the column has one
+        keys = order_key_ref(v)
+        lower = order_key(keys.min(axis=1)).view(np.float32)
+        upper = order_key(keys.max(axis=1)).view(np.float32)
     else:
         upper = (clip * np.sqrt(sumsq / n_rows)).astype(np.float32)
         lower = -upper
@@ -117,35 +123,38 @@ def decode_ref(packed, out, accumulate, k):
 
 # ---------------------------------------------------------------- Numba CPU
 @njit(inline="always")
-def _column_stats(gc, rc, sq, mnl, mxl):
-    """The canonical lane sums of squares (float64) and the min and max of v = g + r over one
-    column, all per lane: LANES independent accumulators, so the loop vectorises (a single
-    running min is a dependency chain LLVM keeps scalar). min and max are exact, so the lanes
-    give the same values as one scan."""
+def _column_sumsq(gc, rc, sq):
+    """The canonical lane sums of squares (float64) of v = g + r over one column (range
+    "rms"); sq is LANES of scratch."""
     n_rows = gc.size
     nfull = n_rows // LANES
     for l in range(LANES):
         sq[l] = 0.0
-        mnl[l] = np.inf
-        mxl[l] = -np.inf
     for i in range(nfull):
         for l in range(LANES):
-            v = gc[i * LANES + l] + rc[i * LANES + l]
-            x = np.float64(v)
+            x = np.float64(gc[i * LANES + l] + rc[i * LANES + l])
             sq[l] += x * x
-            mnl[l] = min(mnl[l], v)
-            mxl[l] = max(mxl[l], v)
     for j in range(nfull * LANES, n_rows):
-        v = gc[j] + rc[j]
-        x = np.float64(v)
+        x = np.float64(gc[j] + rc[j])
         sq[j - nfull * LANES] += x * x
-        mnl[0] = min(mnl[0], v)
-        mxl[0] = max(mxl[0], v)
-    mn, mx = mnl[0], mxl[0]
-    for l in range(1, LANES):
-        mn = min(mn, mnl[l])
-        mx = max(mx, mxl[l])
-    return lane_tree_cpu(sq), mn, mx
+    return lane_tree_cpu(sq)
+
+
+@njit(inline="always")
+def _column_minmax(gc, rc):
+    """(min, max, finite) of v = g + r over one column (range "minmax"), by order keys: one
+    flat loop of integer min/max reductions, which LLVM vectorises on every x86 (per-lane
+    float minima it unrolled to scalar code on Zen 3). Exact; -0 counts below +0."""
+    mnk = np.int32(KEY_POS_INF + 1)   # above every finite key: no row leaves it there
+    mxk = np.int32(KEY_NEG_INF - 1)
+    for i in range(gc.size):
+        # Numba widens int32 arithmetic to int64; the casts let LLVM keep 8 lanes of int32
+        key = np.int32(_order_key_cpu(f32_bits(gc[i] + rc[i])))
+        mnk = np.int32(min(mnk, key))
+        mxk = np.int32(max(mxk, key))
+    finite = KEY_NEG_INF < mnk and mxk < KEY_POS_INF
+    return (f32_from_bits(np.int32(_order_key_cpu(mnk))), f32_from_bits(np.int32(_order_key_cpu(mxk))),
+            finite)
 
 
 @njit(inline="always")
@@ -174,16 +183,21 @@ def _quantize(v, lower, inv, maxq_f, step):
 
 
 @njit(cache=True)
-def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, mnl, mxl, codes):
+def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, codes):
     """One column: statistics in one pass, then codes and residuals in a second one, the
     column still in L1 (16 KB for 2048 rows of g and r). False if it is not finite.
     Called once per column, not inlined: inlining cost a second of compiling, no speed."""
     n_rows = gc.size
     maxq = (1 << k) - 1
-    sumsq, mn, mx = _column_stats(gc, rc, sq, mnl, mxl)
-    if not sumsq - sumsq == 0.0:  # NaN or Inf somewhere in the column
-        return False
-    lower, upper = _range_cpu(sumsq, mn, mx, n_rows, use_minmax, clip)
+    if use_minmax:
+        lower, upper, finite = _column_minmax(gc, rc)
+        if not finite:
+            return False
+    else:
+        sumsq = _column_sumsq(gc, rc, sq)
+        if not sumsq - sumsq == 0.0:  # NaN or Inf somewhere in the column
+            return False
+        lower, upper = _range_cpu(sumsq, 0.0, 0.0, n_rows, False, clip)
     colf[0] = lower
     colf[1] = upper
     step = _step_cpu(lower, upper, maxq + 1)
@@ -232,12 +246,9 @@ def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip, nchunk):
     n_cols, n_rows = g.shape
     for t in prange(nchunk):
         sq = np.empty(LANES, np.float64)
-        mnl = np.empty(LANES, np.float32)
-        mxl = np.empty(LANES, np.float32)
         codes = np.empty((n_rows + 7) // 8, np.uint64)   # codes as bytes, 8 to a word
         for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
-            if not _encode_column(g[c], r[c], cols[c], fcols[c], k, use_minmax, clip, sq, mnl,
-                                  mxl, codes):
+            if not _encode_column(g[c], r[c], cols[c], fcols[c], k, use_minmax, clip, sq, codes):
                 bad[c] = 1
 
 
@@ -303,24 +314,34 @@ def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
     mns = cuda.shared.array(LANES, np.float32)
     mxs = cuda.shared.array(LANES, np.float32)
     lu = cuda.shared.array(3, np.float32)
+    zeros = cuda.shared.array(LANES, np.int32)
     acc = 0.0
     mn = np.float32(np.inf)
     mx = np.float32(-np.inf)
+    z = 0   # bit 0: the column holds a -0, bit 1: a +0 (the CPU's order keys put -0 below +0)
     for i in range(lane, n_rows, LANES):
         v = g[c, i] + r[c, i]
         x = np.float64(v)
         acc += x * x
         mn = min(mn, v)
         mx = max(mx, v)
+        if v == 0.0:
+            z |= 1 if math.copysign(1.0, v) < 0.0 else 2
     sq[lane] = acc
     mns[lane] = mn
     mxs[lane] = mx
+    zeros[lane] = z
     cuda.syncthreads()
     if lane == 0:
         sumsq = lane_tree_cuda(sq)
         for l in range(1, LANES):
             mn = min(mn, mns[l])
             mx = max(mx, mxs[l])
+            z |= zeros[l]
+        if mn == 0.0:
+            mn = np.float32(-0.0) if z & 1 else np.float32(0.0)
+        if mx == 0.0:
+            mx = np.float32(0.0) if z & 2 else np.float32(-0.0)
         lu[2] = 0.0
         if not sumsq - sumsq == 0.0:
             lu[2] = 1.0
