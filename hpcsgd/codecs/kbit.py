@@ -252,52 +252,81 @@ def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip, nchunk):
                 bad[c] = 1
 
 
+@njit(inline="always")
+def _unpack4(word):
+    """_pack4's inverse: a 32-bit word of 8 4-bit codes -> one code per byte of a uint64."""
+    x = np.uint64(word)
+    x = (x | (x << np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    x = (x | (x << np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+    return (x | (x << np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
+@njit(inline="always")
+def _unpack2(half):
+    """_pack2's inverse: 16 bits of 8 2-bit codes -> one code per byte of a uint64."""
+    x = np.uint64(half)
+    x = (x | (x << np.uint64(24))) & np.uint64(0x000000FF000000FF)
+    x = (x | (x << np.uint64(12))) & np.uint64(0x000F000F000F000F)
+    return (x | (x << np.uint64(6))) & np.uint64(0x0303030303030303)
+
+
+@njit(inline="always")
+def _decode_bytes(code8, n, lower, step, outc, accumulate):
+    """outc[:n] (+)= the values of n codes given one per byte: a flat loop, vectorised."""
+    if accumulate:
+        for i in range(n):
+            outc[i] += _value_cpu(int(code8[i]), lower, step)
+    else:
+        for i in range(n):
+            outc[i] = _value_cpu(int(code8[i]), lower, step)
+
+
 @njit(parallel=True, cache=True)
-def decode_cpu(cols, fcols, out, accumulate, k):
+def decode_cpu(cols, fcols, out, accumulate, k, nchunk):
+    """Columns in nchunk tasks (scratch once per task). k = 2, 4: whole words are first
+    unpacked to one code per byte by shifts and masks, then decoded by the flat loop k = 8
+    uses (the codes read straight from words, 8 or 16 to a word, were not vectorised)."""
     n_cols, n_rows = out.shape
     mask = np.uint64((1 << k) - 1)
-    for c in prange(n_cols):
-        lower = fcols[c, 0]
-        step = _step_cpu(lower, fcols[c, 1], 1 << k)
-        start = 0
-        if k == 8:        # one code per byte, little-endian: the word area as bytes
-            start = n_rows
-            codes = cols[c, 2:].view(np.uint8)
-            for i in range(n_rows):
-                val = _value_cpu(int(codes[i]), lower, step)
+    for t in prange(nchunk):
+        codes = np.empty((n_rows + 7) // 8, np.uint64)   # codes as bytes, 8 to a word
+        code8 = codes.view(np.uint8)
+        for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
+            lower = fcols[c, 0]
+            step = _step_cpu(lower, fcols[c, 1], 1 << k)
+            start = 0
+            if k == 8:        # one code per byte, little-endian: the word area as bytes
+                start = n_rows
+                _decode_bytes(cols[c, 2:].view(np.uint8), n_rows, lower, step, out[c],
+                              accumulate)
+            elif 32 % k == 0:   # k = 2, 4: whole words, as the encoder writes them
+                per = 32 // k
+                start = n_rows // per * per
+                if k == 4:
+                    for w in range(start // 8):
+                        codes[w] = _unpack4(cols[c, 2 + w])
+                else:
+                    for w in range(start // 16):
+                        word = cols[c, 2 + w]
+                        codes[2 * w] = _unpack2(word & np.uint32(0xFFFF))
+                        codes[2 * w + 1] = _unpack2(word >> np.uint32(16))
+                _decode_bytes(code8, start, lower, step, out[c], accumulate)
+            acc = np.uint64(0)
+            nb = 0
+            w = 2 + start * k // 32
+            for i in range(start, n_rows):
+                if nb < k:
+                    acc |= np.uint64(cols[c, w]) << np.uint64(nb)
+                    nb += 32
+                    w += 1
+                q = int(acc & mask)
+                acc >>= np.uint64(k)
+                nb -= k
+                val = _value_cpu(q, lower, step)
                 if accumulate:
                     out[c, i] += val
                 else:
                     out[c, i] = val
-        elif 32 % k == 0:   # k = 2, 4: whole words, as the encoder writes them
-            per = 32 // k
-            start = n_rows // per * per
-            m32 = np.uint32((1 << k) - 1)
-            for w in range(n_rows // per):
-                word = cols[c, 2 + w]
-                for j in range(per):
-                    q = int((word >> np.uint32(j * k)) & m32)
-                    val = _value_cpu(q, lower, step)
-                    if accumulate:
-                        out[c, w * per + j] += val
-                    else:
-                        out[c, w * per + j] = val
-        acc = np.uint64(0)
-        nb = 0
-        w = 2 + start * k // 32
-        for i in range(start, n_rows):
-            if nb < k:
-                acc |= np.uint64(cols[c, w]) << np.uint64(nb)
-                nb += 32
-                w += 1
-            q = int(acc & mask)
-            acc >>= np.uint64(k)
-            nb -= k
-            val = _value_cpu(q, lower, step)
-            if accumulate:
-                out[c, i] += val
-            else:
-                out[c, i] = val
 
 
 # ---------------------------------------------------------------- Numba CUDA
@@ -453,7 +482,8 @@ class KBit(Codec):
             decode_ref(packed, out, accumulate, self.bits)
         elif self.backend == "cpu":
             decode_cpu(packed.view(np.uint32).reshape(n_cols, W),
-                       packed.view(np.float32).reshape(n_cols, W), out, accumulate, self.bits)
+                       packed.view(np.float32).reshape(n_cols, W), out, accumulate, self.bits,
+                       min(n_cols, 8 * numba.get_num_threads()))
         else:
             p = as_device(packed)
             decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
