@@ -47,7 +47,10 @@ _HI, _LO, _HALF, _ONE = _f(88.0), _f(-87.0), _f(0.5), _f(1.0)
 @njit(inline="always")
 def _expf(x):
     x = min(max(x, _LO), _HI)
-    n = math.floor(x * _LOG2E + _HALF)
+    # n as a float64 (exact: |n| <= 127). math.floor returned an int64, the same value, but
+    # AVX2 has no packed float -> int64 conversion, so LLVM made that one step scalar and the
+    # whole loop slow on Zen 3; r and the polynomial are float64 either way.
+    n = np.float64(np.floor(x * _LOG2E + _HALF))
     r = x - n * _C1 - n * _C2
     p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
     p = p * r * r + r + _ONE
