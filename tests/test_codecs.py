@@ -16,7 +16,8 @@ CONFIGS = ([("onebit", {})]
               ("dettmers", {"dtype": "linear", "error_feedback": False}),
               ("float32", {}), ("float16", {})])
 IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in CONFIGS]
-SHAPES = [(5, 70), (3, 1), (1, 64), (4, 33), (0, 50), (2, 2053)]
+SHAPES = [(5, 70), (3, 1), (1, 64), (4, 33), (0, 50), (2, 2053),
+          (37, 70)]  # more columns than tasks: a task encodes a run of columns
 
 
 def grads(shape, steps, seed=0):
@@ -201,6 +202,27 @@ def test_kbit_minmax_orders_minus_zero_below_plus_zero():
     np.testing.assert_array_equal(np.signbit(upper), [False, True, False, False, True, False])
     np.testing.assert_array_equal(lower, [0, -2, -3, 0, 0, 0])
     np.testing.assert_array_equal(upper, [2, 0, 0, 0, 0, 0.5])
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bad_col", [0, 1, 2, 5, 38, 39])
+def test_kbit_a_nonfinite_column_leaves_the_others_as_without_it(bits, bad_col):
+    """A task takes each next column's range inside the previous column's code loop: a bad
+    column (first, inside or last of a task's run) must not disturb its neighbours."""
+    g = grads((40, 64), 1)[0]
+    c = make_codec("kbit", bits=bits)
+    W = c.packed_nbytes(1, 64) // 4
+    clean_r, clean = np.zeros_like(g), np.zeros(c.packed_nbytes(40, 64), np.uint8)
+    c.encode(g, clean_r, clean)
+    g[bad_col, 7] = np.nan
+    r, buf = np.zeros_like(g), np.zeros(c.packed_nbytes(40, 64), np.uint8)
+    with pytest.raises(ValueError, match=rf"column {bad_col} "):
+        c.encode(g, r, buf)
+    others = [i for i in range(40) if i != bad_col]
+    assert (r[bad_col] == 0).all()
+    np.testing.assert_array_equal(r[others], clean_r[others])
+    np.testing.assert_array_equal(buf.view(np.uint32).reshape(40, W)[others],
+                                  clean.view(np.uint32).reshape(40, W)[others])
 
 
 def test_bad_arguments():

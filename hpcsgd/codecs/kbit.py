@@ -141,20 +141,31 @@ def _column_sumsq(gc, rc, sq):
 
 
 @njit(inline="always")
+def _keys_range(gc, rc, a, b, mnk, mxk):
+    """mnk/mxk updated with the order keys of v = g + r over rows [a, b) (_column_minmax)."""
+    for i in range(a, b):
+        key = np.int32(_order_key_cpu(f32_bits(gc[i] + rc[i])))
+        mnk = np.int32(min(mnk, key))
+        mxk = np.int32(max(mxk, key))
+    return mnk, mxk
+
+
+@njit(inline="always")
+def _keys_result(mnk, mxk):
+    return (f32_from_bits(np.int32(_order_key_cpu(mnk))), f32_from_bits(np.int32(_order_key_cpu(mxk))),
+            KEY_NEG_INF < mnk and mxk < KEY_POS_INF)
+
+
+@njit(inline="always")
 def _column_minmax(gc, rc):
     """(min, max, finite) of v = g + r over one column (range "minmax"), by order keys: one
     flat loop of integer min/max reductions, which LLVM vectorises on every x86 (per-lane
     float minima it unrolled to scalar code on Zen 3). Exact; -0 counts below +0."""
-    mnk = np.int32(KEY_POS_INF + 1)   # above every finite key: no row leaves it there
-    mxk = np.int32(KEY_NEG_INF - 1)
-    for i in range(gc.size):
-        # Numba widens int32 arithmetic to int64; the casts let LLVM keep 8 lanes of int32
-        key = np.int32(_order_key_cpu(f32_bits(gc[i] + rc[i])))
-        mnk = np.int32(min(mnk, key))
-        mxk = np.int32(max(mxk, key))
-    finite = KEY_NEG_INF < mnk and mxk < KEY_POS_INF
-    return (f32_from_bits(np.int32(_order_key_cpu(mnk))), f32_from_bits(np.int32(_order_key_cpu(mxk))),
-            finite)
+    # above (below) every finite key: no finite row leaves them there. Numba widens int32
+    # arithmetic to int64; the casts in _keys_range let LLVM keep 8 lanes of int32
+    mnk, mxk = _keys_range(gc, rc, 0, gc.size, np.int32(KEY_POS_INF + 1),
+                           np.int32(KEY_NEG_INF - 1))
+    return _keys_result(mnk, mxk)
 
 
 @njit(inline="always")
@@ -183,26 +194,21 @@ def _quantize(v, lower, inv, maxq_f, step):
 
 
 @njit(cache=True)
-def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, codes):
-    """One column: statistics in one pass, then codes and residuals in a second one, the
-    column still in L1 (16 KB for 2048 rows of g and r). False if it is not finite.
+def _encode_column(gc, rc, colw, colf, k, lower, upper, gn, rn, take_next, codes):
+    """Codes and residuals of one finite column whose range [lower, upper] is known, in one
+    pass over it (from L1: the range's pass has just read it). With take_next (minmax),
+    the same loop takes the next column's min and max keys: its rows stream from memory
+    while this column's arithmetic runs, instead of after it. Returns the next column's
+    (lower, upper, finite) (meaningless without take_next).
     Called once per column, not inlined: inlining cost a second of compiling, no speed."""
     n_rows = gc.size
     maxq = (1 << k) - 1
-    if use_minmax:
-        lower, upper, finite = _column_minmax(gc, rc)
-        if not finite:
-            return False
-    else:
-        sumsq = _column_sumsq(gc, rc, sq)
-        if not sumsq - sumsq == 0.0:  # NaN or Inf somewhere in the column
-            return False
-        lower, upper = _range_cpu(sumsq, 0.0, 0.0, n_rows, False, clip)
     colf[0] = lower
     colf[1] = upper
     step = _step_cpu(lower, upper, maxq + 1)
     inv = _inv_cpu(step)
     maxq_f = np.float64(maxq)
+    mnk, mxk = np.int32(KEY_POS_INF + 1), np.int32(KEY_NEG_INF - 1)
     start = 0
     if 32 % k == 0:   # k = 2, 4, 8: codes first (one vectorised loop), then whole words
         per = 32 // k
@@ -210,11 +216,21 @@ def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, codes):
         # the codes as bytes (k = 8: the word area itself, little-endian), then whole
         # words from 8 codes at a time by shifts and masks; every loop vectorises
         code8 = colw[2:].view(np.uint8) if k == 8 else codes.view(np.uint8)
-        for i in range(start):
-            v = gc[i] + rc[i]
-            q, value = _quantize(v, lower, inv, maxq_f, step)
-            rc[i] = v - value
-            code8[i] = np.uint8(q)
+        if take_next:   # the flag outside the loop: inside, it stops LLVM vectorising it
+            for i in range(start):
+                v = gc[i] + rc[i]
+                q, value = _quantize(v, lower, inv, maxq_f, step)
+                rc[i] = v - value
+                code8[i] = np.uint8(q)
+                key = np.int32(_order_key_cpu(f32_bits(gn[i] + rn[i])))
+                mnk = np.int32(min(mnk, key))
+                mxk = np.int32(max(mxk, key))
+        else:
+            for i in range(start):
+                v = gc[i] + rc[i]
+                q, value = _quantize(v, lower, inv, maxq_f, step)
+                rc[i] = v - value
+                code8[i] = np.uint8(q)
         if k == 4:
             for w in range(start // 8):
                 colw[2 + w] = _pack4(codes[w])
@@ -237,19 +253,39 @@ def _encode_column(gc, rc, colw, colf, k, use_minmax, clip, sq, codes):
             w += 1
     if nb > 0:
         colw[w] = np.uint32(acc)
-    return True
+    if take_next:
+        mnk, mxk = _keys_range(gn, rn, start, n_rows, mnk, mxk)
+    return _keys_result(mnk, mxk)
 
 
 @njit(parallel=True, cache=True)
 def encode_cpu(g, r, cols, fcols, bad, k, use_minmax, clip, nchunk):
-    """Columns in nchunk tasks, each with its own scratch (allocated once per task)."""
+    """Columns in nchunk tasks, each with its own scratch (allocated once per task). A
+    column's range, then its codes; minmax takes each next column's range inside the
+    previous column's code loop (_encode_column)."""
     n_cols, n_rows = g.shape
     for t in prange(nchunk):
         sq = np.empty(LANES, np.float64)
         codes = np.empty((n_rows + 7) // 8, np.uint64)   # codes as bytes, 8 to a word
-        for c in range(t * n_cols // nchunk, (t + 1) * n_cols // nchunk):
-            if not _encode_column(g[c], r[c], cols[c], fcols[c], k, use_minmax, clip, sq, codes):
+        c0, c1 = t * n_cols // nchunk, (t + 1) * n_cols // nchunk
+        lower, upper, finite = np.float32(0.0), np.float32(0.0), True
+        if use_minmax and c0 < c1:
+            lower, upper, finite = _column_minmax(g[c0], r[c0])
+        for c in range(c0, c1):
+            if not use_minmax:
+                sumsq = _column_sumsq(g[c], r[c], sq)
+                finite = sumsq - sumsq == 0.0   # NaN or Inf somewhere in the column
+                lower, upper = _range_cpu(sumsq, 0.0, 0.0, n_rows, False, clip)
+            take_next = use_minmax and c + 1 < c1
+            cn = c + 1 if take_next else c
+            if finite:
+                nxt = _encode_column(g[c], r[c], cols[c], fcols[c], k, lower, upper, g[cn],
+                                     r[cn], take_next, codes)
+            else:
                 bad[c] = 1
+                nxt = _column_minmax(g[cn], r[cn])
+            if take_next:
+                lower, upper, finite = nxt
 
 
 @njit(inline="always")
