@@ -5,13 +5,13 @@ old module is a file of its own, e.g. the encode before the three-loop split:
     python experiments/dettmers_ab.py /tmp/dettmers_old.py [rounds]
 Codes and residuals must be bit-identical (printed first).
 """
-import numpy as np, sys, importlib.util
+import sys
+
+import numpy as np
+from old_module import load
 from hpcsgd.bench import membw
 import hpcsgd.codecs.dettmers as new
-spec = importlib.util.spec_from_file_location("dettmers_old", sys.argv[1])
-old = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = old   # its cached kernels name their module
-spec.loader.exec_module(old)
+old = load(sys.argv[1], "dettmers_old")
 membw.set_threads(2)
 g = np.random.default_rng(0).standard_normal(2048 * 9304).astype(np.float32) * 1e-3
 r0 = np.random.default_rng(1).standard_normal(g.size).astype(np.float32) * 1e-5

@@ -1,17 +1,18 @@
-"""kbit encode and decode-accumulate before and after a change, on the 46M model's largest
-matrix (9304 x 2048, our (n_cols, n_rows) layout), 2 threads, the old module file and the
+"""kbit encode and decode-accumulate before and after a change, on a matrix of the 46M
+model's largest size as 9304 columns of 2048 rows (19.1M values; the bench's 2048 x 9304 layer
+has 2048 columns of 9304 rows), 2 threads, the old module file and the
 package's alternated, each beside a triad timed with it. Prints whether the encodes' bytes
 and residuals match.
     git show 0b0f9fe:hpcsgd/codecs/kbit.py > /tmp/kbit_old.py
     python experiments/kbit_ab.py /tmp/kbit_old.py 2,4,8
 """
-import numpy as np, sys, importlib.util
+import sys
+
+import numpy as np
+from old_module import load
 from hpcsgd.bench import membw
 import hpcsgd.codecs.kbit as new
-spec = importlib.util.spec_from_file_location("kbit_old", sys.argv[1])
-old = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = old   # its cached kernels name their module
-spec.loader.exec_module(old)
+old = load(sys.argv[1], "kbit_old")
 membw.set_threads(2)
 rng = np.random.default_rng(0)
 g = (rng.standard_normal((9304, 2048)) * 1e-3).astype(np.float32)

@@ -5,12 +5,14 @@ this one holds to 1-2%.
     git show 0b0f9fe:hpcsgd/codecs/kbit.py > /tmp/kbit_old.py
     python experiments/kbit_compute_ab.py /tmp/kbit_old.py 2,4,8
 """
-import numpy as np, sys, importlib.util, time, numba
+import sys
+import time
+
+import numba
+import numpy as np
+from old_module import load
 import hpcsgd.codecs.kbit as new
-spec = importlib.util.spec_from_file_location("kbit_old", sys.argv[1])
-old = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = old   # its cached kernels name their module
-spec.loader.exec_module(old)
+old = load(sys.argv[1], "kbit_old")
 numba.set_num_threads(1)
 rng = np.random.default_rng(0)
 g = (rng.standard_normal((64, 2048)) * 1e-3).astype(np.float32)
