@@ -141,18 +141,26 @@ def _column_sumsq(gc, rc, sq):
 
 
 @njit(inline="always")
+def _take_key(v, mnk, mxk):
+    """(mnk, mxk) after v's order key. Numba widens int32 arithmetic to int64; the casts let
+    LLVM keep 8 lanes of int32."""
+    key = np.int32(_order_key_cpu(f32_bits(v)))
+    return np.int32(min(mnk, key)), np.int32(max(mxk, key))
+
+
+@njit(inline="always")
 def _keys_range(gc, rc, a, b, mnk, mxk):
     """mnk/mxk updated with the order keys of v = g + r over rows [a, b) (_column_minmax)."""
     for i in range(a, b):
-        key = np.int32(_order_key_cpu(f32_bits(gc[i] + rc[i])))
-        mnk = np.int32(min(mnk, key))
-        mxk = np.int32(max(mxk, key))
+        mnk, mxk = _take_key(gc[i] + rc[i], mnk, mxk)
     return mnk, mxk
 
 
 @njit(inline="always")
 def _keys_result(mnk, mxk):
-    return (f32_from_bits(np.int32(_order_key_cpu(mnk))), f32_from_bits(np.int32(_order_key_cpu(mxk))),
+    """(min, max, finite) from the extreme keys."""
+    return (f32_from_bits(np.int32(_order_key_cpu(mnk))),
+            f32_from_bits(np.int32(_order_key_cpu(mxk))),
             KEY_NEG_INF < mnk and mxk < KEY_POS_INF)
 
 
@@ -161,8 +169,7 @@ def _column_minmax(gc, rc):
     """(min, max, finite) of v = g + r over one column (range "minmax"), by order keys: one
     flat loop of integer min/max reductions, which LLVM vectorises on every x86 (per-lane
     float minima it unrolled to scalar code on Zen 3). Exact; -0 counts below +0."""
-    # above (below) every finite key: no finite row leaves them there. Numba widens int32
-    # arithmetic to int64; the casts in _keys_range let LLVM keep 8 lanes of int32
+    # above (below) every finite key: no finite row leaves them there
     mnk, mxk = _keys_range(gc, rc, 0, gc.size, np.int32(KEY_POS_INF + 1),
                            np.int32(KEY_NEG_INF - 1))
     return _keys_result(mnk, mxk)
@@ -222,9 +229,7 @@ def _encode_column(gc, rc, colw, colf, k, lower, upper, gn, rn, take_next, codes
                 q, value = _quantize(v, lower, inv, maxq_f, step)
                 rc[i] = v - value
                 code8[i] = np.uint8(q)
-                key = np.int32(_order_key_cpu(f32_bits(gn[i] + rn[i])))
-                mnk = np.int32(min(mnk, key))
-                mxk = np.int32(max(mxk, key))
+                mnk, mxk = _take_key(gn[i] + rn[i], mnk, mxk)
         else:
             for i in range(start):
                 v = gc[i] + rc[i]
