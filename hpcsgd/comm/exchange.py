@@ -250,6 +250,11 @@ class Allreduce(_Collective):
         self.h_send = np.empty(size if mpi16 else 0, np.uint16)
         self.h_gather = np.empty(size if mpi16 else 0, np.uint16)
         self.h_parts = np.empty((k, int(self.counts[rank]) if mpi16 else 0), np.uint16)
+        # one rank, float32: nothing to sum, so the update is the optimizer's one fused pass
+        # over the gradient (Optimizer.fused_update: the same bits as post_exchange + apply,
+        # one pass over memory instead of two)
+        self.fuses_owner = self.fuses_apply = k == 1 and dtype == "float32"
+        self._opt = None
         self._scales = (1.0, 1.0)   # the float16 path's (a, c) of the exchange in flight
         self._gathered = False      # ... and whether its sum has been gathered
         # GPU ranks without NCCL: what MPI reads for the gradient (float16: always the host)
@@ -269,6 +274,9 @@ class Allreduce(_Collective):
         not be touched until the update is applied; one exchange in flight at a time."""
         grad = grad[:self.size]
         self._grad, self._req, self._reduced = grad, None, False
+        if self.fuses_apply:          # one rank: the sum is grad itself, where it lies
+            self._buf, self._reduced = None, True
+            return
         if self.nccl is not None:     # GPU ranks with NCCL (K > 1): all on the device
             self._buf = grad
             if self.dtype == "float16":
@@ -371,6 +379,15 @@ class Allreduce(_Collective):
 
     def gather(self):
         pass
+
+    def owner_pass(self, params, opt):
+        """One rank (fuses_owner): post-processing waits for decode_apply's fused pass."""
+        self._opt = opt
+
+    def decode_apply(self, params, lr):
+        """One rank (fuses_apply): W -= lr * update in the optimizer's fused pass."""
+        self._opt.fused_update(params[:self.size], self._grad, lr)
+        self._grad = None
 
     def update(self):
         """The update every rank applies: the post-processed sum, in place in grad."""
