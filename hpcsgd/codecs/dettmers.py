@@ -25,7 +25,7 @@ same matrix each step (the exchange's preallocated buffers); a fresh buffer reco
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.codecs.common import LANES, Codec, f64_bits, nonfinite_error
+from hpcsgd.codecs.common import Codec, f32_bits, f32_from_bits, f64_bits, nonfinite_error
 from hpcsgd.device import as_device, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
@@ -132,28 +132,22 @@ def _task_range(t, per_block, block, n):
 
 
 @njit(cache=True)
-def _absmax(g, r, ef, lo, hi, ml):
-    """max |g + r| (or |g|) over [lo, hi). LANES running maxima in ml (scratch of LANES): one
-    is a dependency chain LLVM keeps scalar; max is exact, so the lanes give the same value
-    as one scan. Called once per task, not inlined (inlining only added compile time)."""
-    for l in range(LANES):
-        ml[l] = 0.0
-    nfull = (hi - lo) // LANES
-    for k in range(nfull):
-        base = np.uint64(lo + k * LANES)  # unsigned: contiguous loads (encode_cpu)
-        if ef:
-            for l in range(np.uint64(LANES)):
-                ml[l] = max(ml[l], abs(g[base + l] + r[base + l]))
-        else:
-            for l in range(np.uint64(LANES)):
-                ml[l] = max(ml[l], abs(g[base + l]))
-    for i in range(np.uint64(lo + nfull * LANES), np.uint64(hi)):
-        v = g[i] + r[i] if ef else g[i]
-        ml[0] = max(ml[0], abs(v))
-    m = ml[0]
-    for l in range(1, LANES):
-        m = max(m, ml[l])
-    return m
+def _absmax(g, r, ef, lo, hi):
+    """max |g + r| (or |g|) over [lo, hi), as the integer max of the values' bits with the
+    sign cleared: for floats that are not NaN, the same order and the same value; a NaN gives
+    a NaN (as NumPy's max), and the encode's exponent check reports it. One flat int32
+    reduction that LLVM vectorises on every x86 (8 lanes of vpmaxsd on AVX2), where per-lane
+    float maxima stayed scalar on Zen 3. Called once per task, not inlined (inlining only
+    added compile time)."""
+    m = np.int32(0)
+    a, b = np.uint64(lo), np.uint64(hi)   # unsigned: contiguous loads (encode_cpu)
+    if ef:
+        for i in range(a, b):
+            m = np.int32(max(m, np.int32(f32_bits(g[i] + r[i]) & np.int32(0x7FFFFFFF))))
+    else:
+        for i in range(a, b):
+            m = np.int32(max(m, np.int32(f32_bits(g[i]) & np.int32(0x7FFFFFFF))))
+    return f32_from_bits(m)
 
 
 _reuse_cpu = njit(inline="always")(_reuse)
@@ -175,7 +169,7 @@ def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
         if not keep[b]:
-            part[t] = _absmax(g, r, ef, lo, hi, np.empty(LANES, np.float32))
+            part[t] = _absmax(g, r, ef, lo, hi)
     for b in range(nb):
         if not keep[b]:
             scales[b] = part[b * per_block:(b + 1) * per_block].max()
@@ -278,10 +272,10 @@ def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M,
     flags = np.zeros(nb * per_block, np.uint8)
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
-        vt, ml = np.empty(table.size, np.float32), np.empty(LANES, np.float32)
+        vt = np.empty(table.size, np.float32)
         keys, xlows = np.empty(SUB, np.int32), np.empty(SUB, np.int64)
         if take_max:
-            scales[b] = _absmax(g, r, ef, lo, hi, ml)   # a task is its block: no other reads it
+            scales[b] = _absmax(g, r, ef, lo, hi)   # a task is its block: no other reads it
         s = scales[b]
         _scaled_table(table, s, vt)
         # a zero scale gives x = 0 for every value (_code's rule): v / inf is +-0 for a finite v
