@@ -108,6 +108,7 @@ def check_train(res):
             assert r["minibatch"] == 256 and r["frames_per_s"] > 0
             assert r["roofline_frames_per_s"] > 0 and r["skip_frames_per_s"] > 0
             assert math.isfinite(r["roofline_fraction"]) and r["roofline_fraction"] > 0
+            assert math.isfinite(r["roofline_fraction_paired"]) and r["roofline_fraction_paired"] > 0
             assert r["frames_per_s"] == pytest.approx(256 / r["step_s"])
             assert sum(r["fractions"].values()) == pytest.approx(1.0)
             assert r["fractions"]["compute"] > 0
@@ -247,3 +248,15 @@ def test_bench_train_grid_measures_the_activation_traffic(tmp_path):
         assert 0.25 * f32 < coded < 0.3 * f32     # 1 byte a value + a scale per row
         for codec in ("float32", "dettmers"):
             assert 0 < rows[(ex, codec)]["activation_share"] < 1
+
+
+def test_the_paired_roofline_fraction_divides_within_each_round():
+    """Rounds that ran slower and slower (a drifting VM): each round's GEMM time over the
+    median of its own steps, then the median of those ratios."""
+    from hpcsgd.bench.train import paired_fraction
+    gemm = [1.0, 2.0, 3.0]
+    steps = [1.0, 1.25, 2.0, 2.5, 2.4, 3.0, 3.75, 3.6, 4.5]   # rounds of 2, 3 and 4 steps
+    # medians per round 1.125, 2.4, 3.675 -> ratios 0.889, 0.833, 0.816
+    assert paired_fraction(gemm, steps, [2, 3, 4]) == pytest.approx(2.0 / 2.4)
+    with pytest.raises(ValueError):   # the rounds must cover the steps
+        paired_fraction(gemm, steps, [2, 3, 3])

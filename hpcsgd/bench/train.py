@@ -25,7 +25,9 @@ Per (K, N, exchange, double buffering):
   roofline       the step's matmuls alone (the same forward and backward with every
                  element-wise kernel skipped, model.ops.GemmOnly, on every rank at once,
                  sharing the cores as the step does; per half with double buffering):
-                 frames/s ÷ that.
+                 frames/s ÷ that. roofline_fraction_paired (JSON; printed for one rank):
+                 the same ratio taken in each round, median over rounds, which a drifting
+                 VM disturbs less.
   overhead       communication overhead, 1 - frames/s ÷ frames/s with the exchange skipped
                  (the same step, each rank applying its local gradient in the optimizer's
                  fused pass: compute + a local update, no codec, no MPI; Local below).
@@ -264,10 +266,12 @@ def run(args):
     # + momentum update) against its GEMM roofline
     one = next(r for r in runs[0]["rows"] if r["exchange"] == "none")
     out.update(batch=one["minibatch"], frames_per_s=one["frames_per_s"],
-               roofline_fraction=one["roofline_fraction"])
+               roofline_fraction=one["roofline_fraction"],
+               roofline_fraction_paired=one["roofline_fraction_paired"])
     print(f"one rank's step at N = {one['minibatch']} (K = {runs[0]['ranks']}): "
           f"{one['frames_per_s']:.0f} frames/s, fraction of the GEMM roofline "
-          f"{one['roofline_fraction']:.1%}")
+          f"{one['roofline_fraction']:.1%} (round by round, median: "
+          f"{one['roofline_fraction_paired']:.1%})")
     return out
 
 
@@ -599,6 +603,22 @@ def measure(r, samples, n, db, exchanged):
             "exchange_s": sum(cats[c] for c in CATEGORIES) if exchanged else 0.0}
 
 
+def paired_fraction(gemm_s, step_s_all, per_round):
+    """The roofline fraction taken round by round, then the median over rounds: each round's
+    GEMM time over the median of that round's steps. The GEMMs and the steps of one round run
+    seconds apart, those of different rounds a minute apart, so on a VM whose speed drifts
+    this pairs figures the drift has touched alike (the row's roofline_fraction divides the
+    medians over all rounds)."""
+    if len(gemm_s) != len(per_round) or sum(per_round) != len(step_s_all):
+        raise ValueError(f"paired_fraction: {len(gemm_s)} GEMM rounds, rounds of {per_round} "
+                         f"steps, {len(step_s_all)} step times")
+    ratios, at = [], 0
+    for gemm, k in zip(gemm_s, per_round):
+        ratios.append(gemm / float(np.median(step_s_all[at:at + k])))
+        at += k
+    return float(np.median(ratios))
+
+
 def wire(ex, world, size):
     """(bytes this rank sends per exchange, bits per value on the wire)."""
     if hasattr(ex, "bytes_on_wire"):
@@ -689,6 +709,8 @@ def worker(argv):
                                not name.startswith("none") and name != "pytorch"),
                        exchange=name.split("+")[0], progress=mode[1],
                        precision=precision_of.get(name, "float32"))
+            row["roofline_fraction_paired"] = paired_fraction(
+                gemm_s[mode], row["step_s_all"], [len(t) for t, _, _ in samples[(name, mode)]])
             if grid.model_size > 1 and name != "pytorch":   # the model-parallel traffic
                 act = row["precision"][4:] if row["precision"].startswith("act:") else "float32"
                 row.update(activation_codec=act,
