@@ -91,3 +91,32 @@ np.empty = real_empty
 print(len(got), len({id(a) for a in got}))
 """
     assert python(code, CUDA_ENV) == "8 1"
+
+
+def test_a_simulated_launch_runs_on_the_local_ranks_core_and_gives_the_core_back():
+    """Under the simulator each launch (and so each simulated CUDA thread, a Python thread it
+    starts) runs on one core of the process's mask, the local rank's (hpcsgd/lazy_cuda.py),
+    and the launching thread gets its whole mask back afterwards."""
+    if REAL_GPU:
+        pytest.skip("the simulator's threads (a real GPU launch starts none)")
+    code = """
+import os
+import numpy as np
+from hpcsgd.lazy_cuda import cuda, load
+seen = []
+
+@cuda.jit
+def record(a):
+    seen.append(tuple(sorted(os.sched_getaffinity(0))))
+
+load()
+before = sorted(os.sched_getaffinity(0))
+record[2, 3](np.zeros(4))
+print(before == sorted(os.sched_getaffinity(0)), ",".join(map(str, before)),
+      len(seen), ";".join(sorted({",".join(map(str, mask)) for mask in seen})))
+"""
+    for local_rank in (0, 1):
+        same, mask, threads, masks = python(code, dict(CUDA_ENV, MPI_LOCALRANKID=str(local_rank))).split()
+        mask = mask.split(",")
+        assert same == "True" and threads == "6"   # 2 blocks x 3 threads
+        assert masks == (mask[local_rank % len(mask)] if len(mask) > 1 else ",".join(mask))
