@@ -260,3 +260,18 @@ def test_the_paired_roofline_fraction_divides_within_each_round():
     assert paired_fraction(gemm, steps, [2, 3, 4]) == pytest.approx(2.0 / 2.4)
     with pytest.raises(ValueError):   # the rounds must cover the steps
         paired_fraction(gemm, steps, [2, 3, 3])
+
+
+def test_the_train_table_prints_both_roofline_fractions(capsys):
+    """The table shows the ratio of medians and, beside it, the paired median of ratios."""
+    from hpcsgd.bench.train import print_table
+    row = dict(minibatch=256, exchange="allreduce", precision="float32", double_buffering=False,
+               frames_per_s=900.0, roofline_frames_per_s=1000.0, roofline_fraction=0.9,
+               roofline_fraction_paired=0.973, skip_frames_per_s=950.0, comm_overhead=0.05,
+               exchange_s=0.01, fractions=dict(compute=0.8, encode=0.05, communicate=0.05,
+                                               update=0.05, other=0.05))
+    print_table(dict(ranks=1, threads_per_rank=2, params=10, rounds=3, steps=4, rows=[row]))
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line.split() for line in lines if line.split()[:2] == ["N", "exchange"])
+    assert header[header.index("roof") + 1] == "paired"
+    assert lines[-1].split()[5:7] == ["90.0%", "97.3%"]

@@ -25,9 +25,9 @@ Per (K, N, exchange, double buffering):
   roofline       the step's matmuls alone (the same forward and backward with every
                  element-wise kernel skipped, model.ops.GemmOnly, on every rank at once,
                  sharing the cores as the step does; per half with double buffering):
-                 frames/s ÷ that. roofline_fraction_paired (JSON; printed for one rank):
-                 the same ratio taken in each round, median over rounds, which a drifting
-                 VM disturbs less.
+                 frames/s ÷ that ("of roof", a ratio of medians over all rounds).
+  paired         the same ratio taken in each round, median over rounds, which a drifting
+                 VM disturbs less (roofline_fraction_paired in the JSON).
   overhead       communication overhead, 1 - frames/s ÷ frames/s with the exchange skipped
                  (the same step, each rank applying its local gradient in the optimizer's
                  fused pass: compute + a local update, no codec, no MPI; Local below).
@@ -355,12 +355,13 @@ def print_table(run):
         f"grid {run['ranks']} x {m} (data x model): {run['ranks'] * m}"
     print(f"\n{k} rank(s), {run['threads_per_rank']} thread(s) each, {run['params']:,} "
           f"parameters; median of {run['rounds']} x {run['steps']} steps, slowest rank. Limits: "
-          f"roofline = the step's GEMMs alone; no-exch = the exchange skipped")
+          f"roofline = the step's GEMMs alone (of roof: ratio of the medians; paired: median "
+          f"of each round's ratio); no-exch = the exchange skipped")
     wire = any("wire_s" in r for r in run["rows"])
     if wire:
         print("comm ms = MPI time per step; wire ms = the step's bytes per rank at the link rate")
     print(f"{'N':>6s} {'exchange':>11s} {'DB':>9s} {'frames/s':>9s} {'roofline':>9s} "
-          f"{'of roof':>7s} {'no-exch':>8s} {'overhead':>8s} {'exch ms':>8s} "
+          f"{'of roof':>7s} {'paired':>7s} {'no-exch':>8s} {'overhead':>8s} {'exch ms':>8s} "
           + (f"{'comm ms':>8s} {'wire ms':>8s} " if wire else "") +
           f"{'compute':>7s} {'encode':>6s} {'comm':>6s} {'update':>6s} {'other':>6s}")
     for r in run["rows"]:
@@ -369,7 +370,8 @@ def print_table(run):
         print(f"{r['minibatch']:>6d} {_run_name(r['exchange'], r.get('precision', 'float32')):>11s} "
               f"{_db_name(*_mode(r)):>9s} "
               f"{r['frames_per_s']:>9.1f} {r['roofline_frames_per_s']:>9.1f} "
-              f"{r['roofline_fraction']:>7.1%} {r['skip_frames_per_s']:>8.1f} "
+              f"{r['roofline_fraction']:>7.1%} {r['roofline_fraction_paired']:>7.1%} "
+              f"{r['skip_frames_per_s']:>8.1f} "
               f"{'' if none else format(r['comm_overhead'], '.1%'):>8s} "
               f"{'' if none else format(1e3 * r['exchange_s'], '.1f'):>8s} "
               + (f"{'' if none else format(1e3 * r['comm_s'], '.1f'):>8s} "
