@@ -204,6 +204,49 @@ def test_kbit_minmax_orders_minus_zero_below_plus_zero():
     np.testing.assert_array_equal(upper, [2, 0, 0, 0, 0, 0.5])
 
 
+def kbit2_edge_columns(n_rows=2048, seed=0):
+    """Columns of 2048 rows whose values sit at kbit2's bucket edges: each column's min and
+    max set the range, and the rest are the float32s at lower + j * step (j = 1, 2, 3, as
+    float32 and float64 give them) and up to three float32s either side of each, padded with
+    random values inside the range. Ranges of either sign, tiny, huge and degenerate steps."""
+    ranges = [(-1.0, 1.0), (-3e-7, 5e-3), (0.1, 0.1000001), (-2.5e30, 1e30), (-0.0, 3.0),
+              (-5.0, -1.0), (1.0, 1.0), (-1e-38, 2e-38), (0.0, 1e-44)]
+    rng = np.random.default_rng(seed)
+    cols = []
+    for lower, upper in ranges:
+        lo, hi = np.float32(lower), np.float32(upper)
+        step = np.float32((np.float64(hi) - np.float64(lo)) / 4)
+        edges = []
+        for j in (1, 2, 3):
+            for e in (np.float32(np.float64(lo) + np.float64(step) * j), np.float32(lo + step * j)):
+                x = e
+                for _ in range(3):
+                    x = np.nextafter(x, np.float32(-np.inf))
+                edges += [x := np.nextafter(x, np.float32(np.inf)) for _ in range(7)]
+        edges = np.clip(np.array(edges, np.float32), lo, hi)
+        fill = (lo + (hi - lo) * rng.random(n_rows - 2 - edges.size)).astype(np.float32)
+        cols.append(np.concatenate([[lo, hi], edges, np.clip(fill, lo, hi)]))
+    return np.array(cols, np.float32)
+
+
+def test_kbit2_codes_values_at_and_beside_every_bucket_edge_as_the_reference():
+    """kbit2's CPU encode counts a value's code by the column's three thresholds (the smallest
+    float32 of each code, hpcsgd/codecs/kbit.py) instead of float64 arithmetic: at the edges
+    and the float32s beside them its codes and residuals are the reference's, bit for bit."""
+    v = kbit2_edge_columns()
+    bufs, res = {}, {}
+    for backend in ("reference", "cpu"):
+        c = make_codec("kbit", bits=2, backend=backend)
+        bufs[backend] = np.zeros(c.packed_nbytes(*v.shape), np.uint8)
+        res[backend] = np.zeros_like(v)
+        c.encode(v, res[backend], bufs[backend])
+    assert bufs["reference"].tobytes() == bufs["cpu"].tobytes()
+    assert res["reference"].tobytes() == res["cpu"].tobytes()
+    codes = np.unpackbits(bufs["cpu"].view(np.uint32).reshape(v.shape[0], -1)[:, 2:]
+                          .view(np.uint8), axis=1, bitorder="little")
+    assert (codes[:, 0::2] + 2 * codes[:, 1::2] == 3).any(axis=1).sum() >= 7   # edges reached
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("bad_col", [0, 1, 2, 5, 38, 39])
 def test_kbit_a_nonfinite_column_leaves_the_others_as_without_it(bits, bad_col):

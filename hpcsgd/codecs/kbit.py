@@ -200,6 +200,34 @@ def _quantize(v, lower, inv, maxq_f, step):
     return q, np.float32(np.float64(lower) + np.float64(step) * (q + 0.5))
 
 
+@njit(inline="always")
+def _threshold(j, lower, step, inv):
+    """The smallest float32 v whose _quantize code is at least j (1 <= j <= maxq), +inf if
+    none (step 0). t(v) = (v - lower) * inv in float64 never falls as v rises (each rounding
+    is monotone), so code(v) >= j exactly when v >= this threshold: start from the float32
+    nearest lower + j * step and walk the float32s in order (keys, -0 below +0), down while
+    t >= j, then up while t < j (a step or two)."""
+    if not inv > 0.0:
+        return np.float32(np.inf)
+    key = np.int32(_order_key_cpu(f32_bits(np.float32(np.float64(lower) + np.float64(step) * j))))
+    lo64 = np.float64(lower)
+    while (np.float64(f32_from_bits(np.int32(_order_key_cpu(key)))) - lo64) * inv >= j:
+        key -= np.int32(1)
+    while (np.float64(f32_from_bits(np.int32(_order_key_cpu(key)))) - lo64) * inv < j:
+        key += np.int32(1)
+    return f32_from_bits(np.int32(_order_key_cpu(key)))
+
+
+@njit(inline="always")
+def _quantize2(v, t1, t2, t3, d0, d1, d2, d3):
+    """_quantize for k = 2 by the column's three thresholds (_threshold) and four decoded
+    values: the same code and value, by float32 compares and selects (8 lanes on AVX2)
+    instead of float64 arithmetic and conversions (4 lanes)."""
+    c1, c2, c3 = v >= t1, v >= t2, v >= t3
+    q = np.int32(c1) + np.int32(c2) + np.int32(c3)
+    return q, d3 if c3 else (d2 if c2 else (d1 if c1 else d0))
+
+
 @njit(cache=True)
 def _encode_column(gc, rc, colw, colf, k, lower, upper, gn, rn, take_next, codes):
     """Codes and residuals of one finite column whose range [lower, upper] is known, in one
@@ -223,7 +251,25 @@ def _encode_column(gc, rc, colw, colf, k, lower, upper, gn, rn, take_next, codes
         # the codes as bytes (k = 8: the word area itself, little-endian), then whole
         # words from 8 codes at a time by shifts and masks; every loop vectorises
         code8 = colw[2:].view(np.uint8) if k == 8 else codes.view(np.uint8)
-        if take_next:   # the flag outside the loop: inside, it stops LLVM vectorising it
+        if k == 2:   # thresholds and selects: half the arithmetic per value of _quantize
+            t1, t2, t3 = (_threshold(1, lower, step, inv), _threshold(2, lower, step, inv),
+                          _threshold(3, lower, step, inv))
+            d0, d1, d2, d3 = (_value_cpu(0, lower, step), _value_cpu(1, lower, step),
+                              _value_cpu(2, lower, step), _value_cpu(3, lower, step))
+            if take_next:
+                for i in range(start):
+                    v = gc[i] + rc[i]
+                    q, value = _quantize2(v, t1, t2, t3, d0, d1, d2, d3)
+                    rc[i] = v - value
+                    code8[i] = np.uint8(q)
+                    mnk, mxk = _take_key(gn[i] + rn[i], mnk, mxk)
+            else:
+                for i in range(start):
+                    v = gc[i] + rc[i]
+                    q, value = _quantize2(v, t1, t2, t3, d0, d1, d2, d3)
+                    rc[i] = v - value
+                    code8[i] = np.uint8(q)
+        elif take_next:   # the flag outside the loop: inside, it stops LLVM vectorising it
             for i in range(start):
                 v = gc[i] + rc[i]
                 q, value = _quantize(v, lower, inv, maxq_f, step)
