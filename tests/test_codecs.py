@@ -204,20 +204,22 @@ def test_kbit_minmax_orders_minus_zero_below_plus_zero():
     np.testing.assert_array_equal(upper, [2, 0, 0, 0, 0, 0.5])
 
 
-def kbit2_edge_columns(n_rows=2048, seed=0):
-    """Columns of 2048 rows whose values sit at kbit2's bucket edges: each column's min and
-    max set the range, and the rest are the float32s at lower + j * step (j = 1, 2, 3, as
-    float32 and float64 give them) and up to three float32s either side of each, padded with
-    random values inside the range. Ranges of either sign, tiny, huge and degenerate steps."""
+def kbit_edge_columns(bits, n_rows=2048, seed=0):
+    """Columns of 2048 rows whose values sit at kbit's bucket edges: each column's min and
+    max set the range, and the rest are the float32s at lower + j * step (j = 1 .. 2^k - 1,
+    as float32 and float64 give them) and up to three float32s either side of each, padded
+    with random values inside the range. Ranges of either sign, tiny, huge and degenerate
+    steps."""
     ranges = [(-1.0, 1.0), (-3e-7, 5e-3), (0.1, 0.1000001), (-2.5e30, 1e30), (-0.0, 3.0),
               (-5.0, -1.0), (1.0, 1.0), (-1e-38, 2e-38), (0.0, 1e-44)]
+    levels = 1 << bits
     rng = np.random.default_rng(seed)
     cols = []
     for lower, upper in ranges:
         lo, hi = np.float32(lower), np.float32(upper)
-        step = np.float32((np.float64(hi) - np.float64(lo)) / 4)
+        step = np.float32((np.float64(hi) - np.float64(lo)) / levels)
         edges = []
-        for j in (1, 2, 3):
+        for j in range(1, levels):
             for e in (np.float32(np.float64(lo) + np.float64(step) * j), np.float32(lo + step * j)):
                 x = e
                 for _ in range(3):
@@ -229,22 +231,26 @@ def kbit2_edge_columns(n_rows=2048, seed=0):
     return np.array(cols, np.float32)
 
 
-def test_kbit2_codes_values_at_and_beside_every_bucket_edge_as_the_reference():
-    """kbit2's CPU encode counts a value's code by the column's three thresholds (the smallest
-    float32 of each code, hpcsgd/codecs/kbit.py) instead of float64 arithmetic: at the edges
-    and the float32s beside them its codes and residuals are the reference's, bit for bit."""
-    v = kbit2_edge_columns()
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kbit_codes_values_at_and_beside_every_bucket_edge_as_the_reference(bits):
+    """kbit2's CPU encode finds a value's code by the column's three thresholds (the smallest
+    float32 of each code, hpcsgd/codecs/kbit.py) instead of float64 arithmetic, kbit4's by
+    that arithmetic: at the edges and the float32s beside them both give the reference's
+    codes and residuals, bit for bit."""
+    v = kbit_edge_columns(bits)
     bufs, res = {}, {}
     for backend in ("reference", "cpu"):
-        c = make_codec("kbit", bits=2, backend=backend)
+        c = make_codec("kbit", bits=bits, backend=backend)
         bufs[backend] = np.zeros(c.packed_nbytes(*v.shape), np.uint8)
         res[backend] = np.zeros_like(v)
         c.encode(v, res[backend], bufs[backend])
     assert bufs["reference"].tobytes() == bufs["cpu"].tobytes()
     assert res["reference"].tobytes() == res["cpu"].tobytes()
-    codes = np.unpackbits(bufs["cpu"].view(np.uint32).reshape(v.shape[0], -1)[:, 2:]
-                          .view(np.uint8), axis=1, bitorder="little")
-    assert (codes[:, 0::2] + 2 * codes[:, 1::2] == 3).any(axis=1).sum() >= 7   # edges reached
+    fields = np.unpackbits(bufs["cpu"].view(np.uint32).reshape(v.shape[0], -1)[:, 2:]
+                           .view(np.uint8), axis=1, bitorder="little")
+    codes = fields[:, :v.shape[1] * bits].reshape(v.shape[0], -1, bits) @ (1 << np.arange(bits))
+    assert len({tuple(np.unique(row)) for row in codes}) > 1
+    assert ((codes == (1 << bits) - 1).any(axis=1)).sum() >= 7   # the top code reached
 
 
 @pytest.mark.parametrize("bits", [3, 4])
