@@ -76,28 +76,34 @@ def _forward_row(a, r, b, c_prev, c, h, ga, gh, hc, n):
 
 
 @njit(parallel=True, cache=True)
+def _forward_steps(dirs, a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, ga0, gh0, ga1, gh1, hc):
+    """dirs (1 or 2) directions' time steps in one launch, direction d's arrays and column
+    offsets from the pairs: one compiled kernel (per dtype) for both lstm_forward_step and
+    lstm_forward_step2, and the row body compiled once (two inlined copies took twice the
+    compile time, the same run time)."""
+    nb = a0.shape[0]
+    a, r, cp, c, h = (a0, a1), (r0, r1), (cp0, cp1), (c0, c1), (h0, h1)
+    ga, gh = (ga0, ga1), (gh0, gh1)
+    for k in prange(dirs * nb):
+        d = k // nb
+        _forward_row(a[d], r[d], b, cp[d], c[d], h[d], ga[d], gh[d], hc, k - d * nb)
+
+
 def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
     """One time step of one direction, hc cells. a: the step's rows of the gate buffer,
     x_t @ Wx in columns [ga, ga + 4hc), the gate activations out (in place); r (B, >= 4hc):
     h_{t-1} @ U (zeros at the first step); b: the bias row, columns from ga; c_prev, c, h:
     the step's rows of the cell and output buffers, columns [gh, gh + hc) (c_prev zeros at
     the first step); c and h out."""
-    for n in prange(a.shape[0]):
-        _forward_row(a, r, b, c_prev, c, h, ga, gh, hc, n)
+    _forward_steps(1, a, r, c_prev, c, h, a, r, c_prev, c, h, b, ga, gh, ga, gh, hc)
 
 
-@njit(parallel=True, cache=True)
 def lstm_forward_step2(a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, hc):
     """A BLSTM's two directions in one launch: the forward direction's step (arguments 0:
     gate columns from 0, cells from 0) and the backward direction's (arguments 1: its own
     time step's rows, gate columns from 4hc, cells from hc), as lstm_forward_step each: the
     same bits, one wake-up of the threads instead of two."""
-    nb = a0.shape[0]
-    for k in prange(2 * nb):
-        if k < nb:
-            _forward_row(a0, r0, b, cp0, c0, h0, 0, 0, hc, k)
-        else:
-            _forward_row(a1, r1, b, cp1, c1, h1, 4 * hc, hc, hc, k - nb)
+    _forward_steps(2, a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, 0, 0, 4 * hc, hc, hc)
 
 
 @njit(inline="always")
@@ -121,6 +127,17 @@ def _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n):
 
 
 @njit(parallel=True, cache=True)
+def _backward_steps(dirs, a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, ga0, gh0, ga1,
+                    gh1, hc):
+    """dirs directions' steps backwards in one launch (as _forward_steps)."""
+    nb = a0.shape[0]
+    a, cp, c, dh, dr, dc = (a0, a1), (cp0, cp1), (c0, c1), (dh0, dh1), (dr0, dr1), (dc0, dc1)
+    ga, gh = (ga0, ga1), (gh0, gh1)
+    for k in prange(dirs * nb):
+        d = k // nb
+        _backward_row(a[d], cp[d], c[d], dh[d], dr[d], dc[d], ga[d], gh[d], hc, k - d * nb)
+
+
 def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):
     """One time step of one direction backwards. a: the step's gate activations (columns
     [ga, ga + 4hc)) in, dLoss/d(gate preactivations) out (in place); c_prev, c: the cell
@@ -128,19 +145,13 @@ def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):
     dr (B, >= hc): dLoss/dh_t through the next step's gates (zeros at the last step);
     dc (B, >= hc): dLoss/dc_t from the next step in (zeros at the last step), dLoss/dc_{t-1}
     out."""
-    for n in prange(a.shape[0]):
-        _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n)
+    _backward_steps(1, a, c_prev, c, dh, dr, dc, a, c_prev, c, dh, dr, dc, ga, gh, ga, gh, hc)
 
 
-@njit(parallel=True, cache=True)
 def lstm_backward_step2(a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, hc):
     """Both directions' steps backwards in one launch (as lstm_forward_step2)."""
-    nb = a0.shape[0]
-    for k in prange(2 * nb):
-        if k < nb:
-            _backward_row(a0, cp0, c0, dh0, dr0, dc0, 0, 0, hc, k)
-        else:
-            _backward_row(a1, cp1, c1, dh1, dr1, dc1, 4 * hc, hc, hc, k - nb)
+    _backward_steps(2, a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, 0, 0, 4 * hc, hc,
+                    hc)
 
 
 @njit(parallel=True, cache=True)
