@@ -118,8 +118,8 @@ def _run_on_one_core():
     cores, a block's threads hand the GIL to one another across cores, and when another
     process takes a core (the other test worker, another rank) the thread holding the GIL is
     descheduled while every other waits. Measured on 2 cores (Zen 3) beside two busy
-    processes: `bench cuda`'s recording 51.7 -> 9.5 s, tests/test_model_cuda.py's simulator
-    run 134 -> 39 s."""
+    processes: `bench cuda`'s recording 54-56 -> 12 s, tests/test_model_cuda.py's simulator
+    run 128-131 -> 32-42 s; idle, the latter 24 -> 34-38 s (docs/benchmarks.md)."""
     from numba.cuda.simulator.kernel import FakeCUDAKernel
     try:
         mask = sorted(os.sched_getaffinity(0))
