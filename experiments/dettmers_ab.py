@@ -2,7 +2,9 @@
 model's largest matrix (2048 x 9304) on 2 threads, with the triad measured between them. The
 old module is a file of its own, e.g. the encode before the three-loop split:
     git show 549509d:hpcsgd/codecs/dettmers.py > /tmp/dettmers_old.py
-    python experiments/dettmers_ab.py /tmp/dettmers_old.py [rounds]
+    python experiments/dettmers_ab.py /tmp/dettmers_old.py [rounds] [/tmp/dettmers_new.py]
+(the third argument times a second file in place of the package's module; give such runs a
+fresh NUMBA_CACHE_DIR).
 Codes and residuals must be bit-identical (printed first).
 """
 import sys
@@ -12,6 +14,7 @@ from old_module import load
 from hpcsgd.bench import membw
 import hpcsgd.codecs.dettmers as new
 old = load(sys.argv[1], "dettmers_old")
+if len(sys.argv) > 3: new = load(sys.argv[3], "dettmers_new")
 membw.set_threads(2)
 g = np.random.default_rng(0).standard_normal(2048 * 9304).astype(np.float32) * 1e-3
 r0 = np.random.default_rng(1).standard_normal(g.size).astype(np.float32) * 1e-5

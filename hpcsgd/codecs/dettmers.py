@@ -177,14 +177,14 @@ def scales_cpu(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
 
 # The CPU encode counts midpoints <= x with one lookup. Key = the top bits of float64 x: sign,
 # exponent (clamped to [emin, emax], octaves that hold no midpoint) and M mantissa bits, with M
-# the smallest that leaves at most one midpoint in any bucket. Entry = (lo << 53) | t: lo = the
-# count at the bucket's lower end; t = the midpoint's remaining mantissa bits (mirrored for
-# negative x, whose bits grow as x falls), or 2^(52-M), above every x, for a bucket without
-# one. So code = lo + (x's remaining bits >= t): exact, branch-free, one 64-bit lookup per value
-# (a binary search is 8 dependent lookups: 8% of the memory limit). x = +-0 is the one value
-# outside the rule (mantissa's duplicate zeros put midpoints at 0): its key is the table's last
-# entry, (qzero << 53) | 2^(52-M), which always gives qzero.
-BUCKET_CODE_SHIFT = 53
+# the smallest that leaves at most one midpoint in any bucket. x's remaining S = 52 - M bits
+# (mirrored for negative x, whose bits grow as x falls) are its place in the bucket, 0..2^S-1.
+# lo = the count at the bucket's lower end; t = the place of the bucket's midpoint, 1..2^S-1,
+# or 2^S, above every x, for a bucket without one. Entry = lo * 2^S + (2^S - t), so that
+# code = lo + (place >= t) = (entry + place) >> S: one add and one shift after the one 64-bit
+# lookup per value (a binary search is 8 dependent lookups: 8% of the memory limit). x = +-0 is
+# the one value outside the rule (mantissa's duplicate zeros put midpoints at 0): its key is the
+# table's last entry, qzero * 2^S, which always gives qzero.
 
 
 def code_buckets(mids):
@@ -210,10 +210,11 @@ def code_buckets(mids):
                 break
             thr_low = mids[np.minimum(lo, mids.size - 1)].view(np.int64) & lowmask
             t = np.where(hi > lo, thr_low if sign == 0 else lowmask - thr_low, lowmask + 1)
-            entries.append((lo.astype(np.int64) << BUCKET_CODE_SHIFT) | t)
+            assert (t >= 1).all()   # a midpoint at a bucket's lower end is counted in lo
+            entries.append((lo.astype(np.int64) << (52 - M)) + (lowmask + 1 - t))
         else:
             qzero = int(np.searchsorted(mids, 0.0, side="right"))
-            table = np.concatenate(entries + [[(qzero << BUCKET_CODE_SHIFT) | (lowmask + 1)]])
+            table = np.concatenate(entries + [[qzero << (52 - M)]])
             assert table.size == (2 * ne << M) + 1
             return table, emin, emax, M
     raise ValueError("dettmers: a table whose midpoints are too close for the bucket search")
@@ -221,8 +222,8 @@ def code_buckets(mids):
 
 @njit(inline="always")
 def _bucket_key(x, emin, emax, M):
-    """(index into `code_buckets`' table, x's remaining bits, mirrored when x < 0). No table
-    read: the encode computes the keys of a run of values as a vector loop of its own."""
+    """(index into `code_buckets`' table, x's place in its bucket). No table read: the
+    encode computes the keys of a run of values as a vector loop of its own."""
     u = f64_bits(x)
     s = (u >> 63) & 1
     e = min(max((u >> 52) & 0x7FF, emin), emax)
@@ -233,16 +234,17 @@ def _bucket_key(x, emin, emax, M):
 
 
 @njit(inline="always")
-def _bucket_count(entry, xlow):
-    """Number of midpoints <= x, from x's bucket entry and remaining bits."""
-    return (entry >> BUCKET_CODE_SHIFT) + (xlow >= (entry & ((1 << BUCKET_CODE_SHIFT) - 1)))
+def _bucket_count(entry, place, M):
+    """Number of midpoints <= x, from x's bucket entry and place in the bucket. Unsigned:
+    the result indexes the decoded values without Numba's negative-index check."""
+    return np.uint64(entry + place) >> np.uint64(52 - M)
 
 
 @njit(inline="always")
 def _bucket_code(x, buckets, emin, emax, M):
     """Number of midpoints <= x (= _code's q), from `code_buckets`' table."""
-    key, xlow = _bucket_key(x, emin, emax, M)
-    return _bucket_count(buckets[key], xlow)
+    key, place = _bucket_key(x, emin, emax, M)
+    return _bucket_count(buckets[key], place, M)
 
 
 @njit(cache=True)
@@ -297,10 +299,10 @@ def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M,
                     keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
                     top = max(top, (f64_bits(x) >> 52) & 0x7FF)
             for i in range(ja, jb):
-                codes[i] = _bucket_count(buckets[keys[i - ja]], xlows[i - ja])
+                codes[i] = _bucket_count(buckets[np.uint64(keys[i - ja])], xlows[i - ja], M)
             if ef:
                 for i in range(ja, jb):
-                    r[i] = (g[i] + r[i]) - vt[codes[i]]
+                    r[i] = (g[i] + r[i]) - vt[np.uint64(codes[i])]
         flags[t] = top == 0x7FF
     for t in range(nb * per_block):
         if flags[t]:
