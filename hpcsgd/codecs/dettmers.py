@@ -275,7 +275,7 @@ def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M,
     for t in prange(nb * per_block):
         b, lo, hi = _task_range(t, per_block, block, n)
         vt = np.empty(table.size, np.float32)
-        keys, xlows = np.empty(SUB, np.int32), np.empty(SUB, np.int64)
+        keys, places = np.empty(SUB, np.int32), np.empty(SUB, np.int64)
         if take_max:
             scales[b] = _absmax(g, r, ef, lo, hi)   # a task is its block: no other reads it
         s = scales[b]
@@ -291,18 +291,18 @@ def _encode_tasks(g, r, ef, codes, scales, block, table, buckets, emin, emax, M,
             if ef:  # outside the loop: a flag inside it stops LLVM vectorising the loop
                 for i in range(ja, jb):
                     x = np.float64(g[i] + r[i]) / sd
-                    keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
+                    keys[i - ja], places[i - ja] = _bucket_key(x, emin, emax, M)
                     top = max(top, (f64_bits(x) >> 52) & 0x7FF)
             else:
                 for i in range(ja, jb):
                     x = np.float64(g[i]) / sd
-                    keys[i - ja], xlows[i - ja] = _bucket_key(x, emin, emax, M)
+                    keys[i - ja], places[i - ja] = _bucket_key(x, emin, emax, M)
                     top = max(top, (f64_bits(x) >> 52) & 0x7FF)
             for i in range(ja, jb):
-                codes[i] = _bucket_count(buckets[np.uint64(keys[i - ja])], xlows[i - ja], M)
+                codes[i] = _bucket_count(buckets[np.uint64(keys[i - ja])], places[i - ja], M)
             if ef:
                 for i in range(ja, jb):
-                    r[i] = (g[i] + r[i]) - vt[np.uint64(codes[i])]
+                    r[i] = (g[i] + r[i]) - vt[codes[i]]
         flags[t] = top == 0x7FF
     for t in range(nb * per_block):
         if flags[t]:
