@@ -338,6 +338,85 @@ def test_dettmers_bucket_lookup_counts_midpoints_like_searchsorted(dtype):
     np.testing.assert_array_equal(codes(x, *buckets), np.searchsorted(mids, x, side="right"))
 
 
+def encode_both(codec_opts, g, r):
+    """(packed bytes, residuals) of the CPU encode and of the reference, from the same g, r."""
+    out = {}
+    for backend in ("cpu", "reference"):
+        codec = make_codec("dettmers", backend=backend, **codec_opts)
+        rr = r.copy()
+        buf = np.zeros(codec.packed_nbytes(*g.shape), np.uint8)
+        codec.encode(g, rr, buf)
+        out[backend] = (buf, rr)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm,offset", [("absmax", 10.0), ("fixed", 10.0), ("fixed", 7e30),
+                                         ("fixed", 3e-41)])
+def test_dettmers_codes_by_v_bits_at_and_beside_every_threshold_as_the_reference(
+        dtype, norm, offset, monkeypatch):
+    """One scale over a large matrix takes the v-keyed encode (scale_thresholds,
+    scale_buckets, encode_vspace_cpu); here forced on a small one. Values at m * s for every
+    midpoint m and two float32s either side (the true thresholds lie among them), +-0,
+    denormals, values beyond the scale and random ones: the same bytes and residuals as the
+    reference. A denormal scale crowds the thresholds into one bucket: that takes the float64
+    path, the same bits too."""
+    import hpcsgd.codecs.dettmers as dm
+    monkeypatch.setattr(dm, "VSPACE_MIN_VALUES", 0)
+    mids = dm.midpoints(make_table(dtype))
+    s = np.float32(0.37) if norm == "absmax" else np.float32(offset)
+    near = np.float32(mids * np.float64(s))
+    for _ in range(2):
+        near = np.concatenate([near, np.nextafter(near[-255:], np.float32(np.inf)),
+                               np.nextafter(near[:255], -np.float32(np.inf))])
+    rng = np.random.default_rng(2)
+    v = np.concatenate([near, [0.0, -0.0, 1e-45, -1e-45, 1e-39, -1e-39, s, -s, 3 * s, -3 * s],
+                        (rng.standard_normal(4000) * s * 10.0 ** rng.uniform(-9, 0, 4000))])
+    v = v.astype(np.float32)
+    if norm == "absmax":   # the scale is s: nothing beyond it
+        v = np.clip(v, -s, s)
+    g = v.reshape(1, -1)
+    r = np.where(np.signbit(g), np.float32(-0.0), np.float32(0.0)).astype(np.float32)  # v = g
+    crowded = offset < 1e-38
+    assert (dm.scale_buckets(dm.scale_thresholds(dm.midpoints(make_table(dtype)), s))[0].size
+            == 0) == crowded
+    out = encode_both({"dtype": dtype, "norm": norm, "offset": offset}, g, r)
+    assert out["cpu"][0].tobytes() == out["reference"][0].tobytes()
+    np.testing.assert_array_equal(out["cpu"][1].view(np.int32), out["reference"][1].view(np.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dettmers_scale_thresholds_are_the_smallest_float32_reaching_each_midpoint(dtype):
+    """T_c by its definition, over 300 scales from 1e-30 to 1e30: float64(T) / s >= m, and
+    the float32 just below T gives less (a threshold at -0 stands at +0, the same value)."""
+    import hpcsgd.codecs.dettmers as dm
+    from hpcsgd.codecs.common import order_key
+    mids = dm.midpoints(make_table(dtype))
+    for s in np.float32(10.0 ** np.random.default_rng(3).uniform(-30, 30, 300)):
+        keys = dm.scale_thresholds(mids, s)
+        keys = np.where(keys == 0, -1, keys)   # +0 back to -0: the float32 below is -denormal
+        t = order_key(keys.astype(np.int32)).view(np.float32).astype(np.float64)
+        below = order_key((keys - 1).astype(np.int32)).view(np.float32).astype(np.float64)
+        assert (t / np.float64(s) >= mids).all() and (below / np.float64(s) < mids).all()
+
+
+def test_dettmers_large_matrix_takes_the_v_keyed_encode_with_the_same_bits_and_finds_nan():
+    import hpcsgd.codecs.dettmers as dm
+    shape = (2, (dm.VSPACE_MIN_VALUES + 1) // 2 + 5)
+    g = grads(shape, 1, seed=4)[0]
+    r = (np.random.default_rng(5).standard_normal(shape) * 1e-5).astype(np.float32)
+    scale = np.float32(np.abs(g + r).max())
+    assert dm.scale_buckets(dm.scale_thresholds(dm.midpoints(make_table("dynamic_tree")),
+                                                scale))[0].size > 0
+    out = encode_both({}, g, r)
+    assert out["cpu"][0].tobytes() == out["reference"][0].tobytes()
+    np.testing.assert_array_equal(out["cpu"][1].view(np.int32), out["reference"][1].view(np.int32))
+    g[1, 7] = np.nan
+    codec = make_codec("dettmers")
+    with pytest.raises(ValueError, match=r"column 1"):
+        codec.encode(g, r, np.zeros(codec.packed_nbytes(*shape), np.uint8))
+
+
 def test_dettmers_refresh_reuses_the_scale_and_error_feedback_carries_the_clip():
     c = make_codec("dettmers", dtype="dynamic_tree", refresh=3)
     g = np.full((1, 8), 1.0, np.float32)
