@@ -337,7 +337,6 @@ encode_fused_cpu = _compiled_encode(True)   # each task takes its block's abs-ma
 # takes the float64 path. 1.15-1.4x on the 46M model's largest matrix on Zen 3
 # (experiments/dettmers_vspace.py).
 VSPACE_MIN_VALUES = 1 << 20
-VSPACE_PLACE_BITS = 16
 _order_key_cpu = njit(inline="always")(order_key)
 
 
@@ -369,7 +368,7 @@ def scale_buckets(keys):
     the bucket's one threshold, 2^16 for none), so code = (entry + place) >> 16. Keys below
     or above the range clamp to the end buckets, which hold no threshold. No entries when a
     bucket would hold two thresholds."""
-    w = VSPACE_PLACE_BITS
+    w = 16   # a key's low 16 bits are its place (encode_vspace_cpu's 16 and 0xFFFF)
     base = (keys[0] >> w) - 1
     n = (keys[-1] >> w) + 2 - base
     entries = np.empty(n, np.int32)
