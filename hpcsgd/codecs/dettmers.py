@@ -334,8 +334,9 @@ encode_fused_cpu = _compiled_encode(True)   # each task takes its block's abs-ma
 # of 4 float64 ones, and the divide goes. Built per encode (about 0.1-0.3 ms for the dynamic
 # tree's 30,558 buckets), so only for matrices of at least VSPACE_MIN_VALUES values; a scale
 # whose thresholds share a bucket (a tiny scale crowding them into denormals), or a zero scale,
-# takes the float64 path. 1.15-1.4x on the 46M model's largest matrix on Zen 3
-# (experiments/dettmers_vspace.py).
+# takes the float64 path. About 1.2x on the 46M model's largest matrix on Zen 3 (1.06-1.41x
+# round by round, experiments/dettmers_vspace.py; 1.14x through the codec with its abs-max
+# pass, 1.24x with refresh 50, experiments/dettmers_codec_ab.py).
 VSPACE_MIN_VALUES = 1 << 20
 _order_key_cpu = njit(inline="always")(order_key)
 
