@@ -380,9 +380,12 @@ def test_dettmers_codes_by_v_bits_at_and_beside_every_threshold_as_the_reference
     crowded = offset < 1e-38
     assert (dm.scale_buckets(dm.scale_thresholds(dm.midpoints(make_table(dtype)), s))[0].size
             == 0) == crowded
-    out = encode_both({"dtype": dtype, "norm": norm, "offset": offset}, g, r)
-    assert out["cpu"][0].tobytes() == out["reference"][0].tobytes()
-    np.testing.assert_array_equal(out["cpu"][1].view(np.int32), out["reference"][1].view(np.int32))
+    for ef in (True, False):   # the codes with their residuals in one loop, or alone
+        out = encode_both({"dtype": dtype, "norm": norm, "offset": offset,
+                           "error_feedback": ef}, g, r)
+        assert out["cpu"][0].tobytes() == out["reference"][0].tobytes()
+        np.testing.assert_array_equal(out["cpu"][1].view(np.int32),
+                                      out["reference"][1].view(np.int32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -336,7 +336,10 @@ encode_fused_cpu = _compiled_encode(True)   # each task takes its block's abs-ma
 # whose thresholds share a bucket (a tiny scale crowding them into denormals), or a zero scale,
 # takes the float64 path. About 1.2x on the 46M model's largest matrix on Zen 3 (1.06-1.41x
 # round by round, experiments/dettmers_vspace.py; 1.14x through the codec with its abs-max
-# pass, 1.24x with refresh 50, experiments/dettmers_codec_ab.py).
+# pass, 1.24x with refresh 50, experiments/dettmers_codec_ab.py). Its codes and residuals
+# share one loop (the entry, then the decoded value, read per value): 1.17-1.22x over
+# separate loops on Zen 3, where the float64 path gained nothing from the same change
+# (experiments/dettmers_vspace_loops.py; dettmers_ab.py).
 VSPACE_MIN_VALUES = 1 << 20
 _order_key_cpu = njit(inline="always")(order_key)
 
@@ -390,8 +393,8 @@ def scale_buckets(keys):
 @njit(parallel=True, cache=True)
 def encode_vspace_cpu(g, r, ef, codes, vt, entries, base, bad):
     """The codes (and residuals, v - vt[code]) of one scale's matrix from `scale_buckets`'
-    entries; bad[0] = 1 if a value is NaN or Inf. Three loops over runs of SUB values in L1,
-    as _encode_tasks: keys (8 int32 lanes), codes (one read each), residuals."""
+    entries; bad[0] = 1 if a value is NaN or Inf. Three loops over runs of SUB values in L1:
+    v = g + r, keys (8 int32 lanes), then codes and residuals (two reads each)."""
     n = g.size
     lo_k = np.int32(base)
     hi_k = np.int32(base + entries.size - 1)
@@ -416,13 +419,18 @@ def encode_vspace_cpu(g, r, ef, codes, vt, entries, base, bad):
                 k = np.int32(np.int32(min(np.int32(max(np.int32(key >> np.int32(16)), lo_k)),
                                           hi_k)) - lo_k)
                 keys[i] = np.int32(np.int32(k << np.int32(16)) | np.int32(key & np.int32(0xFFFF)))
-            for i in range(ja, jb):
-                w = np.uint64(np.uint32(keys[i - ja]))
-                codes[i] = (np.uint64(entries[w >> np.uint64(16)]) + (w & np.uint64(0xFFFF))) \
-                    >> np.uint64(16)
             if ef:
                 for i in range(ja, jb):
-                    r[i] = vs[i - ja] - vt[codes[i]]
+                    w = np.uint64(np.uint32(keys[i - ja]))
+                    c = (np.uint64(entries[w >> np.uint64(16)]) + (w & np.uint64(0xFFFF))) \
+                        >> np.uint64(16)
+                    codes[i] = c
+                    r[i] = vs[i - ja] - vt[c]
+            else:
+                for i in range(ja, jb):
+                    w = np.uint64(np.uint32(keys[i - ja]))
+                    codes[i] = (np.uint64(entries[w >> np.uint64(16)])
+                                + (w & np.uint64(0xFFFF))) >> np.uint64(16)
         flags[t] = top == np.int32(0x7F800000)
     for t in range(tasks):
         if flags[t]:
