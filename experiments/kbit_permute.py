@@ -2,7 +2,8 @@
 at most one, corrected by the column's exact thresholds (`kbit._threshold`), with the 16-entry
 tables (thresholds below and above, decoded values) read by two AVX2 `vpermps` each. Tried on
 Zen 3 on 2026-11-26 (docs/benchmarks.md, "The session of 2026-11-26 from 06:01 UTC"): the
-same codes and residuals as the package's float64 rule, but no faster, so not landed.
+same codes and residuals as the package's float64 rule, at most about 14% faster and not in
+every run, and only on AVX2: not landed.
 
     python experiments/kbit_permute.py     # needs AVX2
 
@@ -68,47 +69,68 @@ def _step8(typingctx, gc, rc, code8, tlo, thi, dv, lower, inv, maxq, i):
 
 @njit
 def tables(lower, step, inv, k, tlo, thi, dv):
+    """The column's thresholds below (tlo[q] = T_q) and above (thi[q] = T_q+1) each code,
+    -inf and +inf at the ends, and its decoded values."""
     L = 1 << k
     tlo[0] = -np.inf
     for j in range(1, 16):
         tlo[j] = kb._threshold(j, lower, step, inv) if j < L else np.inf
     for j in range(16):
-        thi[j] = tlo[j + 1] if j + 1 < 16 else np.inf
-        if j + 1 >= L:
-            thi[j] = np.inf
+        thi[j] = tlo[j + 1] if j + 1 < L else np.inf
         dv[j] = kb._value_cpu(min(j, L - 1), lower, step)
 
 
 @njit
-def encode_cols(G, R, CODES, k, reps):
+def columns(G, R, CODES, k, reps, rule, each_column):
+    """Every column's codes and residuals by `rule` (0: this file's, 1: the package's float64
+    `_quantize`), reps times; each_column False takes the first column's range for all (the
+    code loop alone, the codes then wrong for the others: only the times count)."""
     n_cols, n = G.shape
     tlo, thi, dv = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
+    lower, upper, finite = kb._column_minmax(G[0], R[0])
     for _ in range(reps):
         for c in range(n_cols):
             gc, rc = G[c], R[c]
-            lower, upper, finite = kb._column_minmax(gc, rc)
+            if each_column:
+                lower, upper, finite = kb._column_minmax(gc, rc)
             step = kb._step_cpu(lower, upper, 1 << k)
             inv = kb._inv_cpu(step)
-            tables(lower, step, inv, k, tlo, thi, dv)
-            inv32 = np.float32(inv)
-            for i in range(0, n // 8 * 8, 8):
-                _step8(gc, rc, CODES[c], tlo, thi, dv, lower, inv32, np.float32((1 << k) - 1), i)
+            if rule == 0:
+                if each_column or c == 0:
+                    tables(lower, step, inv, k, tlo, thi, dv)
+                for i in range(0, n // 8 * 8, 8):
+                    _step8(gc, rc, CODES[c], tlo, thi, dv, lower, np.float32(inv),
+                           np.float32((1 << k) - 1), i)
+            else:
+                for i in range(n):
+                    v = gc[i] + rc[i]
+                    q, value = kb._quantize(v, lower, inv, np.float64((1 << k) - 1), step)
+                    rc[i] = v - value
+                    CODES[c, i] = np.uint8(q)
 
 
 @njit
-def ref_cols(G, R, CODES, k, reps):
-    n_cols, n = G.shape
+def ranges(G, R, k, reps, with_tables):
+    """The columns' min/max pass alone, or with the tables."""
+    tlo, thi, dv = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
+    s = 0.0
     for _ in range(reps):
-        for c in range(n_cols):
-            gc, rc = G[c], R[c]
-            lower, upper, finite = kb._column_minmax(gc, rc)
-            step = kb._step_cpu(lower, upper, 1 << k)
-            inv = kb._inv_cpu(step)
-            for i in range(n):
-                v = gc[i] + rc[i]
-                q, value = kb._quantize(v, lower, inv, np.float64((1 << k) - 1), step)
-                rc[i] = v - value
-                CODES[c, i] = np.uint8(q)
+        for c in range(G.shape[0]):
+            lower, upper, finite = kb._column_minmax(G[c], R[c])
+            if with_tables:
+                step = kb._step_cpu(lower, upper, 1 << k)
+                tables(lower, step, kb._inv_cpu(step), k, tlo, thi, dv)
+            s += lower
+    return s
+
+
+def best_ns(f, args, values, reps=200):
+    best = 1e9
+    for _ in range(7):
+        t = time.perf_counter()
+        f(*args)
+        best = min(best, time.perf_counter() - t)
+    return best / reps / values * 1e9
 
 
 if __name__ == "__main__":
@@ -118,83 +140,33 @@ if __name__ == "__main__":
         for trial in range(3):
             G = (rng.standard_normal((64, 2048)) * 10.0 ** rng.uniform(-8, 3)).astype(np.float32)
             R = (rng.standard_normal(G.shape) * 1e-2 * np.abs(G).max()).astype(np.float32)
-            if trial == 2:   # many values exactly on thresholds
-                lower, upper = G.min(axis=1), G.max(axis=1)
-                G[:, ::3] = lower[:, None] + (upper - lower)[:, None] * rng.integers(0, 17, (64, (2048 + 2) // 3)) / 16
+            if trial == 2:   # many values on the bucket edges
+                lo, hi = G.min(axis=1), G.max(axis=1)
+                G[:, ::3] = lo[:, None] + (hi - lo)[:, None] * rng.integers(
+                    0, 17, (64, (2048 + 2) // 3)) / 16
                 R[:] = 0
-            R1, R2 = R.copy(), R.copy()
-            C1, C2 = np.zeros(G.shape, np.uint8), np.zeros(G.shape, np.uint8)
-            ref_cols(G, R1, C1, k, 1); encode_cols(G, R2, C2, k, 1)
-            print(k, trial, "same codes", np.array_equal(C1, C2), "same residuals", np.array_equal(R1.view(np.int32), R2.view(np.int32)))
+            out = []
+            for rule in (1, 0):
+                r, c = R.copy(), np.zeros(G.shape, np.uint8)
+                columns(G, r, c, k, 1, rule, True)
+                out.append((r.view(np.int32), c))
+            print(f"k{k} columns {trial}: the same codes and residuals:",
+                  all(np.array_equal(a, b) for a, b in zip(*out)))
     G = (rng.standard_normal((16, 2048)) * 1e-3).astype(np.float32)
     R = (rng.standard_normal(G.shape) * 1e-5).astype(np.float32)
     C = np.zeros(G.shape, np.uint8)
     for k in (2, 4):
-        for name, f in (("float64", ref_cols), ("perm", encode_cols)) * 2:
-            f(G, R, C, k, 1)
-            best = 1e9
-            for _ in range(7):
-                t = time.perf_counter(); f(G, R, C, k, 200); best = min(best, time.perf_counter() - t)
-            print(f"k{k} {name}: {best / 200 / G.size * 1e9:.3f} ns/value (minmax pass included)")
-
-@njit
-def minmax_only(G, R, CODES, k, reps):
-    n_cols, n = G.shape
-    tlo, thi, dv = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
-    s = 0.0
-    for _ in range(reps):
-        for c in range(n_cols):
-            lower, upper, finite = kb._column_minmax(G[c], R[c])
-            s += lower
-    return s
-
-@njit
-def minmax_tables(G, R, CODES, k, reps):
-    n_cols, n = G.shape
-    tlo, thi, dv = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
-    s = 0.0
-    for _ in range(reps):
-        for c in range(n_cols):
-            lower, upper, finite = kb._column_minmax(G[c], R[c])
-            step = kb._step_cpu(lower, upper, 1 << k)
-            inv = kb._inv_cpu(step)
-            tables(lower, step, inv, k, tlo, thi, dv)
-            s += tlo[3]
-    return s
-
-@njit
-def loop_only(G, R, CODES, k, reps):
-    n_cols, n = G.shape
-    tlo, thi, dv = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
-    lower, upper, finite = kb._column_minmax(G[0], R[0])
-    step = kb._step_cpu(lower, upper, 1 << k)
-    inv = kb._inv_cpu(step)
-    tables(lower, step, inv, k, tlo, thi, dv)
-    inv32 = np.float32(inv)
-    for _ in range(reps):
-        for c in range(n_cols):
-            for i in range(0, n // 8 * 8, 8):
-                _step8(G[c], R[c], CODES[c], tlo, thi, dv, lower, inv32, np.float32((1 << k) - 1), i)
-
-@njit
-def loop_only64(G, R, CODES, k, reps):
-    n_cols, n = G.shape
-    lower, upper, finite = kb._column_minmax(G[0], R[0])
-    step = kb._step_cpu(lower, upper, 1 << k)
-    inv = kb._inv_cpu(step)
-    for _ in range(reps):
-        for c in range(n_cols):
-            gc, rc, cc = G[c], R[c], CODES[c]
-            for i in range(n):
-                v = gc[i] + rc[i]
-                q, value = kb._quantize(v, lower, inv, np.float64((1 << k) - 1), step)
-                rc[i] = v - value
-                cc[i] = np.uint8(q)
-
-if __name__ == "__main__":
-    for name, f in (("minmax only", minmax_only), ("minmax+tables", minmax_tables), ("perm loop only", loop_only), ("f64 loop only", loop_only64)) * 2:
-        f(G, R, C, 4, 1)
-        best = 1e9
-        for _ in range(7):
-            t = time.perf_counter(); f(G, R, C, 4, 200); best = min(best, time.perf_counter() - t)
-        print(f"k4 {name}: {best / 200 / G.size * 1e9:.3f} ns/value")
+        for _ in range(2):
+            for name, rule in (("float64", 1), ("permute", 0)):
+                columns(G, R, C, k, 1, rule, True)
+                print(f"k{k} {name}, with the min/max pass: "
+                      f"{best_ns(columns, (G, R, C, k, 200, rule, True), G.size):.3f} ns/value")
+    k = 4
+    ranges(G, R, k, 1, True)
+    print(f"k4 the min/max pass alone: {best_ns(ranges, (G, R, k, 200, False), G.size):.3f}, "
+          f"with the tables: {best_ns(ranges, (G, R, k, 200, True), G.size):.3f} ns/value")
+    for _ in range(2):
+        for name, rule in (("float64", 1), ("permute", 0)):
+            columns(G, R, C, k, 1, rule, False)
+            print(f"k4 {name}, the code loop alone: "
+                  f"{best_ns(columns, (G, R, C, k, 200, rule, False), G.size):.3f} ns/value")
