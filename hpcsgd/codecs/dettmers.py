@@ -390,6 +390,13 @@ def scale_buckets(keys):
     return entries, base
 
 
+@njit(inline="always")
+def _vspace_code(key, entries):
+    """The code of a value from its bucket-and-place key (encode_vspace_cpu): one read."""
+    w = np.uint64(np.uint32(key))
+    return (np.uint64(entries[w >> np.uint64(16)]) + (w & np.uint64(0xFFFF))) >> np.uint64(16)
+
+
 @njit(parallel=True, cache=True)
 def encode_vspace_cpu(g, r, ef, codes, vt, entries, base, bad):
     """The codes (and residuals, v - vt[code]) of one scale's matrix from `scale_buckets`'
@@ -421,16 +428,12 @@ def encode_vspace_cpu(g, r, ef, codes, vt, entries, base, bad):
                 keys[i] = np.int32(np.int32(k << np.int32(16)) | np.int32(key & np.int32(0xFFFF)))
             if ef:
                 for i in range(ja, jb):
-                    w = np.uint64(np.uint32(keys[i - ja]))
-                    c = (np.uint64(entries[w >> np.uint64(16)]) + (w & np.uint64(0xFFFF))) \
-                        >> np.uint64(16)
+                    c = _vspace_code(keys[i - ja], entries)
                     codes[i] = c
                     r[i] = vs[i - ja] - vt[c]
             else:
                 for i in range(ja, jb):
-                    w = np.uint64(np.uint32(keys[i - ja]))
-                    codes[i] = (np.uint64(entries[w >> np.uint64(16)])
-                                + (w & np.uint64(0xFFFF))) >> np.uint64(16)
+                    codes[i] = _vspace_code(keys[i - ja], entries)
         flags[t] = top == np.int32(0x7F800000)
     for t in range(tasks):
         if flags[t]:
