@@ -70,6 +70,14 @@ def check_kernels(res):
     one = res["codecs"]["onebit"]
     assert one["encode_GBps"] > 0 and one["decode_acc_GBps"] > 0
     assert 1.0 < one["bits_per_value"] < 1.2
+    # the bound: bytes counted over bytes moved at least. --small's largest matrix (930 x 256
+    # values) is more than a task, so Dettmers' whole-matrix abs-max reads it a second time
+    assert one["encode_bound_frac_triad"] == 1.0
+    det = res["codecs"]["dettmers"]
+    counted = 12 * det["values"] + det["packed_bytes"]
+    reread = 8 * sum(a * b for a, b in res["shapes"] if a * b > 16384)
+    assert det["encode_bound_frac_triad"] == pytest.approx(counted / (counted + reread), rel=1e-12)
+    assert 0.55 < det["encode_bound_frac_triad"] < 0.7
 
 
 def check_loader(res):

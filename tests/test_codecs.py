@@ -304,6 +304,21 @@ def test_stripes_encode_like_the_whole_matrix_for_column_codecs():
         assert stripe.tobytes() == whole[3 * per:6 * per].tobytes()
 
 
+def test_dettmers_says_which_encodes_read_a_matrix_twice():
+    """Only an abs-max over more than a task's values is a pass of its own (scales_cpu); every
+    refresh-th encode takes it; other codecs read grad and residual once."""
+    n_cols, n_rows = 100, 1000   # 100,000 values > CHUNK
+    det = lambda **o: make_codec("dettmers", **o).encode_reread_bytes(n_cols, n_rows)
+    assert det() == 8.0 * 100_000
+    assert det(refresh=50) == 8.0 * 100_000 / 50
+    assert det(error_feedback=False) == 4.0 * 100_000
+    assert det(block=4096) == 0.0 and det(block=20_000) == 8.0 * 100_000
+    assert det(dtype="mantissa") == 0.0   # a fixed scale: no abs-max
+    assert make_codec("dettmers").encode_reread_bytes(10, 100) == 0.0   # one task's values
+    for name in ("onebit", "kbit", "float16", "float32"):
+        assert make_codec(name).encode_reread_bytes(n_cols, n_rows) == 0.0
+
+
 def test_dettmers_tables_are_sorted_256_values():
     for d in DTYPES:
         t = make_table(d)

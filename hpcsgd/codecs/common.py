@@ -132,6 +132,9 @@ class Codec:
                    the re-encode in one pass per column, the same bits as the three passes
     And one property: buffer_state, whether an encode reads state an earlier encode left in
     its output buffer (Dettmers' scales with refresh > 1); a checkpoint then keeps the buffers.
+    encode_reread_bytes(n_cols, n_rows) says what the CPU encode reads from memory beyond its
+    one pass over grad and residual (bytes per encode, averaged over a refresh period):
+    `hpcsgd bench kernels` states the fraction of the memory limit an encode can reach.
     """
     name = "?"
     error_feedback = True
@@ -143,6 +146,9 @@ class Codec:
         if backend not in ("cpu", "cuda", "reference"):
             raise ValueError(f"backend must be cpu, cuda or reference, got {backend!r}")
         self.backend = backend
+
+    def encode_reread_bytes(self, n_cols, n_rows):
+        return 0.0
 
     def bits_per_value(self, n_cols, n_rows):
         n = n_cols * n_rows

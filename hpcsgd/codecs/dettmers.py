@@ -560,6 +560,15 @@ class Dettmers(Codec):
         block = self.block if self.block > 0 else max(n, 1)
         return block, -(-n // block)
 
+    def encode_reread_bytes(self, n_cols, n_rows):
+        """A fresh abs-max of a block larger than a task (the default: one per matrix) is a
+        pass of its own over grad and residual before the first code (scales_cpu); smaller
+        blocks take theirs in the encode's task, from cache."""
+        n = n_cols * n_rows
+        if self.norm != "absmax" or self._blocking(n)[0] <= CHUNK:
+            return 0.0
+        return (8.0 if self.error_feedback else 4.0) * n / self.refresh
+
     def packed_nbytes(self, n_cols, n_rows):
         n = n_cols * n_rows
         if n == 0:
