@@ -67,6 +67,7 @@ class Phases:
     def __init__(self, device="cpu", timeline=None):
         self.device, self.timeline = device, timeline
         self.times, self.exchanges, self._t = {}, 0, 0.0
+        self.sent = 0   # bytes this rank sent in the exchanges completed since pop_sent()
 
     def start(self):
         self._t = time.perf_counter()
@@ -84,6 +85,12 @@ class Phases:
         """{phase: mean seconds per exchange} since the last call, then reset."""
         out = {k: v / max(self.exchanges, 1) for k, v in self.times.items()}
         self.times, self.exchanges = {}, 0
+        return out
+
+    def pop_sent(self):
+        """Bytes this rank sent since the last call (each exchange at its codec's width
+        then: an adaptive bit width or the cold start's end changes it), then reset."""
+        out, self.sent = self.sent, 0
         return out
 
 
@@ -139,6 +146,7 @@ def finish_exchange(ex, opt, params, lr, phases):
         opt.apply(params[:update.size], update, lr)
     phases.mark(ex.PHASE["update"])
     phases.exchanges += 1
+    phases.sent += ex.bytes_on_wire()
 
 
 def exchange_update(ex, opt, params, grad, lr, phases):

@@ -270,7 +270,7 @@ def train(cfg, comm, stop):
                 check_divergence(cfg, totals, loader.num_labels,
                                  f"step {window.steps} (epoch {epoch}, frame {frames:,})")
                 window.line(epoch, progress, rank_frames, lr, totals, step.phases.pop(),
-                            comm_blocking, bitwidth, scaler)
+                            step.phases.pop_sent(), comm_blocking, bitwidth, scaler)
             log.progress(int(sum(progress["offsets"])), int(rank_frames.sum()), f"epoch {epoch}")
             saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
             if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
@@ -601,6 +601,7 @@ class Window:
 
     def __init__(self, log, t0):
         self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(3), 0
+        self.first = 0   # the run's steps when this window began
 
     def due(self, seconds):
         """Whether `seconds` have passed since the last line (0: never by time)."""
@@ -610,7 +611,7 @@ class Window:
         self.sums += sums
         self.steps += 1
 
-    def line(self, epoch, progress, rank_frames, lr, totals, phases, comm_blocking,
+    def line(self, epoch, progress, rank_frames, lr, totals, phases, sent, comm_blocking,
              bitwidth=None, scaler=None):
         now = time.perf_counter()
         done, total = int(sum(progress["offsets"])), int(rank_frames.sum())
@@ -632,12 +633,15 @@ class Window:
         if comm_blocking:   # double buffering: the share of communication hidden
             overlap = {"comm_blocking_s": comm_blocking,
                        "overlap": min(max(1 - exposed / comm_blocking, 0.0), 1.0)}
+        # bytes this rank sent per step of the window (double buffering: two exchanges a
+        # step; a step skipped on an overflow: none)
+        per_step = sent / max(self.steps - self.first, 1)
         self.log.record("train", epoch=epoch, frames=progress["frames"], step=self.steps, ce=ce,
                         frame_accuracy=acc, lr=lr, frames_per_s=fps, exchange_s=phases,
-                        exchange_total_s=sum(phases.values()), comm_exposed_s=exposed, **overlap,
-                        **bits)
+                        exchange_total_s=sum(phases.values()), comm_exposed_s=exposed,
+                        comm_bytes_per_step=per_step, **overlap, **bits)
         self.sums[:] = 0
-        self.t0 = now
+        self.t0, self.first = now, self.steps
 
 
 def write_run_info(run_dir, cfg):

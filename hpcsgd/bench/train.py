@@ -476,6 +476,9 @@ class Local:
     def decode_apply(self, params, lr):
         self.opt.fused_update(params, self.grad, lr)
 
+    def bytes_on_wire(self):
+        return 0
+
 
 class Rank:
     """This rank's model, buffers and random frames, and the timed step loops."""
@@ -621,12 +624,11 @@ def paired_fraction(gemm_s, step_s_all, per_round):
     return float(np.median(ratios))
 
 
-def wire(ex, world, size):
+def wire(ex, size):
     """(bytes this rank sends per exchange, bits per value on the wire)."""
-    if hasattr(ex, "bytes_on_wire"):
+    if hasattr(ex, "send_buf"):   # striped: the packed buffer of all stripes
         return ex.bytes_on_wire(), 8.0 * ex.send_buf.size / size
-    item = 2 if ex.dtype == "float16" else 4        # ring allreduce: 2(K-1)/K of the data
-    return int(2 * (world - 1) * size * item / world), 8.0 * item
+    return ex.bytes_on_wire(), 16.0 if ex.dtype == "float16" else 32.0
 
 
 def worker(argv):
@@ -723,7 +725,7 @@ def worker(argv):
                 skip[(n, mode, row["precision"])] = row["frames_per_s"]
             else:
                 nbytes, bits = ((torch_rank.bytes_on_wire(size), 32.0) if name == "pytorch"
-                                else wire(ex, K, size))
+                                else wire(ex, size))
                 row.update(bytes_per_rank=nbytes, bits_per_value=bits,
                            exchanges_per_step=len(parts),
                            comm_overhead=1.0 - row["frames_per_s"]

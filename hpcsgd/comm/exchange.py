@@ -268,6 +268,13 @@ class Allreduce(_Collective):
             return f"NCCL on the device ({why})"
         return self.stage.describe(why)
 
+    def bytes_on_wire(self):
+        """Bytes this rank sends per exchange: a ring Allreduce's 2 (K - 1) / K of the
+        buffer (MPI's and NCCL's large-message algorithm; the float16 path's reduce-scatter
+        + allgather is the same), none on one rank."""
+        item = 2 if self.dtype == "float16" else 4
+        return int(2 * (self.world - 1) * self.size * item / self.world)
+
     def encode(self, grad):
         """The buffer the collective sums: grad itself (float32), g / K in float16, or its
         pinned host mirror (GPU ranks without CUDA-aware MPI; a device sync point). grad must
