@@ -192,6 +192,9 @@ DEFAULTS = {
     "train.diverged_ce_factor": (3.0, float, (0.0, 1e6),
                                  "stop with an error once a log window's or an epoch's train cross-entropy "
                                  "exceeds this x ln(labels) nats/frame (untrained: about 1x; 0 = never)"),
+    "train.tensorboard": (True, bool, None,
+                          "rank 0 writes TensorBoard event files to run_dir/tensorboard/ as the "
+                          "run goes (tensorboard --logdir runs/; docs/tensorboard.md)"),
     "train.timeline": (False, bool, None,
                        "write a Chrome trace per rank to run_dir/timeline/ (Perfetto, chrome://tracing)"),
     "train.timeline_steps": (200, int, (0, 1 << 40), "steps the timeline records (0 = all)"),

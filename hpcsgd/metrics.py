@@ -2,7 +2,8 @@
 
 Console and log lines say epoch, frames done/total, train CE and frame accuracy, learning
 rate, frames/s and ETA. A live progress bar is drawn only when stdout is a TTY (never in
-batch logs). Every record also goes to RUN/metrics.jsonl (rank 0) for `hpcsgd plot`.
+batch logs). Every record also goes to RUN/metrics.jsonl (rank 0) for `hpcsgd plot`, and its
+scalars to TensorBoard event files in RUN/tensorboard/ (hpcsgd/tensorboard.py).
 
 A run directory holds one run: prepare_run_dir() gives a fresh start a clean one and a
 resumed run the metrics of its own past only (see there).
@@ -16,7 +17,7 @@ import time
 from hpcsgd.errors import UserError
 
 METRICS = "metrics.jsonl"
-LEFTOVERS = (METRICS, "logs", "timeline", "plots")   # what a run writes besides checkpoints
+LEFTOVERS = (METRICS, "logs", "timeline", "plots", "tensorboard")   # a run's, besides checkpoints
 
 
 def prepare_run_dir(run_dir, resume_frames, has_checkpoints, modify):
@@ -64,6 +65,7 @@ class RunLog:
                         if rank == 0 else None)
         self.tty = rank == 0 and sys.stdout.isatty()
         self.start = time.perf_counter()
+        self.board = None   # rank 0's TensorBoard writer (hpcsgd/tensorboard.py), if any
 
     def info(self, message):
         """All ranks to their log file; rank 0 also to the console."""
@@ -79,6 +81,8 @@ class RunLog:
         if self.metrics is not None:
             fields = {"kind": kind, "time": round(time.perf_counter() - self.start, 3), **fields}
             self.metrics.write(json.dumps(fields) + "\n")
+            if self.board is not None:   # the same record's scalars, to TensorBoard
+                self.board.record(fields)
 
     def progress(self, done, total, text):
         """A live bar on a TTY only; batch jobs get the periodic log lines instead."""
@@ -89,6 +93,8 @@ class RunLog:
             sys.stdout.flush()
 
     def close(self):
+        if self.board is not None:
+            self.board.close()
         self.log.close()
         if self.metrics is not None:
             self.metrics.close()

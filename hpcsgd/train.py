@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hpcsgd import checkpoint, config, jit, loss_scale, optim, threads
+from hpcsgd import checkpoint, config, jit, loss_scale, optim, tensorboard, threads
 from hpcsgd.bitwidth import BitWidth
 from hpcsgd.comm.exchange import adaptive_bits, cold_start, make_exchange, set_bits, set_cold_start
 from hpcsgd.comm.gpu import bind_gpu
@@ -64,7 +64,8 @@ Ctrl-C, SIGTERM or SIGUSR1 write a checkpoint and stop; the same command resumes
 Logs, metrics and checkpoints go to train.run_dir; `hpcsgd plot RUN_DIR` draws the curves."""
 ADAGRAD_LR_WARN = 1e-4   # a per-sample rate this large is plain SGD's, not AdaGrad's
 PACKAGES = ("numpy", "numba", "numba-cuda", "mpi4py", "mpich", "h5py", "pyyaml",
-            "kaldi-native-fbank", "soundfile", "kaldiio", "cupy-cuda12x", "nvidia-nccl-cu12")
+            "kaldi-native-fbank", "soundfile", "kaldiio", "tensorboardX", "cupy-cuda12x",
+            "nvidia-nccl-cu12")
 
 
 def add_arguments(parser):
@@ -375,14 +376,17 @@ def open_run(cfg, grid):
     run_dir = cfg["train.run_dir"]
     resume = {"auto": checkpoint.latest(run_dir), "none": None}.get(cfg["train.resume"],
                                                                      cfg["train.resume"])
-    tidied = prepare_run_dir(run_dir, checkpoint.read_meta(resume)["frames"] if resume else None,
-                             bool(checkpoint.all_checkpoints(run_dir)), modify=grid.rank == 0)
+    resume_frames = checkpoint.read_meta(resume)["frames"] if resume else None
+    tidied = prepare_run_dir(run_dir, resume_frames, bool(checkpoint.all_checkpoints(run_dir)),
+                             modify=grid.rank == 0)
     if grid.rank == 0:
         write_run_info(run_dir, cfg)
     grid.world.Barrier()   # the run directory exists before any rank opens its log
     log = RunLog(run_dir, grid.rank, grid.size)
     if tidied:
         log.info(tidied)
+    if grid.rank == 0 and cfg["train.tensorboard"]:   # no other rank imports its library
+        log.board = tensorboard.open_board(run_dir, resume_frames, log.info)
     # threads per rank: decided by the CLI before numpy/numba started (hpcsgd/threads.py)
     chosen, message = threads.CHOSEN or threads.choose(cfg["train.threads"], grid.world)
     pools = threads.enforce(chosen)
