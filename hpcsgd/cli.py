@@ -18,6 +18,8 @@ SUBCOMMANDS = {
     "train": ("hpcsgd.train", "train an acoustic model (run under mpiexec for K ranks)"),
     "eval": ("hpcsgd.evaluate", "cross-entropy, frame accuracy and confusions of a checkpoint"),
     "infer": ("hpcsgd.infer", "write posteriors or scaled log-likelihoods for a decoder"),
+    "mkgraph": ("hpcsgd.decode.mkgraph", "a decoding graph (HLG) from a training archive"),
+    "decode": ("hpcsgd.decode.decode", "recognize an archive with a graph: WER/PER, real-time factor"),
     "export": ("hpcsgd.export", "a model's weights as int8/int4 codes for integer inference"),
     "bench": ("hpcsgd.bench", "benchmarks against this machine's limits"),
     "plot": ("hpcsgd.plot", "learning curves and throughput of a run directory to PNG"),
@@ -67,6 +69,11 @@ def main(argv=None):
     elif name in ("eval", "infer", "export") and not {"-h", "--help"} & set(argv[1:]):
         from hpcsgd import threads   # one process: its cores, the pools sleeping between ops
         threads.choose()
+    elif name == "decode" and not {"-h", "--help"} & set(argv[1:]):
+        from mpi4py import MPI       # ranks decode disjoint utterances: share the node's cores
+
+        from hpcsgd import threads
+        threads.choose(comm=MPI.COMM_WORLD)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     sub_parser = argparse.ArgumentParser(prog=f"hpcsgd {name}", description=usage(module),
                                          epilog=getattr(module, "EXAMPLES", None),

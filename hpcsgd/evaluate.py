@@ -1,6 +1,9 @@
 """`hpcsgd eval`: cross-entropy, frame accuracy, per-class accuracy and confusions of a model.
 
-    hpcsgd eval RUN_DIR|CHECKPOINT --data ARCHIVE [--json FILE]
+    hpcsgd eval RUN_DIR|CHECKPOINT --data ARCHIVE [--json FILE] [--graph GRAPH_DIR]
+
+With --graph, the archive is also recognized through that decoding graph (hpcsgd mkgraph) and
+the phone or word error rate is reported beside the frame accuracy (hpcsgd/decode/).
 
 The model shape, splicing context and CMVN mode come from the checkpoint; the archive's label
 inventory must be the one the model was trained on. Under mpiexec every rank evaluates a
@@ -16,6 +19,7 @@ from hpcsgd.data import archive
 from hpcsgd.data import BLOCK_FRAMES
 from hpcsgd.data.loader import FrameLoader
 from hpcsgd.data.sequences import SequenceLoader
+from hpcsgd.decode import recognize
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
 
@@ -121,6 +125,9 @@ def add_arguments(parser):
     parser.add_argument("--data", required=True, help="archive to evaluate (hpcsgd prep OUT)")
     parser.add_argument("--json", help="write CE, accuracy, per-class accuracy and confusions here")
     parser.add_argument("--top", type=int, default=10, help="confusions to list")
+    parser.add_argument("--graph", help="also recognize through this graph (hpcsgd mkgraph) "
+                                        "and report the phone or word error rate")
+    recognize.add_search_arguments(parser)
 
 
 def run(args):
@@ -149,11 +156,17 @@ def run(args):
         ref, hyp = divmod(int(flat), conf.shape[0])
         if off[ref, hyp]:
             print(f"  {symbols[ref]:8s} -> {symbols[hyp]:8s} {off[ref, hyp]}")
+    decoded = None
+    if args.graph:
+        decoded = recognize.recognize_archive(model, params, meta, args.data, args.graph, args)
+        print(f"through {args.graph} ({decoded['kind']}; acoustic scale "
+              f"{decoded['acoustic_scale']:g}, prior scale {decoded['prior_scale']:g}):")
+        print(decoded.pop("lines"))
     if args.json:
         payload = {"checkpoint": meta["path"], "archive": args.data, "frames": result["frames"],
                    "ce": result["ce"], "frame_accuracy": result["frame_accuracy"],
                    "majority_baseline": majority,
                    "per_class_accuracy": {symbols[i]: float(per_class[i]) for i in range(len(symbols))},
-                   "confusion": conf.tolist(), "labels": symbols}
+                   "confusion": conf.tolist(), "labels": symbols, "decode": decoded}
         archive.atomic_write_text(args.json, json.dumps(payload) + "\n")
     return 0

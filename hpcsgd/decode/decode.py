@@ -1,0 +1,164 @@
+"""`hpcsgd decode`: recognize an archive through a decoding graph, and score it as Kaldi does.
+
+    hpcsgd decode RUN_DIR|CHECKPOINT --data ARCHIVE --graph GRAPH_DIR [--text TEXT] [--tune]
+    mpiexec -n 4 python -m mpi4py -m hpcsgd.cli decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR
+
+The model's log-posteriors, minus the scaled log-prior (the training archive's label
+frequencies, stored in the checkpoint), times the acoustic scale, go through Kaldi's
+FasterDecoder on HLG (hpcsgd/decode/search.py). The references are the archive's own phone
+alignments for a phone graph (PER; silence is not a token) and the Kaldi `text` transcripts
+for a word or digit graph (WER; --text, default the file the graph was made with). Under
+mpiexec the ranks decode disjoint utterances; the hypotheses do not depend on the number of
+ranks. --tune decodes the archive at every acoustic and prior scale of a grid and keeps the
+best: tune on held-out speakers (the CV archive), never on the training speakers.
+
+Writes OUT (default RUN_DIR/decode/<graph>_<archive>/): hyp.txt and ref.txt (Kaldi `text`),
+per_utt.txt (ins del sub ref per utterance), scoring.txt (the lines printed) and
+result.json; all under temporary names, renamed.
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from hpcsgd.data import archive
+from hpcsgd.decode import recognize, score, search
+from hpcsgd.errors import UserError
+
+ABORT_FORWARD_S = 0.5    # a failing rank's last words reach the launcher before MPI_Abort
+
+EXAMPLES = """examples:
+  hpcsgd decode runs/so762/run --data runs/so762/archive/cv --graph runs/so762/graph_phones --tune
+  mpiexec -n 2 python -m mpi4py -m hpcsgd.cli decode runs/so762/run \\
+      --data runs/so762/archive/cv --graph runs/so762/graph_words --acoustic-scale 0.083
+Graphs: hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind phones|words|digits (docs/decode.md)."""
+
+
+def add_arguments(parser):
+    parser.add_argument("model", help="run directory (latest checkpoint), checkpoint file or "
+                                      "exported model")
+    parser.add_argument("--data", required=True, help="archive to recognize (hpcsgd prep OUT)")
+    parser.add_argument("--graph", required=True, help="graph directory (hpcsgd mkgraph)")
+    parser.add_argument("--out", help="output directory (default RUN_DIR/decode/GRAPH_ARCHIVE)")
+    recognize.add_search_arguments(parser)
+    parser.add_argument("--tune", action="store_true",
+                        help="decode at every acoustic scale of "
+                             f"{','.join(map(str, recognize.TUNE_ACOUSTIC))} and prior scale "
+                             f"of {','.join(map(str, recognize.TUNE_PRIOR))}; keep the best")
+    parser.add_argument("--sequences", choices=("chunks", "whole"), default="chunks",
+                        help="sequence (LSTM) models: the training chunks, or whole utterances")
+
+
+def default_out(model_path, graph_dir, archive_dir):
+    base = model_path if os.path.isdir(model_path) else os.path.dirname(
+        os.path.abspath(model_path))
+    name = f"{os.path.basename(os.path.normpath(graph_dir))}_" \
+           f"{os.path.basename(os.path.normpath(archive_dir))}"
+    return os.path.join(base, "decode", name)
+
+
+def text_lines(mapping):
+    return "".join(f"{utt} {' '.join(tokens)}\n".replace(" \n", "\n")
+                   for utt, tokens in sorted(mapping.items()))
+
+
+def run(args):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    try:
+        return decode(args, comm)
+    except UserError:   # every rank checks the same inputs before any collective: all raise
+        raise
+    except Exception:
+        for line in traceback.format_exc().rstrip().splitlines():
+            os.write(2, f"hpcsgd decode: rank {rank}: {line}\n".encode())
+        if world > 1:   # a failing rank ends the job instead of leaving the others waiting
+            time.sleep(ABORT_FORWARD_S)
+            comm.Abort(1)
+        return 1
+
+
+def decode(args, comm):
+    from hpcsgd.evaluate import EVAL_BATCH, check_archive, load_model
+    from hpcsgd.outputs import log_priors, longest_utterance
+    rank, world = comm.Get_rank(), comm.Get_size()
+    # every input checked on every rank before the first collective: a bad one stops them all
+    graph = search.Graph(args.graph)
+    index = archive.read_index(args.data)
+    graph.check_archive(index, args.data)
+    whole = args.sequences == "whole"
+    model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
+                                     if whole else EVAL_BATCH)
+    check_archive(args.data, meta)
+    refs = recognize.references(graph, args.data, args.text)
+    priors = log_priors(meta["label_counts"])
+    decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active)
+
+    logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
+    scales = recognize.scales(graph, args)
+    table = None
+    if args.tune:
+        table = recognize.tune(decoder, logposts, priors, refs, comm)
+        scales = table[0][:2]
+    hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales)
+    frames = sum(len(lp) for _, lp in logposts)
+    sums = np.array([frames, search_s, forward_s, not_final], np.float64)
+    from mpi4py import MPI
+    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
+    gathered = comm.gather(hyps, root=0)                 # small: token lists
+    if rank != 0:
+        return 0
+
+    hyps = {utt: tokens for part in gathered for utt, tokens in part.items()}
+    total, per_utt = recognize.error_counts(refs, hyps)
+    frames, search_s, forward_s, not_final = sums
+    audio_s = frames * index["frame_shift_ms"] / 1000.0
+    name = recognize.metric(graph)
+    lines = []
+    if table is not None:
+        lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
+        lines += recognize.tuning_lines(table, scales, name)
+    lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}): acoustic "
+                 f"scale {scales[0]:g}, prior scale {scales[1]:g}, beam {args.beam:g}, "
+                 f"max active {args.max_active}")
+    lines.append(score.kaldi_lines(name, total))
+    oov = recognize.out_of_vocabulary(graph, refs, hyps)
+    if graph.kind != "phones":
+        lines.append(f"{oov} of the {int(total[3])} reference words are not in the graph's "
+                     f"vocabulary ({100 * oov / max(int(total[3]), 1):.2f}%: errors whatever "
+                     f"the acoustic model says)")
+    lines.append(f"{len(hyps)} utterances, {int(frames)} frames ({audio_s:.1f} s of audio) on "
+                 f"{world} rank(s); {int(not_final)} ended in no final state; "
+                 f"{len(hyps) - len(per_utt)} without a reference (not scored)")
+    lines.append(f"real-time factor per core: search {search_s / audio_s:.4f} "
+                 f"({search_s:.2f} s), acoustic model {forward_s / audio_s:.4f} "
+                 f"({forward_s:.2f} s)")
+    report = "\n".join(lines) + "\n"
+    print(report, end="")
+    result = {"model": args.model, "archive": args.data, "graph": args.graph,
+              "kind": graph.kind, **score.as_dict(name, total),
+              "acoustic_scale": scales[0], "prior_scale": scales[1], "beam": args.beam,
+              "max_active": args.max_active, "frames": int(frames), "audio_seconds": audio_s,
+              "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
+              "oov_tokens": oov,
+              "ranks": world, "search_seconds": search_s, "forward_seconds": forward_s,
+              "rtf_search": search_s / audio_s, "rtf_forward": forward_s / audio_s,
+              "tuning": None if table is None else
+              [{"acoustic_scale": a, "prior_scale": b, "error_rate": score.error_rate(c)}
+               for a, b, c in table]}
+    out = args.out or default_out(args.model, args.graph, args.data)
+    os.makedirs(out, exist_ok=True)
+    archive.atomic_write_text(os.path.join(out, "hyp.txt"), text_lines(hyps))
+    archive.atomic_write_text(os.path.join(out, "ref.txt"), text_lines(
+        {utt: refs[utt] for utt in hyps if utt in refs}))
+    archive.atomic_write_text(os.path.join(out, "per_utt.txt"), "".join(
+        f"{utt} {c[0]} {c[1]} {c[2]} {c[3]}\n" for utt, c in sorted(per_utt.items())))
+    archive.atomic_write_text(os.path.join(out, "scoring.txt"), report)
+    archive.atomic_write_text(os.path.join(out, "result.json"), json.dumps(result, indent=1) + "\n")
+    print(f"decode: wrote {out}/ (hyp.txt, ref.txt, per_utt.txt, scoring.txt, result.json)")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,157 @@
+"""Recognition of an archive: the model's outputs through the graph, scored against references.
+
+Shared by `hpcsgd decode` (files, ranks, tuning) and `hpcsgd eval --graph` (one report). The
+references are the archive's own phone alignments for a phone graph (PER; silence is not a
+token) and the Kaldi `text` transcripts for a word or digit graph (WER). Under several ranks
+each decodes the utterances hpcsgd/outputs.py deals it; an utterance's hypothesis does not
+depend on which rank decodes it.
+"""
+import time
+
+import numpy as np
+
+from hpcsgd.decode import mkgraph, score, search
+from hpcsgd.errors import UserError
+from hpcsgd.outputs import sequence_outputs, utterance_outputs
+
+# (acoustic scale, prior scale) per graph kind, tuned with the float32 recipe on so762's 13
+# held-out speakers (docs/decode.md): a phone bigram is a weak LM and wants the acoustics
+# weighed twice as much as a word bigram does; both divide out half the log-prior
+SCALES = {"phones": (0.2, 0.5), "words": (0.1, 0.5), "digits": (0.1, 0.5)}
+TUNE_ACOUSTIC = (0.05, 0.067, 0.083, 0.1, 0.125, 0.15, 0.2, 0.3)
+TUNE_PRIOR = (0.0, 0.5, 1.0)
+
+
+def add_search_arguments(parser):
+    """The options `decode` and `eval --graph` share."""
+    parser.add_argument("--text", help="Kaldi `text` with the references (word and digit "
+                                       "graphs; default: the file the graph was made with)")
+    parser.add_argument("--acoustic-scale", type=float,
+                        help="weight of the scaled log-likelihoods against the graph's costs "
+                             "(default per graph kind: " + ", ".join(
+                                 f"{k} {a:g}" for k, (a, _) in SCALES.items()) + ")")
+    parser.add_argument("--prior-scale", type=float,
+                        help="how much of the log-prior to subtract from the log-posteriors "
+                             "(default per graph kind: " + ", ".join(
+                                 f"{k} {b:g}" for k, (_, b) in SCALES.items()) + ")")
+    parser.add_argument("--beam", type=float, default=search.BEAM, help="decoder beam")
+    parser.add_argument("--max-active", type=int, default=search.MAX_ACTIVE,
+                        help="most tokens alive per frame")
+
+
+def scales(graph, args):
+    """(acoustic scale, prior scale): the options where given, else the graph kind's."""
+    a, b = SCALES[graph.kind]
+    return (a if args.acoustic_scale is None else args.acoustic_scale,
+            b if args.prior_scale is None else args.prior_scale)
+
+
+def metric(graph):
+    return "PER" if graph.kind == "phones" else "WER"
+
+
+def references(graph, archive_dir, text_path):
+    """{utt: tokens} for the archive's utterances that have a reference (phones: all)."""
+    symbols, utts = mkgraph.archive_alignments(archive_dir)
+    if graph.kind == "phones":
+        return {utt: mkgraph.phone_sequence(symbols, ids, keep_sil=False)
+                for utt, ids, _ in utts}
+    text_path = text_path or graph.info.get("text")
+    if not text_path:
+        raise UserError(f"a {graph.kind} graph scores against transcripts: give --text")
+    text = mkgraph.read_text(text_path)
+    return {utt: text[utt] for utt, _, _ in utts if utt in text}
+
+
+def out_of_vocabulary(graph, refs, utts):
+    """Reference tokens of `utts` the graph cannot output (each one an error whatever the
+    acoustic model does)."""
+    vocab = set(graph.words)
+    return sum(1 for utt in utts if utt in refs for token in refs[utt] if token not in vocab)
+
+
+def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
+    """This rank's share of the archive as [(utt, (T, P) log-posteriors)] (archive order),
+    and the CPU seconds the acoustic model took (all of this process's threads)."""
+    data = meta["data"]
+    t0 = time.process_time()
+    if model.recurrent:
+        outputs = sequence_outputs(model, params, archive_dir, data, data["cmvn"], "logpost",
+                                   None, whole, rank=rank, world=world)
+    else:
+        outputs = utterance_outputs(model, params, archive_dir, data["context"], data["cmvn"],
+                                    "logpost", None, rank=rank, world=world)
+    mine = [(utt, values.copy()) for utt, values in outputs]
+    return mine, time.process_time() - t0
+
+
+def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
+    """-> ({utt: hypothesis tokens}, utterances that ended in no final state, search CPU
+    seconds of this thread)."""
+    graph = decoder.graph
+    hyps, not_final = {}, 0
+    t0 = time.thread_time()
+    for utt, logpost in logposts:
+        scores = search.scaled_loglikelihoods(logpost, log_priors, acoustic_scale, prior_scale,
+                                              graph.states)
+        words, final, _ = decoder.decode(scores)
+        tokens = [graph.words[w] for w in words]
+        if graph.kind == "phones":
+            tokens = [t for t in tokens if t != mkgraph.SIL]
+        hyps[utt] = tokens
+        not_final += not final
+    return hyps, not_final, time.thread_time() - t0
+
+
+def error_counts(refs, hyps):
+    """Summed [ins, del, sub, ref, utts, utts wrong] over the utterances with a reference, and
+    per utterance."""
+    per_utt = {utt: score.counts(refs[utt], hyp) for utt, hyp in hyps.items() if utt in refs}
+    total = np.sum(list(per_utt.values()), axis=0) if per_utt else \
+        np.zeros(len(score.FIELDS), np.int64)
+    return total, per_utt
+
+
+def tune(decoder, logposts, log_priors, refs, comm=None, grid=None):
+    """Every (acoustic scale, prior scale) of the grid on this rank's utterances, the counts
+    summed over ranks: -> [(a, b, total counts)], best first (fewest errors, then fewest
+    sentence errors; ties to the grid's order)."""
+    grid = grid or [(a, b) for b in TUNE_PRIOR for a in TUNE_ACOUSTIC]
+    counts = np.zeros((len(grid), len(score.FIELDS)), np.int64)
+    for i, (a, b) in enumerate(grid):
+        hyps, _, _ = recognize(decoder, logposts, log_priors, a, b)
+        counts[i] = error_counts(refs, hyps)[0]
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI
+        comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)     # cross-rank sync point
+    order = sorted(range(len(grid)), key=lambda i: (counts[i, :3].sum(), counts[i, 5], i))
+    return [(*grid[i], counts[i]) for i in order]
+
+
+def tuning_lines(table, best, name):
+    lines = [f"acoustic scale, prior scale -> %{name}"]
+    for a, b, counts in sorted(table, key=lambda r: (r[1], r[0])):
+        mark = "  <- best" if (a, b) == tuple(best) else ""
+        lines.append(f"  {a:<6g} {b:<4g} {score.error_rate(counts):6.2f}{mark}")
+    return lines
+
+
+def recognize_archive(model, params, meta, archive_dir, graph_dir, args):
+    """One process, default or given scales: the error rate of `eval --graph` as a dict
+    (score.as_dict plus the scales and the search's real-time factor)."""
+    from hpcsgd.data import archive
+    from hpcsgd.outputs import log_priors
+    graph = search.Graph(graph_dir)
+    index = archive.read_index(archive_dir)
+    graph.check_archive(index, archive_dir)
+    refs = references(graph, archive_dir, args.text)
+    priors = log_priors(meta["label_counts"])
+    decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active)
+    logposts, _ = posteriors(model, params, meta, archive_dir)
+    a, b = scales(graph, args)
+    hyps, not_final, search_s = recognize(decoder, logposts, priors, a, b)
+    total, per_utt = error_counts(refs, hyps)
+    audio_s = sum(len(lp) for _, lp in logposts) * index["frame_shift_ms"] / 1000.0
+    return {**score.as_dict(metric(graph), total), "graph": graph_dir, "kind": graph.kind,
+            "acoustic_scale": a, "prior_scale": b, "not_final": not_final, "no_reference": len(hyps) - len(per_utt),
+            "rtf_search": search_s / audio_s, "lines": score.kaldi_lines(metric(graph), total)}

@@ -1,0 +1,38 @@
+"""Error rates as Kaldi's compute-wer prints them, counted by kaldialign's edit distance.
+
+    %WER 12.34 [ 123 / 1000, 10 ins, 20 del, 93 sub ]
+    %SER 45.67 [ 71 / 156 ]
+
+(%PER for phone graphs, whose tokens are phones; silence is not a token of either side).
+"""
+import numpy as np
+
+FIELDS = ("ins", "del", "sub", "ref", "utts", "utts_wrong")
+
+
+def counts(ref, hyp):
+    """One utterance's [ins, del, sub, ref tokens, 1, 1 if any error] (int64)."""
+    import kaldialign
+    d = kaldialign.edit_distance(ref, hyp)
+    wrong = int(d["ins"] + d["del"] + d["sub"] > 0)
+    return np.array([d["ins"], d["del"], d["sub"], len(ref), 1, wrong], np.int64)
+
+
+def error_rate(total):
+    """Errors over reference tokens, in percent (100 * errors when there are none)."""
+    ins, dels, sub, ref = (int(x) for x in total[:4])
+    return 100.0 * (ins + dels + sub) / max(ref, 1)
+
+
+def kaldi_lines(name, total):
+    ins, dels, sub, ref, utts, wrong = (int(x) for x in total)
+    return (f"%{name} {error_rate(total):.2f} [ {ins + dels + sub} / {ref}, {ins} ins, "
+            f"{dels} del, {sub} sub ]\n"
+            f"%SER {100.0 * wrong / max(utts, 1):.2f} [ {wrong} / {utts} ]")
+
+
+def as_dict(name, total):
+    ins, dels, sub, ref, utts, wrong = (int(x) for x in total)
+    return {"metric": name, "error_rate": error_rate(total), "errors": ins + dels + sub,
+            "ins": ins, "del": dels, "sub": sub, "ref_tokens": ref, "utterances": utts,
+            "sentence_error_rate": 100.0 * wrong / max(utts, 1)}

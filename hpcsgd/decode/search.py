@@ -1,0 +1,89 @@
+"""Beam search through HLG: Kaldi's FasterDecoder (the `kaldi-decoder` package).
+
+The network gives log-posteriors log p(phone | x_t); a hybrid decoder needs scaled
+log-likelihoods, by Bayes up to a per-frame constant:
+
+    score(t, p) = acoustic_scale * (log p(p | x_t) - prior_scale * log p(p))
+
+(the prior p(p) from the training archive's label counts). The acoustic scale weighs the
+frames against the graph's LM and transition costs (Kaldi's --acoustic-scale, 0.1 in its DNN
+recipes); a prior scale below 1 divides out only part of the prior. kaldi-decoder's
+DecodableCtc scores input label i with column i - 1 of the matrix it is given: HLG's input
+label of HMM state s of phone p is p * states + s + 1 (hpcsgd/decode/graph.py), so the
+matrix is the scores with each phone's column repeated `states` times.
+"""
+import json
+import os
+
+import numpy as np
+
+from hpcsgd.decode import graph as graphs
+from hpcsgd.errors import UserError
+
+BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
+MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
+
+
+class Graph:
+    """A graph directory as decode reads it: HLG, the word table, graph.json."""
+
+    def __init__(self, graph_dir):
+        path = os.path.join(graph_dir, "graph.json")
+        if not os.path.isfile(path):
+            raise UserError(f"{graph_dir}: no graph.json (make the graph with `hpcsgd mkgraph "
+                            f"TRAIN_ARCHIVE {graph_dir} --kind ...`)")
+        with open(path) as f:
+            self.info = json.load(f)
+        self.dir = graph_dir
+        self.kind = self.info["kind"]
+        self.states = self.info["states"]
+        self.labels = self.info["labels"]
+        self.words = graphs.read_symbols(os.path.join(graph_dir, "words.txt"))
+        self.fst = graphs.read_fst(os.path.join(graph_dir, "HLG.fst"))
+
+    def check_archive(self, index, archive_dir):
+        """The archive's labels must be the graph's phones (the matrix columns)."""
+        if index["label_inventory_hash"] != self.info["label_inventory_hash"]:
+            raise UserError(f"{archive_dir}: label inventory {index['label_inventory_hash']} "
+                            f"differs from the graph's phone table "
+                            f"({self.info['label_inventory_hash']}, {self.dir}/phones.txt): "
+                            f"build the graph from an archive with the same labels.txt")
+
+
+def scaled_loglikelihoods(logpost, log_priors, acoustic_scale, prior_scale, states):
+    """(T, P) log-posteriors -> the decoder's (T, P * states) float32 score matrix."""
+    scores = logpost - np.float32(prior_scale) * log_priors
+    scores *= np.float32(acoustic_scale)
+    return np.repeat(scores, states, axis=1)
+
+
+class Decoder:
+    """One FasterDecoder on a graph, reused for every utterance."""
+
+    def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE):
+        try:
+            import kaldi_decoder
+            import kaldifst
+        except ImportError:
+            raise UserError("decoding needs the `kaldi-decoder` and `kaldifst` packages "
+                            "(pip install kaldi-decoder kaldifst)") from None
+        self.graph = graph
+        self._kd, self._kf = kaldi_decoder, kaldifst
+        options = kaldi_decoder.FasterDecoderOptions(beam=beam, max_active=max_active)
+        self.decoder = kaldi_decoder.FasterDecoder(graph.fst, options)
+
+    def decode(self, scores):
+        """(T, P * states) scores -> (word ids of the best path, whether it reached a final
+        state, its phone per frame). A path that ends in no final state (an utterance shorter
+        than the graph's shortest word sequence, or a beam too narrow) is taken as it is, as
+        Kaldi's decoders do with a warning; the caller counts them."""
+        decodable = self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32))
+        self.decoder.decode(decodable)
+        final = self.decoder.reached_final()
+        ok, path = self.decoder.get_best_path(use_final_probs=final)
+        if not ok:
+            return [], False, np.zeros(0, np.int64)
+        ok, states, words, _ = self._kf.get_linear_symbol_sequence(path)
+        # input labels are HMM states, one per frame: p * states + s + 1
+        phones = (np.asarray(states, np.int64) - 1) // self.graph.states
+        return list(words), final and ok, phones
