@@ -16,6 +16,7 @@ from hpcsgd.bench import BENCHES, report
 
 EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it must print
     "cuda": (["--launches", "{tmp}/launches.json"], "spills: 0 of"),
+    "decode": ([], "search RTF <= 0.02 per core"),
     "exchange": (["--ranks", "2", "--codecs", "onebit,onebit_unfused,float32", "--repeats", "1"],
                  "x = / float32 in-place Allreduce"),
     "kernels": (["--repeats", "1", "--codecs", "onebit,kbit4,dettmers,float16"], "triad"),
@@ -78,6 +79,14 @@ def check_kernels(res):
     reread = 8 * sum(a * b for a, b in res["shapes"] if a * b > 16384)
     assert det["encode_bound_frac_triad"] == pytest.approx(counted / (counted + reread), rel=1e-12)
     assert 0.55 < det["encode_bound_frac_triad"] < 0.7
+
+
+def check_decode(res):
+    """The demo's word graph: one row (--small), the search timed beside the network."""
+    (row,) = res["rows"]
+    assert res["kind"] == "words" and res["utterances"] > 0 and res["audio_seconds"] > 0
+    assert row["rtf_search"] > 0 and res["rtf_forward"] > 0 and 0 <= row["error_rate"]
+    assert row["search_of_forward"] == pytest.approx(row["search_seconds"] / res["forward_seconds"])
 
 
 def check_loader(res):

@@ -16,6 +16,7 @@ USAGE = """Benchmarks: each figure beside the machine limit it is measured again
 
 benchmarks (hpcsgd bench NAME --help for each one's options):
   cuda      every CUDA kernel compiled for sm_80/sm_90 (no GPU needed): registers, spills
+  decode    beam search real-time factor per core beside the acoustic model's
   exchange  exchange time per phase vs float32 in-place Allreduce
   kernels   codec encode/decode-accumulate GB/s vs memory bandwidth
   loader    spliced+CMVN frames/s vs raw HDF5 read rate
@@ -30,6 +31,7 @@ Results and the commands behind them: docs/benchmarks.md."""
 
 BENCHES = {
     "cuda": ("hpcsgd.bench.cuda", "every CUDA kernel compiled for sm_80/sm_90: registers, spills"),
+    "decode": ("hpcsgd.bench.decode", "beam search real-time factor per core vs the acoustic model's"),
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),
