@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, run_mpi
 from hpcsgd import cli
 from hpcsgd.data import archive
-from hpcsgd.decode import lm, mkgraph, score, search
+from hpcsgd.decode import lm, mkgraph, recognize, score, search
 
 DEMO = os.path.join(REPO, "data_prep", "demo", "so762")
 SYMBOLS = ["SIL", "A", "B", "C"]
@@ -185,6 +185,24 @@ def test_error_counts_equal_an_independent_edit_distance(tiny):
         assert ins - dels == len(hyp) - len(ref) and wrong == (hyp != ref)
     line = score.kaldi_lines("WER", np.array([10, 20, 93, 1000, 156, 71]))
     assert line == "%WER 12.30 [ 123 / 1000, 10 ins, 20 del, 93 sub ]\n%SER 45.51 [ 71 / 156 ]"
+
+
+def test_tuning_ranks_by_errors_and_keeps_the_defaults_on_a_tie(tiny):
+    graph = search.Graph(tiny["phones"])
+    decoder = search.Decoder(graph)
+    lengths = (3, 4, 3, 5, 3)
+    frames = np.repeat([SYMBOLS.index(p) for p in "SIL A B C SIL".split()], lengths)
+    logpost = np.full((len(frames), len(SYMBOLS)), np.log(1e-4), np.float32)
+    logpost[np.arange(len(frames)), frames] = np.log(1 - 3e-4)
+    refs = {"u": ["A", "B", "C"]}
+    priors = np.log(np.full(len(SYMBOLS), 0.25, np.float32))
+    table = recognize.tune(decoder, [("u", logpost)], priors, refs, default=(0.2, 0.5))
+    assert [score.error_rate(c) for _, _, c in table] == sorted(
+        score.error_rate(c) for _, _, c in table)
+    assert score.error_rate(table[0][2]) == 0 and table[0][:2] == (0.2, 0.5)
+    # below an acoustic scale of 0.083 the phone LM drowns these frames: decoded worse
+    worse = {a for a, _, c in table if score.error_rate(c) > 0}
+    assert 0.05 in worse and max(worse) < 0.1
 
 
 # --- bad input ------------------------------------------------------------------------------

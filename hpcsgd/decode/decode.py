@@ -83,7 +83,7 @@ def run(args):
 
 
 def decode(args, comm):
-    from hpcsgd.evaluate import EVAL_BATCH, check_archive, load_model
+    from hpcsgd.model_io import EVAL_BATCH, check_archive, load_model
     from hpcsgd.outputs import log_priors, longest_utterance
     rank, world = comm.Get_rank(), comm.Get_size()
     # every input checked on every rank before the first collective: a bad one stops them all
@@ -102,7 +102,7 @@ def decode(args, comm):
     scales = recognize.scales(graph, args)
     table = None
     if args.tune:
-        table = recognize.tune(decoder, logposts, priors, refs, comm)
+        table = recognize.tune(decoder, logposts, priors, refs, comm, default=scales)
         scales = table[0][:2]
     hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales)
     frames = sum(len(lp) for _, lp in logposts)

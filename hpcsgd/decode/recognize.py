@@ -112,20 +112,26 @@ def error_counts(refs, hyps):
     return total, per_utt
 
 
-def tune(decoder, logposts, log_priors, refs, comm=None, grid=None):
+def tune(decoder, logposts, log_priors, refs, comm=None, grid=None, default=None):
     """Every (acoustic scale, prior scale) of the grid on this rank's utterances, the counts
-    summed over ranks: -> [(a, b, total counts)], best first (fewest errors, then fewest
-    sentence errors; ties to the grid's order)."""
+    summed over ranks: -> [(a, b, total counts)], best first: fewest errors, then fewest
+    utterances with an error, then fewest that ended in no final state, then the nearest to
+    `default` (the scales decode would use untuned), so that a tie keeps the defaults."""
     grid = grid or [(a, b) for b in TUNE_PRIOR for a in TUNE_ACOUSTIC]
-    counts = np.zeros((len(grid), len(score.FIELDS)), np.int64)
+    counts = np.zeros((len(grid), len(score.FIELDS) + 1), np.int64)
     for i, (a, b) in enumerate(grid):
-        hyps, _, _ = recognize(decoder, logposts, log_priors, a, b)
-        counts[i] = error_counts(refs, hyps)[0]
+        hyps, not_final, _ = recognize(decoder, logposts, log_priors, a, b)
+        counts[i, :-1] = error_counts(refs, hyps)[0]
+        counts[i, -1] = not_final
     if comm is not None and comm.Get_size() > 1:
         from mpi4py import MPI
         comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)     # cross-rank sync point
-    order = sorted(range(len(grid)), key=lambda i: (counts[i, :3].sum(), counts[i, 5], i))
-    return [(*grid[i], counts[i]) for i in order]
+    a0, b0 = default or grid[0]
+    a0 = max(a0, 1e-6)
+    near = [abs(np.log(a / a0)) + abs(b - b0) for a, b in grid]
+    order = sorted(range(len(grid)), key=lambda i: (counts[i, :3].sum(), counts[i, 5],
+                                                    counts[i, 6], near[i]))
+    return [(*grid[i], counts[i, :-1]) for i in order]
 
 
 def tuning_lines(table, best, name):
