@@ -14,64 +14,12 @@ import os
 
 import numpy as np
 
-from hpcsgd import checkpoint
 from hpcsgd.data import archive
 from hpcsgd.data import BLOCK_FRAMES
 from hpcsgd.data.loader import FrameLoader
 from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.decode import recognize
-from hpcsgd.errors import UserError
-from hpcsgd.model import build
-
-EVAL_BATCH = 1024
-
-
-def load_model(path, max_batch=EVAL_BATCH):
-    """(model, params, meta) from a checkpoint file, a run directory (its latest one) or a
-    model written by `hpcsgd export` (integer weights)."""
-    from hpcsgd import export
-    if export.is_exported(path):
-        model, params, meta = export.load(path, max_batch)
-        model.steps = sequence_steps(meta["data"])
-        return model, params, meta
-    if os.path.isdir(path):
-        found = checkpoint.latest(path)
-        if found is None:
-            raise UserError(f"{path}: no checkpoint in {checkpoint.checkpoint_dir(path)}")
-        path = found
-    arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
-    if "params" not in arrays:
-        raise UserError(f"checkpoint {path}: no 'params' dataset")
-    model = build(meta["model"], max_batch=max_batch)
-    model.steps = sequence_steps(meta["data"])
-    params = model.new_params()
-    if arrays["params"].shape != params.flat.shape:
-        raise UserError(f"checkpoint {path}: {arrays['params'].size} parameters, the model "
-                        f"{meta['model']} needs {params.size}")
-    params.flat[:] = arrays["params"]
-    meta["path"] = path
-    return model, params, meta
-
-
-def sequence_steps(data):
-    """A sequence model's training sequence length (left context + chunk + right context)
-    from the checkpoint's data meta; None for a frame model."""
-    if "chunk" not in data:
-        return None
-    return data["left_context"] + data["chunk"] + data["right_context"]
-
-
-def check_archive(archive_dir, meta):
-    """The archive must match the model's features and label inventory."""
-    index = archive.read_index(archive_dir)
-    if index["label_inventory_hash"] != meta["label_inventory_hash"]:
-        raise UserError(f"{archive_dir}: label inventory {index['label_inventory_hash']} differs "
-                        f"from the model's ({meta['label_inventory_hash']}); prep it with the "
-                        f"training labels.txt")
-    want = meta["model"]["input_dim"] // (2 * meta["data"]["context"] + 1)
-    if index["feature_dim"] != want:
-        raise UserError(f"{archive_dir}: feature dim {index['feature_dim']}, the model expects {want}")
-    return index
+from hpcsgd.model_io import check_archive, load_model, sequence_steps
 
 
 def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=None,

@@ -15,7 +15,7 @@ quantized as in training: the outputs equal the fake-quantized model's exactly.
 File: attrs format = "hpcsgd-int", bits, meta (the checkpoint's meta, the model's qat
 description completed); datasets int/<W> (codes), with attrs step and shape (a model with a
 clip value per output unit: step/<W>, the step of each column, instead of the attribute);
-float/<name>.
+float/<name>. hpcsgd/model_io.py reads it (eval, infer, decode, train.init_from).
 """
 import copy
 import json
@@ -25,8 +25,9 @@ import h5py
 import numpy as np
 
 from hpcsgd.errors import UserError
+from hpcsgd.model import build
+from hpcsgd.model_io import FORMAT, load_model, pack_int4
 
-FORMAT = "hpcsgd-int"
 EXAMPLES = """examples:
   hpcsgd export runs/qat4 --int4 --out runs/qat4/model_int4.h5
   hpcsgd eval runs/qat4/model_int4.h5 --data runs/demo/archive/cv"""
@@ -42,22 +43,6 @@ def add_arguments(parser):
     parser.add_argument("--out", required=True, help="the exported model (HDF5)")
 
 
-def pack_int4(codes):
-    """int codes in [-8, 7] (any shape) -> uint8, two per byte, the first in the low nibble."""
-    flat = codes.reshape(-1).astype(np.int8)
-    if len(flat) % 2:
-        flat = np.append(flat, np.int8(0))
-    nib = (flat.view(np.uint8) & 0xF)
-    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
-
-
-def unpack_int4(packed, size):
-    """pack_int4's inverse: the first `size` codes as int8."""
-    nib = np.empty(2 * len(packed), np.uint8)
-    nib[0::2], nib[1::2] = packed & 0xF, packed >> 4
-    return ((nib[:size].astype(np.int8) ^ 8) - 8).astype(np.int8)
-
-
 def codes_of(wq, grid):
     """The integer codes of fake-quantized weights wq = s * k (exact: |k| <= 127, so the
     rounding of wq * (1/s) is far below 1/2), checked against wq."""
@@ -71,8 +56,6 @@ def export(path, out, bits, say=print):
     """Write the integer model of the checkpoint (or run directory) at `path` to `out`;
     returns {"weights": bytes of the weights as integers, "float32": as float32, "file":
     bytes of the file}."""
-    from hpcsgd.evaluate import load_model
-    from hpcsgd.model import build
     model, params, meta = load_model(path)
     qat = dict(model.describe.get("qat") or {})
     if qat.get("weights", "none") == "none":
@@ -118,43 +101,6 @@ def export(path, out, bits, say=print):
     os.replace(tmp, out)   # nothing half-written under the final name
     sizes["file"] = os.path.getsize(out)
     return sizes
-
-
-def is_exported(path):
-    if not os.path.isfile(path):
-        return False
-    try:
-        with h5py.File(path, "r") as f:
-            return f.attrs.get("format") == FORMAT
-    except OSError:
-        return False
-
-
-def load(path, max_batch):
-    """(model, params, meta) of an exported file: the weights s * k, marked as on their grid
-    (model.quant.exported: not quantized again)."""
-    from hpcsgd.model import build
-    try:
-        with h5py.File(path, "r") as f:
-            meta = json.loads(f.attrs["meta"])
-            bits = int(f.attrs["bits"])
-            model = build(meta["model"], max_batch=max_batch)
-            params = model.new_params()
-            for spec in model.specs:
-                if spec.name in model.quant.weights:
-                    d = f[f"int/{spec.name}"]
-                    size = spec.shape[0] * spec.shape[1]
-                    codes = unpack_int4(d[()], size) if bits == 4 else d[()].reshape(-1)
-                    step = (f[f"step/{spec.name}"][()] if f"step/{spec.name}" in f
-                            else np.float32(d.attrs["step"]))
-                    params[spec.name][...] = codes.astype(np.float32).reshape(spec.shape) * step
-                else:
-                    params[spec.name][...] = f[f"float/{spec.name}"][()]
-    except (OSError, KeyError, ValueError) as err:
-        raise UserError(f"exported model {path}: unreadable ({err})") from None
-    model.quant.exported = True
-    meta["path"] = path
-    return model, params, meta
 
 
 def run(args):

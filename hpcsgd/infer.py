@@ -14,7 +14,7 @@ import os
 import h5py
 import numpy as np
 
-from hpcsgd.evaluate import EVAL_BATCH, check_archive, load_model
+from hpcsgd.model_io import EVAL_BATCH, check_archive, load_model
 from hpcsgd.outputs import log_priors, longest_utterance, sequence_outputs, utterance_outputs
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import TrainerRuns, latest_arrays, make_archive, run_train
-from hpcsgd.export import pack_int4, unpack_int4
+from hpcsgd.model_io import load_model, pack_int4, unpack_int4
 
 # INT4 weights with SAWB, INT4 inputs with learned ranges (the features' start narrow enough
 # to clip some: the clips get a gradient from the first step)
@@ -70,7 +70,6 @@ def evaluate(model, arch, tmp_path):
 
 
 def clip_values(run):
-    from hpcsgd.evaluate import load_model
     _, params, _ = load_model(run)
     return {name: params[name].copy() for name in params.views if name.startswith("clip_")}
 
@@ -109,7 +108,6 @@ def test_fine_tuning_starts_from_the_float_weights_with_a_linear_decay(arch, tmp
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(train.init_from): a fresh optimizer and schedule" in \
         open(os.path.join(run, "logs", "rank0000.log")).read()
-    from hpcsgd.evaluate import load_model
     _, src, _ = load_model(source)
     _, tuned, _ = load_model(run)
     for name in src.views:   # lr 0: the float weights, unchanged

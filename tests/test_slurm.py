@@ -291,7 +291,7 @@ def test_train_job_splits_the_model_over_consecutive_ranks_of_a_node(cluster, ar
     assert "spans" not in rank0
     _, arrays = final_state(run_dir)
     whole = sum(a.size for name, a in arrays.items() if name == "params")
-    from hpcsgd.evaluate import load_model
+    from hpcsgd.model_io import load_model
     model, params, _ = load_model(run_dir)   # the unsplit model reads it
     assert whole == params.size and not model.parallel
 

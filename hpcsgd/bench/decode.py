@@ -55,7 +55,7 @@ def run(args):
     threads.enforce(1)       # numpy's pool has started (the bench command imported it)
     from hpcsgd.data import archive
     from hpcsgd.decode import recognize, score, search
-    from hpcsgd.evaluate import check_archive, load_model
+    from hpcsgd.model_io import check_archive, load_model
     from hpcsgd.outputs import log_priors
     tmp = None
     model_path, data, graph_dir = args.model, args.data, args.graph

@@ -13,17 +13,19 @@ compute-bound rather than memory-bound, so it pays only where LLVM vectorises ea
 (_compiled_pass says how); measured at K = 2: 23 ms against 30 for the three passes
 (docs/exchange.md, "Fusions tried").
 
-Bit-identical to the unfused phases: the same column functions (hpcsgd/codecs/onebit.py:
-decode_column_cpu, encode_column_cpu) and the optimizer's public element arithmetic
-(hpcsgd/optim.py: post_element_cpu, with Optimizer.post_operands), in the same order (sources
-0..K-1, rows in order). CPU ranks only; GPU ranks run the unfused phases as CUDA kernels.
+Bit-identical to the unfused phases: the codec's own column functions
+(hpcsgd/codecs/onebit_columns.py: decode_column_cpu, encode_column_cpu) and the optimizer's
+public element arithmetic (hpcsgd/optim.py: post_element_cpu, with Optimizer.post_operands), in
+the same order (sources 0..K-1, rows in order). CPU ranks only; GPU ranks run the unfused
+phases as CUDA kernels.
 """
 import numba
 import numpy as np
 from numba import njit, prange
 
 from hpcsgd.codecs.common import LANES, nonfinite_error
-from hpcsgd.codecs.onebit import ADD, SET, decode_column_cpu, encode_column_cpu, words_per_column
+from hpcsgd.codecs.onebit_columns import (ADD, SET, decode_column_cpu, encode_column_cpu,
+                                          words_per_column)
 from hpcsgd.optim import ADAM, AFTER_MOMENTUM, AGGREGATE, post_element_cpu
 
 

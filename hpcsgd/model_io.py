@@ -1,0 +1,120 @@
+"""A trained model from disk, for eval, infer, decode, export and fine-tuning: a checkpoint, a
+run directory (its latest checkpoint) or an integer model written by `hpcsgd export`; and the
+check that an archive fits it.
+
+One module reads both kinds, so that evaluate.py and export.py need not import each other.
+The integer file's layout is in export.py's docstring; its int4 packing is here, beside its
+inverse.
+"""
+import json
+import os
+
+import h5py
+import numpy as np
+
+from hpcsgd import checkpoint
+from hpcsgd.data import archive
+from hpcsgd.errors import UserError
+from hpcsgd.model import build
+
+EVAL_BATCH = 1024
+FORMAT = "hpcsgd-int"   # an exported model's attrs["format"]
+
+
+def load_model(path, max_batch=EVAL_BATCH):
+    """(model, params, meta) from a checkpoint file, a run directory (its latest one) or a
+    model written by `hpcsgd export` (integer weights)."""
+    if is_exported(path):
+        model, params, meta = load_exported(path, max_batch)
+        model.steps = sequence_steps(meta["data"])
+        return model, params, meta
+    if os.path.isdir(path):
+        found = checkpoint.latest(path)
+        if found is None:
+            raise UserError(f"{path}: no checkpoint in {checkpoint.checkpoint_dir(path)}")
+        path = found
+    arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
+    if "params" not in arrays:
+        raise UserError(f"checkpoint {path}: no 'params' dataset")
+    model = build(meta["model"], max_batch=max_batch)
+    model.steps = sequence_steps(meta["data"])
+    params = model.new_params()
+    if arrays["params"].shape != params.flat.shape:
+        raise UserError(f"checkpoint {path}: {arrays['params'].size} parameters, the model "
+                        f"{meta['model']} needs {params.size}")
+    params.flat[:] = arrays["params"]
+    meta["path"] = path
+    return model, params, meta
+
+
+def sequence_steps(data):
+    """A sequence model's training sequence length (left context + chunk + right context)
+    from the checkpoint's data meta; None for a frame model."""
+    if "chunk" not in data:
+        return None
+    return data["left_context"] + data["chunk"] + data["right_context"]
+
+
+def check_archive(archive_dir, meta):
+    """The archive must match the model's features and label inventory."""
+    index = archive.read_index(archive_dir)
+    if index["label_inventory_hash"] != meta["label_inventory_hash"]:
+        raise UserError(f"{archive_dir}: label inventory {index['label_inventory_hash']} differs "
+                        f"from the model's ({meta['label_inventory_hash']}); prep it with the "
+                        f"training labels.txt")
+    want = meta["model"]["input_dim"] // (2 * meta["data"]["context"] + 1)
+    if index["feature_dim"] != want:
+        raise UserError(f"{archive_dir}: feature dim {index['feature_dim']}, the model expects {want}")
+    return index
+
+
+def is_exported(path):
+    if not os.path.isfile(path):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return f.attrs.get("format") == FORMAT
+    except OSError:
+        return False
+
+
+def load_exported(path, max_batch):
+    """(model, params, meta) of an exported file: the weights s * k, marked as on their grid
+    (model.quant.exported: not quantized again)."""
+    try:
+        with h5py.File(path, "r") as f:
+            meta = json.loads(f.attrs["meta"])
+            bits = int(f.attrs["bits"])
+            model = build(meta["model"], max_batch=max_batch)
+            params = model.new_params()
+            for spec in model.specs:
+                if spec.name in model.quant.weights:
+                    d = f[f"int/{spec.name}"]
+                    size = spec.shape[0] * spec.shape[1]
+                    codes = unpack_int4(d[()], size) if bits == 4 else d[()].reshape(-1)
+                    step = (f[f"step/{spec.name}"][()] if f"step/{spec.name}" in f
+                            else np.float32(d.attrs["step"]))
+                    params[spec.name][...] = codes.astype(np.float32).reshape(spec.shape) * step
+                else:
+                    params[spec.name][...] = f[f"float/{spec.name}"][()]
+    except (OSError, KeyError, ValueError) as err:
+        raise UserError(f"exported model {path}: unreadable ({err})") from None
+    model.quant.exported = True
+    meta["path"] = path
+    return model, params, meta
+
+
+def pack_int4(codes):
+    """int codes in [-8, 7] (any shape) -> uint8, two per byte, the first in the low nibble."""
+    flat = codes.reshape(-1).astype(np.int8)
+    if len(flat) % 2:
+        flat = np.append(flat, np.int8(0))
+    nib = (flat.view(np.uint8) & 0xF)
+    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed, size):
+    """pack_int4's inverse: the first `size` codes as int8."""
+    nib = np.empty(2 * len(packed), np.uint8)
+    nib[0::2], nib[1::2] = packed & 0xF, packed >> 4
+    return ((nib[:size].astype(np.int8) ^ 8) - 8).astype(np.int8)
