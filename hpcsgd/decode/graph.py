@@ -44,27 +44,6 @@ def _fst():
     return kaldifst
 
 
-def symbol_text(symbols):
-    """A Kaldi symbol table's text: `symbol id` per line, ids 0.. in order."""
-    return "".join(f"{s} {i}\n" for i, s in enumerate(symbols))
-
-
-def read_symbols(path):
-    """A Kaldi symbol table file -> list indexed by id."""
-    table = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 2 or not parts[1].isdigit():
-                raise UserError(f"{path}:{lineno}: expected 'symbol id', got {line.strip()!r}")
-            table[int(parts[1])] = parts[0]
-    if sorted(table) != list(range(len(table))):
-        raise UserError(f"{path}: symbol ids must be 0..{len(table) - 1} without gaps")
-    return [table[i] for i in range(len(table))]
-
-
 def disambiguate(lexicon):
     """Kaldi's add_lex_disambig: -> ([(word, phones, k)], number of #k symbols needed), k = 0
     for a pronunciation that needs none, else 1.. numbering the words that share it (and one

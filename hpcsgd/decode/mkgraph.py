@@ -198,8 +198,8 @@ def run(args):
     word_table = [graph.EPS, *words, "#0", lm.BOS, lm.EOS]
     phone_id = {s: i for i, s in enumerate(phone_table)}
     word_id = {s: i for i, s in enumerate(word_table)}
-    archive.atomic_write_text(out("phones.txt"), graph.symbol_text(phone_table))
-    archive.atomic_write_text(out("words.txt"), graph.symbol_text(word_table))
+    archive.atomic_write_text(out("phones.txt"), archive.inventory_text(phone_table))
+    archive.atomic_write_text(out("words.txt"), archive.inventory_text(word_table))
     if args.kind == "digits":
         G = graph.grammar_of_words([word_id[w] for w in words])
         info["grammar"] = f"one of {len(words)} words per utterance"

@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from hpcsgd.data import archive
 from hpcsgd.decode import graph as graphs
 from hpcsgd.errors import UserError
 
@@ -38,7 +39,7 @@ class Graph:
         self.kind = self.info["kind"]
         self.states = self.info["states"]
         self.labels = self.info["labels"]
-        self.words = graphs.read_symbols(os.path.join(graph_dir, "words.txt"))
+        self.words = archive.read_inventory(os.path.join(graph_dir, "words.txt"))
         self.fst = graphs.read_fst(os.path.join(graph_dir, "HLG.fst"))
 
     def check_archive(self, index, archive_dir):
