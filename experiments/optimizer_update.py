@@ -1,6 +1,6 @@
 """Time Optimizer.post_exchange (the update computed from the summed gradient) on the so762
 DNN's 3.6M parameters, per optimizer, best of 12 steps, this machine's threads:
-    python experiments/bench_optimizer.py
+    python experiments/optimizer_update.py
 Each kind is one Numba loop; a loop whose flags are constants vectorises (optim.py)."""
 import time
 
