@@ -2,13 +2,15 @@
 
     [mpiexec -n K] hpcsgd train --config run.yaml [key=value ...]
 
-One process per rank does everything (no parameter server). The spine below, in data-path
-order: the process grid (hpcsgd/comm/grid.py) -> this rank's data (the loader shards over the
-data ranks) -> the model and its parameters -> the exchange, the optimizer and the step
-(hpcsgd/step.py: batch -> forward -> backward -> exchange -> update, double buffering an
-option of it) -> the training state (hpcsgd/state.py: start, or resume from a checkpoint) ->
-epochs of steps, with the between-step decisions (hpcsgd/decisions.py), metrics, checkpoints
-and stop signals -> at each epoch end: replica check, cross-validation, schedule, checkpoint.
+One process per rank does everything (no parameter server). train() below reads: set up,
+resume or start, the epochs of steps, finish; the helpers it calls follow it in that order.
+The spine, in data-path order: the process grid (hpcsgd/comm/grid.py) -> this rank's data
+(the loader shards over the data ranks) -> the model and its parameters -> the exchange, the
+optimizer and the step (hpcsgd/step.py: batch -> forward -> backward -> exchange -> update,
+double buffering an option of it) -> the training state (hpcsgd/state.py: start, or resume
+from a checkpoint) -> epochs of steps, with the between-step decisions (hpcsgd/decisions.py),
+metrics, checkpoints and stop signals -> at each epoch end: replica check, cross-validation,
+schedule, checkpoint.
 
 All ranks start from the same seed, so replicas are identical, and stay so because every rank
 applies the same update bytes; a checksum proves it at every epoch end (every
@@ -46,6 +48,7 @@ from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
 from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_size, whole_specs
+from hpcsgd.model_io import load_model
 from hpcsgd.shutdown import ABORT_FORWARD_S, StopSignal, Watchdog, agree, gone_peers
 from hpcsgd.state import TrainState
 from hpcsgd.step import Step, communicate_seconds, gradient_buffers
@@ -136,88 +139,26 @@ def report(cfg, rank, message):
 
 
 def train(cfg, comm, stop):
-    # --- the grid, the run directory, logs, the watchdog ------------------------------------
-    try:
-        grid = Grid(comm, cfg["model.parallel"])
-    except ValueError as err:
-        raise UserError(f"config key model.parallel: {err}") from None
-    run_dir, device, db = cfg["train.run_dir"], cfg["train.device"], cfg["exchange.double_buffering"]
+    """The spine: set up, resume (or start), the epochs of steps, finish. Returns the exit
+    code: 0, or a stop signal's (every rank checkpointed at the same step)."""
+    # --- set up: the grid, the run directory and logs, this data rank's share of every
+    # global minibatch, the model and its exchange, optimizer and step in the training state
+    grid = process_grid(cfg, comm)
     run = open_run(cfg, grid)
     log, watchdog, timeline = run.log, run.watchdog, run.timeline
-
-    # --- data: this data rank's share of every global minibatch -----------------------------
     loader = open_loader(cfg, grid)
+    state, comm_blocking = build_state(cfg, grid, loader, timeline)
+    step, progress = state.step, state.progress
 
-    # --- model, exchange, optimizer, step: flat buffers with named views ---------------------
-    shape = model_shape(cfg, loader)
-    try:
-        # model parallelism: every layer split over this rank's model group
-        group = ModelGroup(grid.model, cfg["model.activation_codec"],
-                           cfg["model.activation_block"]) if grid.model_size > 1 else None
-        model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
-                      precision=cfg["train.precision"], group=group)
-    except ValueError as err:   # a combination the config's per-key checks cannot see
-        raise UserError(f"model {describe_model(shape)}: {err}") from None
-    model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
-    params = model.new_params()
-    grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
-    ex = make_exchange(cfg, grid.data, params.matrices,   # preallocates every exchange buffer
-                       grid.model if grid.model_size > 1 else None)
-    # double buffering: the communication timed blocking once, the reference that turns the
-    # exposed time into an overlap
-    comm_blocking = ex.blocking_seconds(grads[1].flat) if db and grid.data_size > 1 else None
-    opt = optim.from_config(cfg, params.size, ex.state_size, device)
-    scaler = loss_scale.from_config(cfg)   # train.loss_scale: None, or the scale's decision
-    step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
-                scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit)
-
-    # --- the training state: a fresh start, or the latest checkpoint -------------------------
-    state = TrainState(grid, params, opt, ex, step, loader, {
-        "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
-        "data": {"context": loader.context, "cmvn": cfg["data.cmvn"],
-                 "feature_dim": loader.feature_dim, **sequence_meta(cfg)},
-        "label_counts": label_counts(loader.index).tolist(), "config": cfg,
-        "aggregation": cfg["exchange.aggregation"]})
-    # the adaptive bit width (exchange.bits = oland_raj | mqgrad): a decision every T steps
-    bitwidth = state.bitwidth = BitWidth(cfg, grid.data) if adaptive_bits(cfg) else None
-    if bitwidth and cfg["exchange.bits"] == "oland_raj":
-        ex.norm_sq = 0.0   # the owners sum their stripe's squared gradient norm per step
-    if run.resume:
-        state.load(run.resume, log)
-        log.info(f"resumed from {run.resume}: epoch {state.progress['epoch']}, "
-                 f"{state.progress['frames']} frames")
-        if bitwidth:
-            set_bits(ex, cfg, bitwidth.bits)
-    else:
-        model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
-        if cfg["train.init_from"]:
-            source = init_from(model, params, cfg["train.init_from"],
-                               loader.index["label_inventory_hash"])
-            log.info(f"weights from {source} (train.init_from): a fresh optimizer and schedule")
-    # the cold start (exchange.cold_start_frames): float32 until that frame, a function of the
-    # progress (so a resumed run is in the same phase)
-    cold = cold_start(cfg)
-    if cold and state.progress["frames"] < cold:
-        set_cold_start(ex, cfg, True)
-        log.info(f"cold start: the float32 exchange until frame {cold:,}, then "
-                 f"{cfg['exchange.codec']} (exchange.cold_start_frames)")
-    log_start(log, cfg, grid, loader, state, ex)
+    # --- resume from the latest checkpoint, or start fresh ----------------------------------
+    resume_or_start(cfg, run, state)
+    log_start(log, cfg, grid, loader, state, step.ex)
     # every epoch trains each labelled frame once: the run's frames (the linear schedule's end)
     run_frames = cfg["train.epochs"] * loader.index["total_frames"]
+    cold = cold_start(cfg)   # float32 exchange until this frame (0: none)
 
-    def save():
-        watchdog.beat("checkpoint")
-        t0 = time.perf_counter()
-        saved = state.save(run_dir, cfg["train.keep_checkpoints"])
-        timeline.span("checkpoint", t0, time.perf_counter())
-        log.info(f"checkpoint {saved}")
-        return saved
-
-    def reduce(local):
-        return reduce_sum(grid.data, local)
-
-    # --- epochs -----------------------------------------------------------------------------
-    progress, window = state.progress, Window(log, time.perf_counter())
+    # --- epochs of steps, each ending in a replica check, CV and a checkpoint ----------------
+    window = Window(log, time.perf_counter(), comm_blocking, state.bitwidth, step.scaler)
     while progress["epoch"] < cfg["train.epochs"]:
         epoch = progress["epoch"]
         rank_frames = loader.epoch_frames(epoch, progress["deal"])
@@ -227,128 +168,47 @@ def train(cfg, comm, stop):
             where = f"step {window.steps} (epoch {epoch}, frame {progress['frames']})"
             watchdog.beat(where)
             lr = learning_rate(cfg, progress, run_frames)
-            # between-step decisions: the automatic minibatch size (no exchange in flight)
-            if probe_due(cfg, state):
-                step.drain()
-                t0 = time.perf_counter()
-                record = probe_minibatch(cfg, state, step, loader, rank_frames, lr, reduce,
-                                         watchdog.beat)
-                timeline.span("probe", t0, time.perf_counter(), chosen=record["chosen"])
-                log.info(f"minibatch size probe at frame {progress['frames']:,}: "
-                         f"{ {int(c): round(v, 4) for c, v in record['criteria'].items()} } "
-                         f"-> {record['chosen']} ({record['seconds']:.1f} s)")
-                log.record("probe", epoch=epoch, frames=progress["frames"], **record)
+            if probe_due(cfg, state):   # a between-step decision (no exchange in flight)
+                probe(cfg, run, state, rank_frames, lr)
             # one step: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size,
                                           loader.unit), rank_frames - progress["offsets"])
             t_step, t_exchange = time.perf_counter(), sum(step.phases.times.values())
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
-            if cold and progress["frames"] - int(take.sum()) < cold <= progress["frames"]:
-                step.drain()   # the float32 exchange in flight completes first
-                set_cold_start(ex, cfg, False)
-                log.info(f"cold start over at frame {progress['frames']:,}: "
-                         f"{cfg['exchange.codec']} from here on, residuals zeroed")
-                log.record("cold_start_end", epoch=epoch, frames=progress["frames"],
-                           codec=cfg["exchange.codec"])
+            frames, before = progress["frames"], progress["frames"] - int(take.sum())
+            if cold and before < cold <= frames:
+                end_cold_start(cfg, log, state)
             if step.skips:   # loss scaling: a step every rank skipped on an overflow
                 log_skips(log, step, progress)
-            if bitwidth:   # between-step decision: the width of the next T steps
-                decide_bits(cfg, bitwidth, ex, step, sums, time.perf_counter() - t_step,
-                            sum(step.phases.times.values()) - t_exchange, log, progress)
+            if state.bitwidth:   # between-step decision: the width of the next T steps
+                decide_bits(cfg, state, log, sums, time.perf_counter() - t_step,
+                            sum(step.phases.times.values()) - t_exchange)
             window.add(sums)
             run.compiles.summary()   # once, after the first step compiled most kernels
             epoch_sums += sums
             timeline.end_step()
             # bookkeeping: replica check, log line, checkpoint, stop
-            frames, before = progress["frames"], progress["frames"] - int(take.sum())
             if cfg["train.check_every_steps"] and window.steps % cfg["train.check_every_steps"] == 0:
-                check_replicas(grid.data, params.flat, window.steps)
+                check_replicas(grid.data, step.params.flat, window.steps)
             # one small collective: any rank's stop signal, rank 0's clock for the log line
             stop_code, log_due = agree(comm, stop.code, window.due(cfg["train.log_every_seconds"]))
             if log_due or crossed(before, frames, cfg["train.log_every_frames"]):
-                totals = reduce(window.sums)   # the same on every rank
-                check_divergence(cfg, totals, loader.num_labels,
-                                 f"step {window.steps} (epoch {epoch}, frame {frames:,})")
-                window.line(epoch, progress, rank_frames, lr, totals, step.phases.pop(),
-                            step.phases.pop_sent(), comm_blocking, bitwidth, scaler)
+                log_window(cfg, state, window, rank_frames, lr)
             log.progress(int(sum(progress["offsets"])), int(rank_frames.sum()), f"epoch {epoch}")
-            saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
-            if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
-                saved = saved or save()
-                log_clipped(log, step)
-                log.info(f"stopping after {frames} frames (train.stop_after_frames)")
-                return run.close(0, loader)
-            # a stop signal (Slurm's time-limit warning, preemption, Ctrl-C) on any rank: all
-            # ranks checkpoint here, at the same step, and the batch script requeues the job
-            if stop_code:
-                saved = saved or save()
-                code = stop.exit_code(stop_code)
-                log.info(f"stopping on {stop.received or 'a signal to another rank'} at step "
-                         f"{window.steps}, frame {frames:,}: checkpoint {saved}; exit {code} "
-                         f"(run the same command again, or requeue: it resumes from there)")
+            code = checkpoint_or_stop(cfg, run, state, window.steps, stop, stop_code, before)
+            if code is not None:
                 return run.close(code, loader)
-
-        # --- epoch end: replicas agree, cross-validation, schedule, checkpoint -------------
-        step.drain()   # double buffering: apply the last half's update before CV
-        check_replicas(grid.data, params.flat, window.steps)
-        totals = reduce(epoch_sums)
-        check_divergence(cfg, totals, loader.num_labels, f"epoch {epoch} end (step {window.steps})")
-        t0 = time.perf_counter()
-        cv = cross_validate(cfg, model, params, grid, watchdog) if cfg["data.cv"] else None
-        timeline.span("cross_validation", t0, time.perf_counter())
-        log_epoch(log, epoch, progress, totals, time.perf_counter() - t_epoch,
-                  learning_rate(cfg, progress, run_frames), cv)
-        log_clipped(log, step)
-        state.end_epoch(cv["frame_accuracy"] if cv else None)
-        save()
-    if bitwidth:
-        log.info(f"bit width: {bitwidth.bits} at the end; the controller took "
-                 f"{bitwidth.seconds:.4f} s over {window.steps} steps")
-    log.info(f"training done: {progress['frames']:,} frames; checkpoints in "
-             f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the curves")
-    return run.close(0, loader)
+        end_of_epoch(cfg, run, state, window.steps, epoch_sums, t_epoch, run_frames)
+    return finish(cfg, run, state, window.steps)
 
 
-SKIPS_IN_A_ROW = 100   # overflows no scale cures: a diverged run, or a forward overflow
-
-
-def log_skips(log, step, progress):
-    """Log and record the steps skipped on an overflow; stop a run that does nothing else."""
-    for skip in step.skips:
-        log.info(f"{skip['where']}: a gradient overflowed float16 on some rank; the step is "
-                 f"skipped on every rank, loss scale {skip['scale']:g} -> "
-                 f"{skip['new_scale']:g}")
-        log.record("skip", epoch=progress["epoch"], frames=progress["frames"],
-                   scale=skip["scale"], new_scale=skip["new_scale"])
-    step.skips.clear()
-    scaler = step.scaler
-    if scaler.in_a_row >= SKIPS_IN_A_ROW:
-        why = (f"the static scale {scaler.scale:g} is too large for these gradients (they are "
-               f"sums over the minibatch's frames); lower train.loss_scale_init, or use "
-               f"train.loss_scale=backoff or logmax" if scaler.name == "static" else
-               f"no scale down to train.loss_scale_min made the gradient finite; lower optim.lr")
-        raise UserError(f"the last {scaler.in_a_row} steps all overflowed float16 (loss scale "
-                        f"now {scaler.scale:g}, train.loss_scale={scaler.name}): {why}")
-
-
-def decide_bits(cfg, bitwidth, ex, step, sums, seconds, exchange_seconds, log, progress):
-    """Record the step; every T steps the controller's width (the same on every rank). A
-    change waits for no exchange in flight: with double buffering that step's exchange is
-    completed first (one step without overlap), so encode and decode use one width."""
-    bitwidth.record(sums, ex.norm_sq or 0.0, seconds, exchange_seconds)
-    if ex.norm_sq is not None:
-        ex.norm_sq = 0.0
-    if not bitwidth.due():
-        return
-    old, new = ex.codec.bits, bitwidth.decide()
-    if new != old:
-        step.drain()
-        set_bits(ex, cfg, new)
-        log.info(f"bit width {old} -> {new} at epoch {progress['epoch']}, frame "
-                 f"{progress['frames']:,} ({cfg['exchange.bits']})")
-        log.record("bits", epoch=progress["epoch"], frames=progress["frames"], bits=new,
-                   previous=old)
+def process_grid(cfg, comm):
+    """The D x M process grid (hpcsgd/comm/grid.py): M = model.parallel ranks share a model."""
+    try:
+        return Grid(comm, cfg["model.parallel"])
+    except ValueError as err:
+        raise UserError(f"config key model.parallel: {err}") from None
 
 
 class Run(NamedTuple):
@@ -444,6 +304,45 @@ def open_loader(cfg, grid):
     return loader
 
 
+def build_state(cfg, grid, loader, timeline):
+    """The model and its flat parameter and gradient buffers (named views), the exchange (its
+    buffers preallocated), the optimizer, the loss scaler and the step, held by the training
+    state with the adaptive bit width's controller; and double buffering's communication
+    timed blocking once (the reference that turns the exposed time into an overlap; None
+    without)."""
+    device, db = cfg["train.device"], cfg["exchange.double_buffering"]
+    shape = model_shape(cfg, loader)
+    try:
+        # model parallelism: every layer split over this rank's model group
+        group = ModelGroup(grid.model, cfg["model.activation_codec"],
+                           cfg["model.activation_block"]) if grid.model_size > 1 else None
+        model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
+                      precision=cfg["train.precision"], group=group)
+    except ValueError as err:   # a combination the config's per-key checks cannot see
+        raise UserError(f"model {describe_model(shape)}: {err}") from None
+    model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
+    params = model.new_params()
+    grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
+    ex = make_exchange(cfg, grid.data, params.matrices,   # preallocates every exchange buffer
+                       grid.model if grid.model_size > 1 else None)
+    comm_blocking = ex.blocking_seconds(grads[1].flat) if db and grid.data_size > 1 else None
+    opt = optim.from_config(cfg, params.size, ex.state_size, device)
+    scaler = loss_scale.from_config(cfg)   # train.loss_scale: None, or the scale's decision
+    step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
+                scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit)
+    state = TrainState(grid, params, opt, ex, step, loader, {
+        "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
+        "data": {"context": loader.context, "cmvn": cfg["data.cmvn"],
+                 "feature_dim": loader.feature_dim, **sequence_meta(cfg)},
+        "label_counts": label_counts(loader.index).tolist(), "config": cfg,
+        "aggregation": cfg["exchange.aggregation"]})
+    # the adaptive bit width (exchange.bits = oland_raj | mqgrad): a decision every T steps
+    state.bitwidth = BitWidth(cfg, grid.data) if adaptive_bits(cfg) else None
+    if state.bitwidth and cfg["exchange.bits"] == "oland_raj":
+        ex.norm_sq = 0.0   # the owners sum their stripe's squared gradient norm per step
+    return state, comm_blocking
+
+
 def model_shape(cfg, loader):
     """The model the config names, as the builder's arguments (hpcsgd.model.build): what the
     checkpoint's meta keeps."""
@@ -458,11 +357,35 @@ def model_shape(cfg, loader):
             "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}
 
 
+def resume_or_start(cfg, run, state):
+    """The state of the checkpoint run.resume names, or a fresh start: the seed's weights
+    (the same on every rank), or train.init_from's; then the cold start's phase
+    (exchange.cold_start_frames), a function of the progress, so a resumed run is in the same
+    phase."""
+    ex, log, model, params = state.ex, run.log, state.step.model, state.params
+    if run.resume:
+        state.load(run.resume, log)
+        log.info(f"resumed from {run.resume}: epoch {state.progress['epoch']}, "
+                 f"{state.progress['frames']} frames")
+        if state.bitwidth:
+            set_bits(ex, cfg, state.bitwidth.bits)
+    else:
+        model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
+        if cfg["train.init_from"]:
+            source = init_from(model, params, cfg["train.init_from"],
+                               state.loader.index["label_inventory_hash"])
+            log.info(f"weights from {source} (train.init_from): a fresh optimizer and schedule")
+    cold = cold_start(cfg)
+    if cold and state.progress["frames"] < cold:
+        set_cold_start(ex, cfg, True)
+        log.info(f"cold start: the float32 exchange until frame {cold:,}, then "
+                 f"{cfg['exchange.codec']} (exchange.cold_start_frames)")
+
+
 def init_from(model, params, path, label_hash):
     """Fine-tuning's start: every weight and bias from the checkpoint (or run directory) at
     `path`, by name; the parameters it does not have (learned clip values) start from their
     init on the loaded weights. Returns the checkpoint's path."""
-    from hpcsgd.evaluate import load_model
     _, source, meta = load_model(path)
     if meta.get("label_inventory_hash") != label_hash:
         raise UserError(f"train.init_from {meta['path']}: trained on another label inventory "
@@ -486,6 +409,152 @@ def init_from(model, params, path, label_hash):
     assign(params.flat, from_whole(model.layers, host.flat, np.empty(params.size, model.dtype))
            if split else host.flat)
     return meta["path"]
+
+
+def probe(cfg, run, state, rank_frames, lr):
+    """The automatic minibatch size (hpcsgd/decisions.py): from a snapshot of the state, try
+    sizes on the next frames, keep one, restore; logged and recorded. Double buffering's
+    exchange in flight completes first."""
+    progress = state.progress
+    state.step.drain()
+    t0 = time.perf_counter()
+    record = probe_minibatch(cfg, state, state.step, state.loader, rank_frames, lr,
+                             lambda local: reduce_sum(state.grid.data, local), run.watchdog.beat)
+    run.timeline.span("probe", t0, time.perf_counter(), chosen=record["chosen"])
+    run.log.info(f"minibatch size probe at frame {progress['frames']:,}: "
+                 f"{ {int(c): round(v, 4) for c, v in record['criteria'].items()} } "
+                 f"-> {record['chosen']} ({record['seconds']:.1f} s)")
+    run.log.record("probe", epoch=progress["epoch"], frames=progress["frames"], **record)
+
+
+def end_cold_start(cfg, log, state):
+    """The step crossed exchange.cold_start_frames: the codec from here on, residuals zeroed."""
+    progress = state.progress
+    state.step.drain()   # the float32 exchange in flight completes first
+    set_cold_start(state.ex, cfg, False)
+    log.info(f"cold start over at frame {progress['frames']:,}: "
+             f"{cfg['exchange.codec']} from here on, residuals zeroed")
+    log.record("cold_start_end", epoch=progress["epoch"], frames=progress["frames"],
+               codec=cfg["exchange.codec"])
+
+
+SKIPS_IN_A_ROW = 100   # overflows no scale cures: a diverged run, or a forward overflow
+
+
+def log_skips(log, step, progress):
+    """Log and record the steps skipped on an overflow; stop a run that does nothing else."""
+    for skip in step.skips:
+        log.info(f"{skip['where']}: a gradient overflowed float16 on some rank; the step is "
+                 f"skipped on every rank, loss scale {skip['scale']:g} -> "
+                 f"{skip['new_scale']:g}")
+        log.record("skip", epoch=progress["epoch"], frames=progress["frames"],
+                   scale=skip["scale"], new_scale=skip["new_scale"])
+    step.skips.clear()
+    scaler = step.scaler
+    if scaler.in_a_row >= SKIPS_IN_A_ROW:
+        why = (f"the static scale {scaler.scale:g} is too large for these gradients (they are "
+               f"sums over the minibatch's frames); lower train.loss_scale_init, or use "
+               f"train.loss_scale=backoff or logmax" if scaler.name == "static" else
+               f"no scale down to train.loss_scale_min made the gradient finite; lower optim.lr")
+        raise UserError(f"the last {scaler.in_a_row} steps all overflowed float16 (loss scale "
+                        f"now {scaler.scale:g}, train.loss_scale={scaler.name}): {why}")
+
+
+def decide_bits(cfg, state, log, sums, seconds, exchange_seconds):
+    """Record the step; every T steps the controller's width (the same on every rank). A
+    change waits for no exchange in flight: with double buffering that step's exchange is
+    completed first (one step without overlap), so encode and decode use one width."""
+    bitwidth, ex, step, progress = state.bitwidth, state.ex, state.step, state.progress
+    bitwidth.record(sums, ex.norm_sq or 0.0, seconds, exchange_seconds)
+    if ex.norm_sq is not None:
+        ex.norm_sq = 0.0
+    if not bitwidth.due():
+        return
+    old, new = ex.codec.bits, bitwidth.decide()
+    if new != old:
+        step.drain()
+        set_bits(ex, cfg, new)
+        log.info(f"bit width {old} -> {new} at epoch {progress['epoch']}, frame "
+                 f"{progress['frames']:,} ({cfg['exchange.bits']})")
+        log.record("bits", epoch=progress["epoch"], frames=progress["frames"], bits=new,
+                   previous=old)
+
+
+def log_window(cfg, state, window, rank_frames, lr):
+    """The log line and metrics record of the steps since the last line, from their sums over
+    the data ranks (the same on every rank, so a diverged run stops on all of them)."""
+    progress, step = state.progress, state.step
+    totals = reduce_sum(state.grid.data, window.sums)
+    check_divergence(cfg, totals, state.loader.num_labels,
+                     f"step {window.steps} (epoch {progress['epoch']}, "
+                     f"frame {progress['frames']:,})")
+    window.line(progress["epoch"], progress, rank_frames, lr, totals, step.phases.pop(),
+                step.phases.pop_sent())
+
+
+def checkpoint_or_stop(cfg, run, state, steps, stop, stop_code, before):
+    """After a step of `before` -> progress frames: a checkpoint every
+    train.checkpoint_every_frames; the exit code if the run stops here (train.stop_after_frames,
+    or a stop signal on any rank: Slurm's time-limit warning, preemption, Ctrl-C; all ranks
+    checkpoint at this same step and the batch script requeues the job), else None."""
+    frames = state.progress["frames"]
+    saved = (save_checkpoint(cfg, run, state)
+             if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None)
+    if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
+        saved = saved or save_checkpoint(cfg, run, state)
+        log_clipped(run.log, state.step)
+        run.log.info(f"stopping after {frames} frames (train.stop_after_frames)")
+        return 0
+    if stop_code:
+        saved = saved or save_checkpoint(cfg, run, state)
+        code = stop.exit_code(stop_code)
+        run.log.info(f"stopping on {stop.received or 'a signal to another rank'} at step "
+                     f"{steps}, frame {frames:,}: checkpoint {saved}; exit {code} "
+                     f"(run the same command again, or requeue: it resumes from there)")
+        return code
+    return None
+
+
+def save_checkpoint(cfg, run, state):
+    """A checkpoint of the whole state (collective), timed and logged; returns its path."""
+    run.watchdog.beat("checkpoint")
+    t0 = time.perf_counter()
+    saved = state.save(cfg["train.run_dir"], cfg["train.keep_checkpoints"])
+    run.timeline.span("checkpoint", t0, time.perf_counter())
+    run.log.info(f"checkpoint {saved}")
+    return saved
+
+
+def end_of_epoch(cfg, run, state, steps, epoch_sums, t_epoch, run_frames):
+    """Replicas agree, the epoch's training criterion, cross-validation, the schedule's
+    history, a checkpoint."""
+    progress, step, grid = state.progress, state.step, state.grid
+    epoch = progress["epoch"]
+    step.drain()   # double buffering: apply the last half's update before CV
+    check_replicas(grid.data, state.params.flat, steps)
+    totals = reduce_sum(grid.data, epoch_sums)
+    check_divergence(cfg, totals, state.loader.num_labels, f"epoch {epoch} end (step {steps})")
+    t0 = time.perf_counter()
+    cv = (cross_validate(cfg, step.model, state.params, grid, run.watchdog) if cfg["data.cv"]
+          else None)
+    run.timeline.span("cross_validation", t0, time.perf_counter())
+    log_epoch(run.log, epoch, progress, totals, time.perf_counter() - t_epoch,
+              learning_rate(cfg, progress, run_frames), cv)
+    log_clipped(run.log, step)
+    state.end_epoch(cv["frame_accuracy"] if cv else None)
+    save_checkpoint(cfg, run, state)
+
+
+def finish(cfg, run, state, steps):
+    """The last log lines; closes the run (exit code 0)."""
+    run_dir = cfg["train.run_dir"]
+    if state.bitwidth:
+        run.log.info(f"bit width: {state.bitwidth.bits} at the end; the controller took "
+                     f"{state.bitwidth.seconds:.4f} s over {steps} steps")
+    run.log.info(f"training done: {state.progress['frames']:,} frames; checkpoints in "
+                 f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the "
+                 f"curves")
+    return run.close(0, state.loader)
 
 
 def describe_model(shape):
@@ -603,9 +672,12 @@ class Window:
     the run so far, and when the window began; line() writes the log line and the metrics
     record and starts the next window."""
 
-    def __init__(self, log, t0):
+    def __init__(self, log, t0, comm_blocking=None, bitwidth=None, scaler=None):
         self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(3), 0
         self.first = 0   # the run's steps when this window began
+        # reported beside the sums: double buffering's blocking communication time, the
+        # adaptive bit width, the loss scaler (each None when off)
+        self.comm_blocking, self.bitwidth, self.scaler = comm_blocking, bitwidth, scaler
 
     def due(self, seconds):
         """Whether `seconds` have passed since the last line (0: never by time)."""
@@ -615,9 +687,9 @@ class Window:
         self.sums += sums
         self.steps += 1
 
-    def line(self, epoch, progress, rank_frames, lr, totals, phases, sent, comm_blocking,
-             bitwidth=None, scaler=None):
+    def line(self, epoch, progress, rank_frames, lr, totals, phases, sent):
         now = time.perf_counter()
+        comm_blocking, bitwidth, scaler = self.comm_blocking, self.bitwidth, self.scaler
         done, total = int(sum(progress["offsets"])), int(rank_frames.sum())
         fps = totals[2] / max(now - self.t0, 1e-9)
         ce, acc = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
