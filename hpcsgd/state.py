@@ -153,7 +153,7 @@ class TrainState:
         """This rank's weights, optimizer state, exchange state, progress and decisions from
         checkpoint `path`; one of another number of data ranks or aggregation is re-striped
         (see the module docstring)."""
-        rank, world = self.grid.data_rank, self.grid.data_size
+        world = self.grid.data_size
         # per-rank arrays are keyed by world rank (= the data rank without model parallelism)
         arrays, saved = checkpoint.load(path, rank=self.grid.rank)
         checkpoint.check_compatible(path, saved, {

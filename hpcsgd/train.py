@@ -455,7 +455,7 @@ def log_skips(log, step, progress):
         why = (f"the static scale {scaler.scale:g} is too large for these gradients (they are "
                f"sums over the minibatch's frames); lower train.loss_scale_init, or use "
                f"train.loss_scale=backoff or logmax" if scaler.name == "static" else
-               f"no scale down to train.loss_scale_min made the gradient finite; lower optim.lr")
+               "no scale down to train.loss_scale_min made the gradient finite; lower optim.lr")
         raise UserError(f"the last {scaler.in_a_row} steps all overflowed float16 (loss scale "
                         f"now {scaler.scale:g}, train.loss_scale={scaler.name}): {why}")
 

@@ -72,7 +72,7 @@ from hpcsgd.codecs import make_codec
 from hpcsgd.comm.gpu import ENV_CUDA_AWARE, Nccl, Staging, mpi_cuda_aware, nccl_available
 from hpcsgd.comm.progress import Poller
 from hpcsgd.comm.stripes import exchanged, stripe_ranges
-from hpcsgd.device import assign, cupy_module, synchronize, to_host, zero, zeros
+from hpcsgd.device import assign, cupy_module, to_host, zero, zeros
 from hpcsgd.errors import UserError
 from hpcsgd.optim import apply_update
 
