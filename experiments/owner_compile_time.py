@@ -1,7 +1,7 @@
 """First-call time of each compiled variant of the fused 1-bit owner pass, in a fresh Numba
 cache (so every call compiles), one thread, in the order the optimizers are listed:
     NUMBA_CACHE_DIR=$(mktemp -d) NUMBA_NUM_THREADS=1 python experiments/owner_compile_time.py
-The first variant also compiles the shared column kernels (hpcsgd/codecs/onebit_owner.py)."""
+The first variant also compiles the shared column kernels (hpcsgd/codecs/onebit_columns.py)."""
 import os
 import sys
 import time
