@@ -183,6 +183,12 @@ def test_error_counts_equal_an_independent_edit_distance(tiny):
         ins, dels, sub, n, _, wrong = score.counts(ref, hyp)
         assert ins + dels + sub == levenshtein(ref, hyp) and n == len(ref)
         assert ins - dels == len(hyp) - len(ref) and wrong == (hyp != ref)
+    # the bootstrap: an interval around the error rate, and a perfect system beats a noisy one
+    refs = [ref] * 40
+    noisy = [ref[:3] + ["X"] + ref[4:] if i % 2 else ref[1:] for i in range(38)] + [[], []]
+    (low, high), better = score.bootstrap(refs, noisy, refs)
+    assert low < 100 * 58 / 400 < high and better == 1.0      # 38 errors + 2 x 10 deleted
+    assert score.bootstrap(refs, refs) == (0.0, 0.0)
     line = score.kaldi_lines("WER", np.array([10, 20, 93, 1000, 156, 71]))
     assert line == "%WER 12.30 [ 123 / 1000, 10 ins, 20 del, 93 sub ]\n%SER 45.51 [ 71 / 156 ]"
 

@@ -126,6 +126,11 @@ def decode(args, comm):
                  f"scale {scales[0]:g}, prior scale {scales[1]:g}, beam {args.beam:g}, "
                  f"max active {args.max_active}")
     lines.append(score.kaldi_lines(name, total))
+    scored = sorted(per_utt)
+    low, high = score.bootstrap([refs[u] for u in scored], [hyps[u] for u in scored]) \
+        if scored else (float("nan"), float("nan"))
+    lines.append(f"95% confidence interval {low:.2f}-{high:.2f} (a bootstrap over the "
+                 f"utterances, as Kaldi's compute-wer-bootci)")
     oov = recognize.out_of_vocabulary(graph, refs, hyps)
     if graph.kind != "phones":
         lines.append(f"{oov} of the {int(total[3])} reference words are not in the graph's "
@@ -144,7 +149,7 @@ def decode(args, comm):
               "acoustic_scale": scales[0], "prior_scale": scales[1], "beam": args.beam,
               "max_active": args.max_active, "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
-              "oov_tokens": oov,
+              "oov_tokens": oov, "ci95": [low, high],
               "ranks": world, "search_seconds": search_s, "forward_seconds": forward_s,
               "rtf_search": search_s / audio_s, "rtf_forward": forward_s / audio_s,
               "tuning": None if table is None else

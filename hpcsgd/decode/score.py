@@ -3,7 +3,10 @@
     %WER 12.34 [ 123 / 1000, 10 ins, 20 del, 93 sub ]
     %SER 45.67 [ 71 / 156 ]
 
-(%PER for phone graphs, whose tokens are phones; silence is not a token of either side).
+(%PER for phone graphs, whose tokens are phones; silence is not a token of either side), and
+how far to trust them: the 95% confidence interval of a bootstrap over utterances (Bisani &
+Ney 2004, Kaldi's compute-wer-bootci, through kaldialign), and the probability that one
+system's hypotheses are better than another's on the same utterances.
 """
 import numpy as np
 
@@ -36,3 +39,18 @@ def as_dict(name, total):
     return {"metric": name, "error_rate": error_rate(total), "errors": ins + dels + sub,
             "ins": ins, "del": dels, "sub": sub, "ref_tokens": ref, "utterances": utts,
             "sentence_error_rate": 100.0 * wrong / max(utts, 1)}
+
+
+BOOTSTRAP_REPLICATIONS = 10_000   # Kaldi's compute-wer-bootci default; a fixed seed: the same CI each run
+
+
+def bootstrap(refs, hyps, hyps2=None):
+    """refs, hyps: token lists of the same utterances in the same order. -> (low, high) of the
+    error rate's 95% confidence interval in percent; with hyps2, also the probability that
+    hyps2 is better than hyps."""
+    import kaldialign
+    out = kaldialign.bootstrap_wer_ci(refs, hyps, hyps2, replications=BOOTSTRAP_REPLICATIONS,
+                                      seed=0)
+    first = out["system1"] if hyps2 is not None else out
+    interval = (100.0 * first["ci95min"], 100.0 * first["ci95max"])
+    return (interval, out["p_s2_improv_over_s1"]) if hyps2 is not None else interval
