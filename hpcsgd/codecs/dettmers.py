@@ -336,10 +336,9 @@ encode_fused_cpu = _compiled_encode(True)   # each task takes its block's abs-ma
 # whose thresholds share a bucket (a tiny scale crowding them into denormals), or a zero scale,
 # takes the float64 path. About 1.2x on the 46M model's largest matrix on Zen 3 (1.06-1.41x
 # round by round, experiments/dettmers_vspace.py; 1.14x through the codec with its abs-max
-# pass, 1.24x with refresh 50, experiments/dettmers_codec_ab.py). Its codes and residuals
-# share one loop (the entry, then the decoded value, read per value): 1.17-1.22x over
-# separate loops on Zen 3, where the float64 path gained nothing from the same change
-# (experiments/dettmers_vspace_loops.py; dettmers_ab.py).
+# pass, 1.24x with refresh 50). Its codes and residuals share one loop (the entry, then the
+# decoded value, read per value): 1.17-1.22x over separate loops on Zen 3, where the float64
+# path gained nothing from the same change (experiments/dettmers_vspace_loops.py).
 VSPACE_MIN_VALUES = 1 << 20
 _order_key_cpu = njit(inline="always")(order_key)
 
