@@ -217,11 +217,13 @@ def test_a_word_without_a_pronunciation_is_counted_and_left_out(tiny, tmp_path, 
     text = str(tmp_path / "text")
     with open(text, "w") as f:
         f.writelines(f"{utt} {words}{' QZXJWV' if utt == 'u2' else ''}\n"
-                     for utt, (words, _, _) in TRAIN.items())
+                     if utt != "u6" else "u6\n" for utt, (words, _, _) in TRAIN.items())
     out = str(tmp_path / "g")
     assert cli.main(["mkgraph", tiny["archive"], out, "--kind", "words", "--text", text,
                      "--lexicon", tiny["lexicon"]]) == 0
-    assert "1 without (1 of the transcripts' tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "1 without (1 of the transcripts' tokens" in printed
+    assert "1 training utterances with an empty transcript skipped" in printed
     assert open(os.path.join(out, "oov.txt")).read() == "QZXJWV\n"
     assert "QZXJWV" not in search.Graph(out).words
 
@@ -295,14 +297,18 @@ def test_decode_on_two_ranks_equals_one_and_beats_no_acoustics(demo):
         outs[ranks] = os.path.join(demo["root"], f"decode_{ranks}")
         proc = run_mpi(ranks, ["-m", "mpi4py", "-m", "hpcsgd.cli", "decode", demo["run"],
                                "--data", f"{demo['archive']}/cv", "--graph", demo["phones"],
-                               "--out", outs[ranks]], timeout=300)
+                               "--out", outs[ranks], "--tune"], timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "%PER " in proc.stdout and "real-time factor per core" in proc.stdout
+        assert "<- best" in proc.stdout and "95% confidence interval" in proc.stdout
     hyps = [open(os.path.join(outs[k], "hyp.txt")).read() for k in (1, 2)]
     cv = archive.read_index(f"{demo['archive']}/cv")["total_utterances"]
     assert hyps[0] == hyps[1] and hyps[0].count("\n") == cv       # every CV utterance once
     result = json.load(open(os.path.join(outs[2], "result.json")))
     assert result["ranks"] == 2 and result["utterances"] == cv and result["not_final"] == 0
+    # the grid's counts summed over the ranks: the same table, the same choice, at 1 and 2
+    tables = [json.load(open(os.path.join(outs[k], "result.json")))["tuning"] for k in (1, 2)]
+    assert tables[0] == tables[1] and len(tables[0]) == 24
     # the same graph with the acoustic model switched off (scale 0): only the LM's best guess
     silent = run_mpi(1, ["-m", "hpcsgd.cli", "decode", demo["run"], "--data",
                          f"{demo['archive']}/cv", "--graph", demo["phones"], "--out",
@@ -328,4 +334,15 @@ def test_eval_with_a_graph_reports_frames_and_words_in_one(demo, tmp_path, capsy
     assert dec["ref_tokens"] == sum(len(line.split()) - 1 for line in open(
         os.path.join(DEMO, "text")) if line.split()[0] in cv)
     assert dec["utterances"] == len(cv)
+    # references missing for two utterances: decoded, not scored, counted
+    text = str(tmp_path / "text")
+    drop = sorted(cv)[:2]
+    with open(text, "w") as f:
+        f.writelines(line for line in open(os.path.join(DEMO, "text"))
+                     if line.split()[0] not in drop)
+    assert cli.main(["decode", demo["run"], "--data", f"{demo['archive']}/cv", "--graph",
+                     demo["words"], "--text", text, "--out", str(tmp_path / "dec")]) == 0
+    assert "2 without a reference (not scored)" in capsys.readouterr().out
+    partial = json.load(open(tmp_path / "dec" / "result.json"))
+    assert partial["utterances"] == len(cv) - 2 and partial["no_reference"] == 2
     assert math.isfinite(dec["error_rate"]) and dec["error_rate"] > 0
