@@ -13,15 +13,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=${1:-2}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 MPIR_CVAR_ENABLE_HEAVY_YIELD=1
-run() {
+source experiments/train_run.sh
+SHOW="done in|error|cold start over|diverged"
+run() {   # NAME [key=value ...]
     local name=$1; shift
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/coldstart/$name"
-    echo "== $name: $*"
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
-        train.log_every_frames=50000 "train.run_dir=$PWD/runs/coldstart/$name" "$@" 2>&1 \
-        | grep -E "done in|error|cold start over|diverged" || true
+    train_run runs/coldstart "$name" 2 --config jobs/configs/so762_sgd.yaml \
+        train.epochs="$EPOCHS" train.log_every_frames=50000 "$@"
 }
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit)
 run onebit_cold0 "${ONEBIT[@]}"

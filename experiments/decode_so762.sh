@@ -17,16 +17,10 @@ cd "$(dirname "$0")/.."
 ROOT=${ROOT:-runs/decode}
 TEXT=${TEXT:-../shared/data/so762_dev/text}
 export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
-train() {
+source experiments/train_run.sh
+train() {   # NAME CONFIG [key=value ...]
     local name=$1 config=$2; shift 2
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "$ROOT/$name"
-    echo "== $name: $config $*"
-    local t0=$SECONDS
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train --config "$config" \
-        train.log_every_seconds=0 train.tensorboard=false "train.run_dir=$PWD/$ROOT/$name" "$@" 2>&1 \
-        | grep -E "done in|error|diverged" || true
-    echo "   $name: $((SECONDS - t0)) s wall"
+    train_run "$ROOT" "$name" 2 --config "$config" train.tensorboard=false "$@"
 }
 mkdir -p "$ROOT"
 .venv/bin/hpcsgd mkgraph runs/so762/archive/train "$ROOT/graph_phones" --kind phones

@@ -12,17 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=${1:-6}
 export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
-run() {
+source experiments/train_run.sh
+SHOW="done in|error|diverged|clipped"
+run() {   # NAME CONFIG [key=value ...]
     local name=$1 config=$2; shift 2
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/lstm/$name"
-    echo "== $name: $config $*"
-    local t0=$SECONDS
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config "$config" train.epochs="$EPOCHS" train.log_every_seconds=0 \
-        "train.run_dir=$PWD/runs/lstm/$name" "$@" 2>&1 \
-        | grep -E "done in|error|diverged|clipped" || true
-    echo "   $name: $((SECONDS - t0)) s wall"
+    train_run runs/lstm "$name" 2 --config "$config" train.epochs="$EPOCHS" "$@"
 }
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit)
 run blstm_float32 jobs/configs/so762_blstm.yaml

@@ -12,17 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=${1:-4}
 export MPIR_CVAR_ENABLE_HEAVY_YIELD=1
-run() {
+source experiments/train_run.sh
+run() {   # NAME RANKS [key=value ...]
     local name=$1 ranks=$2; shift 2
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/parallel/$name"
-    echo "== $name: $ranks rank(s) $*"
-    local t0=$SECONDS
-    .venv/bin/mpiexec -n "$ranks" .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
-        "train.run_dir=$PWD/runs/parallel/$name" "$@" 2>&1 \
-        | grep -E "done in|error|diverged" || true
-    echo "   $name: $((SECONDS - t0)) s wall"
+    train_run runs/parallel "$name" "$ranks" --config jobs/configs/so762_sgd.yaml \
+        train.epochs="$EPOCHS" "$@"
 }
 run mp1_float32 1
 run mp2_float32 2 model.parallel=2

@@ -15,15 +15,12 @@ EPOCHS=${1:-2}
 CONFIG=${CONFIG:-jobs/configs/so762_sgd.yaml}
 ROOT=${ROOT:-runs/precision}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 MPIR_CVAR_ENABLE_HEAVY_YIELD=1
-run() {
+source experiments/train_run.sh
+SHOW="done in|error|skipped steps|diverged"
+run() {   # NAME [key=value ...]
     local name=$1; shift
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "$ROOT/$name"
-    echo "== $name: $*"
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config "$CONFIG" train.epochs="$EPOCHS" train.log_every_seconds=0 \
-        train.log_every_frames=50000 "train.run_dir=$PWD/$ROOT/$name" "$@" 2>&1 \
-        | grep -E "done in|error|skipped steps|diverged" || true
+    train_run "$ROOT" "$name" 2 --config "$CONFIG" train.epochs="$EPOCHS" \
+        train.log_every_frames=50000 "$@"
 }
 run float32
 run mixed_none train.precision=mixed

@@ -17,17 +17,10 @@ cd "$(dirname "$0")/.."
 EPOCHS=${1:-6}
 FINE=${2:-3}
 export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
-run() {
+source experiments/train_run.sh
+run() {   # NAME CONFIG EPOCHS [key=value ...]
     local name=$1 config=$2 epochs=$3; shift 3
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/qat/$name"
-    echo "== $name: $config $*"
-    local t0=$SECONDS
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config "$config" train.epochs="$epochs" train.log_every_seconds=0 \
-        "train.run_dir=$PWD/runs/qat/$name" "$@" 2>&1 \
-        | grep -E "done in|error|diverged" || true
-    echo "   $name: $((SECONDS - t0)) s wall"
+    train_run runs/qat "$name" 2 --config "$config" train.epochs="$epochs" "$@"
 }
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit)
 qat() {   # weights rule+bits, inputs rule+bits

@@ -14,15 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=${1:-2}
 export MPIR_CVAR_ENABLE_HEAVY_YIELD=1
-run() {
+source experiments/train_run.sh
+SHOW="done in|error|cold start over|diverged"
+run() {   # NAME [key=value ...]
     local name=$1; shift
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/recipe/$name"
-    echo "== $name: $*"
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m hpcsgd.cli train \
-        --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" train.log_every_seconds=0 \
-        "train.run_dir=$PWD/runs/recipe/$name" schedule.type=linear "$@" 2>&1 \
-        | grep -E "done in|error|cold start over|diverged" || true
+    train_run runs/recipe "$name" 2 --config jobs/configs/so762_sgd.yaml train.epochs="$EPOCHS" \
+        schedule.type=linear "$@"
 }
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_frames=200000)
 run float32_lr1e-3 optim.lr=0.001

@@ -20,13 +20,10 @@ COMMON=(data.train=runs/so762/archive/train data.cv=runs/so762/archive/cv
         optim.lr=0.001 optim.momentum_tc=2048 schedule.type=newbob train.log_every_seconds=0
         train.log_every_frames=2000000 data.block_frames=1024 data.buffer_frames=600000)
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_frames=200000)
-run() {
+source experiments/train_run.sh
+run() {   # NAME [key=value ...]
     local name=$1; shift
-    case "$name" in "${ONLY:-}"*) ;; *) return 0 ;; esac
-    rm -rf "runs/table23c/$name"
-    echo "== $name: $*"
-    .venv/bin/mpiexec -n "$K" .venv/bin/python -m mpi4py -m hpcsgd.cli train "${COMMON[@]}" \
-        "train.run_dir=$PWD/runs/table23c/$name" "$@" 2>&1 | grep -E "done in|error|diverged" || true
+    train_run runs/table23c "$name" "$K" "${COMMON[@]}" "$@"
 }
 # ReLU at the sigmoid's rate (1e-3) gives NaN within 10 steps, at 5e-4 too: 2.5e-4 trains
 for act in sigmoid relu; do
