@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import CUDA_ENV, REAL_GPU, ensure_openmpi, family_env, make_archive, run_train
+from conftest import CUDA_ENV, REAL_GPU, ensure_openmpi, family_env, make_archive, run_mpi, run_train
 from hpcsgd import checkpoint
 from hpcsgd.comm.gpu import ENV_CUDA_AWARE, mpi_cuda_aware
 
@@ -92,15 +92,47 @@ def test_gpu_allreduce_equals_cpu_ranks(aware, arch, cpu_allreduce, tmp_path):
     assert want in log_of(run) and f"{ENV_CUDA_AWARE}={int(aware)}" in log_of(run)
 
 
+def visible_gpus():
+    """GPUs this machine shows a rank: the simulator's one, or the real ones."""
+    if not REAL_GPU:
+        return 1
+    from numba import cuda
+    return len(cuda.gpus)
+
+
 def test_gpu_allreduce_with_nccl_equals_cpu_ranks(arch, cpu_allreduce, tmp_path):
     """float32 allreduce summed by NCCL on the device (real GPU only: the simulator has no
-    NCCL), K = 2 ranks sharing one GPU or one each: equal to CPU ranks to float tolerance."""
+    NCCL), K = 2 ranks with a GPU each: equal to CPU ranks to float tolerance."""
     if not REAL_GPU:
         pytest.skip("NCCL needs a real GPU (HPCSGD_TEST_GPU=1)")
+    if visible_gpus() < 2:
+        pytest.skip("one GPU visible: 2 ranks would share it, and NCCL refuses two ranks on "
+                    "one device (test_ranks_sharing_a_gpu_never_ask_nccl covers that case)")
     run = tmp_path / "nccl"
     gpu = train(2, arch, run, "train.device=cuda", "exchange.nccl=true")["params"]
     np.testing.assert_allclose(gpu, cpu_allreduce, rtol=1e-4, atol=2e-6)
     assert "NCCL on the device" in log_of(run)
+
+
+def test_ranks_sharing_a_gpu_never_ask_nccl(arch, cpu_allreduce, tmp_path):
+    """More ranks than GPUs (the simulator shows one; a workstation): the allreduce goes
+    through MPI without creating an NCCL communicator, says why in the log, and trains as
+    CPU ranks do; exchange.nccl=true is refused with the reason instead of NCCL's own
+    NCCL_ERROR_INVALID_USAGE."""
+    if visible_gpus() >= 2:
+        pytest.skip("every rank has a GPU of its own here")
+    run = tmp_path / "shared"
+    gpu = train(2, arch, run, "train.device=cuda", "exchange.nccl=auto", aware=False)["params"]
+    np.testing.assert_allclose(gpu, cpu_allreduce, rtol=1e-4, atol=2e-6)
+    log = log_of(run)
+    assert "MPI through pinned host buffers (not NCCL: ranks 0, 1 share GPU 0 on " in log
+    assert "NCCL refuses two ranks on one device" in log
+    proc = run_mpi(2, ["-m", "mpi4py", "-m", "hpcsgd.cli", "train",
+                       *options(arch, f"train.run_dir={tmp_path / 'refused'}",
+                                "train.device=cuda", "exchange.nccl=true")],
+                   env=dict(CUDA_ENV), timeout=300)
+    assert proc.returncode != 0
+    assert "exchange.nccl: true, but ranks 0, 1 share GPU 0" in proc.stderr
 
 
 STRIPED = ("exchange.aggregation=striped", "exchange.codec=onebit")

@@ -29,7 +29,7 @@ from hpcsgd.bench import launch
 from hpcsgd.codecs import make_codec
 from hpcsgd.comm.exchange import Allreduce, Striped
 from hpcsgd.comm.gpu import (ENV_CUDA_AWARE, Nccl, Staging, bind_gpu, mpi_cuda_aware,
-                             nccl_available)
+                             nccl_available, shared_gpus)
 from hpcsgd.comm.grid import Grid
 from hpcsgd.device import assign, is_device, synchronize
 from hpcsgd.model.dnn import layout
@@ -127,7 +127,10 @@ def main():
     run("allreduce_f16+post+apply", Allreduce(comm, params.size, "float16", device=dev,
                                               cuda_aware=aware), params.size)
     del base
-    if dev == "cuda" and K > 1 and nccl_available()[0]:
+    shared = shared_gpus(comm) if dev == "cuda" and K > 1 else ""
+    if shared and rank == 0:   # NCCL refuses two ranks on one device: not measured
+        print(f"  K={K} NCCL rows skipped: {shared}", flush=True)
+    if dev == "cuda" and K > 1 and not shared and nccl_available()[0]:
         nccl = Nccl(comm)
         run("allreduce_nccl+post+apply", Allreduce(comm, params.size, "float32", device=dev,
                                                    nccl=nccl), params.size)

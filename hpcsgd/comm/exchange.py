@@ -69,7 +69,8 @@ import numpy as np
 
 from hpcsgd import half
 from hpcsgd.codecs import make_codec
-from hpcsgd.comm.gpu import ENV_CUDA_AWARE, Nccl, Staging, mpi_cuda_aware, nccl_available
+from hpcsgd.comm.gpu import (ENV_CUDA_AWARE, Nccl, Staging, mpi_cuda_aware, nccl_available,
+                             shared_gpus)
 from hpcsgd.comm.progress import Poller
 from hpcsgd.comm.stripes import exchanged, stripe_ranges
 from hpcsgd.device import assign, cupy_module, to_host, zero, zeros
@@ -146,10 +147,19 @@ def make_exchange(cfg, comm, mats, group=None):
     if cfg["exchange.aggregation"] == "allreduce":
         nccl = None
         if device == "cuda" and comm.Get_size() > 1 and cfg["exchange.nccl"] != "false":
-            ok, version = nccl_available()
+            # NCCL refuses two ranks on one device (NCCL_ERROR_INVALID_USAGE): never ask it
+            shared = shared_gpus(comm)
+            ok, version = (False, "") if shared else nccl_available()
             if ok:
                 nccl = Nccl(comm)
                 why = version
+            elif shared and cfg["exchange.nccl"] == "true":
+                raise UserError(f"config key exchange.nccl: true, but {shared}, and NCCL "
+                                f"refuses two ranks on one device: one rank per GPU, or "
+                                f"exchange.nccl=auto (MPI then)")
+            elif shared:
+                why = (f"not NCCL: {shared}, and NCCL refuses two ranks on one device"
+                       + (f"; {why}" if why else ""))
             elif cfg["exchange.nccl"] == "true":
                 raise UserError(f"config key exchange.nccl: true, but NCCL does not load "
                                 f"({version}); install the 'gpu' extra (cupy, nvidia-nccl-cu12)")

@@ -18,6 +18,7 @@ MPI does not follow CUDA streams: every buffer handed to MPI is synchronised fir
 sync point), whether MPI reads the device memory itself or a staged host copy of it.
 """
 import ctypes
+import os
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from hpcsgd.device import cupy_module, synchronize
 
 MPIX_GPU_SUPPORT_CUDA = 0   # mpi.h of MPICH 4.x / 5.x
 ENV_CUDA_AWARE = "HPCSGD_MPI_CUDA_AWARE"
+BOUND = None                # (device index, GPUs visible) once bind_gpu has run
 
 
 def bind_gpu(node_rank):
@@ -38,7 +40,28 @@ def bind_gpu(node_rank):
         raise RuntimeError("train.device=cuda: no CUDA GPU is visible to this rank")
     index = node_rank % visible
     cuda.select_device(index)
+    global BOUND
+    BOUND = (index, visible)
     return index, visible
+
+
+def shared_gpus(comm):
+    """Which ranks of comm drive the same GPU as another (more local ranks than visible
+    GPUs: a workstation, the tests). -> "" when none, else e.g. "ranks 0, 1 share GPU 0 on
+    node1". Collective over comm (an allgather of a host name and an index)."""
+    from mpi4py import MPI
+    index = BOUND[0] if BOUND is not None else 0
+    # CUDA_VISIBLE_DEVICES renumbers per process: a scheduler's one GPU per task is index 0 in
+    # every task, so the physical GPU is the visible list's entry, where the list is given
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    physical = visible.split(",")[index] if visible else str(index)
+    where = comm.allgather((MPI.Get_processor_name(), physical))   # small metadata
+    groups = {}
+    for rank, key in enumerate(where):
+        groups.setdefault(key, []).append(rank)
+    shared = [(key, ranks) for key, ranks in groups.items() if len(ranks) > 1]
+    return "; ".join(f"ranks {', '.join(map(str, ranks))} share GPU {gpu} on {host}"
+                     for (host, gpu), ranks in shared)
 
 
 def _loaded_libmpi():
