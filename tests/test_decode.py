@@ -135,6 +135,19 @@ def test_kneser_ney_bigram_by_hand():
     assert model["ngrams"][1][(lm.BOS,)][0] == lm.LOG10_ZERO
 
 
+def test_an_arpa_of_ones_own_gives_the_same_graph(tiny, tmp_path):
+    """--lm FILE reads an ARPA made elsewhere: the estimated one, given back, is the same G."""
+    out = str(tmp_path / "own")
+    assert cli.main(["mkgraph", tiny["archive"], out, "--kind", "words", "--text", tiny["text"],
+                     "--lexicon", tiny["lexicon"], "--lm",
+                     os.path.join(tiny["words"], "lm.arpa")]) == 0
+    mine, theirs = (json.load(open(os.path.join(d, "graph.json"))) for d in (out, tiny["words"]))
+    assert (mine["hlg_states"], mine["hlg_arcs"]) == (theirs["hlg_states"], theirs["hlg_arcs"])
+    assert mine["lm_ngrams"] == theirs["lm_ngrams"] and mine["lm"].endswith("lm.arpa")
+    tokens, _ = decode_tokens(out, spelled_scores("SIL B A SIL", (3, 3, 3, 3)))
+    assert tokens == ["BA"]
+
+
 # --- the graph and the search -----------------------------------------------------------------
 
 def test_a_spelled_phone_sequence_is_recognized_and_durations_are_at_least_three(tiny):
