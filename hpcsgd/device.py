@@ -13,7 +13,7 @@ a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
 import numpy as np
 
-from hpcsgd.lazy_cuda import cuda
+from hpcsgd.lazy_cuda import cuda, device_function
 
 DEVICES = ("cpu", "cuda")
 
@@ -53,6 +53,28 @@ def as_device(a):
                         "NumPy array; copy it with numba.cuda.to_device first")
     return a if hasattr(a, "copy_to_host") else cuda.as_cuda_array(a)  # Numba as is; CuPy wrapped
 
+
+def _make_mul_rn(real):
+    """mul_rn(a, b): the float32 product a * b rounded once, in a kernel where the GPU must give
+    the CPU's bits. NVVM emits a plain `mul.f32` for a float32 product (also for the float64
+    product of two float32 values rounded to float32, which it shrinks, exactly), and PTX lets
+    ptxas fuse an unrounded mul.f32 with the add or subtract that follows into one FMA, which
+    rounds once where the CPU rounds twice (the H100's Dettmers residuals, 2026-11-26). libdevice's
+    fmul_rn is PTX's `mul.rn.f32`, which ptxas never contracts. The simulator has no libdevice
+    (its stubs give NaN): there a NumPy float32 product, the same rounding."""
+    if real.config.ENABLE_CUDASIM:
+        def mul_rn(a, b):
+            return np.float32(a) * np.float32(b)
+        return real.jit(device=True)(mul_rn)
+    from numba.cuda import libdevice
+    fmul_rn = libdevice.fmul_rn
+
+    def mul_rn(a, b):
+        return fmul_rn(a, b)
+    return real.jit(device=True)(mul_rn)
+
+
+mul_rn = device_function(_make_mul_rn)
 
 FILL_THREADS, MAX_GRID = 256, 65535
 

@@ -70,6 +70,12 @@ class _Cuda:
 cuda = _Cuda()
 
 
+def device_function(make):
+    """A device function whose body depends on the target: make(numba.cuda) returns its
+    dispatcher, made when numba.cuda is loaded (now, if it is) and rebound as the kernels are."""
+    return make(_real) if _real is not None else _Deferred(make)
+
+
 def load():
     """numba.cuda, loaded now if it was not, with every deferred kernel made and rebound."""
     global _real

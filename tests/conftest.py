@@ -216,9 +216,14 @@ def run_cuda_tests_in_child(test_file):
     before numba is first imported, which other test modules do earlier in this process
     (HPCSGD_CUDASIM_CHILD=1 selects the child's tests; on a real GPU, CUDA_ENV is empty)."""
     env = dict(os.environ, HPCSGD_CUDASIM_CHILD="1", **CUDA_ENV)
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                        test_file], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    # on a GPU every failure is reported (each costs milliseconds there, and a session with the
+    # machine has one run to learn from); in the simulator the first one stops the child
+    stop = [] if REAL_GPU else ["-x"]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                        *stop, test_file], env=env, capture_output=True, text=True,
+                       timeout=300)
+    failed = "\n".join(line for line in p.stdout.splitlines() if line.startswith("FAILED"))
+    assert p.returncode == 0, failed + "\n" + p.stdout[-4000:] + p.stderr[-2000:]
     assert " passed" in p.stdout and "skipped" not in p.stdout.split("\n")[-2]
 
 

@@ -53,6 +53,11 @@ def check_cuda(res):
     for name in res["kernels"]:
         assert {r["cc"] for r in res["compilations"] if r["kernel"] == name} == {80, 90}
     assert all(0 < r["registers"] <= 255 and r["cubin_bytes"] > 0 for r in res["compilations"])
+    # the Dettmers codec's values must be the CPU's bits: no multiply ptxas could fuse into an
+    # FMA (on the H100 they were, 2026-11-26: residuals up to 2.4e-7 apart); the counter counts
+    dettmers = [r for r in res["compilations"] if ".dettmers." in r["kernel"]]
+    assert len(dettmers) == 6 and all(r["fusable_muls"] == 0 for r in dettmers)
+    assert max(r["fusable_muls"] for r in res["compilations"]) > 0
 
 
 def check_exchange(res):

@@ -229,7 +229,18 @@ def _compile_one(task):
     _Target.compute_capability = divmod(cc, 10)
     ptx, _ = cuda.compile_ptx(project_kernels()[name].py_func, nsig, cc=divmod(cc, 10))
     return {"kernel": name, "signature": [str(t) for t in nsig], "cc": cc,
-            **ptxas_report(ptx, cc)}
+            "fusable_muls": fusable_muls(ptx), **ptxas_report(ptx, cc)}
+
+
+# A floating multiply without a rounding modifier: PTX lets ptxas fuse it with a following add
+# into an FMA (one rounding where the CPU kernels round twice), so a kernel whose results must
+# equal the CPU's bit for bit has none (hpcsgd/device.py: mul_rn). `fma.` written out counts too.
+FUSABLE = re.compile(r"^\s*(mul(\.ftz)?\.f(32|64)|fma\.\S+)\s", re.M)
+
+
+def fusable_muls(ptx):
+    """How many floating multiplies of this PTX ptxas may contract into an FMA."""
+    return len(FUSABLE.findall(ptx))
 
 
 def _compile_many(tasks):
@@ -290,7 +301,8 @@ def run(args):
     recorded = sorted({r["kernel"] for r in rows})
     print(f"hpcsgd bench cuda: {len(recorded)} kernels, {len(rows)} compilations "
           f"(signatures as launched x sm_{', sm_'.join(map(str, ccs))})")
-    print(f"{'kernel':<46s} {'args':>4s} {'cc':>3s} {'regs':>5s} {'spill st':>8s} {'spill ld':>8s}")
+    print(f"{'kernel':<46s} {'args':>4s} {'cc':>3s} {'regs':>5s} {'spill st':>8s} {'spill ld':>8s}"
+          f" {'fusable':>7s}")
     worst = {}
     for r in rows:   # the worst signature of each kernel and target
         key = (r["kernel"], r["cc"])
@@ -298,7 +310,8 @@ def run(args):
             worst[key] = r
     for (name, cc), r in sorted(worst.items()):
         print(f"{name.replace('hpcsgd.', ''):<46s} {len(r['signature']):>4d} {cc:>3d} "
-              f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8}")
+              f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8}"
+              f" {max(x['fusable_muls'] for x in rows if x['kernel'] == name):>7}")
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     print(f"spills: {len(spilling)} of {len(rows)} compilations")
     return {"kernels": recorded, "ccs": ccs, "compilations": rows,

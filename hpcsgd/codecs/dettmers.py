@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from hpcsgd.codecs.common import (KEY_NEG_INF, KEY_POS_INF, Codec, f32_bits, f32_from_bits,
                                   f64_bits, nonfinite_error, order_key)
-from hpcsgd.device import as_device, one_thread_each
+from hpcsgd.device import as_device, mul_rn, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
 DTYPES = ("linear", "mantissa", "static_tree", "dynamic_tree")
@@ -84,8 +84,14 @@ def _value(t, scale):
     return np.float32(np.float64(t) * np.float64(scale))  # exact product, one rounding
 
 
+def _value_gpu(t, scale):
+    """_value on a GPU: the exact float64 product rounded once is the float32 product rounded
+    once, as a multiply that ptxas may not fuse with the caller's add (device.mul_rn)."""
+    return mul_rn(t, scale)
+
+
 _value_cpu = njit(inline="always")(_value)
-_code_cuda, _value_cuda = cuda.jit(device=True)(_code), cuda.jit(device=True)(_value)
+_code_cuda, _value_cuda = cuda.jit(device=True)(_code), cuda.jit(device=True)(_value_gpu)
 
 
 def _reuse(age, refresh, old):
