@@ -66,11 +66,11 @@ def main(argv=None):
         # before numpy and numba start their thread pools (hpcsgd/threads.py)
         from hpcsgd import threads
         threads.for_train(argv[1:])
-    elif name in ("eval", "infer", "export") and not {"-h", "--help"} & set(argv[1:]):
+    elif name in ("infer", "export") and not {"-h", "--help"} & set(argv[1:]):
         from hpcsgd import threads   # one process: its cores, the pools sleeping between ops
         threads.choose()
-    elif name == "decode" and not {"-h", "--help"} & set(argv[1:]):
-        from mpi4py import MPI       # ranks decode disjoint utterances: share the node's cores
+    elif name in ("eval", "decode") and not {"-h", "--help"} & set(argv[1:]):
+        from mpi4py import MPI       # ranks take disjoint utterances: share the node's cores
 
         from hpcsgd import threads
         threads.choose(comm=MPI.COMM_WORLD)

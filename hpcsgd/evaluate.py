@@ -1,13 +1,17 @@
 """`hpcsgd eval`: cross-entropy, frame accuracy, per-class accuracy and confusions of a model.
 
     hpcsgd eval RUN_DIR|CHECKPOINT --data ARCHIVE [--json FILE] [--graph GRAPH_DIR]
+                [--device cpu|cuda]
+    mpiexec -n 2 python -m mpi4py -m hpcsgd.cli eval RUN_DIR --data ARCHIVE --device cuda
 
 With --graph, the archive is also recognized through that decoding graph (hpcsgd mkgraph) and
 the phone or word error rate is reported beside the frame accuracy (hpcsgd/decode/).
 
 The model shape, splicing context and CMVN mode come from the checkpoint; the archive's label
 inventory must be the one the model was trained on. Under mpiexec every rank evaluates a
-disjoint share and the sums are reduced (the trainer's cross-validation uses the same code).
+disjoint share and the sums are reduced; rank 0 prints and writes the JSON (the trainer's
+cross-validation uses the same code). --device cuda runs the network on each rank's GPU (one
+per local rank; ranks may share one), the CPU path's outputs to float32 tolerance.
 """
 import json
 import os
@@ -19,7 +23,7 @@ from hpcsgd.data import BLOCK_FRAMES
 from hpcsgd.data.loader import FrameLoader
 from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.decode import recognize
-from hpcsgd.model_io import check_archive, load_model, sequence_steps
+from hpcsgd.model_io import add_device_argument, check_archive, load_model, sequence_steps
 
 
 def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=None,
@@ -52,6 +56,10 @@ def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=No
             heartbeat()
         x, y = loader.next_batch(take)
         n = len(y)
+        # a GPU model copies x to its device buffer and its (n, V) log-posteriors back: CE and
+        # the confusion counts are summed here on the host, one code for CPU ranks, GPU ranks
+        # and the trainer's CV, with NumPy's argmax (first maximum) on both, so that a frame's
+        # decision differs between them only where its outputs differ, never by a tie rule
         logp = model.forward(params, x, n)
         keep = np.flatnonzero(y >= 0)     # sequences: not the context and padding
         ce -= float(logp[keep, y[keep]].sum(dtype=np.float64))
@@ -76,13 +84,25 @@ def add_arguments(parser):
     parser.add_argument("--graph", help="also recognize through this graph (hpcsgd mkgraph) "
                                         "and report the phone or word error rate")
     recognize.add_search_arguments(parser)
+    add_device_argument(parser)
 
 
 def run(args):
-    model, params, meta = load_model(args.model)
+    from mpi4py import MPI   # under mpiexec: a share per rank, the sums reduced
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    # every rank checks the same inputs before the first collective: a bad one stops them all
+    model, params, meta = load_model(args.model, device=args.device, comm=comm)
     check_archive(args.data, meta)
     result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"],
+                      rank=rank, world=world, comm=comm,
                       sequences=meta["data"] if "chunk" in meta["data"] else None)
+    decoded = None
+    if args.graph:
+        decoded = recognize.recognize_archive(model, params, meta, args.data, args.graph, args,
+                                              comm=comm)
+    if rank != 0:
+        return 0
     symbols = archive.read_inventory(os.path.join(args.data, archive.LABELS_NAME))
     conf = result["confusion"]
     per_class = conf.diagonal() / np.maximum(conf.sum(axis=1), 1)
@@ -104,9 +124,7 @@ def run(args):
         ref, hyp = divmod(int(flat), conf.shape[0])
         if off[ref, hyp]:
             print(f"  {symbols[ref]:8s} -> {symbols[hyp]:8s} {off[ref, hyp]}")
-    decoded = None
-    if args.graph:
-        decoded = recognize.recognize_archive(model, params, meta, args.data, args.graph, args)
+    if decoded is not None:
         print(f"through {args.graph} ({decoded['kind']}; acoustic scale "
               f"{decoded['acoustic_scale']:g}, prior scale {decoded['prior_scale']:g}):")
         print(decoded.pop("lines"))

@@ -1,20 +1,22 @@
 """`hpcsgd infer`: per-utterance posteriors or scaled log-likelihoods for a hybrid decoder.
 
     hpcsgd infer RUN_DIR|CHECKPOINT --data ARCHIVE --out OUT [--output loglik|posteriors|logpost]
-                 [--format hdf5|ark|both] [--sequences chunks|whole]
+                 [--format hdf5|ark|both] [--sequences chunks|whole] [--device cpu|cuda]
 
 loglik = log posterior - log prior (hpcsgd/outputs.py). Writes OUT.h5
 (`values` (F, V) float32 concatenated, `utt_offsets`, `utt_ids`, like an archive) and/or
 OUT.ark + OUT.scp (Kaldi matrices, readable by latgen-faster-mapped via kaldiio). Files are
 written under temporary names and renamed. A sequence model (LSTM) runs in its training
-chunks, or with --sequences whole as one sequence per utterance.
+chunks, or with --sequences whole as one sequence per utterance. One process; --device cuda
+runs the network on the first visible GPU (CUDA_VISIBLE_DEVICES picks another), its outputs
+the CPU path's to float32 tolerance.
 """
 import os
 
 import h5py
 import numpy as np
 
-from hpcsgd.model_io import EVAL_BATCH, check_archive, load_model
+from hpcsgd.model_io import EVAL_BATCH, add_device_argument, check_archive, load_model
 from hpcsgd.outputs import log_priors, longest_utterance, sequence_outputs, utterance_outputs
 
 
@@ -29,12 +31,13 @@ def add_arguments(parser):
     parser.add_argument("--sequences", choices=("chunks", "whole"), default="chunks",
                         help="sequence (LSTM) models: run the training chunks with their "
                              "context, or each utterance as one sequence")
+    add_device_argument(parser)
 
 
 def run(args):
     whole = getattr(args, "sequences", "chunks") == "whole"
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
-                                     if whole else EVAL_BATCH)
+                                     if whole else EVAL_BATCH, device=args.device)
     check_archive(args.data, meta)
     priors = log_priors(meta["label_counts"])
     context, cmvn = meta["data"]["context"], meta["data"]["cmvn"]

@@ -5,6 +5,13 @@ check that an archive fits it.
 One module reads both kinds, so that evaluate.py and export.py need not import each other.
 The integer file's layout is in export.py's docstring; its int4 packing is here, beside its
 inverse.
+
+`eval`, `infer` and `decode` run their forward on the host (--device cpu) or on the rank's GPU
+(--device cuda): load_model(..., device="cuda", comm=...) binds the GPU as the trainer does
+(one per local rank; ranks that share one are fine: inference needs no NCCL), builds the
+network there, and copies the float32 weights to it once. The network then keeps its
+preallocated device buffers (max_batch rows, sized once): per minibatch the frames go host ->
+device and the outputs device -> host (hpcsgd/model/network.py: forward).
 """
 import json
 import os
@@ -14,18 +21,62 @@ import numpy as np
 
 from hpcsgd import checkpoint
 from hpcsgd.data import archive
+from hpcsgd.device import DEVICES, assign
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
+from hpcsgd.model.flat import FlatParams
 
 EVAL_BATCH = 1024
 FORMAT = "hpcsgd-int"   # an exported model's attrs["format"]
 
 
-def load_model(path, max_batch=EVAL_BATCH):
+def add_device_argument(parser):
+    """--device, for the commands that run a model's forward (eval, infer, decode)."""
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="run the network on the host, or on this rank's GPU (one per "
+                             "local rank, as the trainer binds them; docs/gpu.md)")
+
+
+def bind_device(device, comm=None):
+    """--device cuda: select this rank's GPU before anything is allocated on one (its rank on
+    the node, from comm's shared-memory split, modulo the GPUs visible; comm None: one
+    process, local rank 0). A UserError naming the reason when there is no GPU to run on.
+    -> (GPU index, GPUs visible), or None for the host."""
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return None
+    from numba import cuda
+
+    from hpcsgd.comm.gpu import bind_gpu
+    if not cuda.is_available():   # the simulator (NUMBA_ENABLE_CUDASIM=1) says it is
+        try:
+            len(cuda.gpus)
+            why = "numba.cuda finds no usable GPU"
+        except Exception as err:   # CudaSupportError: no driver, no device
+            why = " ".join(str(err).split()).rstrip(" :")
+        raise UserError(f"--device cuda: no CUDA GPU is available to this process ({why}); "
+                        f"run with --device cpu")
+    node_rank = 0
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        node_rank = node.Get_rank()
+        node.Free()
+    try:
+        return bind_gpu(node_rank)
+    except RuntimeError as err:
+        raise UserError(f"--device cuda: {err}") from None
+
+
+def load_model(path, max_batch=EVAL_BATCH, device="cpu", comm=None):
     """(model, params, meta) from a checkpoint file, a run directory (its latest one) or a
-    model written by `hpcsgd export` (integer weights)."""
+    model written by `hpcsgd export` (integer weights). device "cuda": the rank's GPU is bound
+    (bind_device; comm: the job's communicator, for the local rank), the network built on it,
+    and params are device arrays holding the same float32 weights (one host -> device copy)."""
+    bind_device(device, comm)
     if is_exported(path):
-        model, params, meta = load_exported(path, max_batch)
+        model, params, meta = load_exported(path, max_batch, device)
         model.steps = sequence_steps(meta["data"])
         return model, params, meta
     if os.path.isdir(path):
@@ -36,13 +87,13 @@ def load_model(path, max_batch=EVAL_BATCH):
     arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
     if "params" not in arrays:
         raise UserError(f"checkpoint {path}: no 'params' dataset")
-    model = build(meta["model"], max_batch=max_batch)
+    model = build(meta["model"], max_batch=max_batch, device=device)
     model.steps = sequence_steps(meta["data"])
     params = model.new_params()
     if arrays["params"].shape != params.flat.shape:
         raise UserError(f"checkpoint {path}: {arrays['params'].size} parameters, the model "
                         f"{meta['model']} needs {params.size}")
-    params.flat[:] = arrays["params"]
+    assign(params.flat, arrays["params"])
     meta["path"] = path
     return model, params, meta
 
@@ -78,15 +129,16 @@ def is_exported(path):
         return False
 
 
-def load_exported(path, max_batch):
+def load_exported(path, max_batch, device="cpu"):
     """(model, params, meta) of an exported file: the weights s * k, marked as on their grid
-    (model.quant.exported: not quantized again)."""
+    (model.quant.exported: not quantized again). device "cuda": decoded on the host, then
+    copied to the device once."""
     try:
         with h5py.File(path, "r") as f:
             meta = json.loads(f.attrs["meta"])
             bits = int(f.attrs["bits"])
-            model = build(meta["model"], max_batch=max_batch)
-            params = model.new_params()
+            model = build(meta["model"], max_batch=max_batch, device=device)
+            params = FlatParams(model.specs, model.dtype)   # on the host
             for spec in model.specs:
                 if spec.name in model.quant.weights:
                     d = f[f"int/{spec.name}"]
@@ -99,6 +151,9 @@ def load_exported(path, max_batch):
                     params[spec.name][...] = f[f"float/{spec.name}"][()]
     except (OSError, KeyError, ValueError) as err:
         raise UserError(f"exported model {path}: unreadable ({err})") from None
+    if device != "cpu":
+        host, params = params, model.new_params()
+        assign(params.flat, host.flat)
     model.quant.exported = True
     meta["path"] = path
     return model, params, meta

@@ -27,6 +27,7 @@ import numpy as np
 from hpcsgd.data import archive
 from hpcsgd.decode import recognize, score, search
 from hpcsgd.errors import UserError
+from hpcsgd.model_io import add_device_argument
 
 ABORT_FORWARD_S = 0.5    # a failing rank's last words reach the launcher before MPI_Abort
 
@@ -50,6 +51,7 @@ def add_arguments(parser):
                              f"of {','.join(map(str, recognize.TUNE_PRIOR))}; keep the best")
     parser.add_argument("--sequences", choices=("chunks", "whole"), default="chunks",
                         help="sequence (LSTM) models: the training chunks, or whole utterances")
+    add_device_argument(parser)
 
 
 def default_out(model_path, graph_dir, archive_dir):
@@ -92,7 +94,7 @@ def decode(args, comm):
     graph.check_archive(index, args.data)
     whole = args.sequences == "whole"
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
-                                     if whole else EVAL_BATCH)
+                                     if whole else EVAL_BATCH, device=args.device, comm=comm)
     check_archive(args.data, meta)
     refs = recognize.references(graph, args.data, args.text)
     priors = log_priors(meta["label_counts"])

@@ -142,22 +142,34 @@ def tuning_lines(table, best, name):
     return lines
 
 
-def recognize_archive(model, params, meta, archive_dir, graph_dir, args):
-    """One process, default or given scales: the error rate of `eval --graph` as a dict
-    (score.as_dict plus the scales and the search's real-time factor)."""
+def recognize_archive(model, params, meta, archive_dir, graph_dir, args, comm=None):
+    """Default or given scales: the error rate of `eval --graph` as a dict (score.as_dict
+    plus the scales and the search's real-time factor per core). Under several ranks (comm)
+    each decodes its share and rank 0 scores the gathered hypotheses (the others get None)."""
     from hpcsgd.data import archive
     from hpcsgd.outputs import log_priors
+    rank, world = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     graph = search.Graph(graph_dir)
     index = archive.read_index(archive_dir)
     graph.check_archive(index, archive_dir)
     refs = references(graph, archive_dir, args.text)
     priors = log_priors(meta["label_counts"])
     decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active)
-    logposts, _ = posteriors(model, params, meta, archive_dir)
+    logposts, _ = posteriors(model, params, meta, archive_dir, rank, world)
     a, b = scales(graph, args)
     hyps, not_final, search_s = recognize(decoder, logposts, priors, a, b)
+    frames = sum(len(lp) for _, lp in logposts)
+    if world > 1:
+        from mpi4py import MPI
+        sums = np.array([frames, search_s, not_final], np.float64)
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
+        gathered = comm.gather(hyps, root=0)                 # small: token lists
+        if rank != 0:
+            return None
+        hyps = {utt: tokens for part in gathered for utt, tokens in part.items()}
+        frames, search_s, not_final = int(sums[0]), float(sums[1]), int(sums[2])
     total, per_utt = error_counts(refs, hyps)
-    audio_s = sum(len(lp) for _, lp in logposts) * index["frame_shift_ms"] / 1000.0
+    audio_s = frames * index["frame_shift_ms"] / 1000.0
     return {**score.as_dict(metric(graph), total), "graph": graph_dir, "kind": graph.kind,
             "acoustic_scale": a, "prior_scale": b, "not_final": not_final, "no_reference": len(hyps) - len(per_utt),
             "rtf_search": search_s / audio_s, "lines": score.kaldi_lines(metric(graph), total)}
