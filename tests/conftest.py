@@ -34,7 +34,8 @@ LONGEST_FIRST = ("test_slurm.py", "test_exchange.py", "test_train.py", "test_ben
                  "test_readme.py", "test_parallel.py", "test_codecs.py", "test_shutdown.py",
                  "test_precision.py", "test_gpu_ranks.py", "test_qat_train.py",
                  "test_model_cuda.py", "test_lstm.py", "test_jit.py", "test_loader.py",
-                 "test_lstm_train.py", "test_quantize.py", "test_double_buffering.py",
+                 "test_lstm_train.py", "test_eval_cuda.py", "test_quantize.py",
+                 "test_double_buffering.py",
                  "test_decode.py",
                  "test_threads.py", "test_prep.py", "test_codecs_cuda.py", "test_model.py",
                  "test_cli.py", "test_bitwidth.py")
