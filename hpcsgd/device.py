@@ -13,6 +13,7 @@ a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
 import numpy as np
 
+from hpcsgd import census
 from hpcsgd.lazy_cuda import cuda, device_function
 
 DEVICES = ("cpu", "cuda")
@@ -136,6 +137,7 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     if not is_device(out):
         np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
         return
+    census.note_launch("cublas_gemm", census.FILL_BLOCKS)   # a cuBLAS kernel (or two)
     if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
         x, y = a._ary, b._ary
         np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
@@ -151,6 +153,8 @@ def norm2(a):
     the host memory behind the simulated array."""
     if not is_device(a):
         return float(np.sqrt(np.dot(a, a)))
+    census.note_launch("cupy_norm", census.FILL_BLOCKS)
+    census.COUNTS["syncs"] += 1
     if simulated():
         host = a._ary
         return float(np.sqrt(np.dot(host, host)))

@@ -61,30 +61,70 @@ def gradient_buffers(model, double_buffering):
 class Phases:
     """Seconds per exchange phase, accumulated until pop() (the spine logs them per log line),
     each also a span on the rank's timeline. mark(name) ends the phase that began at the
-    previous mark; a phase named None is not recorded. GPU ranks synchronise the device at
-    each mark, so a phase's time is its kernels' time."""
+    previous mark; a phase named None is not recorded.
+
+    GPU ranks time phases without stopping the host: a mark records a CUDA event on the
+    stream, and the times are the events' elapsed times, read when `times` is (one wait for
+    the last event: at a log line, or each step under the adaptive bit width), so a phase's
+    time is its kernels' time plus any wait the host made the device take (an MPI call
+    between two marks). With a timeline, whose spans are host times, each mark synchronises
+    the device instead. In the simulator every launch runs to completion, so there the host's
+    clock is the device's."""
 
     def __init__(self, device="cpu", timeline=None):
         self.device, self.timeline = device, timeline
-        self.times, self.exchanges, self._t = {}, 0, 0.0
+        self._times, self.exchanges, self._t = {}, 0, 0.0
         self.sent = 0   # bytes this rank sent in the exchanges completed since pop_sent()
+        self._events = device == "cuda" and (timeline is None or timeline.file is None)
+        self._last, self._open, self._used, self._spare = None, [], [], []   # event mode
 
     def start(self):
         self._t = time.perf_counter()
+        if self._events:
+            self._last = self._record()
 
     def mark(self, name):
+        if self._events:
+            event = self._record()
+            if name is not None:
+                self._open.append((name, self._last, event))
+            self._last = event
+            return
         synchronize(self.device)
         now = time.perf_counter()
         if name is not None:
-            self.times[name] = self.times.get(name, 0.0) + now - self._t
+            self._times[name] = self._times.get(name, 0.0) + now - self._t
             if self.timeline is not None:
                 self.timeline.span(name, self._t, now, EXCHANGE_CATEGORY[name])
         self._t = now
 
+    def _record(self):
+        """An event (reused once its phase was read) recorded on the stream now."""
+        if len(self._used) > 1024:   # phases never read (no log line for long): read them
+            self.times
+        event = self._spare.pop() if self._spare else _event()
+        event.record()
+        self._used.append(event)
+        return event
+
+    @property
+    def times(self):
+        """{phase: seconds} accumulated since the last pop() (GPU ranks: waits for the last
+        marked phase's end)."""
+        if self._open:
+            self._open[-1][2].synchronize()
+            for name, begin, end in self._open:
+                self._times[name] = self._times.get(name, 0.0) + begin.elapsed_s(end)
+            self._open = []
+            # every event but the one the next phase begins at can be recorded again
+            self._spare += [e for e in self._used if e is not self._last]
+            self._used = [self._last]
+        return self._times
+
     def pop(self):
         """{phase: mean seconds per exchange} since the last call, then reset."""
         out = {k: v / max(self.exchanges, 1) for k, v in self.times.items()}
-        self.times, self.exchanges = {}, 0
+        self._times, self.exchanges = {}, 0
         return out
 
     def pop_sent(self):
@@ -92,6 +132,42 @@ class Phases:
         then: an adaptive bit width or the cold start's end changes it), then reset."""
         out, self.sent = self.sent, 0
         return out
+
+
+class _HostEvent:
+    """The simulator's stand-in for a CUDA event (its launches complete before they return;
+    its own events record no time): the host clock."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_s(self, end):
+        return end.t - self.t
+
+
+class _CudaEvent:
+    """A timing CUDA event on the default stream, where the step's kernels run."""
+
+    def __init__(self):
+        from hpcsgd.lazy_cuda import cuda
+        self.event = cuda.event(timing=True)
+
+    def record(self):
+        self.event.record()
+
+    def synchronize(self):
+        self.event.synchronize()
+
+    def elapsed_s(self, end):
+        return self.event.elapsed_time(end.event) / 1000.0
+
+
+def _event():
+    from hpcsgd.device import simulated
+    return _HostEvent() if simulated() else _CudaEvent()
 
 
 def communicate_seconds(phases):

@@ -104,6 +104,31 @@ else:
             c.encode(cuda.to_device(g), cuda.to_device(np.zeros_like(g)),
                      cuda.device_array(c.packed_nbytes(3, 40), np.uint8))
 
+    @pytest.mark.parametrize("name,opts", [CONFIGS[i] for i in (0, 3, 5, -4, -2, -1)], ids=str)
+    def test_cuda_fault_flags_read_once_at_the_check(name, opts):
+        """Deferred (the striped exchange's setting): encodes queue without reading their
+        flags; check_flags reads them all in one copy and names the first faulty matrix."""
+        from hpcsgd import census
+        census.install()
+        c = make_codec(name, backend="cuda", **opts)
+        c.defer_checks = True
+        clean = np.ones((2, 40), np.float32)
+        g = np.zeros((3, 40), np.float32)
+        g[2, 5] = np.nan
+        bufs = [cuda.device_array(c.packed_nbytes(*a.shape), np.uint8) for a in (clean, g)]
+        before = census.snapshot()
+        for _ in range(2):
+            c.encode(cuda.to_device(clean), cuda.to_device(np.zeros_like(clean)), bufs[0])
+        assert census.since(before)["d2h_copies"] == 0   # nothing read back yet
+        c.check_flags()
+        assert census.since(before)["d2h_copies"] == 1   # both flags in one copy
+        c.check_flags()                                   # nothing pending: no copy
+        assert census.since(before)["d2h_copies"] == 1
+        for a, buf in zip((clean, g, clean), bufs + bufs[:1]):
+            c.encode(cuda.to_device(a), cuda.to_device(np.zeros_like(a)), buf)
+        with pytest.raises(ValueError, match=r"matrix \(3, 40\), column 2"):
+            c.check_flags()
+
     def test_cuda_rejects_host_arrays():
         c = make_codec("onebit", backend="cuda")
         g = np.zeros((2, 8), np.float32)

@@ -142,10 +142,46 @@ class Codec:
     fused_owner = False
     buffer_state = False
 
+    # GPU encodes: a non-finite value sets a flag on the device, one int32 slot per encode.
+    # Reading it is a host synchronisation, so the striped exchange sets defer_checks and
+    # reads every pending slot at once at its next sync point (check_flags); otherwise each
+    # encode reads its own. A clean read leaves the slots zero (a fault ends the run).
+    defer_checks = False
+    FLAG_SLOTS = 256
+    _flags = None
+
     def __init__(self, backend="cpu"):
         if backend not in ("cpu", "cuda", "reference"):
             raise ValueError(f"backend must be cpu, cuda or reference, got {backend!r}")
         self.backend = backend
+
+    def _device_flag(self, error):
+        """A zeroed device int32 slot for one GPU encode to flag a fault in (0: none, else
+        what error(value) names): error(value) -> the exception check_flags raises."""
+        if self._flags is None:
+            from hpcsgd.device import zeros
+            self._flags, self._pending = zeros(self.FLAG_SLOTS, np.int32, "cuda"), []
+        if len(self._pending) == self.FLAG_SLOTS:
+            self.check_flags()
+        self._pending.append(error)
+        k = len(self._pending) - 1
+        return self._flags[k:k + 1]
+
+    def _flagged(self):
+        """After a GPU encode's launch: its check now, unless deferred."""
+        if not self.defer_checks:
+            self.check_flags()
+
+    def check_flags(self):
+        """Read the pending GPU encodes' flags (one device-to-host copy: a sync point) and
+        raise the first fault's error."""
+        if not getattr(self, "_pending", None):
+            return
+        got = self._flags[:len(self._pending)].copy_to_host()
+        errors, self._pending = self._pending, []
+        bad = np.flatnonzero(got)
+        if bad.size:
+            raise errors[bad[0]](int(got[bad[0]]))
 
     def encode_reread_bytes(self, n_cols, n_rows):
         return 0.0

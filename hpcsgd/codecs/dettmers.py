@@ -466,11 +466,14 @@ def decode_cpu(codes, scales, table, out, block, accumulate):
 
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
-def scales_cuda(g, r, ef, scales, block, age, refresh, norm_absmax, offset):
+def scales_cuda(g, r, ef, scales, block, age, refresh, norm_absmax, offset, head, new_age):
     """One thread block per normalisation block: shared-memory max reduction (max is exact,
-    so the order does not matter)."""
+    so the order does not matter). Block 0's thread 0 also writes the buffer's new age (the
+    host gave it: no copy to the device)."""
     b = cuda.blockIdx.x
     t = cuda.threadIdx.x
+    if b == 0 and t == 0:
+        head[0] = new_age
     sm = cuda.shared.array(128, np.float32)
     old = scales[b]
     if not norm_absmax:
@@ -596,17 +599,19 @@ class Dettmers(Codec):
         if self.backend == "cuda":
             o = as_device(out)
             head, scales, codes = self._views(o, n)
-            age = int(head.copy_to_host()[0])  # device sync (tiny read) for the refresh rule
+            # the age matters only to a refresh > 1 (then read: a device sync); else it is 1
+            age = int(head.copy_to_host()[0]) if self.refresh > 1 else 1
             g = as_device(grad).reshape(n)
             r = as_device(residual).reshape(n) if ef else g
             if self._dev is None:
                 self._dev = cuda.to_device(self.table), cuda.to_device(self.mids)
-            flag = cuda.to_device(np.zeros(1, np.int32))
-            scales_cuda[nb, 128](g, r, ef, scales, block, age, self.refresh, absmax, self.offset)
-            encode_cuda[one_thread_each(n)](g, r, ef, codes, scales, block, *self._dev, flag)
-            bad = int(flag.copy_to_host()[0]) - 1  # device sync: the NaN check needs it
+            flag = self._device_flag(lambda v: self._fault(grad, residual, ef))
             new_age = 1 if age < 1 or age >= self.refresh else age + 1
-            head.copy_to_device(np.array([new_age], np.uint32))
+            scales_cuda[nb, 128](g, r, ef, scales, block, age, self.refresh, absmax, self.offset,
+                                 head, new_age)
+            encode_cuda[one_thread_each(n)](g, r, ef, codes, scales, block, *self._dev, flag)
+            self._flagged()
+            bad = -1
         else:
             head, scales, codes = self._views(out, n)
             age = int(head[0])
@@ -638,13 +643,17 @@ class Dettmers(Codec):
                 bad = int(np.argmax(flags)) if flags.any() else -1
             head[0] = 1 if age < 1 or age >= self.refresh else age + 1
             out[4 + 4 * nb + n:] = 0  # padding bytes defined, so buffers compare equal
-        if bad >= 0:  # error path only: find the exact column on the host
-            # (the residuals were already overwritten, so name the gradient's column if it has one)
-            v = _host(grad)
-            if np.isfinite(v).all() and ef:
-                v = v + _host(residual)
-            col = int(np.argmax(~np.isfinite(v).all(axis=1)))
-            raise nonfinite_error(f"{self.name}/{self.dtype}", grad.shape, col)
+        if bad >= 0:
+            raise self._fault(grad, residual, ef)
+
+    def _fault(self, grad, residual, ef):
+        """The error for a non-finite value, the exact column found on the host (error path
+        only; the residuals were already overwritten, so the gradient's column if it has one)."""
+        v = _host(grad)
+        if np.isfinite(v).all() and ef:
+            v = v + _host(residual)
+        col = int(np.argmax(~np.isfinite(v).all(axis=1)))
+        return nonfinite_error(f"{self.name}/{self.dtype}", grad.shape, col)
 
     def _vspace_buckets(self, scales, n):
         """`scale_buckets`' (entries, base) for one positive finite scale over at least

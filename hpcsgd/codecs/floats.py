@@ -100,8 +100,9 @@ def _sum_cpu(g, r, out):
 
 
 @cuda.jit
-def _encode_cuda(g, r, out32, out16, half, ef, s, inv_s):
-    """s: the float16 scale (1: unscaled, unsaturated)."""
+def _encode_cuda(g, r, out32, out16, half, ef, s, inv_s, bad):
+    """s: the float16 scale (1: unscaled, unsaturated). bad[0] <- 1 + the index of a value
+    that is not finite as sent (any one of them)."""
     i = cuda.grid(1)
     if i >= g.size:
         return
@@ -113,12 +114,16 @@ def _encode_cuda(g, r, out32, out16, half, ef, s, inv_s):
             x = min(max(x, np.float32(-65504.0)), np.float32(65504.0)) if v - v == 0 else x
         h = np.float16(x)
         out16[i] = h
+        sent = np.float32(h)
         if ef:
-            r[i] = v - np.float32(h) * inv_s
+            r[i] = v - sent * inv_s
     else:
         out32[i] = v
+        sent = v
         if ef:
             r[i] = 0.0
+    if not sent - sent == 0:
+        bad[0] = i + 1
 
 
 @cuda.jit
@@ -175,10 +180,13 @@ class Float(Codec):
             g = as_device(grad).reshape(n)
             r = as_device(residual).reshape(n) if ef else g
             p16 = o.view(np.float16)
+            shape = grad.shape
+            flag = self._device_flag(lambda v: nonfinite_error(self.name, shape,
+                                                               (v - 1) // shape[1]))
             _encode_cuda[one_thread_each(n)](g, r, o.view(np.float32) if not self.half else p16,
-                                             p16, self.half, ef, s, inv_s)
-            chk = p16.copy_to_host()[:n] if self.half else o.view(np.float32).copy_to_host()
-            bad = ~np.isfinite(chk)  # device sync + copy: baselines, not the fast path
+                                             p16, self.half, ef, s, inv_s, flag)
+            self._flagged()
+            bad = np.zeros(1, bool)
         elif self.half and s != 1:
             # a non-finite v leaves a non-finite residual: that names it on the error path
             g = grad.reshape(n)

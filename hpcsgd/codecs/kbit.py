@@ -551,11 +551,13 @@ class KBit(Codec):
                        min(n_cols, 8 * numba.get_num_threads()))
             bad = int(np.argmax(flags)) if flags.any() else -1
         else:
-            flag = cuda.to_device(np.zeros(1, np.int32))
+            shape = grad.shape
+            flag = self._device_flag(lambda v: nonfinite_error(self.name, shape, v - 1))
             o = as_device(out)
             encode_cuda[n_cols, LANES](as_device(grad), as_device(residual), o.view(np.uint32),
                                        o.view(np.float32), flag, k, mm, self.clip)
-            bad = int(flag.copy_to_host()[0]) - 1  # device sync: the NaN check needs it
+            self._flagged()
+            bad = -1
         if bad >= 0:
             raise nonfinite_error(self.name, grad.shape, bad)
 

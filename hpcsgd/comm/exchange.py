@@ -529,6 +529,8 @@ class Striped(_Collective):
         # "float" matrices go through the float32 codec: summed exactly, never quantized
         floats = make_codec("float32", codec.backend)
         self.codec_of = {m.name: codec if m.exchange == "codec" else floats for m in mats}
+        for c in (codec, floats):   # GPU encodes' fault flags: read at send and gather
+            c.defer_checks = True
         # "float" matrices (learned clips, after the codec ones) take the unfused steps
         # beside a fused codec: float_pieces
         self.sums_over_group = getattr(self, "group", None) is not None and hasattr(
@@ -630,11 +632,17 @@ class Striped(_Collective):
             else:
                 self.codec_of[m.name].encode(*args)
 
+    def _check_encodes(self):
+        """The GPU encodes' fault flags since the last check, read at once (after a sync)."""
+        for c in {id(c): c for c in self.codec_of.values()}.values():
+            c.check_flags()
+
     def send(self, blocking=False):
         """Phase 2: stripe j of every rank to rank j (Ialltoallv unless `blocking`: double
         buffering computes the next half's gradient meanwhile)."""
         from mpi4py import MPI
         send = [self._mpi("send"), (self.counts, self.displs), MPI.BYTE]   # device sync point
+        self._check_encodes()
         recv = [self.stages["recv"].mpi(self.recv_buf), (self.recv_counts, self.recv_displs),
                 MPI.BYTE]
         if blocking:
@@ -711,6 +719,7 @@ class Striped(_Collective):
         from mpi4py import MPI
         lo = int(self.displs[self.rank])
         gather = self._mpi("gather", lo, lo + int(self.counts[self.rank]))   # device sync
+        self._check_encodes()
         self.comm.Allgatherv(MPI.IN_PLACE, [gather, (self.counts, self.displs), MPI.BYTE])
         self._from_mpi("gather")
 
