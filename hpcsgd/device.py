@@ -77,7 +77,7 @@ def _make_mul_rn(real):
 
 mul_rn = device_function(_make_mul_rn)
 
-FILL_THREADS, MAX_GRID = 256, 65535
+FILL_THREADS, MAX_GRID, WARP = 256, 65535, 32
 
 
 @cuda.jit
@@ -89,10 +89,14 @@ def fill_kernel(out, value):
 
 def one_thread_each(n, most=256):
     """(blocks, threads) of a launch with one thread per element of n (n >= 1): blocks of
-    `most` threads, narrowed to n for a smaller array. No idle threads: on a GPU they would
-    only take a block's slots, and in Numba's simulator each is a Python thread to start
-    (the tests' tiny models exchange matrices of tens of values)."""
+    `most` threads, narrowed to n for a smaller array, and halved (a warp at least) while
+    that leaves fewer than census.FILL_BLOCKS blocks (2 per SM of an H100), so a mid-sized
+    array still reaches every SM. No idle threads: on a GPU they would only take a block's
+    slots, and in Numba's simulator each is a Python thread to start (the tests' tiny models
+    exchange matrices of tens of values)."""
     threads = min(most, n)
+    while threads // 2 >= WARP and -(-n // threads) < census.FILL_BLOCKS:
+        threads //= 2
     return -(-n // threads), threads
 
 

@@ -40,9 +40,25 @@ def bind_gpu(node_rank):
         raise RuntimeError("train.device=cuda: no CUDA GPU is visible to this rank")
     index = node_rank % visible
     cuda.select_device(index)
+    quiet_small_grids()
     global BOUND
     BOUND = (index, visible)
     return index, visible
+
+
+def quiet_small_grids():
+    """numba-cuda warns (NumbaPerformanceWarning "Grid size N will likely result in GPU
+    under-utilization") at each launch site of fewer than 128 blocks, into every training log.
+    The element-wise launches are sized to fill the GPU where the array allows
+    (device.one_thread_each, model.kernels_cuda._elem_launch); what stays small is small
+    work -- a bias's one codec column, the column sums of a 40-label layer, a tiny model's
+    every kernel -- which no launch shape fills: its cost is the launch itself, counted by
+    `bench train --device cuda` (launches under 2 blocks per SM, hpcsgd/census.py). So the
+    warning is turned off here, on GPU ranks, for that message only."""
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+    warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
 
 
 def shared_gpus(comm):

@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from hpcsgd import census
 from hpcsgd.device import as_device, fill  # noqa: F401  (fill: re-exported)
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels import SIGMOID
@@ -46,8 +47,11 @@ MAX_GRID = 65535         # grid dims are capped (grid-stride loops cover the res
 def _elem_launch(n, m):
     """(grid, block) of an element-wise kernel over (n, m): ELEM_BLOCK, narrowed to a smaller
     matrix (no idle threads; the kernels are grid-stride, so any launch gives the same
-    result)."""
+    result), and fewer rows per block while that leaves fewer than census.FILL_BLOCKS blocks
+    (a 256 x 40 output layer: 512 blocks of one row, not 64 of eight)."""
     bx, by = min(ELEM_BLOCK[0], m), min(ELEM_BLOCK[1], n)
+    while by > 1 and -(-m // bx) * -(-n // by) < census.FILL_BLOCKS:
+        by //= 2
     return (min(-(-m // bx), MAX_GRID), min(-(-n // by), MAX_GRID)), (bx, by)
 
 
