@@ -1,16 +1,27 @@
-"""float16 on every backend: the conversion intrinsics, and the two whole-array kernels of mixed
-precision (docs/precision.md), each with its NumPy reference.
+"""float16 and bfloat16 on every backend: the conversion intrinsics, and the whole-array kernels
+of mixed precision and bf16 (docs/precision.md), each with its NumPy reference.
 
     round_half(src, dst)          dst = float32(float16(src)), round to nearest even
+    round_bf16(src, dst)          dst = float32(bfloat16(src)), round to nearest even
+    round_to(kind)                the one of the two for kind "float16" or "bfloat16"
     scale(x, s)                   x *= float32(s) in place (the loss scale)
-    unscale(g, scale, half)       g = (float16(g) if half else g) * (1 / scale) in place;
-                                  returns (non-finite values, max |g| after unscaling)
+    unscale(g, scale, rounding)   g = (rounded to `rounding` first, if any) * (1 / scale) in
+                                  place; returns (non-finite values, max |g| after unscaling)
 
 Numba has no float16 type on the CPU, so the CPU kernels convert with LLVM's fptrunc/fpext to
 `half`: the CPU's own instructions (F16C's vcvtps2ph/vcvtph2ps on x86, AVX2 and AVX-512
 alike), vectorised, the same bits as NumPy's astype. CUDA kernels use the GPU's conversion.
 Mixed precision stores its float16 values in float32 arrays that hold only float16 values
 (the emulation of docs/precision.md): rounding in place is all a "store as float16" is.
+
+bfloat16 is float32's upper 16 bits (8 exponent bits, 7 stored significand bits), so its
+rounding is integer arithmetic on the float32 bits, the same on every CPU and GPU:
+bits + 0x7FFF + (bit 16 of bits), low 16 bits cleared -- round to nearest even, carrying into
+the exponent (float32's largest finite values round to Inf, as a real conversion does; Inf
+stays Inf; subnormals round like any value, no flush to zero). A NaN keeps its sign and upper
+payload with the quiet bit set (Intel's vcvtneps2bf16; the sum would turn a NaN whose payload
+sits in the low half into Inf). One scalar function, bf16_round_bits, serves the CPU and CUDA
+kernels; the NumPy reference is written apart, on whole arrays.
 """
 import math
 
@@ -42,15 +53,65 @@ def half_value(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
+@intrinsic
+def float_bits(typingctx, v):
+    """float32 -> its bits as uint32 (a bitcast: no instruction)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def bits_float(typingctx, bits):
+    """uint32 bits -> the float32 they encode (a bitcast)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+def _bf16_round_bits(b):
+    """The bits b of a float32 -> the bits of float32(bfloat16(value)): round to nearest even
+    by integer arithmetic (the carry of + 0x7FFF + lsb may reach the exponent: overflow to Inf
+    as the real conversion); a NaN stays a NaN (quiet, sign and upper payload kept)."""
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return (b | 0x00400000) & 0xFFFF0000
+    return (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+
+
+bf16_round_bits = njit(inline="always")(_bf16_round_bits)            # the CPU kernels'
+_bf16_round_bits_cuda = cuda.jit(device=True)(_bf16_round_bits)      # the CUDA kernels'
+
+
+@njit(inline="always")
+def bf16_round(v):
+    """float32 -> float32(bfloat16(v)) (CPU kernels)."""
+    return bits_float(np.uint32(bf16_round_bits(float_bits(v))))
+
+
 # ---------------------------------------------------------------- NumPy references
+def round_bf16_ref(src, dst):
+    """dst = float32(bfloat16(src)) by the same rule on whole arrays (uint64: no wrap-around)."""
+    b = np.ascontiguousarray(src, np.float32).view(np.uint32).astype(np.uint64)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    rounded = np.where(nan, b | 0x00400000, b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    dst[...] = rounded.astype(np.uint32).view(np.float32).reshape(np.shape(src))
+
+
 def round_half_ref(src, dst):
     with np.errstate(over="ignore"):   # beyond float16's range: Inf, as the kernels give
         dst[...] = src.astype(np.float16).astype(np.float32)
 
 
-def unscale_ref(g, scale, half):
-    with np.errstate(over="ignore"):
-        v = g.astype(np.float16).astype(np.float32) if half else g
+def unscale_ref(g, scale, rounding):
+    """rounding: None or False (none), "float16" or True, "bfloat16"."""
+    kind = _kind(rounding)
+    v = g
+    if kind == "float16":
+        with np.errstate(over="ignore"):
+            v = g.astype(np.float16).astype(np.float32)
+    elif kind == "bfloat16":
+        v = np.empty_like(g)
+        round_bf16_ref(g, v)
     g[...] = v * np.float32(1.0 / scale)
     finite = np.isfinite(g)
     return int((~finite).sum()), float(np.abs(g[finite]).max(initial=0.0))
@@ -64,14 +125,22 @@ def round_half_cpu(src, dst):
         dst[i] = half_value(half_bits(src[i]))
 
 
+@njit(parallel=True, cache=True)
+def round_bf16_cpu(src, dst):
+    """dst = float32(bfloat16(src)), flat float32 (dst may be src)."""
+    for i in prange(src.size):
+        dst[i] = bf16_round(src[i])
+
+
 CHUNK = 1 << 14   # values per task of unscale_cpu (its maxima and counts per task)
+NONE, FLOAT16, BFLOAT16 = 0, 1, 2   # unscale's rounding modes (the kernels' argument)
 
 
 @njit(parallel=True, cache=True)
-def unscale_cpu(g, inv, half):
-    """g = (float16(g) if half else g) * inv in place (flat float32); returns (non-finite
-    count, max |finite g|). Per-task partial results, combined in order (max and counts are
-    exact in any order). Branch-free loops (vectorised)."""
+def unscale_cpu(g, inv, mode):
+    """g = (rounded by mode: NONE, FLOAT16, BFLOAT16) g * inv in place (flat float32); returns
+    (non-finite count, max |finite g|). Per-task partial results, combined in order (max and
+    counts are exact in any order). Branch-free loops (vectorised)."""
     n = g.size
     tasks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(tasks, np.int64)
@@ -79,9 +148,16 @@ def unscale_cpu(g, inv, half):
     for t in prange(tasks):
         lo, hi = np.uint64(t * CHUNK), np.uint64(min(n, (t + 1) * CHUNK))
         nb, m = 0, np.float32(0.0)
-        if half:
+        if mode == FLOAT16:
             for i in range(lo, hi):
                 v = half_value(half_bits(g[i])) * inv
+                g[i] = v
+                ok = v - v == 0.0
+                nb += not ok
+                m = max(m, abs(v) if ok else np.float32(0.0))
+        elif mode == BFLOAT16:
+            for i in range(lo, hi):
+                v = bf16_round(g[i]) * inv
                 g[i] = v
                 ok = v - v == 0.0
                 nb += not ok
@@ -161,6 +237,15 @@ def _round_half_cuda(src, dst):
 
 
 @cuda.jit
+def _round_bf16_cuda(src, dst):
+    """On the float32 arrays' uint32 views: the same integer rule as the CPU's (bit-exact on
+    any GPU; no bfloat16 type or intrinsic needed)."""
+    i = cuda.grid(1)
+    if i < src.size:
+        dst[i] = _bf16_round_bits_cuda(src[i])
+
+
+@cuda.jit
 def _scale_cuda(x, s):
     i = cuda.grid(1)
     if i < x.size:
@@ -193,6 +278,40 @@ def round_half(src, dst):
     round_half_cpu(src, dst)
 
 
+def round_bf16(src, dst):
+    """dst = float32(bfloat16(src)) (C-contiguous float32 arrays of one size; dst may be src),
+    on the host or the device."""
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    if is_device(src):
+        if src.size:
+            _round_bf16_cuda[one_thread_each(src.size, BLOCK)](src.view(np.uint32),
+                                                              dst.view(np.uint32))
+        return
+    round_bf16_cpu(src, dst)
+
+
+ROUNDINGS = {"float16": round_half, "bfloat16": round_bf16}
+
+
+def round_to(kind):
+    """The rounding function of a 16-bit format: "float16" (round_half) or "bfloat16"."""
+    try:
+        return ROUNDINGS[kind]
+    except KeyError:
+        raise ValueError(f"rounding {kind!r}: expected one of {tuple(ROUNDINGS)}") from None
+
+
+def _kind(rounding):
+    """unscale's rounding argument -> None, "float16" or "bfloat16" (True: float16, as the
+    boolean `half` of callers before bfloat16)."""
+    if rounding is None or rounding is False:
+        return None
+    if rounding is True:
+        return "float16"
+    round_to(rounding)   # a name it knows
+    return rounding
+
+
 def scale(x, s):
     """x *= float32(s) in place (nothing for s = 1)."""
     if s == 1.0:
@@ -205,18 +324,22 @@ def scale(x, s):
     np.multiply(x, np.float32(s), out=x)
 
 
-def unscale(g, scale, half):
-    """Unscale a gradient in float32, in place: g = (float16(g) if half else g) / scale (as a
-    multiplication by float32(1 / scale): exact for a power of two). Returns (non-finite
-    values: int, max |g| over the finite ones: float), the overflow vote's inputs."""
+def unscale(g, scale, rounding=None):
+    """Unscale a gradient in float32, in place: g = (g rounded to `rounding`: None, "float16"
+    (or True), "bfloat16") / scale (as a multiplication by float32(1 / scale): exact for a
+    power of two). Returns (non-finite values: int, max |g| over the finite ones: float), the
+    overflow vote's inputs."""
+    kind = _kind(rounding)
     inv = np.float32(1.0 / scale)
     if not math.isfinite(inv):
         raise ValueError(f"loss scale {scale!r}: 1 / scale is not a finite float32")
     if is_device(g):
         stats = cuda.to_device(np.zeros(2, np.float32))
         if g.size:
-            _unscale_cuda[one_thread_each(g.size, BLOCK)](g, inv, bool(half), stats)
+            if kind == "bfloat16":   # its own pass: a CUDA kernel has no float32 <-> uint32 cast
+                round_bf16(g, g)
+            _unscale_cuda[one_thread_each(g.size, BLOCK)](g, inv, kind == "float16", stats)
         bad, amax = stats.copy_to_host()   # device -> host: sync point
         return int(bad), float(amax)
-    bad, amax = unscale_cpu(g, inv, bool(half))
+    bad, amax = unscale_cpu(g, inv, {None: NONE, "float16": FLOAT16, "bfloat16": BFLOAT16}[kind])
     return int(bad), float(amax)
