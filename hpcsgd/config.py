@@ -145,9 +145,10 @@ DEFAULTS = {
     "train.device": ("cpu", str, ("cpu", "cuda"),
                      "cuda = GPU ranks: model, gradients, optimizer and exchange on the GPU "
                      "(one per local rank)"),
-    "train.precision": ("float32", str, ("float32", "mixed"),
+    "train.precision": ("float32", str, ("float32", "mixed", "bf16"),
                         "mixed = float16 activations, gradients and weight copy, float32 "
-                        "master weights and optimizer (docs/precision.md)"),
+                        "master weights and optimizer; bf16 = the same in bfloat16, without "
+                        "loss scaling (docs/precision.md)"),
     "train.loss_scale": ("none", str, ("none", "static", "backoff", "logmax"),
                          "loss scaling; a step whose gradient overflows is skipped on every "
                          "rank (none: an overflow is an error)"),
@@ -328,6 +329,10 @@ def load(path=None, overrides=()):
         if qat_of(config):
             raise UserError(f"config keys model.parallel={config['model.parallel']} and qat.*: "
                             f"quantization-aware training is not split over a model group")
+    if config["train.precision"] == "bf16" and config["train.loss_scale"] != "none":
+        raise UserError(f"config keys train.precision=bf16 and train.loss_scale="
+                        f"{config['train.loss_scale']}: bfloat16 has float32's exponent range, "
+                        f"so no gradient needs a scale to survive it; set train.loss_scale=none")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
     if qat_of(config):   # the rules' combinations: hpcsgd.model.quantize.check, at the build

@@ -47,6 +47,7 @@ from hpcsgd.evaluate import evaluate
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
+from hpcsgd.model.network import ROUNDING
 from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_size, whole_specs
 from hpcsgd.model_io import load_model
 from hpcsgd.shutdown import ABORT_FORWARD_S, StopSignal, Watchdog, agree, gone_peers
@@ -614,10 +615,13 @@ def log_start(log, cfg, grid, loader, state, ex):
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
     if cfg["train.precision"] != "float32" or cfg["train.loss_scale"] != "none":
         scale = state.scaler.scale if state.scaler else None
+        fmt = ROUNDING[cfg["train.precision"]]   # None, float16 or bfloat16
         log.info(f"precision {cfg['train.precision']}, loss scaling {cfg['train.loss_scale']}"
                  + (f" (scale {scale:g} now)" if scale is not None else "")
-                 + ("; the float32 master weights and optimizer state are updated, a float16 "
-                    "copy computes" if cfg["train.precision"] == "mixed" else ""))
+                 + (" (bfloat16 has float32's exponent range: no gradient needs a scale)"
+                    if fmt == "bfloat16" else "")
+                 + (f"; the float32 master weights and optimizer state are updated, a {fmt} "
+                    f"copy computes" if fmt else ""))
     if cfg["optim.adagrad"] != "off" and cfg["optim.lr"] > ADAGRAD_LR_WARN:
         log.info(f"warning: optim.adagrad={cfg['optim.adagrad']} with optim.lr={cfg['optim.lr']:g}: "
                  f"AdaGrad divides each gradient by its RMS, so its per-sample rate is about 500x "

@@ -122,6 +122,13 @@ def record(out_path):
     Step(mixed, mixed_params, gradient_buffers(mixed, False),
          Optimizer(mixed_params.size, device="cuda"), exchanges[0], device="cuda",
          scaler=Static(2.0 ** 10)).run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
+    # bf16 (no loss scale): the bfloat16 rounding kernel, on the model's stores and in unscale
+    bf16 = dnn(6, [5], 3, "sigmoid", max_batch=n, device="cuda", precision="bf16")
+    bf16_params = bf16.new_params()
+    bf16.init(bf16_params, np.random.default_rng(1))
+    Step(bf16, bf16_params, gradient_buffers(bf16, False),
+         Optimizer(bf16_params.size, device="cuda"), exchanges[0],
+         device="cuda").run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
     # a BLSTM step (hpcsgd/model/lstm.py: the step kernels on strided views, the masked
     # softmax, the column sums), then its posteriors; clipping on
     from hpcsgd.model.lstm import lstm

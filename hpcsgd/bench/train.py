@@ -114,9 +114,10 @@ def add_arguments(parser):
                              "installed: hpcsgd/bench/pytorch.py), without double buffering")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     parser.add_argument("--precision", default="float32",
-                        help="float32, mixed, or float32,mixed: the step in each precision "
-                             "(train.precision; mixed with a static loss scale of 1: the "
-                             "overflow vote runs, no step may be skipped), in the same rounds")
+                        help="float32, mixed, bf16, or a list (float32,mixed,bf16): the step in "
+                             "each precision (train.precision; mixed with a static loss scale "
+                             "of 1: the overflow vote runs, no step may be skipped; bf16 without "
+                             "a scale), in the same rounds")
     parser.add_argument("--grid", default=None,
                         help="data x model grids instead of --ranks, e.g. 1x1,1x2,2x1,2x2: "
                              "D data ranks, each model split over M ranks (model.parallel); "
@@ -652,8 +653,8 @@ def worker(argv):
         from hpcsgd.comm.gpu import bind_gpu
         bind_gpu(grid.node_rank)
     precisions = args.precision.split(",")
-    if not set(precisions) <= {"float32", "mixed"}:
-        raise SystemExit(f"--precision {args.precision}: expected float32 and/or mixed")
+    if not set(precisions) <= {"float32", "mixed", "bf16"}:
+        raise SystemExit(f"--precision {args.precision}: expected float32, mixed and/or bf16")
     precisions += [f"qat:{spec}" for spec in args.qat.split(",") if spec]
     if grid.model_size > 1:
         precisions += [f"act:{c}" for c in args.activation_codec.split(",") if c != "float32"]

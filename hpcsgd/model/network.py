@@ -20,7 +20,8 @@ fused or not), on the input rounded to float16 (x16), with every GEMM output and
 output rounded to float16 (model.ops.HalfOps); float16 values live in float32 buffers (the
 GEMMs widen float16 operands to float32 anyway). The weight gradients are rounded to float16
 and the loss scale taken off in float32 by unscale(). Inference (forward) uses the float32
-master weights.
+master weights. precision="bf16": the same places rounded to bfloat16 instead (w16 and x16
+then hold bfloat16 values; no loss scale: train.loss_scale=none).
 
 qat (a model.quantize description): quantization-aware training. Every pass runs on wq, the
 weights fake-quantized from the float32 master at its start, and on each layer's input
@@ -35,7 +36,9 @@ from hpcsgd.model import quantize
 from hpcsgd.model.flat import FlatParams, as_specs
 from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 
-PRECISIONS = ("float32", "mixed")
+PRECISIONS = ("float32", "mixed", "bf16")
+# the 16-bit format each reduced precision stores its values in (hpcsgd/half.py: round_to)
+ROUNDING = {"float32": None, "mixed": "float16", "bf16": "bfloat16"}
 
 
 def gemm_flop_per_frame(layers):
@@ -79,13 +82,16 @@ class Network:
         self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
-        self.half = precision == "mixed"
+        self.precision = precision
+        self.rounding = ROUNDING[precision]   # None, "float16" or "bfloat16"
+        self.half = self.rounding is not None   # a 16-bit float emulation (mixed or bf16)
         if self.half:
             if self.dtype != np.float32:
-                raise ValueError("precision mixed: the model's dtype must be float32")
-            self.w16 = self.new_params()                       # the float16 copy of W
+                raise ValueError(f"precision {precision}: the model's dtype must be float32")
+            self.round = half.round_to(self.rounding)
+            self.w16 = self.new_params()                       # the 16-bit copy of W
             self.x16 = zeros((self.max_batch, self.input_dim), self.dtype, device)
-            self.half_ops = HalfOps(self.ops)
+            self.half_ops = HalfOps(self.ops, self.rounding)
         if self.quant:
             self.wq = self.new_params()   # the fake-quantized weights a pass runs on
             self.aq = [zeros((self.max_batch, layer.n_in), self.dtype, device)
@@ -208,12 +214,12 @@ class Network:
                                           steps)
 
     def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, steps):
-        if self.half:   # the float16 copy of the weights and input; float16 stores
-            half.round_half(params.flat, self.w16.flat)
-            half.round_half(x[:n], self.x16[:n])
+        if self.half:   # the 16-bit copy of the weights and input; 16-bit stores
+            self.round(params.flat, self.w16.flat)
+            self.round(x[:n], self.x16[:n])
             params, x = self.w16, self.x16
             ops = ops if isinstance(ops, GemmOnly) else (
-                self.half_ops if ops is self.ops else HalfOps(ops))
+                self.half_ops if ops is self.ops else HalfOps(ops, self.rounding))
         master, params = params, self._quantized(params, ops)
         logits = self._forward(params, x, n, ops, progress, steps)
         ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale,
@@ -238,9 +244,10 @@ class Network:
     def unscale(self, grads, loss_scale):
         """The gradient forward_backward left, made the float32 gradient of the summed loss:
         mixed precision rounds it to float16 first (the GEMMs' float16 outputs; an overflow
-        becomes Inf here), then it is multiplied by 1 / loss_scale in float32. Returns
-        (non-finite values, max |gradient|): the overflow vote's inputs (hpcsgd/step.py)."""
-        return half.unscale(grads.flat, loss_scale, self.half)
+        becomes Inf here), bf16 to bfloat16, then it is multiplied by 1 / loss_scale in
+        float32. Returns (non-finite values, max |gradient|): the overflow vote's inputs
+        (hpcsgd/step.py)."""
+        return half.unscale(grads.flat, loss_scale, self.rounding)
 
     def forward(self, params, x, n, out=None, log=True, steps=None):
         """Log-posteriors (log=True) or posteriors of x[:n], shape (n, num_labels). Written

@@ -5,8 +5,9 @@ to these.
     CpuOps    the Numba CPU kernels of hpcsgd.model.kernels, with their preallocated scratch
     CudaOps   the CUDA kernels of hpcsgd.model.kernels_cuda (GPU ranks)
     GemmOnly  nothing at all: the step's GEMMs alone, the roofline `bench train` divides by
-    HalfOps   mixed precision around either of the first two: every value a GEMM or kernel
-              stores as float16 is rounded to float16 in its float32 buffer (hpcsgd/half.py)
+    HalfOps   mixed precision (float16) or bf16 around either of the first two: every value a
+              GEMM or kernel stores as a 16-bit float is rounded to it in its float32 buffer
+              (hpcsgd/half.py: round_to(kind))
 
 Shapes: z, h, d (N, M) with N <= max_batch rows and M <= max_width columns; b, gb (1, M);
 y (N,) integer labels. `kind` is kernels.SIGMOID or kernels.RELU.
@@ -276,28 +277,29 @@ class GemmOnly:
 
 
 class HalfOps:
-    """Mixed precision's element-wise steps on float32 buffers that hold float16 values: a
-    GEMM's output is rounded to float16 before a kernel reads it (as cuBLAS would store it),
-    and a kernel's output after it wrote it, each in place. The kernels themselves compute in
-    float32 (as a GPU's do on float16 operands). Bias gradients are the kernels' float32 column
-    sums of dz before its rounding (half an ulp of float16 per element more precise than a
-    sum of the stored float16 dz)."""
+    """Mixed precision's (kind "float16") or bf16's (kind "bfloat16") element-wise steps on
+    float32 buffers that hold 16-bit float values: a GEMM's output is rounded to the format
+    before a kernel reads it (as cuBLAS would store it), and a kernel's output after it wrote
+    it, each in place. The kernels themselves compute in float32 (as a GPU's do on 16-bit
+    operands). Bias gradients are the kernels' float32 column sums of dz before its rounding
+    (half an ulp of the format per element more precise than a sum of the stored dz)."""
 
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self, ops, kind="float16"):
+        self.ops, self.kind = ops, kind
+        self.round = half.round_to(kind)
 
     def bias_act(self, z, b, kind):
-        half.round_half(z, z)
+        self.round(z, z)
         self.ops.bias_act(z, b, kind)
-        half.round_half(z, z)
+        self.round(z, z)
 
     def act_backward(self, h, d, dz, gb, kind):
-        half.round_half(d, d)            # dx of the layer above: a GEMM's float16 output
+        self.round(d, d)            # dx of the layer above: a GEMM's 16-bit output
         self.ops.act_backward(h, d, dz, gb, kind)
-        half.round_half(dz, dz)
+        self.round(dz, dz)
 
     def softmax_xent(self, z, b, y, gb):
-        half.round_half(z, z)            # the logits: a GEMM's float16 output
+        self.round(z, z)            # the logits: a GEMM's 16-bit output
         return self.ops.softmax_xent(z, b, y, gb)
 
     def log_softmax(self, z, b):
@@ -307,10 +309,10 @@ class HalfOps:
         self.ops.exp(z)
 
     def scale(self, x, s):
-        """x *= s, then stored as float16: dLoss/dz rounded once, after scaling (rounding
-        before would flush what the scale is there to keep)."""
+        """x *= s, then stored as a 16-bit float: dLoss/dz rounded once, after scaling
+        (rounding before would flush what the scale is there to keep)."""
         self.ops.scale(x, s)
-        half.round_half(x, x)
+        self.round(x, x)
 
     # The LSTM's step kernels get whole C-contiguous row blocks: a step's gate rows hold both
     # directions' columns, the other direction's maybe at another stage. Every value stored
@@ -343,12 +345,11 @@ class HalfOps:
     def column_sums(self, d, gb):
         self.ops.column_sums(d, gb)
 
-    @staticmethod
-    def _before_step(*gemm_outputs):
+    def _before_step(self, *gemm_outputs):
         for x in gemm_outputs:
-            half.round_half(x, x)
+            self.round(x, x)
 
-    _after_step = _before_step   # the kernel's outputs: stored as float16 too
+    _after_step = _before_step   # the kernel's outputs: stored in the 16-bit format too
 
 
 def make_ops(device, max_batch, max_width, dtype):
