@@ -297,3 +297,65 @@ def test_the_train_table_prints_both_roofline_fractions(capsys):
     header = next(line.split() for line in lines if line.split()[:2] == ["N", "exchange"])
     assert header[header.index("roof") + 1] == "paired"
     assert lines[-1].split()[5:7] == ["90.0%", "97.3%"]
+
+
+def test_bench_train_cuda_counts_what_the_host_does_per_step(tmp_path):
+    """`bench train --device cuda` in Numba's simulator (the same launch, copy and allocation
+    entry points as a GPU): per step, no device allocation; the host waits only where it must
+    -- the loss and hit counts (2 copies), and for each MPI collective its staging (a sync and
+    a copy) -- plus one read of the codec's fault flags at each of the striped exchange's two
+    collectives; the bytes to the device are the minibatch's (and the staged receive buffers)."""
+    from conftest import make_archive
+    make_archive(str(tmp_path / "arch"), num_shards=1, utts_per_shard=4, dim=4, num_labels=3,
+                 max_len=40)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"data:\n  train: {tmp_path / 'arch'}\n  context: 0\nmodel:\n  hidden: [5, 5]\n"
+                   "train:\n  minibatch: 8\n")
+    out = tmp_path / "cuda.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "bench", "train", "--device",
+                           "cuda", "--config", str(cfg), "--ranks", "2", "--exchange",
+                           "allreduce,onebit,dettmers", "--double-buffering", "off",
+                           "--rounds", "1", "--steps", "2", "--warmup", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "host syncs" in proc.stdout
+    rows = {r["exchange"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
+    host = {name: r["host_per_step"] for name, r in rows.items()}
+    frames = 4 * (4 * 4 + 4)          # 4 frames per rank: 4 float32 features and an int32 label
+    assert host["none"]["h2d_bytes"] == frames and host["none"]["h2d_copies"] == 2
+    assert host["none"]["d2h_copies"] == 2 and host["none"]["syncs"] == 2
+    assert host["allreduce"]["syncs"] == 2 + 2          # + the staged Allreduce
+    for codec in ("onebit", "dettmers"):
+        assert host[codec]["syncs"] == 2 + 2 * 2 + 2, codec   # Alltoallv, Allgatherv, flags
+        assert host[codec]["launches"] > host["none"]["launches"]
+    assert all(h["allocations"] == 0 for h in host.values())
+    # the phases timed by events on the stream, not by a sync at every mark
+    assert set(rows["onebit"]["phases_s"]) >= {"encode", "alltoallv", "decode_sum", "reencode",
+                                               "allgatherv", "decode_apply"}
+    assert all(v > 0 for v in rows["onebit"]["phases_s"].values())
+
+
+def test_pytorch_variants_and_the_side_by_side_line(capsys):
+    """--pytorch times float32 eager always, AMP beside each precision that has one (float16
+    AMP on a GPU only), torch.compile on request on one rank; each is printed beside hpcsgd's
+    fastest row of its precision, N and ranks (PyTorch itself is not needed here)."""
+    from hpcsgd.bench.pytorch import variants_for
+    from hpcsgd.bench.train import print_beside_pytorch
+    assert variants_for(["float32"], "cpu", False, 2) == ["pytorch"]
+    assert variants_for(["float32", "mixed", "bf16"], "cuda", True, 1) == [
+        "pytorch", "pytorch_amp16", "pytorch_bf16", "pytorch_compiled"]
+    assert variants_for(["float32", "mixed"], "cpu", True, 2) == ["pytorch"]
+
+    def row(exchange, precision, fps, db=False):
+        return {"exchange": exchange, "precision": precision, "frames_per_s": fps,
+                "minibatch": 256, "double_buffering": db}
+    run = {"ranks": 2, "rows": [row("none", "float32", 900.0), row("allreduce", "float32", 300.0),
+                                row("onebit", "float32", 400.0), row("onebit", "float32", 800.0, True),
+                                row("allreduce", "mixed", 600.0), row("pytorch", "float32", 200.0),
+                                row("pytorch_amp16", "mixed", 150.0)]}
+    print_beside_pytorch(run)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["  K=2 N=256 float32: hpcsgd onebit 400 frames/s = 2.00x pytorch (200)",
+                   "  K=2 N=256 mixed: hpcsgd allreduce+mixed 600 frames/s = 4.00x "
+                   "pytorch_amp16 (150)"]

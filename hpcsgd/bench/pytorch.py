@@ -9,9 +9,21 @@ gets). At K > 1 ranks: DistributedDataParallel over gloo (PyTorch's CPU backend)
 per MPI rank, the process group found through a TCP port rank 0 picks and broadcasts; each
 rank trains its share of the global minibatch, DDP allreduces the float32 gradients.
 
+On GPU ranks (`bench train --device cuda --pytorch`) the same recipe runs on the rank's GPU
+(the one hpcsgd.comm.gpu.bind_gpu chose), TF32 off as for hpcsgd's float32 GEMMs, DDP over
+NCCL when every rank has a GPU of its own, else over gloo (NCCL refuses two ranks on one
+device). Beside float32 eager, the variants users reach for, each its own replica and
+optimizer, timed in the same rounds:
+  pytorch_amp16     torch.autocast(float16) + GradScaler (beside hpcsgd's precision=mixed)
+  pytorch_bf16      torch.autocast(bfloat16), no scaler (beside precision=bf16)
+  pytorch_compiled  torch.compile(mode="reduce-overhead"): CUDA graphs of the step's
+                    kernels, the stronger peer for small models (one rank: --pytorch-compile)
+Each step ends with torch.cuda.synchronize() on a GPU, as hpcsgd's ends with its loss read.
+
 PyTorch is not a dependency of hpcsgd (`pip install torch==2.13.0` beside it for this
 comparison); --pytorch fails with a clear error without it.
 """
+import contextlib
 import socket
 import time
 
@@ -50,8 +62,29 @@ def SequenceModel(torch, shape, act):
     return Net()
 
 
+# variant -> (the hpcsgd precision it stands beside, autocast dtype name or None, compiled)
+VARIANTS = {"pytorch": ("float32", None, False), "pytorch_amp16": ("mixed", "float16", False),
+            "pytorch_bf16": ("bf16", "bfloat16", False),
+            "pytorch_compiled": ("float32", None, True)}
+
+
+def variants_for(precisions, device, compiled, world):
+    """The PyTorch variants a bench run times: float32 eager always; AMP beside each hpcsgd
+    precision that has one (float16 AMP on a GPU only: CPU autocast is bfloat16's);
+    torch.compile on request, on one rank (a compiled DDP module is another comparison)."""
+    out = ["pytorch"]
+    if "mixed" in precisions and device == "cuda":
+        out.append("pytorch_amp16")
+    if "bf16" in precisions:
+        out.append("pytorch_bf16")
+    if compiled and world == 1:
+        out.append("pytorch_compiled")
+    return out
+
+
 class TorchRank:
-    def __init__(self, comm, shape, activation, max_local, threads, lr=1e-6, momentum=0.9):
+    def __init__(self, comm, shape, activation, max_local, threads, lr=1e-6, momentum=0.9,
+                 device="cpu", variants=("pytorch",)):
         try:
             import torch
         except ImportError:
@@ -60,18 +93,19 @@ class TorchRank:
         self.torch, self.comm = torch, comm
         self.rank, self.world = comm.Get_rank(), comm.Get_size()
         torch.set_num_threads(threads)
-        torch.manual_seed(0)   # replicas start equal, as hpcsgd's do
+        self.dev = torch.device("cpu")
+        backend = "gloo"
+        if device == "cuda":
+            from hpcsgd.comm.gpu import BOUND, shared_gpus
+            index = BOUND[0] if BOUND is not None else 0
+            torch.cuda.set_device(index)
+            self.dev = torch.device("cuda", index)
+            torch.backends.cuda.matmul.allow_tf32 = False   # float32 GEMMs, as hpcsgd's
+            torch.backends.cudnn.allow_tf32 = False
+            backend = "nccl" if self.world > 1 and not shared_gpus(comm) else "gloo"
+        self.cuda = self.dev.type == "cuda"
         act = torch.nn.Sigmoid if activation == "sigmoid" else torch.nn.ReLU
         self.steps = shape["steps"] if shape.get("type") == "lstm" else None
-        if self.steps:   # nn.LSTM on time-major (T, B, D) input, the usual recipe
-            self.model = SequenceModel(torch, shape, act)
-        else:
-            dims = [shape["input_dim"], *shape["hidden"]]
-            layers = []
-            for n_in, n_out in zip(dims[:-1], dims[1:]):
-                layers += [torch.nn.Linear(n_in, n_out), act()]
-            layers.append(torch.nn.Linear(dims[-1], shape["num_labels"]))
-            self.model = torch.nn.Sequential(*layers)
         if self.world > 1:
             import torch.distributed as dist
             port = None
@@ -80,34 +114,72 @@ class TorchRank:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
             port = comm.bcast(port, root=0)   # lowercase: one int, once
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                                     rank=self.rank, world_size=self.world)
-            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=momentum)
+        self.runs = {}   # variant -> (model, optimizer, autocast dtype, GradScaler)
+        for name in variants:
+            _, amp, compiled = VARIANTS[name]
+            torch.manual_seed(0)   # replicas start equal, as hpcsgd's do
+            model = self._model(torch, shape, act).to(self.dev)
+            if self.world > 1:
+                model = torch.nn.parallel.DistributedDataParallel(
+                    model, device_ids=[self.dev.index] if self.cuda else None)
+            if compiled:
+                model = torch.compile(model, mode="reduce-overhead")
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+            scaler = torch.amp.GradScaler(self.dev.type) if amp == "float16" else None
+            self.runs[name] = (model, opt, getattr(torch, amp) if amp else None, scaler)
         self.loss = torch.nn.CrossEntropyLoss(reduction="sum")
         rng = np.random.default_rng(1 + self.rank)
         self.x = torch.from_numpy(rng.standard_normal((max_local, shape["input_dim"]),
-                                                      dtype=np.float32))
-        self.y = torch.from_numpy(rng.integers(0, shape["num_labels"], max_local))
+                                                      dtype=np.float32)).to(self.dev)
+        self.y = torch.from_numpy(rng.integers(0, shape["num_labels"], max_local)).to(self.dev)
 
-    def loop(self, take, steps, warmup):
+    def _model(self, torch, shape, act):
+        if self.steps:   # nn.LSTM on time-major (T, B, D) input, the usual recipe
+            return SequenceModel(torch, shape, act)
+        dims = [shape["input_dim"], *shape["hidden"]]
+        layers = []
+        for n_in, n_out in zip(dims[:-1], dims[1:]):
+            layers += [torch.nn.Linear(n_in, n_out), act()]
+        layers.append(torch.nn.Linear(dims[-1], shape["num_labels"]))
+        return torch.nn.Sequential(*layers)
+
+    def _sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def loop(self, take, steps, warmup, variant="pytorch"):
         """`steps` timed training steps after `warmup`, take[rank] frames each: (this rank's
         step times, seconds per step by category, {}) as hpcsgd's loop reports them -- all of
         it "compute": DDP runs its allreduce inside the backward pass, not apart."""
+        torch = self.torch
+        model, opt, amp, scaler = self.runs[variant]
         n = int(take[self.rank])
+        x = self.x[:n] if not self.steps else self.x[:n].view(self.steps, -1, self.x.shape[1])
+        y = self.y[:n]
         marks = []
+        self._sync()
         self.comm.Barrier()
         for s in range(warmup + steps):
             marks.append(time.perf_counter())
-            self.opt.zero_grad(set_to_none=False)
-            x = self.x[:n] if not self.steps else self.x[:n].view(self.steps, -1, self.x.shape[1])
-            loss = self.loss(self.model(x), self.y[:n])
-            loss.backward()   # DDP: the gradient allreduce overlaps the backward pass
-            self.opt.step()
+            opt.zero_grad(set_to_none=False)
+            with (torch.autocast(self.dev.type, dtype=amp) if amp is not None
+                  else contextlib.nullcontext()):
+                loss = self.loss(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()   # DDP: the allreduce overlaps the backward
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            self._sync()
         marks.append(time.perf_counter())
         times = np.diff(marks)[warmup:]
         if not np.isfinite(float(loss.detach())):
-            raise FloatingPointError(f"rank {self.rank}: PyTorch loss {float(loss.detach())}")
+            raise FloatingPointError(f"rank {self.rank}: PyTorch ({variant}) loss "
+                                     f"{float(loss.detach())}")
         return times, {"compute": float(times.mean()), "encode": 0.0, "communicate": 0.0,
                        "update": 0.0}, {}
 

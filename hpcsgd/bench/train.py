@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from hpcsgd import census
 from hpcsgd.bench import launch, report
 from hpcsgd.device import synchronize
 from hpcsgd.model.ops import GemmOnly
@@ -112,6 +113,10 @@ def add_arguments(parser):
                         help="also time the same model trained by PyTorch in the same rounds "
                              "(DistributedDataParallel over gloo at K > 1; needs torch "
                              "installed: hpcsgd/bench/pytorch.py), without double buffering")
+    parser.add_argument("--pytorch-compile", action="store_true",
+                        help="with --pytorch on one rank: also torch.compile(mode="
+                             "'reduce-overhead') (CUDA graphs on a GPU), the stronger peer for "
+                             "small models")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     parser.add_argument("--precision", default="float32",
                         help="float32, mixed, bf16, or a list (float32,mixed,bf16): the step in "
@@ -232,6 +237,7 @@ def run(args):
               "--warmup", args.warmup,
               "--activation", activation, "--device", args.device]
     worker += ["--pytorch"] if args.pytorch else []
+    worker += ["--pytorch-compile"] if args.pytorch_compile else []
     worker += ["--precision", args.precision] + (["--qat", args.qat] if args.qat else [])
     worker += ["--small"] if args.small else []
     worker += ["--config", args.config] if args.config else []
@@ -254,6 +260,7 @@ def run(args):
                 row["wire_s"] = row["exchanges_per_step"] * row["bytes_per_rank"] * 8 / (gbps * 1e9)
         runs.append(res)
         print_table(res)
+        print_beside_pytorch(res)
         print_qat_overhead(res)
         print_activation_memory(res)
     if args.grid:
@@ -274,6 +281,24 @@ def run(args):
           f"{one['roofline_fraction']:.1%} (round by round, median: "
           f"{one['roofline_fraction_paired']:.1%})")
     return out
+
+
+def print_beside_pytorch(run):
+    """--pytorch: each PyTorch variant beside hpcsgd's step of the same precision, N and
+    ranks, double buffering off: its fastest exchange row (at K = 1 the exchange skipped)."""
+    torch_rows = [r for r in run["rows"] if r["exchange"].startswith("pytorch")]
+    for t in torch_rows:
+        ours = [r for r in run["rows"] if not r["exchange"].startswith("pytorch")
+                and r["minibatch"] == t["minibatch"] and r["precision"] == t["precision"]
+                and not r["double_buffering"]
+                and (run["ranks"] == 1 or r["exchange"] != "none")]
+        if not ours:
+            continue
+        best = max(ours, key=lambda r: r["frames_per_s"])
+        print(f"  K={run['ranks']} N={t['minibatch']} {t['precision']}: hpcsgd "
+              f"{_run_name(best['exchange'], best['precision'])} {best['frames_per_s']:.0f} "
+              f"frames/s = {best['frames_per_s'] / t['frames_per_s']:.2f}x {t['exchange']} "
+              f"({t['frames_per_s']:.0f})")
 
 
 def parse_grid(spec):
@@ -566,13 +591,18 @@ class Rank:
             if s == warmup:       # timing starts here; the pipeline keeps running through
                 step.phases.pop()
                 step.pop_compute()
+                host = census.snapshot()
                 if group is not None:
                     act = (group.seconds, sum(group.received.values()))
             marks.append(time.perf_counter())
             ce = step.run(self.batch, take, self.rank, LR, "bench train")[0]
         marks.append(time.perf_counter())
+        # GPU ranks: what the host did per step (launches, syncs, copies: hpcsgd/census.py),
+        # before the phases are read (a wait for the last phase's event)
+        asked = census.since(host, steps) if self.device == "cuda" else {}
         exchanges = step.phases.exchanges
         phases = {p: v * exchanges / steps for p, v in step.phases.pop().items()}
+        phases.update({f"host_{k}": v for k, v in asked.items()})
         if group is not None:   # model-parallel traffic: seconds and bytes received per step
             phases["activation"] = (group.seconds - act[0]) / steps
             phases["activation_bytes"] = (sum(group.received.values()) - act[1]) / steps
@@ -601,11 +631,12 @@ def measure(r, samples, n, db, exchanged):
     cats, phases = ({k: float(np.mean([s[i][k] for s in samples])) for k in samples[0][i]}
                     for i in (1, 2))
     cats, phases = (r.mean_over_ranks(d) for d in (cats, phases))
+    host = {k[5:]: phases.pop(k) for k in list(phases) if k.startswith("host_")}
     fractions = {k: v / mean_step for k, v in cats.items()}
     fractions["other"] = 1.0 - sum(fractions.values())
     return {"minibatch": n, "double_buffering": db, "step_s": step, "step_s_all": step_max.tolist(),
             "frames_per_s": n / step, "seconds": cats, "fractions": fractions,
-            "phases_s": phases,
+            "phases_s": phases, **({"host_per_step": host} if host else {}),
             "exchange_s": sum(cats[c] for c in CATEGORIES) if exchanged else 0.0}
 
 
@@ -652,6 +683,7 @@ def worker(argv):
     if dev == "cuda":   # one GPU per local rank, before any allocation on one
         from hpcsgd.comm.gpu import bind_gpu
         bind_gpu(grid.node_rank)
+        census.install()
     precisions = args.precision.split(",")
     if not set(precisions) <= {"float32", "mixed", "bf16"}:
         raise SystemExit(f"--precision {args.precision}: expected float32, mixed and/or bf16")
@@ -678,13 +710,15 @@ def worker(argv):
                 device=dev))
         precision_of.update({_run_name(name, precision): precision
                              for name in ["none"] + args.exchange.split(",")})
-    torch_rank = None
+    torch_rank, torch_runs = None, []
     if args.pytorch:   # what users would run instead, the same threads per rank
         import numba
 
-        from hpcsgd.bench.pytorch import TorchRank
+        from hpcsgd.bench.pytorch import VARIANTS, TorchRank, variants_for
+        torch_runs = variants_for(precisions, dev, args.pytorch_compile, K)
         torch_rank = TorchRank(comm, shape, activation, r.x.shape[0], numba.get_num_threads(),
-                               LR, MOMENTUM)
+                               LR, MOMENTUM, device=dev, variants=torch_runs)
+        precision_of.update({v: VARIANTS[v][0] for v in torch_runs})
     rows, skip, roof = [], {}, {}
     for n in ns:
         here = [(mode, take) for m, mode, take in configs if m == n]
@@ -700,10 +734,10 @@ def worker(argv):
                 for name, (ex, opt) in runs.items():
                     samples[(name, mode)].append(r.loop(ex, opt, take, args.steps, args.warmup,
                                                         *mode, precision=precision_of[name]))
-                if torch_rank is not None and not mode[0]:
-                    samples.setdefault(("pytorch", mode), []).append(
-                        torch_rank.loop(take, args.steps, args.warmup))
-        names = list(runs) + (["pytorch"] if torch_rank is not None else [])
+                for variant in (torch_runs if not mode[0] else []):
+                    samples.setdefault((variant, mode), []).append(
+                        torch_rank.loop(take, args.steps, args.warmup, variant))
+        names = list(runs) + torch_runs
         for (mode, take), name in ((m, name) for m in here for name in names):
             if (name, mode) not in samples:   # PyTorch: without double buffering only
                 continue
@@ -711,12 +745,12 @@ def worker(argv):
             parts = [p for p in (halves(take, unit) if mode[0] else [take]) if p.sum()]  # overhead
             roof[(n, mode)] = statistics.median(gemm_s[mode])
             row = dict(measure(r, samples[(name, mode)], n, mode[0],
-                               not name.startswith("none") and name != "pytorch"),
+                               not name.startswith("none") and name not in torch_runs),
                        exchange=name.split("+")[0], progress=mode[1],
                        precision=precision_of.get(name, "float32"))
             row["roofline_fraction_paired"] = paired_fraction(
                 gemm_s[mode], row["step_s_all"], [len(t) for t, _, _ in samples[(name, mode)]])
-            if grid.model_size > 1 and name != "pytorch":   # the model-parallel traffic
+            if grid.model_size > 1 and name not in torch_runs:   # the model-parallel traffic
                 act = row["precision"][4:] if row["precision"].startswith("act:") else "float32"
                 row.update(activation_codec=act,
                            activation_s=row["phases_s"].pop("activation"),
@@ -725,7 +759,7 @@ def worker(argv):
             if row["exchange"] == "none":
                 skip[(n, mode, row["precision"])] = row["frames_per_s"]
             else:
-                nbytes, bits = ((torch_rank.bytes_on_wire(size), 32.0) if name == "pytorch"
+                nbytes, bits = ((torch_rank.bytes_on_wire(size), 32.0) if name in torch_runs
                                 else wire(ex, size))
                 row.update(bytes_per_rank=nbytes, bits_per_value=bits,
                            exchanges_per_step=len(parts),
@@ -733,8 +767,13 @@ def worker(argv):
                            / skip[(n, mode, row["precision"])])
             rows.append(row)
             if comm.Get_rank() == 0:
+                h = row.get("host_per_step")
                 print(f"  {'K=' + str(K) if grid.model_size == 1 else 'grid ' + grid.describe()}"
-                      f" {_label(row)}: {row['frames_per_s']:.1f} frames/s", flush=True)
+                      f" {_label(row)}: {row['frames_per_s']:.1f} frames/s"
+                      + (f"; per step {h['launches']:.0f} launches ({h['small_launches']:.0f} "
+                         f"under {census.FILL_BLOCKS} blocks), {h['syncs']:.0f} host syncs, "
+                         f"{h['allocations']:.0f} allocations, {h['h2d_bytes']:.0f} B to and "
+                         f"{h['d2h_bytes']:.0f} B from the device" if h else ""), flush=True)
     for row in rows:
         key = (row["minibatch"], _mode(row))
         row.update(skip_frames_per_s=skip[key + (row["precision"],)], gemm_only_s=roof[key],
