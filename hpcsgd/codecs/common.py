@@ -78,6 +78,28 @@ lane_tree_cpu = njit(inline="always")(lane_tree)
 lane_tree_cuda = cuda.jit(device=True)(lane_tree)
 
 
+def pack_chunk(codes, lane, k, words, at, n_words):
+    """The k-bit fields of a 32-row chunk (row b's code codes[b] at bit b * k of the chunk's
+    32 k bits) as k words: lane j < n_words assembles words[at + j] from the shared codes
+    (a field may straddle two words: each word takes its part). A CUDA warp encodes a column
+    32 rows at a time, each lane reading and writing its own row (coalesced), then packs here;
+    rows past the column's end have code 0, the padding the CPU leaves."""
+    if lane < n_words:
+        lo = 32 * lane
+        word = np.uint64(0)
+        for b in range(lo // k, min(LANES, (lo + 31) // k + 1)):
+            off = b * k - lo
+            q = np.uint64(codes[b])
+            if off >= 0:
+                word |= q << np.uint64(off)
+            else:
+                word |= q >> np.uint64(-off)
+        words[at + lane] = np.uint32(word & np.uint64(0xFFFFFFFF))
+
+
+pack_chunk_cuda = cuda.jit(device=True)(pack_chunk)
+
+
 def ref_lane_sums(x64):
     """NumPy reference of the canonical sum over axis 1 of a (n_cols, n_rows) float64 array."""
     n_cols, n_rows = x64.shape

@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from hpcsgd.codecs.common import (KEY_NEG_INF, KEY_POS_INF, LANES, Codec, f32_bits, f32_from_bits,
                                   lane_tree_cpu, lane_tree_cuda, nonfinite_error, order_key,
-                                  order_key_ref, ref_lane_sums, row_threads)
+                                  order_key_ref, pack_chunk_cuda, ref_lane_sums, row_threads)
 from hpcsgd.device import as_device
 from hpcsgd.lazy_cuda import cuda
 
@@ -419,9 +419,9 @@ def decode_cpu(cols, fcols, out, accumulate, k, nchunk):
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
 def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
-    """One 32-thread block per column: canonical lane sums, then one thread per packed word
-    (a thread also computes the fields that straddle into its word from the previous one),
-    then one thread per row for the residual."""
+    """One 32-thread block per column: canonical lane sums, then 32 rows at a time, one per
+    lane (coalesced: code and residual from one read), the chunk's k words packed through
+    shared memory (pack_chunk)."""
     c = cuda.blockIdx.x
     lane = cuda.threadIdx.x
     n_rows = g.shape[1]
@@ -475,23 +475,19 @@ def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
     maxq = (1 << k) - 1
     step = _step_cuda(lower, lu[1], maxq + 1)
     inv = _inv_cuda(step)
-    for w in range(lane, W - 2, LANES):
-        b0 = 32 * w
-        word = np.uint64(0)
-        for i in range(b0 // k, min(n_rows, (b0 + 31) // k + 1)):
+    codes = cuda.shared.array(LANES, np.int32)
+    for base in range(0, n_rows, LANES):   # every lane the same trip count (syncthreads)
+        i = base + lane
+        q = 0
+        if i < n_rows:
             v = g[c, i] + r[c, i]
-            q = np.uint64(_code_cuda(v, lower, inv, maxq))
-            off = i * k - b0
-            if off >= 0:
-                word |= q << np.uint64(off)
-            else:
-                word |= q >> np.uint64(-off)
-        words[c * W + 2 + w] = np.uint32(word & np.uint64(0xFFFFFFFF))
-    # residuals only after every thread has read v: straddling fields are read by two threads
-    cuda.syncthreads()
-    for i in range(lane, n_rows, LANES):
-        v = g[c, i] + r[c, i]
-        r[c, i] = v - _value_cuda(_code_cuda(v, lower, inv, maxq), lower, step)
+            q = _code_cuda(v, lower, inv, maxq)
+            r[c, i] = v - _value_cuda(q, lower, step)
+        codes[lane] = q
+        cuda.syncthreads()
+        at = base * k // LANES   # the chunk's first word: 32 rows fill k words exactly
+        pack_chunk_cuda(codes, lane, k, words, c * W + 2 + at, min(k, W - 2 - at))
+        cuda.syncthreads()
 
 
 @cuda.jit

@@ -18,7 +18,8 @@ import numpy as np
 import numba
 from numba import njit, prange
 
-from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cuda, nonfinite_error, ref_lane_sums,
+from hpcsgd.codecs.common import (LANES, Codec, lane_tree_cuda, nonfinite_error, pack_chunk_cuda,
+                                  ref_lane_sums,
                                   row_threads)
 from hpcsgd.codecs.onebit_columns import (ADD, SET, SUB_LR, column_means, column_means_cpu,
                                           column_sums_cpu, decode_column_cpu, encode_column_cpu,
@@ -149,8 +150,10 @@ def decode_cpu(cols, meancols, out, mode, lr):
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
 def encode_cuda(g, r, words, means, bad):
-    """One 32-thread block per column: lane sums + tree (= the canonical order), then one
-    thread per packed word. words/means: the packed buffer viewed as 1-D uint32/float32."""
+    """One 32-thread block per column: lane sums + tree (= the canonical order), then 32 rows
+    at a time, one per lane (coalesced: residual read and written once), their bits packed
+    through shared memory (pack_chunk). words/means: the packed buffer viewed as 1-D
+    uint32/float32."""
     c = cuda.blockIdx.x
     lane = cuda.threadIdx.x
     n_rows = g.shape[1]
@@ -193,15 +196,18 @@ def encode_cuda(g, r, words, means, bad):
         return
     m0 = mm[0]
     m1 = mm[1]
-    for w in range(lane, W - 2, LANES):
-        word = np.uint32(0)
-        base = w * 32
-        for b in range(min(32, n_rows - base)):
-            v = g[c, base + b] + r[c, base + b]
-            bit = v >= 0
-            word |= np.uint32(bit) << np.uint32(b)
-            r[c, base + b] = v - (m1 if bit else m0)
-        words[c * W + 2 + w] = word
+    codes = cuda.shared.array(LANES, np.int32)
+    for base in range(0, n_rows, LANES):   # every lane the same trip count (syncthreads)
+        i = base + lane
+        q = 0
+        if i < n_rows:
+            v = g[c, i] + r[c, i]
+            q = 1 if v >= 0 else 0
+            r[c, i] = v - (m1 if q else m0)
+        codes[lane] = q
+        cuda.syncthreads()
+        pack_chunk_cuda(codes, lane, 1, words, c * W + 2 + base // LANES, 1)
+        cuda.syncthreads()
 
 
 @cuda.jit
