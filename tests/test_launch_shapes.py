@@ -48,3 +48,13 @@ def test_gpu_ranks_silence_only_the_grid_size_warning():
         warnings.warn(NumbaPerformanceWarning("Host array used in CUDA kernel will incur "
                                               "copy overhead"))
     assert [str(w.message)[:10] for w in seen] == ["Host array"]
+
+
+@pytest.mark.parametrize("m", [1, 5, 40, 512, 2048, 9304])
+def test_column_sums_fill_more_blocks_with_narrower_tiles(m):
+    from hpcsgd.model.kernels_cuda import COL_TILE, SUM_LANES, column_sums_launch
+    blocks, (tile, lanes) = column_sums_launch(m)
+    assert lanes == SUM_LANES and blocks * tile >= m > (blocks - 1) * tile
+    assert tile == min(COL_TILE, m) or tile >= 8
+    assert column_sums_launch(2048) == (256, (8, SUM_LANES))
+    assert column_sums_launch(9304)[1][0] == 32             # wide enough already

@@ -466,8 +466,19 @@ def column_sums(a, out):
     if n == 0:
         fill(out, 0)
     elif m:
-        tile = min(COL_TILE, m)   # a narrow matrix: no idle columns of threads
-        _column_sums_kernel[-(-m // tile), (tile, SUM_LANES)](a, out)
+        _column_sums_kernel[column_sums_launch(m)](a, out)
+
+
+def column_sums_launch(m):
+    """(blocks, (columns, lanes)) of the column sums over m columns: COL_TILE columns a block,
+    narrowed to a narrow matrix (no idle columns of threads) and halved, down to 8 (a warp
+    then still reads whole 32-byte sectors), while there are fewer than census.FILL_BLOCKS
+    blocks: a 2048-wide hidden layer takes 256 blocks, not 64. Each column's sum is one
+    thread's lanes in a fixed order whatever the tile, so the bits do not change."""
+    tile = min(COL_TILE, m)
+    while tile > 8 and -(-m // tile) < census.FILL_BLOCKS:
+        tile //= 2
+    return -(-m // tile), (tile, SUM_LANES)
 
 
 def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows):
