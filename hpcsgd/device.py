@@ -63,19 +63,29 @@ def _make_mul_rn(real):
     rounds once where the CPU rounds twice (the H100's Dettmers residuals, 2026-11-26). libdevice's
     fmul_rn is PTX's `mul.rn.f32`, which ptxas never contracts. The simulator has no libdevice
     (its stubs give NaN): there a NumPy float32 product, the same rounding."""
+    return _rounded_product(real, np.float32, "fmul_rn")
+
+
+def _make_mul_rn64(real):
+    """mul_rn64(a, b): the same for float64 (libdevice's dmul_rn, PTX mul.rn.f64): w - lr * x
+    in float64 then rounded to float32, as the CPU computes it, not an FMA."""
+    return _rounded_product(real, np.float64, "dmul_rn")
+
+
+def _rounded_product(real, dtype, intrinsic):
     if real.config.ENABLE_CUDASIM:
-        def mul_rn(a, b):
-            return np.float32(a) * np.float32(b)
-        return real.jit(device=True)(mul_rn)
+        def product(a, b):
+            return dtype(a) * dtype(b)
+        return real.jit(device=True)(product)
     from numba.cuda import libdevice
-    fmul_rn = libdevice.fmul_rn
+    rounded = getattr(libdevice, intrinsic)
 
-    def mul_rn(a, b):
-        return fmul_rn(a, b)
-    return real.jit(device=True)(mul_rn)
+    def product(a, b):
+        return rounded(a, b)
+    return real.jit(device=True)(product)
 
 
-mul_rn = device_function(_make_mul_rn)
+mul_rn, mul_rn64 = device_function(_make_mul_rn), device_function(_make_mul_rn64)
 
 FILL_THREADS, MAX_GRID, WARP = 256, 65535, 32
 
@@ -135,20 +145,80 @@ def synchronize(device):
 
 
 def matmul(a, b, out, trans_a=False, trans_b=False):
-    """out = op(a) @ op(b), op = transpose where asked, for 2-D float32 arrays on one side.
-    Device arrays: cuBLAS SGEMM via CuPy (zero-copy views of the Numba arrays; a transpose is
-    a cuBLAS flag, not a copy). Host arrays: NumPy's BLAS."""
+    """out = op(a) @ op(b), op = transpose where asked, for 2-D arrays on one side.
+    Device arrays: cuBLAS via CuPy (zero-copy views of the Numba arrays; a transpose is a
+    cuBLAS flag, not a copy); float32 operands give a float32 out (SGEMM), float16 operands
+    (GPU ranks' mixed precision) a float16 or float32 out, accumulated in float32 either way
+    and rounded once to out's dtype (gemm_16f: cublasGemmEx, CUBLAS_COMPUTE_32F). In the
+    simulator the same arithmetic up to the order of the sums: the operands widened to
+    float32, NumPy's float32 matmul, one rounding to out's dtype. Host arrays: NumPy's BLAS."""
     if not is_device(out):
         np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
         return
+    if a.dtype != b.dtype or (a.dtype != out.dtype and a.dtype != np.float16):
+        raise TypeError(f"matmul: operands {a.dtype} and {b.dtype} into {out.dtype}: expected "
+                        f"one dtype, or float16 operands into float16 or float32")
     census.note_launch("cublas_gemm", census.FILL_BLOCKS)   # a cuBLAS kernel (or two)
     if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
         x, y = a._ary, b._ary
-        np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
+        if x.dtype == out.dtype:
+            np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
+            return
+        x, y = x.astype(np.float32), y.astype(np.float32)   # float16 -> float32: exact
+        with np.errstate(over="ignore"):   # beyond float16's range: Inf, as cuBLAS stores it
+            out._ary[...] = np.matmul(x.T if trans_a else x, y.T if trans_b else y)
         return
     cp = cupy_module()
+    if a.dtype == np.float16:
+        gemm_16f(a, b, out, trans_a, trans_b)
+        return
     x, y = cp.asarray(a), cp.asarray(b)
     cp.matmul(x.T if trans_a else x, y.T if trans_b else y, out=cp.asarray(out))
+
+
+def _ld(a):
+    """The leading dimension of a row-major 2-D device array as cuBLAS (column-major) reads it:
+    its row stride in elements (a view of wider rows has a longer one); unit column stride."""
+    strides, itemsize = a.__cuda_array_interface__["strides"], a.dtype.itemsize
+    if strides is None:   # C-contiguous
+        return max(a.shape[1], 1)
+    if strides[1] != itemsize or strides[0] % itemsize:
+        raise ValueError(f"matmul: a {a.shape} view with strides {strides}: expected "
+                         f"contiguous rows")
+    return max(strides[0] // itemsize, 1)
+
+
+def gemm_16f(a, b, out, trans_a=False, trans_b=False):
+    """out (n, m) = op(a) @ op(b) on a GPU: float16 a and b, float16 or float32 out, through
+    cublasGemmEx with computeType CUBLAS_COMPUTE_32F (float32 multiply-accumulate, tensor
+    cores allowed: CUBLAS_GEMM_DEFAULT_TENSOR_OP) and float32 alpha = 1, beta = 0, so each
+    output is a float32 sum rounded once to out's dtype. Called directly rather than through
+    cupy.matmul: CuPy also picks CUBLAS_COMPUTE_32F for float16 (cupy/_core/_routines_linalg.pyx:
+    tensordot_core_v11, unless cupy._core.set_compute_type chose PEDANTIC), but it has no
+    float16 x float16 -> float32 product (its out must have the operands' dtype), which the
+    weight gradients need, and its compute type is a process-wide setting anyone may change.
+    Row-major arrays are cuBLAS's column-major transposes: out^T = op(b)^T op(a)^T."""
+    from cupy.cuda import device as cupy_device
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+    n, m = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    if not (n and m):
+        return
+    if k == 0:
+        fill(out, 0)
+        return
+    ctype = {np.dtype(np.float16): runtime.CUDA_R_16F,
+             np.dtype(np.float32): runtime.CUDA_R_32F}[np.dtype(out.dtype)]
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    ptr = lambda v: v.__cuda_array_interface__["data"][0]   # noqa: E731
+    cublas.gemmEx(cupy_device.get_cublas_handle(),
+                  cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
+                  cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
+                  m, n, k, one.ctypes.data, ptr(b), runtime.CUDA_R_16F, _ld(b),
+                  ptr(a), runtime.CUDA_R_16F, _ld(a), zero.ctypes.data,
+                  ptr(out), ctype, _ld(out), cublas.CUBLAS_COMPUTE_32F,
+                  cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
 
 
 def norm2(a):

@@ -129,6 +129,31 @@ else:
         with pytest.raises(ValueError, match=r"matrix \(3, 40\), column 2"):
             c.check_flags()
 
+    @pytest.mark.parametrize("name,opts", [CONFIGS[i] for i in (0, 2, 4, 5, -4)], ids=str)
+    def test_cuda_decode_sum_of_three_sources_equals_cpu_in_one_launch(name, opts):
+        """The owner's sum of K = 3 contributions laid out as in the striped exchange's
+        receive buffer (stride apart, at an offset): the CPU's decode + 2 accumulates, bit for
+        bit; the 1-bit and k-bit GPU codecs do it in one launch, the others one per source."""
+        from hpcsgd import census
+        census.install()
+        rng = np.random.default_rng(3)
+        shape, K = (3, 70), 3
+        cpu, gpu = make_codec(name, backend="cpu", **opts), make_codec(name, backend="cuda", **opts)
+        nb = cpu.packed_nbytes(*shape)
+        at, stride = 8, nb + 12
+        recv = np.zeros(K * stride, np.uint8)
+        for src in range(K):
+            g = rng.standard_normal(shape).astype(np.float32)
+            cpu.encode(g, np.zeros(shape, np.float32), recv[src * stride + at:src * stride + at + nb])
+        want = np.full(shape, np.nan, np.float32)
+        cpu.decode_sum(recv, stride, at, nb, K, want)
+        got = cuda.to_device(np.full(shape, np.nan, np.float32))
+        before = census.snapshot()
+        gpu.decode_sum(cuda.to_device(recv), stride, at, nb, K, got)
+        launches = census.since(before)["launches"]
+        np.testing.assert_array_equal(got.copy_to_host(), want)
+        assert launches == (1 if name in ("onebit", "kbit") else K)
+
     def test_cuda_rejects_host_arrays():
         c = make_codec("onebit", backend="cuda")
         g = np.zeros((2, 8), np.float32)

@@ -177,6 +177,19 @@ class Codec:
             raise ValueError(f"backend must be cpu, cuda or reference, got {backend!r}")
         self.backend = backend
 
+    def decode_sum(self, recv, stride, at, nbytes, n_src, out):
+        """out = the sum of n_src packed contributions, source s's at recv[s * stride + at:]
+        (nbytes each), added in source order 0..n_src-1 (the first overwrites: no zeroing
+        pass), so every run adds in the same order. The GPU 1-bit and k-bit codecs do it in
+        one launch that reads each contribution once and writes out once (decode_sum_cuda);
+        this is the same sum, a decode per source."""
+        for src in range(n_src):
+            packed = recv[src * stride + at:src * stride + at + nbytes]
+            if src == 0:
+                self.decode(packed, out)
+            else:
+                self.decode_accumulate(packed, out)
+
     def _device_flag(self, error):
         """A zeroed device int32 slot for one GPU encode to flag a fault in (0: none, else
         what error(value) names): error(value) -> the exception check_flags raises."""

@@ -491,26 +491,32 @@ def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
 
 
 @cuda.jit
-def decode_cuda(words, fwords, out, accumulate, k):
-    """One block per column, one thread per row; a field may span two words."""
+def decode_cuda(words, fwords, out, accumulate, k, n_src, stride):
+    """One block per column, one thread per row; a field may span two words. n_src > 1: the
+    sum of n_src packed columns `stride` words apart, added in source order in float32 as a
+    decode then decode_accumulate per source add them, with one write."""
     c = cuda.blockIdx.x
     n_rows = out.shape[1]
     W = 2 + (n_rows * k + 31) // 32
-    lower = fwords[c * W]
-    step = _step_cuda(lower, fwords[c * W + 1], 1 << k)
     mask = np.uint64((1 << k) - 1)
     for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
+        acc = out[c, i] if accumulate else np.float32(0.0)
         bit = i * k
-        w = c * W + 2 + bit // 32
         off = bit % 32
-        x = np.uint64(words[w]) >> np.uint64(off)
-        if off + k > 32:
-            x |= np.uint64(words[w + 1]) << np.uint64(32 - off)
-        val = _value_cuda(int(x & mask), lower, step)
-        if accumulate:
-            out[c, i] += val
-        else:
-            out[c, i] = val
+        for s in range(n_src):
+            at = s * stride + c * W
+            lower = fwords[at]
+            step = _step_cuda(lower, fwords[at + 1], 1 << k)
+            w = at + 2 + bit // 32
+            x = np.uint64(words[w]) >> np.uint64(off)
+            if off + k > 32:
+                x |= np.uint64(words[w + 1]) << np.uint64(32 - off)
+            val = _value_cuda(int(x & mask), lower, step)
+            if accumulate or s > 0:   # float32 sums, in order (acc stays float32)
+                acc += val
+            else:
+                acc = val
+        out[c, i] = acc
 
 
 # ---------------------------------------------------------------- the codec
@@ -572,7 +578,17 @@ class KBit(Codec):
         else:
             p = as_device(packed)
             decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                     as_device(out), accumulate, self.bits)
+                                                     as_device(out), accumulate, self.bits, 1, 0)
+
+    def decode_sum(self, recv, stride, at, nbytes, n_src, out):
+        n_cols, n_rows = out.shape
+        if self.backend != "cuda" or n_src < 2 or stride % 4 or at % 4 or not out.size:
+            return super().decode_sum(recv, stride, at, nbytes, n_src, out)
+        self._check_decode(recv[at:at + nbytes], out)
+        p = as_device(recv)[at:at + (n_src - 1) * stride + nbytes]
+        decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
+                                                 as_device(out), False, self.bits, n_src,
+                                                 stride // 4)
 
     def decode(self, packed, out):
         self._decode(packed, out, False)

@@ -26,7 +26,7 @@ from hpcsgd.codecs.onebit_columns import (ADD, SET, SUB_LR, column_means, column
                                           is_finite, is_finite_cpu, quantize_column_cpu,
                                           words_per_column)
 from hpcsgd.codecs.onebit_owner import owner_pass
-from hpcsgd.device import as_device
+from hpcsgd.device import as_device, mul_rn64
 from hpcsgd.lazy_cuda import cuda
 
 
@@ -211,26 +211,29 @@ def encode_cuda(g, r, words, means, bad):
 
 
 @cuda.jit
-def decode_cuda(words, means, out, mode, lr):
+def decode_cuda(words, means, out, mode, lr, n_src, stride):
     """One block per column, one thread per row (coalesced). mode SET: out = decoded;
     ADD: out += decoded; SUB_LR: out -= lr * decoded (the weights; decode_column_cpu's
-    arithmetic, float64 lr times the float32 value, rounded once -- but NVVM may contract
-    the multiply-subtract into an FMA, so GPU ranks agree with each other bit for bit, not
-    necessarily with CPU ranks; the simulator runs it exactly)."""
+    arithmetic, float64 lr times the float32 value, the difference rounded once; the product
+    as mul.rn.f64, which ptxas may not fuse into an FMA: the CPU's bits). n_src > 1 (SET or ADD): the
+    sum of n_src packed columns `stride` words apart, added in source order in float32 as
+    a decode then decode_accumulate per source add them, with one write."""
     c = cuda.blockIdx.x
     n_rows = out.shape[1]
     W = 2 + (n_rows + 31) // 32
-    m0 = means[c * W]
-    m1 = means[c * W + 1]
     for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
-        bit = (words[c * W + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
-        val = m1 if bit else m0
-        if mode == SUB_LR:
-            out[c, i] = out[c, i] - lr * val
-        elif mode == ADD:
-            out[c, i] += val
-        else:
-            out[c, i] = val
+        acc = np.float32(0.0) if mode == SET else out[c, i]   # SET: out is not read
+        for s in range(n_src):
+            at = s * stride + c * W
+            bit = (words[at + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
+            val = means[at + 1] if bit else means[at]
+            if mode == SUB_LR:   # float64 product and difference, rounded once
+                acc = np.float32(acc - mul_rn64(lr, val))
+            elif mode == ADD or s > 0:   # float32 sums, in order (acc stays float32)
+                acc += val
+            else:
+                acc = val
+        out[c, i] = acc
 
 
 # ---------------------------------------------------------------- the codec
@@ -313,7 +316,17 @@ class OneBit(Codec):
             p = as_device(packed)
             decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
                                                      as_device(out), ADD if accumulate else SET,
-                                                     np.float64(0))
+                                                     np.float64(0), 1, 0)
+
+    def decode_sum(self, recv, stride, at, nbytes, n_src, out):
+        n_cols, n_rows = out.shape
+        if self.backend != "cuda" or n_src < 2 or stride % 4 or at % 4 or not out.size:
+            return super().decode_sum(recv, stride, at, nbytes, n_src, out)
+        self._check_decode(recv[at:at + nbytes], out)
+        p = as_device(recv)[at:at + (n_src - 1) * stride + nbytes]
+        decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
+                                                 as_device(out), SET, np.float64(0), n_src,
+                                                 stride // 4)
 
     def decode(self, packed, out):
         self._decode(packed, out, False)
@@ -340,4 +353,4 @@ class OneBit(Codec):
         else:
             p = as_device(packed)
             decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                     as_device(w), SUB_LR, np.float64(lr))
+                                                     as_device(w), SUB_LR, np.float64(lr), 1, 0)

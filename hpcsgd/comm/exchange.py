@@ -687,15 +687,8 @@ class Striped(_Collective):
         me, mine = self.rank, int(self.counts[self.rank])
         pieces = self.mine if pieces is None else pieces
         for (m, lo, hi, cols, off, nb), a, b in pieces:
-            codec = self.codec_of[m.name]
-            out = self.agg[a:b].reshape(cols, m.n_rows)
-            at = off - self.displs[me]
-            for src in range(self.world):
-                packed = self.recv_buf[src * mine + at:src * mine + at + nb]
-                if src == 0:
-                    codec.decode(packed, out)
-                else:
-                    codec.decode_accumulate(packed, out)
+            self.codec_of[m.name].decode_sum(self.recv_buf, mine, off - self.displs[me], nb,
+                                             self.world, self.agg[a:b].reshape(cols, m.n_rows))
         if self.norm_sq is not None:   # the adaptive bit width's gradient norm (bitwidth.py)
             total = to_host(self.agg)
             self.norm_sq += float(np.dot(total, total))
