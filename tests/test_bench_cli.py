@@ -339,6 +339,38 @@ def test_bench_train_cuda_counts_what_the_host_does_per_step(tmp_path):
     assert all(v > 0 for v in rows["onebit"]["phases_s"].values())
 
 
+def test_bench_train_cuda_mixed_stores_half_the_activation_bytes(tmp_path):
+    """`bench train --device cuda --precision float32,mixed` in the simulator: GPU ranks'
+    mixed precision stores activations, their gradients and the input copy in float16
+    (docs/precision.md), so its activation bytes are exactly half of float32's, and the
+    memory line says so per precision."""
+    from conftest import make_archive
+    make_archive(str(tmp_path / "arch"), num_shards=1, utts_per_shard=4, dim=4, num_labels=3,
+                 max_len=40)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"data:\n  train: {tmp_path / 'arch'}\n  context: 0\nmodel:\n  hidden: [5, 5]\n"
+                   "train:\n  minibatch: 8\n")
+    out = tmp_path / "cuda.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "bench", "train", "--device",
+                           "cuda", "--config", str(cfg), "--ranks", "1", "--exchange",
+                           "allreduce", "--double-buffering", "off", "--precision",
+                           "float32,mixed", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    mem = run["activation_bytes_by_precision"]
+    assert mem["float32"]["8"] == run["activation_bytes"]["8"] == 8 * (5 + 5 + 3 + 5) * 4
+    assert mem["mixed"]["8"] * 2 == mem["float32"]["8"]
+    assert run["storage"] == {"float32": "float32", "mixed": "float16"}
+    # the float16 copies: w16 (2 bytes a weight) and x16 (2 bytes a feature)
+    assert run["copy_bytes_by_precision"]["mixed"]["8"] == 2 * run["params"] + 2 * 8 * 4
+    assert "activation memory per rank at N = 8: float32 " in proc.stdout
+    assert "(float32); mixed " in proc.stdout and "(float16)" in proc.stdout
+    assert all(r["host_per_step"]["allocations"] == 0 for r in run["rows"]), [(r["precision"], r["exchange"], r["host_per_step"]) for r in run["rows"]]
+
+
 def test_pytorch_variants_and_the_side_by_side_line(capsys):
     """--pytorch times float32 eager always, AMP beside each precision that has one (float16
     AMP on a GPU only), torch.compile on request on one rank; each is printed beside hpcsgd's
@@ -362,3 +394,32 @@ def test_pytorch_variants_and_the_side_by_side_line(capsys):
     assert out == ["  K=2 N=256 float32: hpcsgd onebit 400 frames/s = 2.00x pytorch (200)",
                    "  K=2 N=256 mixed: hpcsgd allreduce+mixed 600 frames/s = 4.00x "
                    "pytorch_amp16 (150)"]
+
+
+def test_bench_exchange_cuda_holds_each_pass_to_the_device_copy(tmp_path):
+    """bench exchange --device cuda's limit: the GPU's device-to-device copy rate measured in
+    the same run, and the bytes each striped pass must move (pass_bytes) over the phase's
+    time; in the simulator on a tiny model (the real figures need a GPU)."""
+    script = tmp_path / "ex.py"
+    script.write_text(
+        "import json, numpy as np\nfrom mpi4py import MPI\n"
+        "from hpcsgd import optim\nfrom hpcsgd.codecs import make_codec\n"
+        "from hpcsgd.comm.exchange import Striped\nfrom hpcsgd.model.flat import FlatParams\n"
+        "from hpcsgd.bench.exchange_worker import device_copy_gbps, layout, pass_bytes, timed\n"
+        "params = FlatParams(layout(6, [5, 5], 3), device='cuda')\n"
+        "grad = FlatParams(params.layout, device='cuda').flat\n"
+        "ex = Striped(MPI.COMM_WORLD, params.matrices, make_codec('onebit', 'cuda'), device='cuda')\n"
+        "opt = optim.Optimizer(params.size, post_size=ex.state_size, device='cuda')\n"
+        "src = np.ones(params.size, np.float32)\n"
+        "res = timed(MPI.COMM_WORLD, ex, grad, params.flat, opt, src, 1)\n"
+        "print(json.dumps({'copy': device_copy_gbps(grad, 1), 'bytes': pass_bytes(ex),\n"
+        "                  'phases': sorted(res), 'n': ex.size, 'packed': int(ex.counts.sum())}))\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["copy"] > 0 and set(got["bytes"]) <= set(got["phases"])
+    n, packed = got["n"], got["packed"]   # one rank: its stripe is the whole gradient
+    assert got["bytes"] == {"encode": 12 * n + packed, "decode_sum": packed + 4 * n,
+                            "reencode": 12 * n + packed, "decode_apply": packed + 8 * n}

@@ -65,6 +65,33 @@ def timed(comm, ex, grad, params, opt, source, repeats):
     return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
 
 
+def device_copy_gbps(grad, repeats):
+    """GB/s of a device-to-device copy of the gradient (bytes read + written), the best of
+    repeats + 1, each timed between two syncs: the memory-bound pass a codec's is held to."""
+    from hpcsgd.device import zeros
+    dst = zeros(grad.size, grad.dtype, "cuda")
+    best = float("inf")
+    for _ in range(repeats + 1):
+        synchronize("cuda")
+        t = time.perf_counter()
+        dst.copy_to_device(grad)
+        synchronize("cuda")
+        best = min(best, time.perf_counter() - t)
+    return 2 * grad.nbytes / best / 1e9
+
+
+def pass_bytes(ex):
+    """Bytes each GPU pass of a striped exchange must move at least, by phase: encode reads
+    the gradient and residual 1 and writes residual 1 and the packed gradient; decode_sum
+    reads K packed contributions to the stripe and writes its float32 sum; reencode reads
+    the stripe's update and residual 2, writes residual 2 and the packed stripe; decode_apply
+    reads every packed stripe and the weights, writes the weights."""
+    n, mine, K = ex.size, ex.state_size, ex.world
+    packed_all, packed_mine = int(ex.counts.sum()), int(ex.counts[ex.rank])
+    return {"encode": 12 * n + packed_all, "decode_sum": K * packed_mine + 4 * mine,
+            "reencode": 12 * mine + packed_mine, "decode_apply": packed_all + 8 * n}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
@@ -136,12 +163,27 @@ def main():
                                                    nccl=nccl), params.size)
         run("allreduce_nccl16+post+apply", Allreduce(comm, params.size, "float16", device=dev,
                                                      nccl=nccl), params.size)
+    if dev == "cuda":   # the limit a codec's passes are held to: this GPU's copy rate
+        out["device_copy_GBps"] = device_copy_gbps(grad, args.repeats)
+        if rank == 0:
+            print(f"  device-to-device copy of the gradient: {out['device_copy_GBps']:.0f} GB/s "
+                  f"(read + write)", flush=True)
     for name in args.codecs.split(","):
         # NAME_unfused: the owner's three passes instead of the fused one (an A/B in one run)
         codec_name, opts = CODECS[name.removesuffix("_unfused")]
         ex = Striped(comm, params.matrices, make_codec(codec_name, dev, **opts), device=dev,
                      cuda_aware=aware, fuse_owner=not name.endswith("_unfused"))
         run(f"striped_{name}", ex, ex.state_size)
+        if dev == "cuda":
+            res = out["results"][f"striped_{name}"]
+            res["phase_GBps"] = {p: b / res[p] / 1e9 for p, b in pass_bytes(ex).items()
+                                 if res.get(p)}
+            res["phase_of_copy"] = {p: v / out["device_copy_GBps"]
+                                    for p, v in res["phase_GBps"].items()}
+            if rank == 0:
+                print("    " + ", ".join(f"{p} {v:.0f} GB/s = {res['phase_of_copy'][p]:.0%}"
+                                         for p, v in res["phase_GBps"].items())
+                      + " of the copy", flush=True)
         del ex
     launch.write_result(comm, out, args.json)
 
