@@ -161,7 +161,7 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     census.note_launch("cublas_gemm", census.FILL_BLOCKS)   # a cuBLAS kernel (or two)
     if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
         x, y = a._ary, b._ary
-        if x.dtype == out.dtype:
+        if x.dtype != np.float16:
             np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
             return
         x, y = x.astype(np.float32), y.astype(np.float32)   # float16 -> float32: exact

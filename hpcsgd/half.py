@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
-from hpcsgd.device import is_device, one_thread_each
+from hpcsgd.device import fill, is_device, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
 BLOCK = 256   # CUDA threads per block of the element-wise kernels here
@@ -269,7 +269,8 @@ def _unscale_cuda(g, inv, half, stats):
 # ---------------------------------------------------------------- dispatch
 def round_half(src, dst):
     """dst = float32(float16(src)) (C-contiguous float32 arrays of one size; dst may be src),
-    on the host or the device."""
+    on the host or the device; on the device dst may also be a float16 array (GPU ranks'
+    float16 storage: the weight copy w16 and the input x16), which then holds float16(src)."""
     src, dst = src.reshape(-1), dst.reshape(-1)
     if is_device(src):
         if src.size:
@@ -324,6 +325,18 @@ def scale(x, s):
     np.multiply(x, np.float32(s), out=x)
 
 
+_STATS = []
+
+
+def _unscale_stats():
+    """unscale's two device counters, made once and zeroed by a launch at each call (no
+    allocation per step)."""
+    if not _STATS:
+        _STATS.append(cuda.to_device(np.zeros(2, np.float32)))
+    fill(_STATS[0], 0)
+    return _STATS[0]
+
+
 def unscale(g, scale, rounding=None):
     """Unscale a gradient in float32, in place: g = (g rounded to `rounding`: None, "float16"
     (or True), "bfloat16") / scale (as a multiplication by float32(1 / scale): exact for a
@@ -334,7 +347,7 @@ def unscale(g, scale, rounding=None):
     if not math.isfinite(inv):
         raise ValueError(f"loss scale {scale!r}: 1 / scale is not a finite float32")
     if is_device(g):
-        stats = cuda.to_device(np.zeros(2, np.float32))
+        stats = _unscale_stats()
         if g.size:
             if kind == "bfloat16":   # its own pass: a CUDA kernel has no float32 <-> uint32 cast
                 round_bf16(g, g)

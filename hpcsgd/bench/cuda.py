@@ -142,6 +142,15 @@ def record(out_path):
          Optimizer(blstm_params.size, device="cuda"), exchanges[0], device="cuda",
          clip=1e-3).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
     blstm.forward(blstm_params, x, n, log=True)
+    # the same BLSTM in mixed precision: float16 storage, so every LSTM, softmax and column
+    # sums kernel's float16 signature (hpcsgd/model/kernels_cuda.py); its forward is float32
+    mixed_blstm = lstm(6, [3], 3, True, [4], "sigmoid", steps=steps, max_batch=n,
+                       device="cuda", precision="mixed")
+    mixed_blstm_params = mixed_blstm.new_params()
+    mixed_blstm.init(mixed_blstm_params, np.random.default_rng(1))
+    Step(mixed_blstm, mixed_blstm_params, gradient_buffers(mixed_blstm, False),
+         Optimizer(mixed_blstm_params.size, device="cuda"), exchanges[0], device="cuda",
+         scaler=Static(2.0 ** 10)).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
     # quantization-aware training (hpcsgd/model/quantize.py): learned clips on weights and
     # inputs (the backward's reductions), dynamic SAWB ranges (the statistics), the BLSTM's
     # quantized hidden state on strided views

@@ -425,13 +425,28 @@ def print_qat_overhead(run):
 
 
 def print_activation_memory(run):
-    """Activations and their gradients per rank: as stored here, and as float16 would store
-    them (this CPU emulation of mixed precision keeps float16 values in float32 buffers)."""
-    for n, mem in sorted(run.get("activation_bytes", {}).items(), key=lambda kv: int(kv[0])):
-        print(f"activation memory per rank at N = {n}: float32 {mem / 2 ** 20:.1f} MiB; "
-              f"stored as float16 (mixed on a GPU) {mem / 2 ** 21:.1f} MiB; the CPU emulation "
-              f"of mixed holds float32 buffers (+ {run['mixed_extra_bytes'] / 2 ** 20:.1f} MiB: "
-              f"the float16 weight copy and input)")
+    """Activations and their gradients per rank (each layer's output, the backward's delta,
+    the recurrent workspaces), per precision as this rank's models store them: float32; mixed
+    on CPU ranks keeps float16 values in float32 buffers (the emulation), on GPU ranks float16
+    arrays (half the bytes); bf16 float32 buffers everywhere. Plus each 16-bit precision's
+    weight and input copies, and on a real GPU what the driver saw a model of each precision
+    take (its free memory before and after building one: every buffer, whole pages)."""
+    by_precision = run.get("activation_bytes_by_precision") or {"float32": run.get(
+        "activation_bytes", {})}
+    extra = run.get("copy_bytes_by_precision", {})
+    device = run.get("device_bytes_by_precision", {})
+    for n in sorted(next(iter(by_precision.values()), {}), key=int):
+        parts = []
+        for precision, mem in by_precision.items():
+            dtype = "float16" if run.get("storage", {}).get(precision) == "float16" else "float32"
+            part = f"{precision} {mem[n] / 2 ** 20:.1f} MiB ({dtype})"
+            if extra.get(precision):
+                part += f" + {extra[precision][n] / 2 ** 20:.1f} MiB weight and input copies"
+            parts.append(part)
+        print(f"activation memory per rank at N = {n}: " + "; ".join(parts))
+    for precision, mem in device.items():
+        print(f"device memory of a {precision} model (max_batch {run['max_local']}), driver's "
+              f"free memory before - after building it: {mem / 2 ** 20:.1f} MiB")
 
 
 def print_table4(res):
@@ -790,11 +805,40 @@ def worker(argv):
                   + sum(a.size // r.model.max_batch for ws in r.model.workspaces if ws
                         for a in ws.values()))
     acts = {str(n): int(batch_split(n, K, unit)[0]) * row_floats * 4 for n in ns}
+    # per precision, the bytes of each model's own buffers (Network.activation_bytes: float16
+    # arrays for mixed on GPU ranks); the 16-bit weight and input copies apart
+    memory = {"activation_bytes_by_precision": {}, "copy_bytes_by_precision": {},
+              "storage": {}, "device_bytes_by_precision": {}, "max_local": max_local}
+    for precision, (model, _, _) in r.models.items():
+        if precision not in ("float32", "mixed", "bf16"):
+            continue
+        x16 = model.activation_buffers().get("x16")
+        x16_bytes = x16.size * x16.dtype.itemsize if x16 is not None else 0
+        per_n = {str(n): int(batch_split(n, K, unit)[0]) for n in ns}
+        memory["activation_bytes_by_precision"][precision] = {
+            n: model.activation_bytes(k) - x16_bytes * k // model.max_batch
+            for n, k in per_n.items()}
+        if model.half:
+            w16 = model.w16.flat.size * model.w16.flat.dtype.itemsize
+            memory["copy_bytes_by_precision"][precision] = {
+                n: w16 + x16_bytes * k // model.max_batch for n, k in per_n.items()}
+        memory["storage"][precision] = str(model.storage)
+        from hpcsgd.device import simulated
+        if dev == "cuda" and not simulated():   # what the driver saw: a model built again
+            from hpcsgd.lazy_cuda import cuda
+            from hpcsgd.model import build
+            synchronize("cuda")
+            free = cuda.current_context().get_memory_info()[0]
+            again = build(dict(shape, activation=activation), max_batch=max_local,
+                          device=dev, precision=precision)
+            synchronize("cuda")
+            memory["device_bytes_by_precision"][precision] = \
+                free - cuda.current_context().get_memory_info()[0]
+            del again
     launch.write_result(comm, {"ranks": K, "grid": f"{K}x{grid.model_size}",
                                "model_parallel": grid.model_size, "params": size,
                                "steps": args.steps,
-                               "activation_bytes": acts,
-                               "mixed_extra_bytes": 4 * (size + max_local * shape["input_dim"]),
+                               "activation_bytes": acts, **memory,
                                "rounds": args.rounds, "warmup": args.warmup, "gflop_per_frame": flop / 1e9,
                                "load_average_end": report.load_average(), "rows": rows},
                         args.json)

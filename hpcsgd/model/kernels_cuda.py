@@ -19,19 +19,31 @@ GPU ranks of a data-parallel job stay bit-identical.
 - Row reductions (softmax): one block of T threads per row (row_threads: 32..ROW_THREADS by
   the row's width); thread t covers columns t, t + T, ...; thread 0 combines the T partials
   in thread order and shares the result.
+
+float16 storage (GPU ranks with train.precision=mixed, docs/precision.md): the DNN's, the
+softmax's and the LSTM's kernels take float16 or float32 arrays (one compiled signature each)
+and compute in float32 either way: every load is widened with F (np.float32: no instruction
+for a float32 array), every constant is float32, and a store into a float16 array rounds once
+to nearest even. Where mixed precision's CPU emulation (model/ops.py: HalfOps) sums values
+before their float16 rounding -- a hidden layer's bias gradient (the column sums of dz) and
+the output layer's (of the loss gradient) -- the float16 path computes the values in the
+column sums' layout and sums them before the store (act_backward, softmax_xent_backward with
+float16 arrays), instead of a second pass that could only read the rounded values.
 """
 import math
 
 import numpy as np
 
 from hpcsgd import census
-from hpcsgd.device import as_device, fill  # noqa: F401  (fill: re-exported)
+from hpcsgd.device import as_device, fill, mul_rn  # noqa: F401  (fill: re-exported)
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels import SIGMOID
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
 COL_TILE, SUM_LANES = 32, 16   # column sums: columns per block x row lanes (512 threads)
 ROW_THREADS = 128        # softmax: threads per row (block) at most; thread 0 combines them
+F = np.float32           # the kernels' arithmetic, whatever the storage (float32 or float16)
+ONE, ZERO = F(1), F(0)
 
 
 def row_threads(m):
@@ -65,14 +77,21 @@ def _bias_act_kernel(z, b, kind):
     n, m = z.shape
     j0, i0 = cuda.grid(2)
     sj, si = cuda.gridsize(2)
-    one, zero = z.dtype.type(1), z.dtype.type(0)
     for i in range(i0, n, si):
         for j in range(j0, m, sj):
-            v = z[i, j] + b[0, j]
+            v = F(z[i, j]) + F(b[0, j])
             if kind == SIGMOID:
-                z[i, j] = one / (one + math.exp(-v))
+                z[i, j] = ONE / (ONE + math.exp(-v))
             else:
-                z[i, j] = max(v, zero)
+                z[i, j] = max(v, ZERO)
+
+
+@cuda.jit(device=True)
+def _act_grad(hv, dv, kind):
+    """dLoss/dz from the layer's output hv and dLoss/dh dv (float32)."""
+    if kind == SIGMOID:
+        return dv * (hv * (ONE - hv))
+    return dv if hv > ZERO else ZERO
 
 
 @cuda.jit
@@ -80,14 +99,10 @@ def _act_backward_kernel(h, d, dz, kind):
     n, m = d.shape
     j0, i0 = cuda.grid(2)
     sj, si = cuda.gridsize(2)
-    one, zero = d.dtype.type(1), d.dtype.type(0)
     for i in range(i0, n, si):
         for j in range(j0, m, sj):
-            hv = h[i, j]                 # read before dz (which may be h) is written
-            if kind == SIGMOID:
-                dz[i, j] = d[i, j] * (hv * (one - hv))
-            else:
-                dz[i, j] = d[i, j] if hv > zero else zero
+            # h read before dz (which may be h) is written
+            dz[i, j] = _act_grad(F(h[i, j]), F(d[i, j]), kind)
 
 
 @cuda.jit
@@ -97,25 +112,71 @@ def _exp_kernel(z):
     sj, si = cuda.gridsize(2)
     for i in range(i0, n, si):
         for j in range(j0, m, sj):
-            z[i, j] = math.exp(z[i, j])
+            z[i, j] = math.exp(F(z[i, j]))
 
 
-@cuda.jit
-def _column_sums_kernel(a, out):
-    n, m = a.shape
+@cuda.jit(device=True)
+def _sum_lanes(part, acc, out, col, m):
+    """out[0, col] <- the block's column sums: lane 0 adds every lane's float64 partial of
+    its column in lane order (the only rounding to out's dtype)."""
     tx, lane = cuda.threadIdx.x, cuda.threadIdx.y
-    col = cuda.blockIdx.x * cuda.blockDim.x + tx
-    part = cuda.shared.array((SUM_LANES, COL_TILE), np.float64)
-    acc = 0.0
-    if col < m:
-        for i in range(lane, n, SUM_LANES):
-            acc += a[i, col]
     part[lane, tx] = acc
     cuda.syncthreads()
     if lane == 0 and col < m:
         for k in range(1, SUM_LANES):
             acc += part[k, tx]
-        out[0, col] = acc                # the only rounding to out's dtype
+        out[0, col] = acc
+
+
+@cuda.jit
+def _column_sums_kernel(a, out):
+    n, m = a.shape
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    part = cuda.shared.array((SUM_LANES, COL_TILE), np.float64)
+    acc = 0.0
+    if col < m:
+        for i in range(cuda.threadIdx.y, n, SUM_LANES):
+            acc += F(a[i, col])
+    _sum_lanes(part, acc, out, col, m)
+
+
+@cuda.jit
+def _act_backward_sums_kernel(h, d, dz, out, kind):
+    """dz = _act_grad (stored in dz's dtype) and out = column sums of the float32 values
+    before that store, in the column sums' layout and order (float16 storage)."""
+    n, m = d.shape
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    part = cuda.shared.array((SUM_LANES, COL_TILE), np.float64)
+    acc = 0.0
+    if col < m:
+        for i in range(cuda.threadIdx.y, n, SUM_LANES):
+            g = _act_grad(F(h[i, col]), F(d[i, col]), kind)
+            dz[i, col] = g
+            acc += g
+    _sum_lanes(part, acc, out, col, m)
+
+
+@cuda.jit
+def _xent_grad_sums_kernel(z, b, y, stats, out, scale):
+    """The loss gradient of the logits from their row statistics (_softmax_xent_kernel with
+    fused=True: stats[i] = (row max of z + b, float32(1 / sum of exp))): g = exp(z + b - max)
+    * (1 / sum) - onehot, the float32 values the row kernel computes, stored as g * scale in
+    z's dtype; out = column sums of g (unscaled, before the store)."""
+    n, m = z.shape
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    part = cuda.shared.array((SUM_LANES, COL_TILE), np.float64)
+    acc = 0.0
+    if col < m:
+        for i in range(cuda.threadIdx.y, n, SUM_LANES):
+            label = y[i]
+            g = ZERO
+            if label >= 0:
+                g = mul_rn(math.exp(F(z[i, col]) + F(b[0, col]) - stats[i, 0]), stats[i, 1])
+                if col == label:
+                    g -= ONE
+            z[i, col] = g * scale        # a power of two: exact before the store's rounding
+            acc += g
+    _sum_lanes(part, acc, out, col, m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,15 +186,15 @@ def _column_sums_kernel(a, out):
 
 @cuda.jit(device=True)
 def _row_bias_max(z, b, i, label, smax, sarg, szy):
-    """z[i] += b; returns (max as float64, first argmax) of the row to every thread; szy[0]
-    gets (z + b)[i, label] (for the CE, read before later passes overwrite it)."""
+    """Returns (max as float64, first argmax) of the row z[i] + b to every thread (z is not
+    written: a float16 z could not hold z + b; later passes add b again, the same float32
+    sums); szy[0] gets (z + b)[i, label] (for the CE)."""
     t = cuda.threadIdx.x
     m = z.shape[1]
     best = -math.inf
     arg = m                              # m = "no column yet" (threads t >= m keep it)
     for j in range(t, m, cuda.blockDim.x):
-        v = z[i, j] + b[0, j]
-        z[i, j] = v
+        v = F(z[i, j]) + F(b[0, j])
         if arg == m or v > best:         # ascending j: the first max of this thread
             best = v
             arg = j
@@ -165,12 +226,12 @@ def _row_sum(part, x):
 
 
 @cuda.jit(device=True)
-def _row_exp_sum(z, i, mx, store):
-    """This thread's float64 sum of exp(z[i, j] - mx) over its columns; z[i, j] <- the exp
-    if `store`."""
+def _row_exp_sum(z, b, i, mx, store):
+    """This thread's float64 sum of exp(z[i, j] + b[j] - mx) over its columns; z[i, j] <- the
+    exp if `store`."""
     s = 0.0
     for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
-        e = math.exp(z[i, j] - mx)       # float32 in, expf
+        e = math.exp(F(z[i, j]) + F(b[0, j]) - mx)       # float32 in, expf
         if store:
             z[i, j] = e
         s += e
@@ -178,7 +239,9 @@ def _row_exp_sum(z, i, mx, store):
 
 
 @cuda.jit
-def _softmax_xent_kernel(z, b, y, ce_rows, correct_rows):
+def _softmax_xent_kernel(z, b, y, ce_rows, correct_rows, stats, fused):
+    """fused (float16 storage): the row's max and float32(1 / sum) go to stats[i] and z is
+    left to _xent_grad_sums_kernel; else z <- the loss gradient here."""
     i = cuda.blockIdx.x
     smax = cuda.shared.array(ROW_THREADS, np.float64)   # float64 holds any float32 exactly
     sarg = cuda.shared.array(ROW_THREADS, np.int32)
@@ -193,14 +256,18 @@ def _softmax_xent_kernel(z, b, y, ce_rows, correct_rows):
             correct_rows[i] = 0
         return
     mx, arg = _row_bias_max(z, b, i, label, smax, sarg, szy)
-    s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), True))
-    inv = z.dtype.type(1.0 / s)
-    one = z.dtype.type(1)
-    for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
-        g = z[i, j] * inv
-        if j == label:
-            g -= one
-        z[i, j] = g
+    s = _row_sum(ssum, _row_exp_sum(z, b, i, F(mx), not fused))
+    inv = F(1.0 / s)
+    if fused:
+        if cuda.threadIdx.x == 0:
+            stats[i, 0] = F(mx)
+            stats[i, 1] = inv
+    else:
+        for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
+            g = z[i, j] * inv
+            if j == label:
+                g -= ONE
+            z[i, j] = g
     if cuda.threadIdx.x == 0:
         # log-sum-exp minus the label's logit: exact even where the posterior underflows
         ce_rows[i] = math.log(s) + mx - szy[0]
@@ -215,10 +282,10 @@ def _log_softmax_kernel(z, b):
     ssum = cuda.shared.array(ROW_THREADS, np.float64)
     szy = cuda.shared.array(1, np.float64)
     mx, _ = _row_bias_max(z, b, i, -1, smax, sarg, szy)
-    s = _row_sum(ssum, _row_exp_sum(z, i, z.dtype.type(mx), False))
-    lse = z.dtype.type(mx + math.log(s))
+    s = _row_sum(ssum, _row_exp_sum(z, b, i, F(mx), False))
+    lse = F(mx + math.log(s))
     for j in range(cuda.threadIdx.x, z.shape[1], cuda.blockDim.x):
-        z[i, j] = z[i, j] - lse
+        z[i, j] = (F(z[i, j]) + F(b[0, j])) - lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,15 +299,14 @@ def _lstm_forward_step_kernel(a, r, b, c_prev, c, h):
     nb, hc = c.shape
     j0, n0 = cuda.grid(2)
     sj, sn = cuda.gridsize(2)
-    one = a.dtype.type(1)
     for n in range(n0, nb, sn):
         for j in range(j0, hc, sj):
-            i = one / (one + math.exp(-(a[n, j] + r[n, j] + b[0, j])))
-            f = one / (one + math.exp(-(a[n, hc + j] + r[n, hc + j] + b[0, hc + j])))
-            g = math.tanh(a[n, 2 * hc + j] + r[n, 2 * hc + j] + b[0, 2 * hc + j])
-            o = one / (one + math.exp(-(a[n, 3 * hc + j] + r[n, 3 * hc + j]
-                                        + b[0, 3 * hc + j])))
-            cv = f * c_prev[n, j] + i * g
+            i = ONE / (ONE + math.exp(-(F(a[n, j]) + F(r[n, j]) + F(b[0, j]))))
+            f = ONE / (ONE + math.exp(-(F(a[n, hc + j]) + F(r[n, hc + j]) + F(b[0, hc + j]))))
+            g = math.tanh(F(a[n, 2 * hc + j]) + F(r[n, 2 * hc + j]) + F(b[0, 2 * hc + j]))
+            o = ONE / (ONE + math.exp(-(F(a[n, 3 * hc + j]) + F(r[n, 3 * hc + j])
+                                        + F(b[0, 3 * hc + j]))))
+            cv = f * F(c_prev[n, j]) + i * g
             c[n, j] = cv
             h[n, j] = o * math.tanh(cv)
             a[n, j] = i
@@ -254,18 +320,17 @@ def _lstm_backward_step_kernel(a, c_prev, c, dh, dr, dc):
     nb, hc = c.shape
     j0, n0 = cuda.grid(2)
     sj, sn = cuda.gridsize(2)
-    one = a.dtype.type(1)
     for n in range(n0, nb, sn):
         for j in range(j0, hc, sj):
-            i, f = a[n, j], a[n, hc + j]
-            g, o = a[n, 2 * hc + j], a[n, 3 * hc + j]
-            tc = math.tanh(c[n, j])
-            d = dh[n, j] + dr[n, j]
-            dcv = dc[n, j] + d * o * (one - tc * tc)
-            a[n, j] = dcv * g * (i * (one - i))
-            a[n, hc + j] = dcv * c_prev[n, j] * (f * (one - f))
-            a[n, 2 * hc + j] = dcv * i * (one - g * g)
-            a[n, 3 * hc + j] = d * tc * (o * (one - o))
+            i, f = F(a[n, j]), F(a[n, hc + j])
+            g, o = F(a[n, 2 * hc + j]), F(a[n, 3 * hc + j])
+            tc = math.tanh(F(c[n, j]))
+            d = F(dh[n, j]) + F(dr[n, j])
+            dcv = F(dc[n, j]) + d * o * (ONE - tc * tc)
+            a[n, j] = dcv * g * (i * (ONE - i))
+            a[n, hc + j] = dcv * F(c_prev[n, j]) * (f * (ONE - f))
+            a[n, 2 * hc + j] = dcv * i * (ONE - g * g)
+            a[n, 3 * hc + j] = d * tc * (o * (ONE - o))
             dc[n, j] = dcv * f
 
 
@@ -451,9 +516,13 @@ def bias_act_forward(z, b, kind):
 
 
 def act_backward(h, d, dz, gb, kind):
-    """dz = d * f'(h) from the layer's output h (dz may be h); gb (1, M) = column sums of dz."""
+    """dz = d * f'(h) from the layer's output h (dz may be h); gb (1, M) = column sums of dz
+    (float16 dz: of its float32 values before the store, in one fused kernel)."""
     h, d, dz = as_device(h), as_device(d), as_device(dz)
     n, m = d.shape
+    if n and m and dz.dtype == np.float16:
+        _act_backward_sums_kernel[column_sums_launch(m)](h, d, dz, as_device(gb), kind)
+        return
     if n and m:
         _act_backward_kernel[_elem_launch(n, m)](h, d, dz, kind)
     column_sums(dz, gb)
@@ -481,10 +550,13 @@ def column_sums_launch(m):
     return -(-m // tile), (tile, SUM_LANES)
 
 
-def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows):
+def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows, stats=None, scale=1.0):
     """z (N, M) logits without bias in; posterior - onehot(y) of z + b out (in place). y (N,)
     int32 labels; gb (1, M) = column sums of the gradient; ce_rows (>= N) float64 and
     correct_rows (>= N) int32 scratch get each row's CE (nats) and hit (first argmax == y).
+    A float16 z (float16 storage) needs stats, (>= N, 2) float32 scratch, and gets the
+    gradient times `scale` (the loss scale, a power of two) rounded once to float16, gb the
+    column sums of the float32 gradient before that (unscaled); a float32 z is not scaled.
     Returns (CE summed over the rows: float, hits: int): a device-to-host copy, a sync point."""
     z, b, y, gb = as_device(z), as_device(b), as_device(y), as_device(gb)
     ce_rows, correct_rows = as_device(ce_rows), as_device(correct_rows)
@@ -492,11 +564,27 @@ def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows):
     if n == 0:
         fill(gb, 0)
         return 0.0, 0
-    _softmax_xent_kernel[n, row_threads(m)](z, b, y, ce_rows, correct_rows)
-    column_sums(z, gb)
+    fused = z.dtype == np.float16
+    stats = as_device(stats) if fused else _no_stats()   # (unused by the unfused kernel)
+    _softmax_xent_kernel[n, row_threads(m)](z, b, y, ce_rows, correct_rows, stats, fused)
+    if fused:
+        _xent_grad_sums_kernel[column_sums_launch(m)](z, b, y, stats, gb, np.float32(scale))
+    else:
+        column_sums(z, gb)
     ce = ce_rows[:n].copy_to_host()      # waits for the kernels above
     hits = correct_rows[:n].copy_to_host()
     return float(np.sum(ce)), int(np.sum(hits))
+
+
+_NO_STATS = []
+
+
+def _no_stats():
+    """A (1, 2) float32 device array made once: the stats argument of the unfused softmax
+    (one signature for both; no allocation per call)."""
+    if not _NO_STATS:
+        _NO_STATS.append(cuda.to_device(np.zeros((1, 2), np.float32)))
+    return _NO_STATS[0]
 
 
 def log_softmax_forward(z, b):

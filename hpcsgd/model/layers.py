@@ -116,10 +116,7 @@ class SoftmaxOutput:
         """Softmax cross-entropy of z (+ b) against labels: z becomes dLoss/dz and g's bias
         its column sums, both times the loss scale. Returns (CE summed over the frames in nats,
         unscaled; frames whose argmax is the label)."""
-        ce, correct = ops.softmax_xent(z, p[self.b], labels, g[self.b])
-        ops.scale(z, scale)
-        ops.scale(g[self.b], scale)
-        return ce, correct
+        return ops.softmax_xent(z, p[self.b], labels, g[self.b], scale)
 
     def posteriors(self, p, z, ops, log=True):
         """z (+ b) -> log-posteriors (or posteriors), in place."""

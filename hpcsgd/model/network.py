@@ -23,6 +23,16 @@ and the loss scale taken off in float32 by unscale(). Inference (forward) uses t
 master weights. precision="bf16": the same places rounded to bfloat16 instead (w16 and x16
 then hold bfloat16 values; no loss scale: train.loss_scale=none).
 
+GPU ranks with precision="mixed" store in float16 (`storage`): the activations, their
+gradients (acts, delta), the recurrent layers' workspaces, w16 and x16 are float16 device
+arrays, half the bytes; the GEMMs take float16 operands, accumulate in float32 and round once
+to a float16 output, or to the float32 weight gradients (hpcsgd/device.py: matmul); the
+kernels compute in float32 on float16 arrays. The same values as the emulation, up to the
+order of sums and CUDA's expf (docs/precision.md). Master weights, optimizer state and the
+gradients (`grads`) stay float32. Inference (forward: cross-validation, eval) runs float32 on
+the master weights as on CPU ranks, in float32 buffers of its own made at its first call
+(training alone never makes them).
+
 qat (a model.quantize description): quantization-aware training. Every pass runs on wq, the
 weights fake-quantized from the float32 master at its start, and on each layer's input
 fake-quantized into aq[i]; backward passes the gradients straight through to the master and
@@ -39,6 +49,9 @@ from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 PRECISIONS = ("float32", "mixed", "bf16")
 # the 16-bit format each reduced precision stores its values in (hpcsgd/half.py: round_to)
 ROUNDING = {"float32": None, "mixed": "float16", "bf16": "bfloat16"}
+# GPU ranks under mixed store in float16 arrays; False: in float32 buffers holding float16
+# values, as the CPU emulation does (tests/test_mixed_cuda.py compares the two bit for bit)
+FLOAT16_STORAGE = True
 
 
 def gemm_flop_per_frame(layers):
@@ -62,35 +75,35 @@ class Network:
         self.input_dim, self.num_labels = self.layers[0].n_in, self.layers[-1].n_out
         self.max_batch, self.dtype, self.device = int(max_batch), np.dtype(dtype), device
         self.describe = describe or {}   # the builder's arguments (checkpoints, logs)
-        self.acts = [zeros((self.max_batch, layer.n_out), self.dtype, device)
-                     for layer in self.layers]
-        # dLoss/dx of a layer's input: not of the model's, unless its clip values are learned
-        first = 0 if self.quant and self.quant.learns_input(0) else 1
-        self.delta = zeros(self.max_batch * max([layer.n_in for layer in self.layers[first:]],
-                                                default=1), self.dtype, device)
-        widest = max(getattr(layer, "width", layer.n_out) for layer in self.layers)
-        self.ops = make_ops(device, self.max_batch, widest, self.dtype)
-        # recurrent layers: sequences of `steps` frames (time-major rows) unless a pass is
-        # told otherwise; their workspaces, allocated here like the activations
-        self.recurrent = any(getattr(layer, "recurrent", False) for layer in self.layers)
-        self.steps = steps
-        # a recurrent layer's or a model-parallel layer's scratch (hpcsgd/model/parallel.py)
-        self.workspaces = [{name: zeros(shape, self.dtype, device)
-                            for name, shape in layer.workspace(self.max_batch).items()}
-                           if hasattr(layer, "workspace") else None
-                           for layer in self.layers]
-        self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
         self.precision = precision
         self.rounding = ROUNDING[precision]   # None, "float16" or "bfloat16"
         self.half = self.rounding is not None   # a 16-bit float emulation (mixed or bf16)
+        # the dtype of the training pass's buffers: float16 on GPU ranks under mixed (real
+        # float16 storage), else the model's (a CPU emulation keeps float16 values in float32)
+        self.storage = np.dtype(np.float16 if device == "cuda" and self.rounding == "float16" and FLOAT16_STORAGE
+                                else self.dtype)
+        self.acts, self.workspaces = self._pass_buffers(self.storage)
+        # dLoss/dx of a layer's input: not of the model's, unless its clip values are learned
+        first = 0 if self.quant and self.quant.learns_input(0) else 1
+        self.delta = zeros(self.max_batch * max([layer.n_in for layer in self.layers[first:]],
+                                                default=1), self.storage, device)
+        widest = max(getattr(layer, "width", layer.n_out) for layer in self.layers)
+        self.ops = make_ops(device, self.max_batch, widest, self.dtype)
+        # recurrent layers: sequences of `steps` frames (time-major rows) unless a pass is
+        # told otherwise
+        self.recurrent = any(getattr(layer, "recurrent", False) for layer in self.layers)
+        self.steps = steps
+        self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
+        self._inference = None if self.storage != self.dtype else (self.acts, self.workspaces)
         if self.half:
             if self.dtype != np.float32:
                 raise ValueError(f"precision {precision}: the model's dtype must be float32")
             self.round = half.round_to(self.rounding)
-            self.w16 = self.new_params()                       # the 16-bit copy of W
-            self.x16 = zeros((self.max_batch, self.input_dim), self.dtype, device)
+            # the 16-bit copy of W and of the input
+            self.w16 = FlatParams(self.specs, self.storage, device)
+            self.x16 = zeros((self.max_batch, self.input_dim), self.storage, device)
             self.half_ops = HalfOps(self.ops, self.rounding)
         if self.quant:
             self.wq = self.new_params()   # the fake-quantized weights a pass runs on
@@ -101,6 +114,36 @@ class Network:
             self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
             self.y_in = zeros(self.max_batch, np.int32, "cuda")
             self.out_host = np.empty((self.max_batch, self.num_labels), self.dtype)
+
+    def _pass_buffers(self, dtype):
+        """Each layer's output (acts) and, for a recurrent or model-parallel layer, its
+        workspaces (scratch: gates, cells, one step's products; None for the others)."""
+        acts = [zeros((self.max_batch, layer.n_out), dtype, self.device)
+                for layer in self.layers]
+        workspaces = [{name: zeros(shape, dtype, self.device)
+                       for name, shape in layer.workspace(self.max_batch).items()}
+                      if hasattr(layer, "workspace") else None
+                      for layer in self.layers]
+        return acts, workspaces
+
+    def activation_buffers(self):
+        """{name: array} of the buffers a training pass stores its activations and their
+        gradients in: every layer's output (overwritten by its dz), the backward's delta,
+        the recurrent layers' workspaces and, under mixed or bf16, the 16-bit input copy;
+        each max_batch rows tall (or empty)."""
+        out = {f"acts{i}": a for i, a in enumerate(self.acts)}
+        out["delta"] = self.delta
+        out.update({f"{i}.{k}": v for i, ws in enumerate(self.workspaces) if ws
+                    for k, v in ws.items()})
+        if self.half:
+            out["x16"] = self.x16
+        return out
+
+    def activation_bytes(self, rows=None):
+        """Bytes of activation_buffers() for a pass of `rows` rows (default: max_batch; every
+        one of them scales with the rows)."""
+        total = sum(a.size * a.dtype.itemsize for a in self.activation_buffers().values())
+        return total if rows is None else total * int(rows) // self.max_batch
 
     # ---- parameters ------------------------------------------------------------------------
 
@@ -155,9 +198,10 @@ class Network:
             return {}
         return {"steps": steps, "ws": ws} if getattr(layer, "recurrent", False) else {"ws": ws}
 
-    def _last_ws(self):
+    def _last_ws(self, workspaces=None):
         """The output layer's workspaces, if it has any (a split softmax)."""
-        return {"ws": self.workspaces[-1]} if self.workspaces[-1] is not None else {}
+        ws = (workspaces or self.workspaces)[-1]
+        return {"ws": ws} if ws is not None else {}
 
     def _steps(self, n, steps):
         """The sequence length of a pass of n rows (recurrent models; None otherwise)."""
@@ -169,9 +213,10 @@ class Network:
                              f"time steps (time-major, hpcsgd.data.sequences)")
         return steps
 
-    def _forward(self, params, x, n, ops, progress=None, steps=None):
+    def _forward(self, params, x, n, ops, progress=None, steps=None, buffers=None):
         a = x[:n]
-        for i, (layer, out, ws) in enumerate(zip(self.layers, self.acts, self.workspaces)):
+        acts, workspaces = buffers or (self.acts, self.workspaces)
+        for i, (layer, out, ws) in enumerate(zip(self.layers, acts, workspaces)):
             if self.quant:
                 out_q = self.aq[i][:n] if self.aq[i] is not None else None
                 a = self.quant.quantize_input(i, a, out_q, params, ops)
@@ -259,8 +304,10 @@ class Network:
         steps = self._steps(n, steps)
         x, _ = self._to_device(x, None, n)
         params = self._quantized(params, self.ops)
-        z = self._forward(params, x, n, self.ops, steps=steps)
-        self.layers[-1].posteriors(params, z, self.ops, log, **self._last_ws())
+        if self._inference is None:   # float16 storage: float32 buffers for the float32 pass
+            self._inference = self._pass_buffers(self.dtype)
+        z = self._forward(params, x, n, self.ops, steps=steps, buffers=self._inference)
+        self.layers[-1].posteriors(params, z, self.ops, log, **self._last_ws(self._inference[1]))
         if self.device == "cuda":
             host = out[:n] if out is not None else self.out_host[:n]
             z.copy_to_host(host)   # a device -> host copy: sync point

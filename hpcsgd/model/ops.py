@@ -7,7 +7,8 @@ to these.
     GemmOnly  nothing at all: the step's GEMMs alone, the roofline `bench train` divides by
     HalfOps   mixed precision (float16) or bf16 around either of the first two: every value a
               GEMM or kernel stores as a 16-bit float is rounded to it in its float32 buffer
-              (hpcsgd/half.py: round_to(kind))
+              (hpcsgd/half.py: round_to(kind)); a float16 buffer (GPU ranks' mixed
+              precision: float16 storage) is left alone, its stores have rounded
 
 Shapes: z, h, d (N, M) with N <= max_batch rows and M <= max_width columns; b, gb (1, M);
 y (N,) integer labels. `kind` is kernels.SIGMOID or kernels.RELU.
@@ -41,11 +42,14 @@ class CpuOps:
         """dz <- d * f'(.) from the output h (dz may be h); gb <- column sums of dz."""
         K.BACKWARD[kind](h, d, dz, gb, self.partial)
 
-    def softmax_xent(self, z, b, y, gb):
-        """z (logits without bias) <- d CE / d(z + b); gb <- its column sums. Returns (CE
-        summed over the rows, rows whose argmax is the label)."""
+    def softmax_xent(self, z, b, y, gb, scale=1.0):
+        """z (logits without bias) <- d CE / d(z + b); gb <- its column sums; both times
+        `scale` (the loss scale: a power of two, exact). Returns (CE summed over the rows,
+        unscaled; rows whose argmax is the label)."""
         K.softmax_xent_backward(z, b, y, gb, self.partial, self.lanes, self.ce_part,
                                 self.correct_part)
+        half.scale(z, scale)
+        half.scale(gb, scale)
         return float(self.ce_part.sum()), int(self.correct_part.sum())
 
     def log_softmax(self, z, b):
@@ -141,6 +145,7 @@ class CudaOps:
     def __init__(self, max_batch, max_width, dtype):
         self.ce_rows = zeros(max_batch, np.float64, "cuda")
         self.correct_rows = zeros(max_batch, np.int32, "cuda")
+        self.row_stats = zeros((max_batch, 2), np.float32, "cuda")   # float16 logits' rows
         self.quant_part = None
 
     def bias_act(self, z, b, kind):
@@ -149,8 +154,16 @@ class CudaOps:
     def act_backward(self, h, d, dz, gb, kind):
         KC.act_backward(h, d, dz, gb, kind)
 
-    def softmax_xent(self, z, b, y, gb):
-        return KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows)
+    def softmax_xent(self, z, b, y, gb, scale=1.0):
+        """float16 z: the kernels scale it before its store (one rounding, after scaling)."""
+        if z.dtype == np.float16:   # each row's (max, 1 / sum), then a column pass
+            out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
+                                           self.row_stats, scale)
+        else:
+            out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows)
+            half.scale(z, scale)
+        half.scale(gb, scale)
+        return out
 
     def log_softmax(self, z, b):
         KC.log_softmax_forward(z, b)
@@ -251,7 +264,7 @@ class GemmOnly:
     def act_backward(self, h, d, dz, gb, kind):
         pass
 
-    def softmax_xent(self, z, b, y, gb):
+    def softmax_xent(self, z, b, y, gb, scale=1.0):
         return 0.0, 0
 
     def split_xent_stats(self, z, b, y, lo, stats):
@@ -282,25 +295,40 @@ class HalfOps:
     before a kernel reads it (as cuBLAS would store it), and a kernel's output after it wrote
     it, each in place. The kernels themselves compute in float32 (as a GPU's do on 16-bit
     operands). Bias gradients are the kernels' float32 column sums of dz before its rounding
-    (half an ulp of the format per element more precise than a sum of the stored dz)."""
+    (half an ulp of the format per element more precise than a sum of the stored dz).
+
+    GPU ranks' mixed precision stores in float16 arrays instead (model/network.py: storage):
+    there the GEMM's or kernel's store has rounded, once, to the same value, and `store`
+    leaves the array alone; the kernels compute the same float32 values (kernels_cuda.py)."""
 
     def __init__(self, ops, kind="float16"):
         self.ops, self.kind = ops, kind
         self.round = half.round_to(kind)
 
+    def store(self, x):
+        """x as stored in the 16-bit format: a float32 buffer rounded in place; a float16
+        array already is."""
+        if x.dtype != np.float16:
+            self.round(x, x)
+
     def bias_act(self, z, b, kind):
-        self.round(z, z)
+        self.store(z)
         self.ops.bias_act(z, b, kind)
-        self.round(z, z)
+        self.store(z)
 
     def act_backward(self, h, d, dz, gb, kind):
-        self.round(d, d)            # dx of the layer above: a GEMM's 16-bit output
+        self.store(d)               # dx of the layer above: a GEMM's 16-bit output
         self.ops.act_backward(h, d, dz, gb, kind)
-        self.round(dz, dz)
+        self.store(dz)
 
-    def softmax_xent(self, z, b, y, gb):
-        self.round(z, z)            # the logits: a GEMM's 16-bit output
-        return self.ops.softmax_xent(z, b, y, gb)
+    def softmax_xent(self, z, b, y, gb, scale=1.0):
+        """dLoss/dz rounded once, after scaling (rounding before would flush what the scale
+        is there to keep); the bias gradient: the float32 sums times the scale, rounded."""
+        self.store(z)               # the logits: a GEMM's 16-bit output
+        out = self.ops.softmax_xent(z, b, y, gb, scale)
+        self.store(z)
+        self.store(gb)
+        return out
 
     def log_softmax(self, z, b):
         self.ops.log_softmax(z, b)
@@ -309,10 +337,9 @@ class HalfOps:
         self.ops.exp(z)
 
     def scale(self, x, s):
-        """x *= s, then stored as a 16-bit float: dLoss/dz rounded once, after scaling
-        (rounding before would flush what the scale is there to keep)."""
+        """x *= s, then stored as a 16-bit float."""
         self.ops.scale(x, s)
-        self.round(x, x)
+        self.store(x)
 
     # The LSTM's step kernels get whole C-contiguous row blocks: a step's gate rows hold both
     # directions' columns, the other direction's maybe at another stage. Every value stored
@@ -347,7 +374,7 @@ class HalfOps:
 
     def _before_step(self, *gemm_outputs):
         for x in gemm_outputs:
-            self.round(x, x)
+            self.store(x)
 
     _after_step = _before_step   # the kernel's outputs: stored in the 16-bit format too
 
