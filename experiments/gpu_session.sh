@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The one prepared run for a session lent the GPU machine (issues 44 and 45; docs/gpu.md).
+# Here, in the checkout:   ../shared/gpu/prepare
+# Device tool:             run  command="bash .gpu/on-device.sh bash experiments/gpu_session.sh"
+#                          carry=[".gpu"]  timeout_s=600
+# Parts run in priority order, each under its own time limit, so that a hang costs one part:
+#   tests     HPCSGD_TEST_GPU=1 on every GPU test file, every failure reported
+#   train46m  bench train, the paper's 46M DNN, float32/mixed/bf16 beside PyTorch eager/AMP
+#   small     bench train on the demo and so762 DNNs and the so762 BLSTM beside PyTorch eager
+#             and torch.compile(reduce-overhead), with the host's work per step (census)
+#   exchange  bench exchange --device cuda, 1 and 2 ranks: each codec pass against the copy
+#   demo      the demo trained on 1 and 2 GPU ranks (held-out frame accuracy)
+# ONLY="tests small" runs those parts only: the limits add up to about 20 minutes, more than
+# one call's 600 s and a session's 15 minutes of device time, so a session runs
+# ONLY="tests train46m small" (about 8 min) and, if time is left, ONLY="exchange demo".
+# Everything lands in $OUT (8 files at most): session.log (all output, with the GPU, the CPU
+# and the commit) and results.tgz (the JSON files and the demo runs' metrics).
+set -uo pipefail
+OUT=${OUT:-runs/gpu_session}
+mkdir -p "$OUT" runs/gpu_session
+LOG="$OUT/session.log"
+J=runs/gpu_session
+ONLY=${ONLY:-"tests train46m small exchange demo"}
+want() { [[ " $ONLY " == *" $1 "* ]]; }
+part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the log
+    local name=$1 limit=$2; shift 2
+    want "$name" || return 0
+    echo "=== $name: $* (limit ${limit}s, $(date -u +%H:%M:%S))" >> "$LOG"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - t0)) s" >> "$LOG"
+}
+
+{
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    lscpu | grep -m1 "Model name" || true
+    python -c "import numba, numba_cuda, cupy, torch; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__)" || true
+} > "$LOG" 2>&1
+
+# the demo archive (bundled data): the small models' input and label sizes, and the demo runs
+if want small || want demo; then
+    part prep 120 hpcsgd prep data_prep/demo/so762 runs/demo/archive \
+        --alignments data_prep/demo/so762/phones.ctm --labels data_prep/demo/so762/labels.txt \
+        --cv-speakers 8 --num-shards 2
+fi
+# the so762 configs on the demo archive (the same 40 log-mel features and 40 labels)
+for c in so762 so762_blstm; do
+    sed -e 's#runs/so762/archive/#runs/demo/archive/#' "jobs/configs/$c.yaml" > "$J/$c.yaml"
+done
+
+GPU_TESTS="tests/test_codecs_cuda.py tests/test_model_cuda.py tests/test_lstm_cuda.py
+           tests/test_quantize_cuda.py tests/test_gpu_ranks.py tests/test_eval_cuda.py"
+GPU_TESTS+=" $(ls tests/test_mixed_cuda.py 2>/dev/null)"
+part tests 240 env HPCSGD_TEST_GPU=1 python -m pytest -q -rf -p no:cacheprovider $GPU_TESTS
+
+STEPS=(--steps 20 --warmup 5 --rounds 3)
+part train46m 150 hpcsgd bench train --device cuda --ranks 1 --exchange allreduce \
+    --double-buffering off --precision float32,mixed,bf16 --pytorch "${STEPS[@]}" \
+    --json "$J/train_46m.json"
+for c in jobs/configs/demo.yaml "$J/so762.yaml" "$J/so762_blstm.yaml"; do
+    part small 90 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
+        --exchange allreduce,onebit --double-buffering off --pytorch --pytorch-compile \
+        "${STEPS[@]}" --json "$J/train_$(basename "$c" .yaml).json"
+done
+part exchange 120 hpcsgd bench exchange --device cuda --ranks 1,2 \
+    --codecs onebit,kbit4,dettmers,float16,float32 --repeats 5 --json "$J/exchange.json"
+for k in 1 2; do
+    part demo 120 mpiexec -n "$k" python -m mpi4py -m hpcsgd.cli train \
+        --config jobs/configs/demo.yaml train.device=cuda "train.run_dir=$J/demo_k$k"
+    part demo 30 hpcsgd eval "$J/demo_k$k" --data runs/demo/archive/cv --device cuda \
+        --json "$J/demo_k${k}_eval.json"
+done
+grep -h "NumbaPerformanceWarning" "$J"/demo_k*/logs/*.log >> "$LOG" 2>/dev/null \
+    && echo "(the lines above: NumbaPerformanceWarning in a training log)" >> "$LOG"
+files=$(cd "$J" && ls *.json demo_k*/metrics.jsonl 2>/dev/null)
+[ -n "$files" ] && tar czf "$OUT/results.tgz" -C "$J" $files
+echo "done $(date -u +%H:%M:%S)" >> "$LOG"
