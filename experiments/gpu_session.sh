@@ -6,8 +6,9 @@
 # Parts run in priority order, each under its own time limit, so that a hang costs one part:
 #   tests     HPCSGD_TEST_GPU=1 on every GPU test file, every failure reported
 #   train46m  bench train, the paper's 46M DNN, float32/mixed/bf16 beside PyTorch eager/AMP
-#   small     bench train on the demo and so762 DNNs and the so762 BLSTM beside PyTorch eager
-#             and torch.compile(reduce-overhead), with the host's work per step (census)
+#   small     bench train on the demo and so762 DNNs and the so762 BLSTM with CUDA Graphs beside
+#             PyTorch eager and torch.compile(reduce-overhead), then without graphs, with the
+#             host's work per step (census)
 #   exchange  bench exchange --device cuda, 1 and 2 ranks: each codec pass against the copy
 #   demo      the demo trained on 1 and 2 GPU ranks (held-out frame accuracy)
 # ONLY="tests small" runs those parts only: the limits add up to about 20 minutes, more than
@@ -50,8 +51,8 @@ for c in so762 so762_blstm; do
 done
 
 GPU_TESTS="tests/test_codecs_cuda.py tests/test_model_cuda.py tests/test_lstm_cuda.py
-           tests/test_quantize_cuda.py tests/test_gpu_ranks.py tests/test_eval_cuda.py"
-GPU_TESTS+=" $(ls tests/test_mixed_cuda.py 2>/dev/null)"
+           tests/test_quantize_cuda.py tests/test_gpu_ranks.py tests/test_eval_cuda.py
+           tests/test_graphs.py tests/test_mixed_cuda.py"
 part tests 240 env HPCSGD_TEST_GPU=1 python -m pytest -q -rf -p no:cacheprovider $GPU_TESTS
 
 STEPS=(--steps 20 --warmup 5 --rounds 3)
@@ -59,9 +60,13 @@ part train46m 150 hpcsgd bench train --device cuda --ranks 1 --exchange allreduc
     --double-buffering off --precision float32,mixed,bf16 --pytorch "${STEPS[@]}" \
     --json "$J/train_46m.json"
 for c in jobs/configs/demo.yaml "$J/so762.yaml" "$J/so762_blstm.yaml"; do
+    name=$(basename "$c" .yaml)
     part small 90 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
-        --exchange allreduce,onebit --double-buffering off --pytorch --pytorch-compile \
-        "${STEPS[@]}" --json "$J/train_$(basename "$c" .yaml).json"
+        --exchange allreduce,onebit --double-buffering off --cuda-graphs --pytorch \
+        --pytorch-compile "${STEPS[@]}" --json "$J/train_${name}_graphs.json"
+    part small 60 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
+        --exchange allreduce,onebit --double-buffering off "${STEPS[@]}" \
+        --json "$J/train_${name}_eager.json"
 done
 part exchange 120 hpcsgd bench exchange --device cuda --ranks 1,2 \
     --codecs onebit,kbit4,dettmers,float16,float32 --repeats 5 --json "$J/exchange.json"

@@ -17,6 +17,7 @@ Counted at the outermost call only (the simulator's to_device calls copy_to_devi
 cuBLAS GEMMs through CuPy are counted by hpcsgd.device.matmul (note_launch); NCCL's calls and
 CuPy's own element-wise kernels (the NCCL allreduce's casts) are not counted.
 """
+import contextlib
 import threading
 
 # An H100 has 132 SMs; a launch of fewer than 2 blocks per SM leaves it partly idle (numba-cuda
@@ -28,8 +29,10 @@ FIELDS = ("launches", "small_launches", "syncs", "allocations", "h2d_copies", "h
 
 COUNTS = dict.fromkeys(FIELDS, 0)
 SMALL = {}        # kernel name -> launches of fewer than FILL_BLOCKS blocks
+CAPTURING = False  # a CUDA Graph capture is on (hpcsgd/graphs.py): no copy, allocation, sync
 _depth = threading.local()
 _installed = False
+_quiet = [0]
 
 
 def snapshot():
@@ -41,7 +44,25 @@ def since(before, steps=1):
     return {k: (COUNTS[k] - before[k]) / steps for k in FIELDS}
 
 
+@contextlib.contextmanager
+def quiet():
+    """Nothing counted inside (a simulated graph's replay: the graph launch is counted)."""
+    _quiet[0] += 1
+    try:
+        yield
+    finally:
+        _quiet[0] -= 1
+
+
+def _capturing(what):
+    if CAPTURING:
+        raise RuntimeError(f"{what} inside a CUDA Graph capture: it would run once, at the "
+                           f"capture, not at each launch (hpcsgd/graphs.py)")
+
+
 def note_launch(name, blocks):
+    if _quiet[0]:
+        return
     COUNTS["launches"] += 1
     if blocks < FILL_BLOCKS:
         COUNTS["small_launches"] += 1
@@ -67,6 +88,9 @@ def _nbytes(a):
 
 
 def _to_host(self, ary=None, stream=0):
+    _capturing("a copy to the host")
+    if _quiet[0]:
+        return
     COUNTS["syncs"] += 1          # Numba's copy to the host waits for the device
     COUNTS["d2h_copies"] += 1
     COUNTS["d2h_bytes"] += _nbytes(self)
@@ -75,11 +99,17 @@ def _to_host(self, ary=None, stream=0):
 def _to_device(self, ary, stream=0):
     if hasattr(ary, "copy_to_host") or hasattr(ary, "__cuda_array_interface__"):
         return                    # device to device: queued, no host
+    _capturing("a copy to the device")
+    if _quiet[0]:
+        return
     COUNTS["h2d_copies"] += 1
     COUNTS["h2d_bytes"] += _nbytes(ary)
 
 
 def _new_device(obj, *args, **kwargs):
+    _capturing("an allocation and copy to the device (cuda.to_device)")
+    if _quiet[0]:
+        return
     COUNTS["allocations"] += 1
     if "to" not in kwargs or kwargs["to"] is None:
         COUNTS["h2d_copies"] += 1
@@ -87,11 +117,15 @@ def _new_device(obj, *args, **kwargs):
 
 
 def _allocation(*args, **kwargs):
-    COUNTS["allocations"] += 1
+    _capturing("a device allocation")
+    if not _quiet[0]:
+        COUNTS["allocations"] += 1
 
 
 def _sync(*args, **kwargs):
-    COUNTS["syncs"] += 1
+    _capturing("a device synchronisation")
+    if not _quiet[0]:
+        COUNTS["syncs"] += 1
 
 
 def install():

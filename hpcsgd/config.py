@@ -196,6 +196,9 @@ DEFAULTS = {
     "train.tensorboard": (True, bool, None,
                           "rank 0 writes TensorBoard event files to run_dir/tensorboard/ as the "
                           "run goes (tensorboard --logdir runs/; docs/tensorboard.md)"),
+    "train.cuda_graphs": (False, bool, None,
+                          "GPU ranks: capture each forward+backward shape as a CUDA Graph and "
+                          "replay it (hpcsgd/graphs.py; not with qat.*)"),
     "train.timeline": (False, bool, None,
                        "write a Chrome trace per rank to run_dir/timeline/ (Perfetto, chrome://tracing)"),
     "train.timeline_steps": (200, int, (0, 1 << 40), "steps the timeline records (0 = all)"),
@@ -333,6 +336,10 @@ def load(path=None, overrides=()):
         raise UserError(f"config keys train.precision=bf16 and train.loss_scale="
                         f"{config['train.loss_scale']}: bfloat16 has float32's exponent range, "
                         f"so no gradient needs a scale to survive it; set train.loss_scale=none")
+    if config["train.cuda_graphs"] and (config["train.device"] != "cuda" or qat_of(config)):
+        raise UserError("config key train.cuda_graphs=true: needs train.device=cuda and no "
+                        "qat.* (quantization-aware training reads its ranges back to the host "
+                        "inside the pass, which a graph cannot hold)")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
     if qat_of(config):   # the rules' combinations: hpcsgd.model.quantize.check, at the build

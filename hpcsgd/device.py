@@ -11,6 +11,8 @@ host memory behind a device-array interface, every kernel interpreted in Python.
 simulator has no cuBLAS, so `matmul` multiplies the wrapped host arrays with NumPy there; on
 a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
+import contextlib
+
 import numpy as np
 
 from hpcsgd import census
@@ -97,6 +99,39 @@ def fill_kernel(out, value):
         out[i] = value
 
 
+# ---- the compute stream: where the model's kernels and GEMMs go (train.cuda_graphs)
+_COMPUTE = []   # [(CuPy stream, its Numba twin)] once use_compute_stream() made one
+RECORDER = None  # the simulator's graph being captured: a list of (launch, args) (graphs.py)
+
+
+def use_compute_stream():
+    """GPU ranks that capture CUDA Graphs (hpcsgd/graphs.py): the model's kernels and GEMMs
+    go to one stream made here, a *blocking* one: capturable (the legacy default stream is
+    not), and ordered with the legacy stream both ways, where the optimizer, the codecs, the
+    copies and the MPI staging stay, so nothing else needs an event or a wait. The simulator
+    has no streams (every launch completes in order): nothing to make."""
+    if not _COMPUTE and not simulated():
+        cp = cupy_module()
+        stream = cp.cuda.Stream(non_blocking=False)
+        _COMPUTE.append((stream, cuda.external_stream(stream.ptr)))
+
+
+def compute_stream():
+    """The Numba stream the model's kernels launch on: 0 (the legacy default stream) unless
+    use_compute_stream() made one."""
+    return _COMPUTE[0][1] if _COMPUTE else 0
+
+
+def capture_stream():
+    """The CuPy stream of compute_stream() (None: the legacy one)."""
+    return _COMPUTE[0][0] if _COMPUTE else None
+
+
+def on_stream(config):
+    """A launch configuration (grid, block) on the compute stream: (grid, block, stream)."""
+    return (*config, compute_stream())
+
+
 def one_thread_each(n, most=256):
     """(blocks, threads) of a launch with one thread per element of n (n >= 1): blocks of
     `most` threads, narrowed to n for a smaller array, and halved (a warp at least) while
@@ -115,7 +150,7 @@ def fill(a, value):
     a = as_device(a)
     if a.size:   # grid-stride: capping the grid gives the same result
         blocks, threads = one_thread_each(a.size, FILL_THREADS)
-        fill_kernel[min(blocks, MAX_GRID), threads](a.reshape(a.size), value)
+        fill_kernel[on_stream((min(blocks, MAX_GRID), threads))](a.reshape(a.size), value)
 
 
 def to_host(a):
@@ -158,6 +193,9 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     if a.dtype != b.dtype or (a.dtype != out.dtype and a.dtype != np.float16):
         raise TypeError(f"matmul: operands {a.dtype} and {b.dtype} into {out.dtype}: expected "
                         f"one dtype, or float16 operands into float16 or float32")
+    if RECORDER is not None:   # the simulator capturing a graph: replayed later, as cuBLAS's
+        RECORDER.append((matmul, (a, b, out, trans_a, trans_b)))
+        return
     census.note_launch("cublas_gemm", census.FILL_BLOCKS)   # a cuBLAS kernel (or two)
     if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
         x, y = a._ary, b._ary
@@ -173,7 +211,9 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
         gemm_16f(a, b, out, trans_a, trans_b)
         return
     x, y = cp.asarray(a), cp.asarray(b)
-    cp.matmul(x.T if trans_a else x, y.T if trans_b else y, out=cp.asarray(out))
+    stream = capture_stream()
+    with stream if stream is not None else contextlib.nullcontext():   # CuPy's current stream
+        cp.matmul(x.T if trans_a else x, y.T if trans_b else y, out=cp.asarray(out))
 
 
 def _ld(a):
@@ -212,7 +252,10 @@ def gemm_16f(a, b, out, trans_a=False, trans_b=False):
              np.dtype(np.float32): runtime.CUDA_R_32F}[np.dtype(out.dtype)]
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     ptr = lambda v: v.__cuda_array_interface__["data"][0]   # noqa: E731
-    cublas.gemmEx(cupy_device.get_cublas_handle(),
+    handle = cupy_device.get_cublas_handle()
+    stream = capture_stream()   # the handle's stream is whatever CuPy's last call set: say it
+    cublas.setStream(handle, stream.ptr if stream is not None else 0)
+    cublas.gemmEx(handle,
                   cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
                   cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
                   m, n, k, one.ctypes.data, ptr(b), runtime.CUDA_R_16F, _ld(b),

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
-from hpcsgd.device import fill, is_device, one_thread_each
+from hpcsgd.device import fill, is_device, on_stream, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
 BLOCK = 256   # CUDA threads per block of the element-wise kernels here
@@ -274,7 +274,7 @@ def round_half(src, dst):
     src, dst = src.reshape(-1), dst.reshape(-1)
     if is_device(src):
         if src.size:
-            _round_half_cuda[one_thread_each(src.size, BLOCK)](src, dst)
+            _round_half_cuda[on_stream(one_thread_each(src.size, BLOCK))](src, dst)
         return
     round_half_cpu(src, dst)
 
@@ -285,7 +285,7 @@ def round_bf16(src, dst):
     src, dst = src.reshape(-1), dst.reshape(-1)
     if is_device(src):
         if src.size:
-            _round_bf16_cuda[one_thread_each(src.size, BLOCK)](src.view(np.uint32),
+            _round_bf16_cuda[on_stream(one_thread_each(src.size, BLOCK))](src.view(np.uint32),
                                                               dst.view(np.uint32))
         return
     round_bf16_cpu(src, dst)
@@ -320,7 +320,7 @@ def scale(x, s):
     if is_device(x):
         flat = x.reshape(-1)
         if flat.size:
-            _scale_cuda[one_thread_each(flat.size, BLOCK)](flat, np.float32(s))
+            _scale_cuda[on_stream(one_thread_each(flat.size, BLOCK))](flat, np.float32(s))
         return
     np.multiply(x, np.float32(s), out=x)
 
@@ -351,7 +351,7 @@ def unscale(g, scale, rounding=None):
         if g.size:
             if kind == "bfloat16":   # its own pass: a CUDA kernel has no float32 <-> uint32 cast
                 round_bf16(g, g)
-            _unscale_cuda[one_thread_each(g.size, BLOCK)](g, inv, kind == "float16", stats)
+            _unscale_cuda[on_stream(one_thread_each(g.size, BLOCK))](g, inv, kind == "float16", stats)
         bad, amax = stats.copy_to_host()   # device -> host: sync point
         return int(bad), float(amax)
     bad, amax = unscale_cpu(g, inv, {None: NONE, "float16": FLOAT16, "bfloat16": BFLOAT16}[kind])

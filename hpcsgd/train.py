@@ -322,6 +322,8 @@ def build_state(cfg, grid, loader, timeline):
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
+    if cfg["train.cuda_graphs"]:   # before the first pass: its buffers' stream is set here
+        model.use_cuda_graphs()
     params = model.new_params()
     grads = gradient_buffers(model, db)   # double buffering: one in flight, one computing
     ex = make_exchange(cfg, grid.data, params.matrices,   # preallocates every exchange buffer
@@ -622,6 +624,10 @@ def log_start(log, cfg, grid, loader, state, ex):
                     if fmt == "bfloat16" else "")
                  + (f"; the float32 master weights and optimizer state are updated, a {fmt} "
                     f"copy computes" if fmt else ""))
+    if cfg["train.cuda_graphs"]:
+        log.info("CUDA Graphs: each forward+backward shape runs once, is captured, then "
+                 "replays as one launch (the minibatch copy, the loss read, the exchange and "
+                 "the update stay outside it: hpcsgd/graphs.py)")
     if cfg["optim.adagrad"] != "off" and cfg["optim.lr"] > ADAGRAD_LR_WARN:
         log.info(f"warning: optim.adagrad={cfg['optim.adagrad']} with optim.lr={cfg['optim.lr']:g}: "
                  f"AdaGrad divides each gradient by its RMS, so its per-sample rate is about 500x "

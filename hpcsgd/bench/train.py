@@ -117,6 +117,9 @@ def add_arguments(parser):
                         help="with --pytorch on one rank: also torch.compile(mode="
                              "'reduce-overhead') (CUDA graphs on a GPU), the stronger peer for "
                              "small models")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="--device cuda: each forward+backward as a CUDA Graph "
+                             "(train.cuda_graphs; hpcsgd/graphs.py)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     parser.add_argument("--precision", default="float32",
                         help="float32, mixed, bf16, or a list (float32,mixed,bf16): the step in "
@@ -238,6 +241,7 @@ def run(args):
               "--activation", activation, "--device", args.device]
     worker += ["--pytorch"] if args.pytorch else []
     worker += ["--pytorch-compile"] if args.pytorch_compile else []
+    worker += ["--cuda-graphs"] if args.cuda_graphs else []
     worker += ["--precision", args.precision] + (["--qat", args.qat] if args.qat else [])
     worker += ["--small"] if args.small else []
     worker += ["--config", args.config] if args.config else []
@@ -708,6 +712,12 @@ def worker(argv):
     unit = unit_of(shape)   # an LSTM's rows are whole chunks (steps = chunk: no context)
     max_local = max(int(batch_split(n, K, unit)[0]) for n in ns)
     r = Rank(comm, shape, activation, max_local, dev, precisions, grid)
+    if args.cuda_graphs:   # train.cuda_graphs: every float model's pass as a CUDA Graph
+        if dev != "cuda":
+            raise SystemExit("--cuda-graphs: GPU ranks only (--device cuda)")
+        for precision, (model, _, _) in r.models.items():
+            if not precision.startswith(("qat:", "act:")):
+                model.use_cuda_graphs()
     size = r.params.size
     flop = r.model.gemm_flop_per_frame()
     configs = [(n, mode, batch_split(n, K, unit)) for n in ns for mode in modes]

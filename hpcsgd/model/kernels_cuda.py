@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from hpcsgd import census
-from hpcsgd.device import as_device, fill, mul_rn  # noqa: F401  (fill: re-exported)
+from hpcsgd.device import as_device, fill, mul_rn, on_stream  # noqa: F401  (fill: re-exported)
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels import SIGMOID
 
@@ -440,7 +440,7 @@ def fake_quant(x, out, step, inv, klo, khi):
     x, out = as_device(x), as_device(out)
     n, m = x.shape
     if n and m:
-        _fake_quant_kernel[_elem_launch(n, m)](x, out, step, inv, klo, khi)
+        _fake_quant_kernel[on_stream(_elem_launch(n, m))](x, out, step, inv, klo, khi)
 
 
 def fake_quant_channels(x, out, step, inv, klo, khi):
@@ -451,7 +451,7 @@ def fake_quant_channels(x, out, step, inv, klo, khi):
                  else as_device(v) for v in (step, inv))
     n, m = x.shape
     if n and m:
-        _fake_quant_channels_kernel[_elem_launch(n, m)](x, out, step, inv, klo, khi)
+        _fake_quant_channels_kernel[on_stream(_elem_launch(n, m))](x, out, step, inv, klo, khi)
 
 
 def column_abs_stats(x, out):
@@ -460,7 +460,7 @@ def column_abs_stats(x, out):
     x, out = as_device(x), as_device(out)
     n, m = x.shape
     if m:
-        _column_stats_kernel[-(-m // 128), 128](x, out)
+        _column_stats_kernel[on_stream((-(-m // 128), 128))](x, out)
     return out[:m].copy_to_host()
 
 
@@ -471,7 +471,7 @@ def fake_quant_backward(x, d, lo, hi, part):
     n, m = x.shape
     if n == 0 or m == 0:
         return 0.0, 0.0
-    _fake_quant_backward_kernel[n, row_threads(m)](x, d, lo, hi, part)
+    _fake_quant_backward_kernel[on_stream((n, row_threads(m)))](x, d, lo, hi, part)
     sums = part[:n].copy_to_host()
     return float(np.sum(sums[:, 0])), float(np.sum(sums[:, 1]))
 
@@ -483,7 +483,7 @@ def abs_stats(x, part):
     n, m = x.shape
     if n == 0 or m == 0:
         return 0.0, 0.0, 0.0
-    _abs_stats_kernel[n, row_threads(m)](x, part)
+    _abs_stats_kernel[on_stream((n, row_threads(m)))](x, part)
     rows = part[:n].copy_to_host()
     return float(rows[:, 0].max()), float(np.sum(rows[:, 1])) / x.size, \
         float(np.sum(rows[:, 2])) / x.size
@@ -495,7 +495,7 @@ def lstm_forward_step(a, r, b, c_prev, c, h):
     a, r, b, c_prev, c, h = (as_device(v) for v in (a, r, b, c_prev, c, h))
     nb, hc = c.shape
     if nb and hc:
-        _lstm_forward_step_kernel[_elem_launch(nb, hc)](a, r, b, c_prev, c, h)
+        _lstm_forward_step_kernel[on_stream(_elem_launch(nb, hc))](a, r, b, c_prev, c, h)
 
 
 def lstm_backward_step(a, c_prev, c, dh, dr, dc):
@@ -504,7 +504,7 @@ def lstm_backward_step(a, c_prev, c, dh, dr, dc):
     a, c_prev, c, dh, dr, dc = (as_device(v) for v in (a, c_prev, c, dh, dr, dc))
     nb, hc = c.shape
     if nb and hc:
-        _lstm_backward_step_kernel[_elem_launch(nb, hc)](a, c_prev, c, dh, dr, dc)
+        _lstm_backward_step_kernel[on_stream(_elem_launch(nb, hc))](a, c_prev, c, dh, dr, dc)
 
 
 def bias_act_forward(z, b, kind):
@@ -512,7 +512,7 @@ def bias_act_forward(z, b, kind):
     z, b = as_device(z), as_device(b)
     n, m = z.shape
     if n and m:
-        _bias_act_kernel[_elem_launch(n, m)](z, b, kind)
+        _bias_act_kernel[on_stream(_elem_launch(n, m))](z, b, kind)
 
 
 def act_backward(h, d, dz, gb, kind):
@@ -521,10 +521,10 @@ def act_backward(h, d, dz, gb, kind):
     h, d, dz = as_device(h), as_device(d), as_device(dz)
     n, m = d.shape
     if n and m and dz.dtype == np.float16:
-        _act_backward_sums_kernel[column_sums_launch(m)](h, d, dz, as_device(gb), kind)
+        _act_backward_sums_kernel[on_stream(column_sums_launch(m))](h, d, dz, as_device(gb), kind)
         return
     if n and m:
-        _act_backward_kernel[_elem_launch(n, m)](h, d, dz, kind)
+        _act_backward_kernel[on_stream(_elem_launch(n, m))](h, d, dz, kind)
     column_sums(dz, gb)
 
 
@@ -535,7 +535,7 @@ def column_sums(a, out):
     if n == 0:
         fill(out, 0)
     elif m:
-        _column_sums_kernel[column_sums_launch(m)](a, out)
+        _column_sums_kernel[on_stream(column_sums_launch(m))](a, out)
 
 
 def column_sums_launch(m):
@@ -550,14 +550,17 @@ def column_sums_launch(m):
     return -(-m // tile), (tile, SUM_LANES)
 
 
-def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows, stats=None, scale=1.0):
+def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows, stats=None, scale=1.0,
+                          read=True):
     """z (N, M) logits without bias in; posterior - onehot(y) of z + b out (in place). y (N,)
     int32 labels; gb (1, M) = column sums of the gradient; ce_rows (>= N) float64 and
     correct_rows (>= N) int32 scratch get each row's CE (nats) and hit (first argmax == y).
     A float16 z (float16 storage) needs stats, (>= N, 2) float32 scratch, and gets the
     gradient times `scale` (the loss scale, a power of two) rounded once to float16, gb the
     column sums of the float32 gradient before that (unscaled); a float32 z is not scaled.
-    Returns (CE summed over the rows: float, hits: int): a device-to-host copy, a sync point."""
+    Returns (CE summed over the rows: float, hits: int): a device-to-host copy, a sync point;
+    read=False leaves them in ce_rows/correct_rows (a CUDA Graph's capture: read_rows after
+    its launch) and returns None."""
     z, b, y, gb = as_device(z), as_device(b), as_device(y), as_device(gb)
     ce_rows, correct_rows = as_device(ce_rows), as_device(correct_rows)
     n, m = z.shape
@@ -566,12 +569,18 @@ def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows, stats=None, scale=
         return 0.0, 0
     fused = z.dtype == np.float16
     stats = as_device(stats) if fused else _no_stats()   # (unused by the unfused kernel)
-    _softmax_xent_kernel[n, row_threads(m)](z, b, y, ce_rows, correct_rows, stats, fused)
+    _softmax_xent_kernel[on_stream((n, row_threads(m)))](z, b, y, ce_rows, correct_rows, stats, fused)
     if fused:
-        _xent_grad_sums_kernel[column_sums_launch(m)](z, b, y, stats, gb, np.float32(scale))
+        _xent_grad_sums_kernel[on_stream(column_sums_launch(m))](z, b, y, stats, gb, np.float32(scale))
     else:
         column_sums(z, gb)
-    ce = ce_rows[:n].copy_to_host()      # waits for the kernels above
+    return read_rows(ce_rows, correct_rows, n) if read else None
+
+
+def read_rows(ce_rows, correct_rows, n):
+    """(CE summed over rows 0..n-1, hits) from the per-row device buffers: two copies to the
+    host, which wait for the kernels that wrote them (a sync point)."""
+    ce = ce_rows[:n].copy_to_host()
     hits = correct_rows[:n].copy_to_host()
     return float(np.sum(ce)), int(np.sum(hits))
 
@@ -592,7 +601,7 @@ def log_softmax_forward(z, b):
     z, b = as_device(z), as_device(b)
     n, m = z.shape
     if n and m:
-        _log_softmax_kernel[n, row_threads(m)](z, b)
+        _log_softmax_kernel[on_stream((n, row_threads(m)))](z, b)
 
 
 def exp_inplace(z):
@@ -600,4 +609,4 @@ def exp_inplace(z):
     z = as_device(z)
     n, m = z.shape
     if n and m:
-        _exp_kernel[_elem_launch(n, m)](z)
+        _exp_kernel[on_stream(_elem_launch(n, m))](z)

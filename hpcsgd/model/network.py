@@ -110,6 +110,7 @@ class Network:
             self.aq = [zeros((self.max_batch, layer.n_in), self.dtype, device)
                        if rule != "none" else None
                        for layer, rule in zip(self.layers, self.quant.rules)]
+        self.graphs = None   # use_cuda_graphs(): hpcsgd/graphs.py
         if device == "cuda":
             self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
             self.y_in = zeros(self.max_batch, np.int32, "cuda")
@@ -255,8 +256,24 @@ class Network:
         x, y = self._to_device(x, y, n)
         # an overflow (float16, or a scaled gradient) is detected by unscale(), not warned of
         with np.errstate(over="ignore", invalid="ignore"):
+            if self.graphs is not None and ops is self.ops and progress is None:
+                # one CUDA Graph per shape, buffers and scale: the same pass, one launch
+                key = (n, float(loss_scale), steps, id(params), id(grads), id(x), id(y))
+                return self.graphs.run(key, lambda: self._forward_backward(
+                    params, grads, x, y, n, None, ops, loss_scale, steps), n)
             return self._forward_backward(params, grads, x, y, n, progress, ops, loss_scale,
                                           steps)
+
+    def use_cuda_graphs(self):
+        """GPU ranks: capture forward_backward as CUDA Graphs from now on (hpcsgd/graphs.py),
+        where it can be: not with quantization-aware training (its statistics come back to the
+        host inside the pass: refused) nor model parallelism (collectives inside the pass);
+        a pass given MPI_Test between GEMMs (double buffering's progress) runs eagerly."""
+        from hpcsgd.graphs import Graphs
+        if self.device != "cuda" or self.quant or self.parallel:
+            raise ValueError("train.cuda_graphs: GPU ranks only, without qat.* or "
+                             "model.parallel (their passes read back to the host)")
+        self.graphs = Graphs(self.ops)
 
     def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, steps):
         if self.half:   # the 16-bit copy of the weights and input; 16-bit stores

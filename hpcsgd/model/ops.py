@@ -147,6 +147,12 @@ class CudaOps:
         self.correct_rows = zeros(max_batch, np.int32, "cuda")
         self.row_stats = zeros((max_batch, 2), np.float32, "cuda")   # float16 logits' rows
         self.quant_part = None
+        # a CUDA Graph's capture (hpcsgd/graphs.py): softmax_xent leaves the loss in the row
+        # buffers and returns (None, None); read_loss(n) after the graph's launch reads it
+        self.defer_loss = False
+
+    def read_loss(self, n):
+        return KC.read_rows(self.ce_rows, self.correct_rows, n)
 
     def bias_act(self, z, b, kind):
         KC.bias_act_forward(z, b, kind)
@@ -156,14 +162,16 @@ class CudaOps:
 
     def softmax_xent(self, z, b, y, gb, scale=1.0):
         """float16 z: the kernels scale it before its store (one rounding, after scaling)."""
+        read = not self.defer_loss
         if z.dtype == np.float16:   # each row's (max, 1 / sum), then a column pass
             out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
-                                           self.row_stats, scale)
+                                           self.row_stats, scale, read=read)
         else:
-            out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows)
+            out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
+                                           read=read)
             half.scale(z, scale)
         half.scale(gb, scale)
-        return out
+        return out if read else (None, None)
 
     def log_softmax(self, z, b):
         KC.log_softmax_forward(z, b)
