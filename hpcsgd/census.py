@@ -98,7 +98,10 @@ def _to_host(self, ary=None, stream=0):
 
 def _to_device(self, ary, stream=0):
     if hasattr(ary, "copy_to_host") or hasattr(ary, "__cuda_array_interface__"):
-        return                    # device to device: queued, no host
+        # device to device: queued, no host; but on the legacy stream, which a capture on
+        # another stream cannot contain
+        _capturing("a device-to-device copy (Numba queues it on the legacy stream)")
+        return
     _capturing("a copy to the device")
     if _quiet[0]:
         return
