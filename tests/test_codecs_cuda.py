@@ -154,6 +154,44 @@ else:
         np.testing.assert_array_equal(got.copy_to_host(), want)
         assert launches == (1 if name in ("onebit", "kbit") else K)
 
+    @pytest.mark.parametrize("name,opts", [CONFIGS[0], CONFIGS[2], CONFIGS[-4]], ids=str)
+    def test_cuda_many_matrices_in_one_launch_equal_cpu(name, opts):
+        """The striped exchange's phases over several matrices (items: element offset,
+        columns, rows, byte offset; here 3 x 70, 1 x 1 and 2 x 33 at gaps): encode_many,
+        decode_sum_many over K = 2 sources and decode_many (set, and apply: w -= lr * d) on
+        the GPU equal the CPU's per-matrix calls bit for bit; the 1-bit and k-bit codecs take
+        one launch per call, the others theirs per matrix."""
+        from hpcsgd import census
+        census.install()
+        rng = np.random.default_rng(5)
+        cpu, gpu = make_codec(name, backend="cpu", **opts), make_codec(name, backend="cuda", **opts)
+        shapes, items, a, off = [(3, 70), (1, 1), (2, 33)], [], 3, 8
+        for cols, rows in shapes:
+            items.append((a, cols, rows, off))
+            a, off = a + cols * rows + 5, off + cpu.packed_nbytes(cols, rows) + 4
+        n, nbytes = a, off
+        g = rng.standard_normal(n).astype(np.float32)
+        w0 = rng.standard_normal(n).astype(np.float32)
+        packed = {}
+        for codec, put, get in ((cpu, lambda v: v.copy(), lambda v: v),
+                                (gpu, cuda.to_device, lambda v: v.copy_to_host())):
+            r, out = put(np.zeros(n, np.float32)), put(np.zeros(2 * nbytes, np.uint8))
+            before = census.snapshot()
+            codec.encode_many(items, put(g), r, out)                   # source 0
+            codec.encode_many([(i[0], i[1], i[2], i[3] + nbytes) for i in items], put(-g), r, out)
+            launches = census.since(before)["launches"]
+            sums, dec, w = (put(np.full(n, np.nan, np.float32)), put(np.zeros(n, np.float32)),
+                            put(w0))
+            codec.decode_sum_many(items, out, nbytes, 2, sums)
+            codec.decode_many(items, out, dec)
+            if codec.fused_apply:
+                codec.decode_many(items, out, w, 0.37)
+            packed[codec.backend] = (get(out), get(r), get(sums), get(dec), get(w), launches)
+        for got, want in zip(packed["cuda"][:5], packed["cpu"][:5]):
+            np.testing.assert_array_equal(got, want)
+        # Dettmers: its scales and its encode, per matrix
+        assert packed["cuda"][5] == (2 if name in ("onebit", "kbit") else 2 * len(items) * 2)
+
     def test_cuda_rejects_host_arrays():
         c = make_codec("onebit", backend="cuda")
         g = np.zeros((2, 8), np.float32)

@@ -16,6 +16,7 @@ from numba.core.extending import intrinsic
 from hpcsgd.lazy_cuda import cuda
 
 LANES = 32
+SET, ADD, SUB_LR = 0, 1, 2   # decode modes: out = d, out += d, out -= lr * d (decode_apply)
 
 
 @intrinsic
@@ -177,12 +178,102 @@ class Codec:
             raise ValueError(f"backend must be cpu, cuda or reference, got {backend!r}")
         self.backend = backend
 
+    # ---- several matrices at once (the striped exchange's pieces). items: (element offset
+    # in the flat arrays, columns, rows, byte offset in the packed buffer) per matrix. A
+    # codec with the two GPU launches of the table path (_launch_encode, _launch_decode: the
+    # 1-bit and k-bit codecs) takes every matrix in one launch on GPU ranks, from a
+    # per-layout table of their columns (column_table); the others loop over the matrices.
+    # Decode modes: SET, ADD (out +=) and SUB_LR (out -= lr * decoded: decode_apply).
+
+    def _table_path(self):
+        return self.backend == "cuda" and hasattr(self, "_launch_encode")
+
+    def encode_many(self, items, src, residual, out):
+        if not self._table_path():
+            for a, cols, rows, off in items:
+                n, nb = cols * rows, self.packed_nbytes(cols, rows)
+                self.encode(src[a:a + n].reshape(cols, rows),
+                            residual[a:a + n].reshape(cols, rows), out[off:off + nb])
+            return
+        table = self.column_table(items, self.words_per_column)
+        if table.shape[0]:
+            flag = self._device_flag(lambda v: nonfinite_error(
+                self.name, *self.column_of(items, v - 1)))
+            self._launch_encode(table, src, residual, out, flag)
+            self._flagged()
+
+    def decode_sum_many(self, items, recv, stride, n_src, out):
+        """out = the sum of the n_src contributions `stride` bytes apart (decode_sum), per
+        matrix."""
+        if not self._table_path() or stride % 4:
+            for a, cols, rows, off in items:
+                self.decode_sum(recv, stride, off, self.packed_nbytes(cols, rows), n_src,
+                                out[a:a + cols * rows].reshape(cols, rows))
+            return
+        self._decode_table(items, recv, out, SET, n_src=n_src, stride=stride)
+
+    def decode_many(self, items, packed, out, lr=None):
+        """out = decoded (lr None), or out -= lr * decoded (decode_apply), per matrix."""
+        if not self._table_path():
+            for a, cols, rows, off in items:
+                p, o = packed[off:off + self.packed_nbytes(cols, rows)], \
+                    out[a:a + cols * rows].reshape(cols, rows)
+                if lr is None:
+                    self.decode(p, o)
+                else:
+                    self.decode_apply(p, o, lr)
+            return
+        self._decode_table(items, packed, out, SET if lr is None else SUB_LR,
+                           0.0 if lr is None else lr)
+
+    def _decode_table(self, items, packed, out, mode, lr=0.0, n_src=1, stride=0):
+        table = self.column_table(items, self.words_per_column)
+        if table.shape[0]:
+            from hpcsgd.device import as_device
+            self._launch_decode(table, packed, as_device(out), mode, lr, n_src, stride // 4,
+                                max(rows for _, _, rows, _ in items))
+
+    def column_table(self, items, words_per_column):
+        """The device table of items' columns, int64 (columns, 3): element offset, rows, word
+        offset of its packed column (words_per_column(rows) words each); made once per
+        layout (the one copy to the device), then looked up."""
+        key = tuple(items)
+        tables = self.__dict__.setdefault("_tables", {})
+        table = tables.get(key)
+        if table is None:
+            rows_of = []
+            for a, cols, rows, off in items:
+                W = words_per_column(rows)
+                for j in range(cols):
+                    rows_of.append((a + j * rows, rows, off // 4 + j * W))
+            from hpcsgd.device import zeros
+            table = zeros((len(rows_of), 3), np.int64, "cuda")
+            if rows_of:
+                table.copy_to_device(np.array(rows_of, np.int64))
+            tables[key] = table
+        return table
+
+    @staticmethod
+    def column_of(items, c):
+        """(shape, column) of the items' c-th column (error messages)."""
+        for a, cols, rows, off in items:
+            if c < cols:
+                return (cols, rows), c
+            c -= cols
+        raise IndexError(c)
+
     def decode_sum(self, recv, stride, at, nbytes, n_src, out):
         """out = the sum of n_src packed contributions, source s's at recv[s * stride + at:]
         (nbytes each), added in source order 0..n_src-1 (the first overwrites: no zeroing
-        pass), so every run adds in the same order. The GPU 1-bit and k-bit codecs do it in
-        one launch that reads each contribution once and writes out once (decode_sum_cuda);
-        this is the same sum, a decode per source."""
+        pass), so every run adds in the same order. The table path (GPU 1-bit and k-bit) does
+        it in one launch that reads each contribution once and writes out once, the same
+        float32 sums in the same order; otherwise a decode per source."""
+        if self._table_path() and not (stride % 4 or at % 4) and out.size:
+            from hpcsgd.device import as_device
+            self._check_decode(recv[at:at + nbytes], out)
+            self._decode_table([(0, *out.shape, at)], recv, as_device(out).reshape(out.size),
+                               SET, n_src=n_src, stride=stride)
+            return
         for src in range(n_src):
             packed = recv[src * stride + at:src * stride + at + nbytes]
             if src == 0:

@@ -22,9 +22,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.codecs.common import (KEY_NEG_INF, KEY_POS_INF, LANES, Codec, f32_bits, f32_from_bits,
-                                  lane_tree_cpu, lane_tree_cuda, nonfinite_error, order_key,
-                                  order_key_ref, pack_chunk_cuda, ref_lane_sums, row_threads)
+from hpcsgd.codecs.common import (ADD, KEY_NEG_INF, KEY_POS_INF, LANES, SET, Codec, f32_bits,
+                                  f32_from_bits, lane_tree_cpu, lane_tree_cuda, nonfinite_error,
+                                  order_key, order_key_ref, pack_chunk_cuda, ref_lane_sums,
+                                  row_threads)
 from hpcsgd.device import as_device
 from hpcsgd.lazy_cuda import cuda
 
@@ -418,13 +419,16 @@ def decode_cpu(cols, fcols, out, accumulate, k, nchunk):
 
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
-def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
-    """One 32-thread block per column: canonical lane sums, then 32 rows at a time, one per
+def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip, table):
+    """One 32-thread block per column of the table (element offset in the flat g and r, rows,
+    word offset of its packed column): canonical lane sums, then 32 rows at a time, one per
     lane (coalesced: code and residual from one read), the chunk's k words packed through
     shared memory (pack_chunk)."""
     c = cuda.blockIdx.x
     lane = cuda.threadIdx.x
-    n_rows = g.shape[1]
+    ga = table[c, 0]
+    n_rows = table[c, 1]
+    wo = table[c, 2]
     W = 2 + (n_rows * k + 31) // 32
     sq = cuda.shared.array(LANES, np.float64)
     mns = cuda.shared.array(LANES, np.float32)
@@ -436,7 +440,7 @@ def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
     mx = np.float32(-np.inf)
     z = 0   # bit 0: the column holds a -0, bit 1: a +0 (the CPU's order keys put -0 below +0)
     for i in range(lane, n_rows, LANES):
-        v = g[c, i] + r[c, i]
+        v = g[ga + i] + r[ga + i]
         x = np.float64(v)
         acc += x * x
         mn = min(mn, v)
@@ -466,8 +470,8 @@ def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
             lower, upper = _range_cuda(sumsq, mn, mx, n_rows, use_minmax, clip)
             lu[0] = lower
             lu[1] = upper
-            fwords[c * W] = lower
-            fwords[c * W + 1] = upper
+            fwords[wo] = lower
+            fwords[wo + 1] = upper
     cuda.syncthreads()
     if lu[2] != 0.0:
         return
@@ -480,31 +484,33 @@ def encode_cuda(g, r, words, fwords, bad, k, use_minmax, clip):
         i = base + lane
         q = 0
         if i < n_rows:
-            v = g[c, i] + r[c, i]
+            v = g[ga + i] + r[ga + i]
             q = _code_cuda(v, lower, inv, maxq)
-            r[c, i] = v - _value_cuda(q, lower, step)
+            r[ga + i] = v - _value_cuda(q, lower, step)
         codes[lane] = q
         cuda.syncthreads()
         at = base * k // LANES   # the chunk's first word: 32 rows fill k words exactly
-        pack_chunk_cuda(codes, lane, k, words, c * W + 2 + at, min(k, W - 2 - at))
+        pack_chunk_cuda(codes, lane, k, words, wo + 2 + at, min(k, W - 2 - at))
         cuda.syncthreads()
 
 
 @cuda.jit
-def decode_cuda(words, fwords, out, accumulate, k, n_src, stride):
-    """One block per column, one thread per row; a field may span two words. n_src > 1: the
-    sum of n_src packed columns `stride` words apart, added in source order in float32 as a
-    decode then decode_accumulate per source add them, with one write."""
+def decode_cuda(words, fwords, out, mode, k, n_src, stride, table):
+    """One block per column of the table (element offset in the flat out, rows, word offset),
+    one thread per row; a field may span two words. mode SET: out = decoded; ADD: out +=
+    decoded. n_src > 1: the sum of n_src packed columns `stride` words apart, added in source
+    order in float32 as a decode then decode_accumulate per source add them, one write."""
     c = cuda.blockIdx.x
-    n_rows = out.shape[1]
-    W = 2 + (n_rows * k + 31) // 32
+    oa = table[c, 0]
+    n_rows = table[c, 1]
+    wo = table[c, 2]
     mask = np.uint64((1 << k) - 1)
     for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
-        acc = out[c, i] if accumulate else np.float32(0.0)
+        acc = out[oa + i] if mode == ADD else np.float32(0.0)
         bit = i * k
         off = bit % 32
         for s in range(n_src):
-            at = s * stride + c * W
+            at = s * stride + wo
             lower = fwords[at]
             step = _step_cuda(lower, fwords[at + 1], 1 << k)
             w = at + 2 + bit // 32
@@ -512,11 +518,11 @@ def decode_cuda(words, fwords, out, accumulate, k, n_src, stride):
             if off + k > 32:
                 x |= np.uint64(words[w + 1]) << np.uint64(32 - off)
             val = _value_cuda(int(x & mask), lower, step)
-            if accumulate or s > 0:   # float32 sums, in order (acc stays float32)
+            if mode == ADD or s > 0:   # float32 sums, in order (acc stays float32)
                 acc += val
             else:
                 acc = val
-        out[c, i] = acc
+        out[oa + i] = acc
 
 
 # ---------------------------------------------------------------- the codec
@@ -553,12 +559,8 @@ class KBit(Codec):
                        min(n_cols, 8 * numba.get_num_threads()))
             bad = int(np.argmax(flags)) if flags.any() else -1
         else:
-            shape = grad.shape
-            flag = self._device_flag(lambda v: nonfinite_error(self.name, shape, v - 1))
-            o = as_device(out)
-            encode_cuda[n_cols, LANES](as_device(grad), as_device(residual), o.view(np.uint32),
-                                       o.view(np.float32), flag, k, mm, self.clip)
-            self._flagged()
+            self.encode_many([(0, n_cols, n_rows, 0)], as_device(grad).reshape(grad.size),
+                             as_device(residual).reshape(grad.size), out)
             bad = -1
         if bad >= 0:
             raise nonfinite_error(self.name, grad.shape, bad)
@@ -576,19 +578,25 @@ class KBit(Codec):
                        packed.view(np.float32).reshape(n_cols, W), out, accumulate, self.bits,
                        min(n_cols, 8 * numba.get_num_threads()))
         else:
-            p = as_device(packed)
-            decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                     as_device(out), accumulate, self.bits, 1, 0)
+            self._decode_table([(0, n_cols, n_rows, 0)], packed,
+                               as_device(out).reshape(out.size), ADD if accumulate else SET)
 
-    def decode_sum(self, recv, stride, at, nbytes, n_src, out):
-        n_cols, n_rows = out.shape
-        if self.backend != "cuda" or n_src < 2 or stride % 4 or at % 4 or not out.size:
-            return super().decode_sum(recv, stride, at, nbytes, n_src, out)
-        self._check_decode(recv[at:at + nbytes], out)
-        p = as_device(recv)[at:at + (n_src - 1) * stride + nbytes]
-        decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                 as_device(out), False, self.bits, n_src,
-                                                 stride // 4)
+    # ---- the GPU launches of Codec's table path (every matrix of a phase in one launch)
+    def words_per_column(self, rows):
+        return words_per_column(rows, self.bits)
+
+    def _launch_encode(self, table, src, residual, out, flag):
+        o = as_device(out)
+        encode_cuda[table.shape[0], LANES](as_device(src), as_device(residual),
+                                           o.view(np.uint32), o.view(np.float32), flag,
+                                           self.bits, self.range == "minmax", self.clip, table)
+
+    def _launch_decode(self, table, packed, out, mode, lr, n_src, stride, most_rows):
+        if mode not in (SET, ADD):
+            raise ValueError("kbit: no fused decode-apply (the exchange decodes, then applies)")
+        p = as_device(packed)
+        decode_cuda[table.shape[0], row_threads(most_rows)](
+            p.view(np.uint32), p.view(np.float32), out, mode, self.bits, n_src, stride, table)
 
     def decode(self, packed, out):
         self._decode(packed, out, False)

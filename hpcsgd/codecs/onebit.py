@@ -149,15 +149,17 @@ def decode_cpu(cols, meancols, out, mode, lr):
 
 # ---------------------------------------------------------------- Numba CUDA
 @cuda.jit
-def encode_cuda(g, r, words, means, bad):
-    """One 32-thread block per column: lane sums + tree (= the canonical order), then 32 rows
-    at a time, one per lane (coalesced: residual read and written once), their bits packed
-    through shared memory (pack_chunk). words/means: the packed buffer viewed as 1-D
-    uint32/float32."""
+def encode_cuda(g, r, words, means, bad, table):
+    """One 32-thread block per column of the table (one matrix's or several's: element
+    offset in the flat g and r, rows, word offset of its packed column in words/means, the
+    packed buffers viewed as 1-D uint32/float32): lane sums + tree (= the canonical order),
+    then 32 rows at a time, one per lane (coalesced: residual read and written once), their
+    bits packed through shared memory (pack_chunk)."""
     c = cuda.blockIdx.x
     lane = cuda.threadIdx.x
-    n_rows = g.shape[1]
-    W = 2 + (n_rows + 31) // 32
+    at = table[c, 0]
+    n_rows = table[c, 1]
+    wo = table[c, 2]
     pos = cuda.shared.array(LANES, np.float64)
     neg = cuda.shared.array(LANES, np.float64)
     cnt = cuda.shared.array(LANES, np.int32)
@@ -166,7 +168,7 @@ def encode_cuda(g, r, words, means, bad):
     n_acc = 0.0
     k = 0
     for i in range(lane, n_rows, LANES):  # coalesced: a warp reads 32 consecutive rows
-        x = np.float64(g[c, i] + r[c, i])
+        x = np.float64(g[at + i] + r[at + i])
         p = x if x >= 0.0 else 0.0
         p_acc += p
         n_acc += x - p
@@ -189,8 +191,8 @@ def encode_cuda(g, r, words, means, bad):
             m0, m1 = _means_cuda(s_neg, s_pos, n_pos, n_rows)
             mm[0] = m0
             mm[1] = m1
-            means[c * W] = m0
-            means[c * W + 1] = m1
+            means[wo] = m0
+            means[wo + 1] = m1
     cuda.syncthreads()
     if mm[2] != 0.0:
         return
@@ -201,39 +203,41 @@ def encode_cuda(g, r, words, means, bad):
         i = base + lane
         q = 0
         if i < n_rows:
-            v = g[c, i] + r[c, i]
+            v = g[at + i] + r[at + i]
             q = 1 if v >= 0 else 0
-            r[c, i] = v - (m1 if q else m0)
+            r[at + i] = v - (m1 if q else m0)
         codes[lane] = q
         cuda.syncthreads()
-        pack_chunk_cuda(codes, lane, 1, words, c * W + 2 + base // LANES, 1)
+        pack_chunk_cuda(codes, lane, 1, words, wo + 2 + base // LANES, 1)
         cuda.syncthreads()
 
 
 @cuda.jit
-def decode_cuda(words, means, out, mode, lr, n_src, stride):
-    """One block per column, one thread per row (coalesced). mode SET: out = decoded;
-    ADD: out += decoded; SUB_LR: out -= lr * decoded (the weights; decode_column_cpu's
-    arithmetic, float64 lr times the float32 value, the difference rounded once; the product
-    as mul.rn.f64, which ptxas may not fuse into an FMA: the CPU's bits). n_src > 1 (SET or ADD): the
-    sum of n_src packed columns `stride` words apart, added in source order in float32 as
-    a decode then decode_accumulate per source add them, with one write."""
+def decode_cuda(words, means, out, mode, lr, n_src, stride, table):
+    """One block per column of the table (element offset in the flat out, rows, word offset),
+    one thread per row (coalesced). mode SET: out = decoded; ADD: out += decoded; SUB_LR:
+    out -= lr * decoded (the weights; decode_column_cpu's arithmetic, float64 lr times the
+    float32 value, the difference rounded once; the product as mul.rn.f64, which ptxas may
+    not fuse into an FMA: the CPU's bits). n_src > 1 (SET or ADD): the sum of n_src packed
+    columns `stride` words apart, added in source order in float32 as a decode then
+    decode_accumulate per source add them, with one write."""
     c = cuda.blockIdx.x
-    n_rows = out.shape[1]
-    W = 2 + (n_rows + 31) // 32
+    at = table[c, 0]
+    n_rows = table[c, 1]
+    wo = table[c, 2]
     for i in range(cuda.threadIdx.x, n_rows, cuda.blockDim.x):
-        acc = np.float32(0.0) if mode == SET else out[c, i]   # SET: out is not read
+        acc = np.float32(0.0) if mode == SET else out[at + i]   # SET: out is not read
         for s in range(n_src):
-            at = s * stride + c * W
-            bit = (words[at + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
-            val = means[at + 1] if bit else means[at]
+            w = s * stride + wo
+            bit = (words[w + 2 + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1)
+            val = means[w + 1] if bit else means[w]
             if mode == SUB_LR:   # float64 product and difference, rounded once
                 acc = np.float32(acc - mul_rn64(lr, val))
             elif mode == ADD or s > 0:   # float32 sums, in order (acc stays float32)
                 acc += val
             else:
                 acc = val
-        out[c, i] = acc
+        out[at + i] = acc
 
 
 # ---------------------------------------------------------------- the codec
@@ -290,12 +294,8 @@ class OneBit(Codec):
             if sums is not None:
                 raise ValueError("onebit: column sums over a model group are CPU-only (model "
                              "parallelism runs on CPU ranks: train.device=cuda is refused)")
-            shape = grad.shape
-            flag = self._device_flag(lambda v: nonfinite_error(self.name, shape, v - 1))
-            o = as_device(out)
-            encode_cuda[n_cols, LANES](as_device(grad), as_device(residual),
-                                       o.view(np.uint32), o.view(np.float32), flag)
-            self._flagged()
+            self.encode_many([(0, n_cols, n_rows, 0)], as_device(grad).reshape(grad.size),
+                             as_device(residual).reshape(grad.size), out)
             bad = -1
         if bad >= 0:
             raise nonfinite_error(self.name, grad.shape, bad)
@@ -313,20 +313,23 @@ class OneBit(Codec):
                        packed.view(np.float32).reshape(n_cols, W), out, ADD if accumulate else SET,
                        0.0)
         else:
-            p = as_device(packed)
-            decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                     as_device(out), ADD if accumulate else SET,
-                                                     np.float64(0), 1, 0)
+            self._decode_table([(0, n_cols, n_rows, 0)], packed,
+                               as_device(out).reshape(out.size), ADD if accumulate else SET)
 
-    def decode_sum(self, recv, stride, at, nbytes, n_src, out):
-        n_cols, n_rows = out.shape
-        if self.backend != "cuda" or n_src < 2 or stride % 4 or at % 4 or not out.size:
-            return super().decode_sum(recv, stride, at, nbytes, n_src, out)
-        self._check_decode(recv[at:at + nbytes], out)
-        p = as_device(recv)[at:at + (n_src - 1) * stride + nbytes]
-        decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                 as_device(out), SET, np.float64(0), n_src,
-                                                 stride // 4)
+    # ---- the GPU launches of Codec's table path (every matrix of a phase in one launch)
+    def words_per_column(self, rows):
+        return words_per_column(rows)
+
+    def _launch_encode(self, table, src, residual, out, flag):
+        o = as_device(out)
+        encode_cuda[table.shape[0], LANES](as_device(src), as_device(residual),
+                                           o.view(np.uint32), o.view(np.float32), flag, table)
+
+    def _launch_decode(self, table, packed, out, mode, lr, n_src, stride, most_rows):
+        p = as_device(packed)
+        decode_cuda[table.shape[0], row_threads(most_rows)](
+            p.view(np.uint32), p.view(np.float32), out, mode, np.float64(lr), n_src, stride,
+            table)
 
     def decode(self, packed, out):
         self._decode(packed, out, False)
@@ -351,6 +354,5 @@ class OneBit(Codec):
             decode_cpu(packed.view(np.uint32).reshape(n_cols, W),
                        packed.view(np.float32).reshape(n_cols, W), w, SUB_LR, float(lr))
         else:
-            p = as_device(packed)
-            decode_cuda[n_cols, row_threads(n_rows)](p.view(np.uint32), p.view(np.float32),
-                                                     as_device(w), SUB_LR, np.float64(lr), 1, 0)
+            self._decode_table([(0, n_cols, n_rows, 0)], packed, as_device(w).reshape(w.size),
+                               SUB_LR, lr)

@@ -9,7 +9,7 @@ copying their IR into each owner-pass variant took 6 of its 9 s of compiling.
 import numpy as np
 from numba import njit
 
-from hpcsgd.codecs.common import LANES, lane_tree_cpu
+from hpcsgd.codecs.common import ADD, LANES, SET, SUB_LR, lane_tree_cpu
 
 
 def column_means(s_neg, s_pos, n_pos, n):
@@ -97,7 +97,6 @@ def encode_column_cpu(g, r, col8, colf, pos, neg, signs, signs64):
     return True
 
 
-SET, ADD, SUB_LR = 0, 1, 2   # decode_column_cpu's modes: out = d, out += d, out -= lr * d
 BIT = np.uint32(1) << np.arange(32, dtype=np.uint32)   # BIT[j]: bit j of a word
 
 

@@ -622,15 +622,30 @@ class Striped(_Collective):
                     k += cols
             sums = self._sums[:k]
             self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)   # model-group sync point
+        if sums is None:   # each codec's matrices at once (one launch on GPU ranks)
+            for codec, items in self._by_codec(pieces):
+                codec.encode_many(items, src, residual, out)
+            return
         k = 0
         for (m, _, _, cols, off, nb), a, b in pieces:
             args = (src[a:b].reshape(cols, m.n_rows), residual[a:b].reshape(cols, m.n_rows),
                     out[off:off + nb])
-            if sums is not None and self._split(m):
+            if self._split(m):
                 self.codec.encode(*args, sums=sums[k:k + cols])
                 k += cols
             else:
                 self.codec_of[m.name].encode(*args)
+
+    def _by_codec(self, pieces, flat=None, shift=0):
+        """[(codec, items)]: pieces ((matrix, lo, hi, cols, byte offset, nbytes), a, b) as each
+        codec's items for its *_many methods: (element offset: a, or lo with flat="lo";
+        columns, rows, byte offset - shift)."""
+        out = {}
+        for (m, lo, _, cols, off, _), a, _ in pieces:
+            codec = self.codec_of[m.name]
+            out.setdefault(id(codec), (codec, []))[1].append(
+                (int(lo if flat == "lo" else a), int(cols), int(m.n_rows), int(off - shift)))
+        return [(codec, tuple(items)) for codec, items in out.values()]
 
     def _check_encodes(self):
         """The GPU encodes' fault flags since the last check, read at once (after a sync)."""
@@ -686,9 +701,8 @@ class Striped(_Collective):
         not read). pieces: a part of my stripe's (default all of it)."""
         me, mine = self.rank, int(self.counts[self.rank])
         pieces = self.mine if pieces is None else pieces
-        for (m, lo, hi, cols, off, nb), a, b in pieces:
-            self.codec_of[m.name].decode_sum(self.recv_buf, mine, off - self.displs[me], nb,
-                                             self.world, self.agg[a:b].reshape(cols, m.n_rows))
+        for codec, items in self._by_codec(pieces, shift=int(self.displs[me])):
+            codec.decode_sum_many(items, self.recv_buf, mine, self.world, self.agg)
         if self.norm_sq is not None:   # the adaptive bit width's gradient norm (bitwidth.py)
             total = to_host(self.agg)
             self.norm_sq += float(np.dot(total, total))
@@ -719,26 +733,24 @@ class Striped(_Collective):
     def decode_apply(self, params, lr):
         """Phase 7 fused with the weight update: W -= lr * decoded, one pass over W (the
         codec's decode_apply: the same arithmetic as Optimizer.apply, so the same bits)."""
-        for row in self.pieces:
-            for m, lo, hi, cols, off, nb in row:
-                w = params[lo:hi].reshape(cols, m.n_rows)
-                codec = self.codec_of[m.name]
-                if codec is self.codec:
-                    codec.decode_apply(self.gather_buf[off:off + nb], w, lr)
-                else:   # a float matrix: decode into the spent gradient, then apply
-                    g = self._grad[lo:hi].reshape(cols, m.n_rows)
-                    codec.decode(self.gather_buf[off:off + nb], g)
-                    apply_update(w.reshape(-1), g.reshape(-1), lr, self.device)
+        every = [(p, p[1], p[2]) for row in self.pieces for p in row]
+        for codec, items in self._by_codec(every, flat="lo"):
+            if codec is self.codec:   # every matrix of the codec in one pass (one launch)
+                codec.decode_many(items, self.gather_buf, params, lr)
+                continue
+            codec.decode_many(items, self.gather_buf, self._grad)   # float matrices: decode
+            for lo, cols, rows, _ in items:                          # into the spent gradient,
+                apply_update(params[lo:lo + cols * rows], self._grad[lo:lo + cols * rows],
+                             lr, self.device)                        # then apply
         self._grad = None
 
     def update(self):
         """Phase 7: every stripe decoded into the gradient's buffer (the local gradient is
         spent); returns the update over the exchanged prefix."""
         grad, self._grad = self._grad, None
-        for row in self.pieces:
-            for m, lo, hi, cols, off, nb in row:
-                self.codec_of[m.name].decode(self.gather_buf[off:off + nb],
-                                             grad[lo:hi].reshape(cols, m.n_rows))
+        every = [(p, p[1], p[2]) for row in self.pieces for p in row]
+        for codec, items in self._by_codec(every, flat="lo"):
+            codec.decode_many(items, self.gather_buf, grad)
         return grad[:self.size]
 
     def _communicate_blocking(self, scratch):
