@@ -11,9 +11,11 @@
 #             host's work per step (census)
 #   exchange  bench exchange --device cuda, 1 and 2 ranks: each codec pass against the copy
 #   demo      the demo trained on 1 and 2 GPU ranks (held-out frame accuracy)
+#   mixed     the demo on one GPU rank in float32, mixed (each scaler: static 1024, backoff,
+#             logmax) and bf16
 # ONLY="tests small" runs those parts only: the limits add up to about 20 minutes, more than
 # one call's 600 s and a session's 15 minutes of device time, so a session runs
-# ONLY="tests train46m small" (about 8 min) and, if time is left, ONLY="exchange demo".
+# ONLY="tests train46m small" (about 8 min) and, if time is left, ONLY="exchange demo mixed".
 # Everything lands in $OUT (8 files at most): session.log (all output, with the GPU, the CPU
 # and the commit) and results.tgz (the JSON files and the demo runs' metrics).
 set -uo pipefail
@@ -21,7 +23,7 @@ OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT" runs/gpu_session
 LOG="$OUT/session.log"
 J=runs/gpu_session
-ONLY=${ONLY:-"tests train46m small exchange demo"}
+ONLY=${ONLY:-"tests train46m small exchange demo mixed"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the log
     local name=$1 limit=$2; shift 2
@@ -40,7 +42,7 @@ part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the
 } > "$LOG" 2>&1
 
 # the demo archive (bundled data): the small models' input and label sizes, and the demo runs
-if want small || want demo; then
+if want small || want demo || want mixed; then
     part prep 120 hpcsgd prep data_prep/demo/so762 runs/demo/archive \
         --alignments data_prep/demo/so762/phones.ctm --labels data_prep/demo/so762/labels.txt \
         --cv-speakers 8 --num-shards 2
@@ -76,8 +78,18 @@ for k in 1 2; do
     part demo 30 hpcsgd eval "$J/demo_k$k" --data runs/demo/archive/cv --device cuda \
         --json "$J/demo_k${k}_eval.json"
 done
+# issue 45: GPU mixed against GPU float32 at equal frames, with each scaler (the demo corpus:
+# so762's archive is not on the GPU machine)
+for v in "float32 none" "mixed static" "mixed backoff" "mixed logmax" "bf16 none"; do
+    set -- $v
+    part mixed 120 python -m mpi4py -m hpcsgd.cli train --config jobs/configs/demo.yaml \
+        train.device=cuda train.precision=$1 train.loss_scale=$2 train.loss_scale_init=1024 \
+        "train.run_dir=$J/demo_$1_$2"
+    part mixed 30 hpcsgd eval "$J/demo_$1_$2" --data runs/demo/archive/cv --device cuda \
+        --json "$J/demo_$1_$2_eval.json"
+done
 grep -h "NumbaPerformanceWarning" "$J"/demo_k*/logs/*.log >> "$LOG" 2>/dev/null \
     && echo "(the lines above: NumbaPerformanceWarning in a training log)" >> "$LOG"
-files=$(cd "$J" && ls *.json demo_k*/metrics.jsonl 2>/dev/null)
+files=$(cd "$J" && ls *.json demo_*/metrics.jsonl 2>/dev/null)
 [ -n "$files" ] && tar czf "$OUT/results.tgz" -C "$J" $files
 echo "done $(date -u +%H:%M:%S)" >> "$LOG"
