@@ -11,8 +11,6 @@ host memory behind a device-array interface, every kernel interpreted in Python.
 simulator has no cuBLAS, so `matmul` multiplies the wrapped host arrays with NumPy there; on
 a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
-import contextlib
-
 import numpy as np
 
 from hpcsgd import census
@@ -184,7 +182,7 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     Device arrays: cuBLAS via CuPy (zero-copy views of the Numba arrays; a transpose is a
     cuBLAS flag, not a copy); float32 operands give a float32 out (SGEMM), float16 operands
     (GPU ranks' mixed precision) a float16 or float32 out, accumulated in float32 either way
-    and rounded once to out's dtype (gemm_16f: cublasGemmEx, CUBLAS_COMPUTE_32F). In the
+    and rounded once to out's dtype (gemm: cublasGemmEx, CUBLAS_COMPUTE_32F). In the
     simulator the same arithmetic up to the order of the sums: the operands widened to
     float32, NumPy's float32 matmul, one rounding to out's dtype. Host arrays: NumPy's BLAS."""
     if not is_device(out):
@@ -206,14 +204,7 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
         with np.errstate(over="ignore"):   # beyond float16's range: Inf, as cuBLAS stores it
             out._ary[...] = np.matmul(x.T if trans_a else x, y.T if trans_b else y)
         return
-    cp = cupy_module()
-    if a.dtype == np.float16:
-        gemm_16f(a, b, out, trans_a, trans_b)
-        return
-    x, y = cp.asarray(a), cp.asarray(b)
-    stream = capture_stream()
-    with stream if stream is not None else contextlib.nullcontext():   # CuPy's current stream
-        cp.matmul(x.T if trans_a else x, y.T if trans_b else y, out=cp.asarray(out))
+    gemm(a, b, out, trans_a, trans_b)
 
 
 def _ld(a):
@@ -228,16 +219,20 @@ def _ld(a):
     return max(strides[0] // itemsize, 1)
 
 
-def gemm_16f(a, b, out, trans_a=False, trans_b=False):
-    """out (n, m) = op(a) @ op(b) on a GPU: float16 a and b, float16 or float32 out, through
-    cublasGemmEx with computeType CUBLAS_COMPUTE_32F (float32 multiply-accumulate, tensor
-    cores allowed: CUBLAS_GEMM_DEFAULT_TENSOR_OP) and float32 alpha = 1, beta = 0, so each
-    output is a float32 sum rounded once to out's dtype. Called directly rather than through
-    cupy.matmul: CuPy also picks CUBLAS_COMPUTE_32F for float16 (cupy/_core/_routines_linalg.pyx:
-    tensordot_core_v11, unless cupy._core.set_compute_type chose PEDANTIC), but it has no
-    float16 x float16 -> float32 product (its out must have the operands' dtype), which the
-    weight gradients need, and its compute type is a process-wide setting anyone may change.
-    Row-major arrays are cuBLAS's column-major transposes: out^T = op(b)^T op(a)^T."""
+def gemm(a, b, out, trans_a=False, trans_b=False):
+    """out (n, m) = op(a) @ op(b) on a GPU through cublasGemmEx: float32 operands into float32
+    (SGEMM's arithmetic: CUBLAS_COMPUTE_32F, no TF32), float16 operands into float16 or float32
+    (float32 multiply-accumulate, tensor cores allowed: CUBLAS_GEMM_DEFAULT_TENSOR_OP), alpha = 1,
+    beta = 0 in float32, so each output is a float32 sum rounded once to out's dtype. Called
+    directly rather than through cupy.matmul: CuPy picks CUBLAS_COMPUTE_32F for float16 too
+    (cupy/_core/_routines_linalg.pyx: tensordot_core_v11, unless cupy._core.set_compute_type
+    chose PEDANTIC), but it has no float16 x float16 -> float32 product (its out must have the
+    operands' dtype), which the weight gradients need; its compute type is a process-wide
+    setting anyone may change; and for a view with a longer row stride (an LSTM's slice of
+    its gates) it may copy into a temporary from its pool, which a CUDA Graph would keep
+    pointing at after the pool gave it to something else (hpcsgd/graphs.py). Here every
+    operand is read in place (its row stride is cuBLAS's leading dimension) on the compute
+    stream. Row-major arrays are cuBLAS's column-major transposes: out^T = op(b)^T op(a)^T."""
     from cupy.cuda import device as cupy_device
     from cupy_backends.cuda.api import runtime
     from cupy_backends.cuda.libs import cublas
@@ -248,8 +243,8 @@ def gemm_16f(a, b, out, trans_a=False, trans_b=False):
     if k == 0:
         fill(out, 0)
         return
-    ctype = {np.dtype(np.float16): runtime.CUDA_R_16F,
-             np.dtype(np.float32): runtime.CUDA_R_32F}[np.dtype(out.dtype)]
+    types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F}
+    ctype, abtype = types[np.dtype(out.dtype)], types[np.dtype(a.dtype)]
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     ptr = lambda v: v.__cuda_array_interface__["data"][0]   # noqa: E731
     handle = cupy_device.get_cublas_handle()
@@ -258,8 +253,8 @@ def gemm_16f(a, b, out, trans_a=False, trans_b=False):
     cublas.gemmEx(handle,
                   cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
                   cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
-                  m, n, k, one.ctypes.data, ptr(b), runtime.CUDA_R_16F, _ld(b),
-                  ptr(a), runtime.CUDA_R_16F, _ld(a), zero.ctypes.data,
+                  m, n, k, one.ctypes.data, ptr(b), abtype, _ld(b),
+                  ptr(a), abtype, _ld(a), zero.ctypes.data,
                   ptr(out), ctype, _ld(out), cublas.CUBLAS_COMPUTE_32F,
                   cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
 

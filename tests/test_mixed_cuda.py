@@ -101,7 +101,6 @@ if not CHILD:
 else:
     from numba import cuda
 
-    from hpcsgd import half
     from hpcsgd.device import matmul
     from hpcsgd.loss_scale import Backoff
     from hpcsgd.model import kernels as K
