@@ -174,7 +174,10 @@ def train(cfg, comm, stop):
             # one step: every rank's count is known here, so the loop ends everywhere together
             take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size,
                                           loader.unit), rank_frames - progress["offsets"])
-            t_step, t_exchange = time.perf_counter(), sum(step.phases.times.values())
+            # the exchange's seconds so far: only the adaptive bit width reads them per step
+            # (on GPU ranks a read waits for the last phase's event)
+            t_step = time.perf_counter()
+            t_exchange = sum(step.phases.times.values()) if state.bitwidth else 0.0
             sums = step.run(loader.next_batch, take, grid.data_rank, lr, where)
             state.advance(take)
             frames, before = progress["frames"], progress["frames"] - int(take.sum())
