@@ -30,6 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
+from hpcsgd.codecs.common import f32_bits, f32_from_bits
 from hpcsgd.device import fill, is_device, on_stream, one_thread_each
 from hpcsgd.lazy_cuda import cuda
 
@@ -53,22 +54,6 @@ def half_value(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
-@intrinsic
-def float_bits(typingctx, v):
-    """float32 -> its bits as uint32 (a bitcast: no instruction)."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def bits_float(typingctx, bits):
-    """uint32 bits -> the float32 they encode (a bitcast)."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
 def _bf16_round_bits(b):
     """The bits b of a float32 -> the bits of float32(bfloat16(value)): round to nearest even
     by integer arithmetic (the carry of + 0x7FFF + lsb may reach the exponent: overflow to Inf
@@ -85,7 +70,8 @@ _bf16_round_bits_cuda = cuda.jit(device=True)(_bf16_round_bits)      # the CUDA 
 @njit(inline="always")
 def bf16_round(v):
     """float32 -> float32(bfloat16(v)) (CPU kernels)."""
-    return bits_float(np.uint32(bf16_round_bits(float_bits(v))))
+    # the bits as int32 (codecs.common's bitcasts) viewed as uint32 and back: bit-preserving
+    return f32_from_bits(np.int32(bf16_round_bits(np.uint32(f32_bits(v)))))
 
 
 # ---------------------------------------------------------------- NumPy references
