@@ -302,12 +302,9 @@ def test_the_train_table_prints_both_roofline_fractions(capsys):
     assert lines[-1].split()[5:7] == ["90.0%", "97.3%"]
 
 
-def test_bench_train_cuda_counts_what_the_host_does_per_step(tmp_path):
-    """`bench train --device cuda` in Numba's simulator (the same launch, copy and allocation
-    entry points as a GPU): per step, no device allocation; the host waits only where it must
-    -- the loss and hit counts (2 copies), and for each MPI collective its staging (a sync and
-    a copy) -- plus one read of the codec's fault flags at each of the striped exchange's two
-    collectives; the bytes to the device are the minibatch's (and the staged receive buffers)."""
+def bench_train_simulated(tmp_path, *args):
+    """`bench train --device cuda` in Numba's simulator on a 4-5-5-3 DNN, N = 8, one round of
+    2 steps after 1: (stdout, the run's JSON)."""
     from conftest import make_archive
     make_archive(str(tmp_path / "arch"), num_shards=1, utts_per_shard=4, dim=4, num_labels=3,
                  max_len=40)
@@ -317,13 +314,23 @@ def test_bench_train_cuda_counts_what_the_host_does_per_step(tmp_path):
     out = tmp_path / "cuda.json"
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "bench", "train", "--device",
-                           "cuda", "--config", str(cfg), "--ranks", "2", "--exchange",
-                           "allreduce,onebit,dettmers", "--double-buffering", "off",
-                           "--rounds", "1", "--steps", "2", "--warmup", "1", "--json", str(out)],
+                           "cuda", "--config", str(cfg), "--double-buffering", "off", "--rounds",
+                           "1", "--steps", "2", "--warmup", "1", "--json", str(out), *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "host syncs" in proc.stdout
-    rows = {r["exchange"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
+    return proc.stdout, json.loads(out.read_text())["runs"][0]
+
+
+def test_bench_train_cuda_counts_what_the_host_does_per_step(tmp_path):
+    """`bench train --device cuda` in Numba's simulator (the same launch, copy and allocation
+    entry points as a GPU): per step, no device allocation; the host waits only where it must
+    -- the loss and hit counts (2 copies), and for each MPI collective its staging (a sync and
+    a copy) -- plus one read of the codec's fault flags at each of the striped exchange's two
+    collectives; the bytes to the device are the minibatch's (and the staged receive buffers)."""
+    stdout, run = bench_train_simulated(tmp_path, "--ranks", "2", "--exchange",
+                                        "allreduce,onebit,dettmers")
+    assert "host syncs" in stdout
+    rows = {r["exchange"]: r for r in run["rows"]}
     host = {name: r["host_per_step"] for name, r in rows.items()}
     frames = 4 * (4 * 4 + 4)          # 4 frames per rank: 4 float32 features and an int32 label
     assert host["none"]["h2d_bytes"] == frames and host["none"]["h2d_copies"] == 2
@@ -344,31 +351,18 @@ def test_bench_train_cuda_mixed_stores_half_the_activation_bytes(tmp_path):
     mixed precision stores activations, their gradients and the input copy in float16
     (docs/precision.md), so its activation bytes are exactly half of float32's, and the
     memory line says so per precision."""
-    from conftest import make_archive
-    make_archive(str(tmp_path / "arch"), num_shards=1, utts_per_shard=4, dim=4, num_labels=3,
-                 max_len=40)
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(f"data:\n  train: {tmp_path / 'arch'}\n  context: 0\nmodel:\n  hidden: [5, 5]\n"
-                   "train:\n  minibatch: 8\n")
-    out = tmp_path / "cuda.json"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "bench", "train", "--device",
-                           "cuda", "--config", str(cfg), "--ranks", "1", "--exchange",
-                           "allreduce", "--double-buffering", "off", "--precision",
-                           "float32,mixed", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                           "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = json.loads(out.read_text())["runs"][0]
+    stdout, run = bench_train_simulated(tmp_path, "--ranks", "1", "--exchange", "allreduce",
+                                        "--precision", "float32,mixed")
     mem = run["activation_bytes_by_precision"]
     assert mem["float32"]["8"] == run["activation_bytes"]["8"] == 8 * (5 + 5 + 3 + 5) * 4
     assert mem["mixed"]["8"] * 2 == mem["float32"]["8"]
     assert run["storage"] == {"float32": "float32", "mixed": "float16"}
     # the float16 copies: w16 (2 bytes a weight) and x16 (2 bytes a feature)
     assert run["copy_bytes_by_precision"]["mixed"]["8"] == 2 * run["params"] + 2 * 8 * 4
-    assert "activation memory per rank at N = 8: float32 " in proc.stdout
-    assert "(float32); mixed " in proc.stdout and "(float16)" in proc.stdout
-    assert all(r["host_per_step"]["allocations"] == 0 for r in run["rows"]), [(r["precision"], r["exchange"], r["host_per_step"]) for r in run["rows"]]
+    assert "activation memory per rank at N = 8: float32 " in stdout
+    assert "(float32); mixed " in stdout and "(float16)" in stdout
+    assert all(r["host_per_step"]["allocations"] == 0 for r in run["rows"]), \
+        [(r["precision"], r["exchange"], r["host_per_step"]) for r in run["rows"]]
 
 
 def test_pytorch_variants_and_the_side_by_side_line(capsys):
@@ -423,3 +417,14 @@ def test_bench_exchange_cuda_holds_each_pass_to_the_device_copy(tmp_path):
     n, packed = got["n"], got["packed"]   # one rank: its stripe is the whole gradient
     assert got["bytes"] == {"encode": 12 * n + packed, "decode_sum": packed + 4 * n,
                             "reencode": 12 * n + packed, "decode_apply": packed + 8 * n}
+
+
+def test_bench_train_cuda_graphs_make_a_step_a_few_launches(tmp_path):
+    """--cuda-graphs in the simulator: the forward+backward is one launch (its graph), so a
+    step without exchange is 2 (the graph and the optimizer's update), and the striped 1-bit
+    step one more per exchange phase whatever the number of matrices (encode, decode-sum,
+    post-processing, re-encode, decode-apply): 6."""
+    _, run = bench_train_simulated(tmp_path, "--ranks", "2", "--exchange", "onebit",
+                                   "--cuda-graphs")
+    launches = {r["exchange"]: r["host_per_step"]["launches"] for r in run["rows"]}
+    assert launches == {"none": 2, "onebit": 6}
