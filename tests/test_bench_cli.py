@@ -423,8 +423,9 @@ def test_bench_train_cuda_graphs_make_a_step_a_few_launches(tmp_path):
     """--cuda-graphs in the simulator: the forward+backward is one launch (its graph), so a
     step without exchange is 2 (the graph and the optimizer's update), and the striped 1-bit
     step one more per exchange phase whatever the number of matrices (encode, decode-sum,
-    post-processing, re-encode, decode-apply): 6."""
+    post-processing, re-encode, decode-apply): 6. (Warm-up: a pass runs eagerly, then is
+    captured, per gradient buffer; the bench's Step alternates two.)"""
     _, run = bench_train_simulated(tmp_path, "--ranks", "2", "--exchange", "onebit",
-                                   "--cuda-graphs")
+                                   "--cuda-graphs", "--warmup", "4")
     launches = {r["exchange"]: r["host_per_step"]["launches"] for r in run["rows"]}
     assert launches == {"none": 2, "onebit": 6}
