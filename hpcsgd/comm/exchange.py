@@ -558,6 +558,7 @@ class Striped(_Collective):
         self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
         # every piece of my whole gradient, as _encode takes them: (piece, flat lo, flat hi)
         self.send_pieces = [(p, p[1], p[2]) for row in self.pieces for p in row]
+        self._grouped = {}   # _by_codec's memo for this layout
         if hasattr(self, "agg") and (offset > self.send_buf.size
                                      or K * self.counts[me] > self.recv_buf.size
                                      or (not self.fuses_owner and self.agg.size < self.state_size)):
@@ -636,16 +637,20 @@ class Striped(_Collective):
             else:
                 self.codec_of[m.name].encode(*args)
 
-    def _by_codec(self, pieces, flat=None, shift=0):
+    def _by_codec(self, pieces, shift=0):
         """[(codec, items)]: pieces ((matrix, lo, hi, cols, byte offset, nbytes), a, b) as each
-        codec's items for its *_many methods: (element offset: a, or lo with flat="lo";
-        columns, rows, byte offset - shift)."""
-        out = {}
-        for (m, lo, _, cols, off, _), a, _ in pieces:
-            codec = self.codec_of[m.name]
-            out.setdefault(id(codec), (codec, []))[1].append(
-                (int(lo if flat == "lo" else a), int(cols), int(m.n_rows), int(off - shift)))
-        return [(codec, tuple(items)) for codec, items in out.values()]
+        codec's items for its *_many methods: (element offset a, columns, rows, byte offset -
+        shift); made once per pieces list and codec (set_codec starts afresh)."""
+        key = (id(pieces), shift)
+        held = self._grouped.get(key)   # (the list itself: its id stays its own, grouped)
+        if held is None or held[0] is not pieces:
+            out = {}
+            for (m, _, _, cols, off, _), a, _ in pieces:
+                codec = self.codec_of[m.name]
+                out.setdefault(id(codec), (codec, []))[1].append(
+                    (int(a), int(cols), int(m.n_rows), int(off - shift)))
+            held = self._grouped[key] = (pieces, [(c, tuple(i)) for c, i in out.values()])
+        return held[1]
 
     def _check_encodes(self):
         """The GPU encodes' fault flags since the last check, read at once (after a sync)."""
@@ -733,8 +738,7 @@ class Striped(_Collective):
     def decode_apply(self, params, lr):
         """Phase 7 fused with the weight update: W -= lr * decoded, one pass over W (the
         codec's decode_apply: the same arithmetic as Optimizer.apply, so the same bits)."""
-        every = [(p, p[1], p[2]) for row in self.pieces for p in row]
-        for codec, items in self._by_codec(every, flat="lo"):
+        for codec, items in self._by_codec(self.send_pieces):   # every piece: flat lo
             if codec is self.codec:   # every matrix of the codec in one pass (one launch)
                 codec.decode_many(items, self.gather_buf, params, lr)
                 continue
@@ -748,8 +752,7 @@ class Striped(_Collective):
         """Phase 7: every stripe decoded into the gradient's buffer (the local gradient is
         spent); returns the update over the exchanged prefix."""
         grad, self._grad = self._grad, None
-        every = [(p, p[1], p[2]) for row in self.pieces for p in row]
-        for codec, items in self._by_codec(every, flat="lo"):
+        for codec, items in self._by_codec(self.send_pieces):   # every piece: flat lo
             codec.decode_many(items, self.gather_buf, grad)
         return grad[:self.size]
 
