@@ -554,7 +554,8 @@ def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows, stats=None, scale=
                           read=True):
     """z (N, M) logits without bias in; posterior - onehot(y) of z + b out (in place). y (N,)
     int32 labels; gb (1, M) = column sums of the gradient; ce_rows (>= N) float64 and
-    correct_rows (>= N) int32 scratch get each row's CE (nats) and hit (first argmax == y).
+    correct_rows (>= N) int32 or float64 scratch (views of one (N, 2) buffer: CudaOps reads
+    both in one copy) get each row's CE (nats) and hit (first argmax == y: 1, else 0).
     A float16 z (float16 storage) needs stats, (>= N, 2) float32 scratch, and gets the
     gradient times `scale` (the loss scale, a power of two) rounded once to float16, gb the
     column sums of the float32 gradient before that (unscaled); a float32 z is not scaled.

@@ -143,8 +143,9 @@ class CudaOps:
     """The same on a GPU rank: per-row CE and hits come back through small device buffers."""
 
     def __init__(self, max_batch, max_width, dtype):
-        self.ce_rows = zeros(max_batch, np.float64, "cuda")
-        self.correct_rows = zeros(max_batch, np.int32, "cuda")
+        # each row's CE and hit (0 or 1) side by side: the step's loss read is one copy
+        self.loss_rows = zeros((max_batch, 2), np.float64, "cuda")
+        self.ce_rows, self.correct_rows = self.loss_rows[:, 0], self.loss_rows[:, 1]
         self.row_stats = zeros((max_batch, 2), np.float32, "cuda")   # float16 logits' rows
         self.quant_part = None
         # a CUDA Graph's capture (hpcsgd/graphs.py): softmax_xent leaves the loss in the row
@@ -152,7 +153,9 @@ class CudaOps:
         self.defer_loss = False
 
     def read_loss(self, n):
-        return KC.read_rows(self.ce_rows, self.correct_rows, n)
+        """(CE summed over rows 0..n-1, hits): one copy to the host (it waits for the pass)."""
+        rows = self.loss_rows[:n].copy_to_host()
+        return float(np.sum(rows[:, 0])), int(np.sum(rows[:, 1]))
 
     def bias_act(self, z, b, kind):
         KC.bias_act_forward(z, b, kind)
@@ -162,16 +165,14 @@ class CudaOps:
 
     def softmax_xent(self, z, b, y, gb, scale=1.0):
         """float16 z: the kernels scale it before its store (one rounding, after scaling)."""
-        read = not self.defer_loss
         if z.dtype == np.float16:   # each row's (max, 1 / sum), then a column pass
-            out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
-                                           self.row_stats, scale, read=read)
+            KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
+                                     self.row_stats, scale, read=False)
         else:
-            out = KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
-                                           read=read)
+            KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows, read=False)
             half.scale(z, scale)
         half.scale(gb, scale)
-        return out if read else (None, None)
+        return (None, None) if self.defer_loss else self.read_loss(z.shape[0])
 
     def log_softmax(self, z, b):
         KC.log_softmax_forward(z, b)
