@@ -11,7 +11,7 @@
 #             host's work per step (census)
 #   exchange  bench exchange --device cuda, 1 and 2 ranks: each codec pass against the copy
 #   demo      the demo trained on 1 and 2 GPU ranks (held-out frame accuracy)
-#   mixed     the demo on one GPU rank in float32, mixed (each scaler: static 1024, backoff,
+#   mixed     the demo on one GPU rank in float32, mixed (each scaler: static 256, backoff,
 #             logmax) and bf16
 # ONLY="tests small" runs those parts only: the limits add up to about 20 minutes, more than
 # one call's 600 s and a session's 15 minutes of device time, so a session runs
@@ -80,10 +80,12 @@ for k in 1 2; do
 done
 # issue 45: GPU mixed against GPU float32 at equal frames, with each scaler (the demo corpus:
 # so762's archive is not on the GPU machine)
-for v in "float32 none" "mixed static" "mixed backoff" "mixed logmax" "bf16 none"; do
+# (static at 256: summed gradients overflow 1024 at the start, docs/results.md)
+for v in "float32 none" "mixed static train.loss_scale_init=256" "mixed backoff" \
+         "mixed logmax" "bf16 none"; do
     set -- $v
     part mixed 120 python -m mpi4py -m hpcsgd.cli train --config jobs/configs/demo.yaml \
-        train.device=cuda train.precision=$1 train.loss_scale=$2 train.loss_scale_init=1024 \
+        train.device=cuda train.precision=$1 train.loss_scale=$2 ${3:-} \
         "train.run_dir=$J/demo_$1_$2"
     part mixed 30 hpcsgd eval "$J/demo_$1_$2" --data runs/demo/archive/cv --device cuda \
         --json "$J/demo_$1_$2_eval.json"
