@@ -6,16 +6,18 @@
 # Parts run in priority order, each under its own time limit, so that a hang costs one part:
 #   tests     HPCSGD_TEST_GPU=1 on every GPU test file, every failure reported
 #   train46m  bench train, the paper's 46M DNN, float32/mixed/bf16 beside PyTorch eager/AMP
-#   small     bench train on the demo and so762 DNNs and the so762 BLSTM with CUDA Graphs beside
-#             PyTorch eager and torch.compile(reduce-overhead), then without graphs, with the
-#             host's work per step (census)
+#   small     bench train on the demo DNN with CUDA Graphs beside PyTorch eager and
+#             torch.compile(reduce-overhead), then without graphs, with the host's work per
+#             step (census); small2: the same for the so762 DNN and BLSTM
 #   exchange  bench exchange --device cuda, 1 and 2 ranks: each codec pass against the copy
 #   demo      the demo trained on 1 and 2 GPU ranks (held-out frame accuracy)
 #   mixed     the demo on one GPU rank in float32, mixed (each scaler: static 256, backoff,
 #             logmax) and bf16
-# ONLY="tests small" runs those parts only: the limits add up to about 20 minutes, more than
-# one call's 600 s and a session's 15 minutes of device time, so a session runs
-# ONLY="tests train46m small" (about 8 min) and, if time is left, ONLY="exchange demo mixed".
+# ONLY="tests small" runs those parts only. The limits add up to more than one call's 600 s
+# and a session's 15 minutes of device time (a start costs 1-2 of them), so a session runs
+# ONLY="tests train46m small" first (limits 240 + 150 + 180 s; prep 120 s: give the call
+# timeout_s=600; results are packed after every part, so a call cut off keeps what it did)
+# and, with the time left, ONLY="exchange mixed", then small2, demo.
 # Everything lands in $OUT (8 files at most): session.log (all output, with the GPU, the CPU
 # and the commit) and results.tgz (the JSON files and the demo runs' metrics).
 set -uo pipefail
@@ -23,7 +25,7 @@ OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT" runs/gpu_session
 LOG="$OUT/session.log"
 J=runs/gpu_session
-ONLY=${ONLY:-"tests train46m small exchange demo mixed"}
+ONLY=${ONLY:-"tests train46m small exchange mixed small2 demo"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the log
     local name=$1 limit=$2; shift 2
@@ -32,6 +34,13 @@ part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
     echo "=== $name: exit $? after $((SECONDS - t0)) s" >> "$LOG"
+    pack   # after every part: a call cut off at its limit still returns what was done
+}
+pack() {
+    local files
+    files=$(cd "$J" && ls *.json demo_*/metrics.jsonl 2>/dev/null)
+    [ -n "$files" ] && tar czf "$OUT/results.tgz" -C "$J" $files
+    return 0
 }
 
 {
@@ -42,7 +51,7 @@ part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the
 } > "$LOG" 2>&1
 
 # the demo archive (bundled data): the small models' input and label sizes, and the demo runs
-if want small || want demo || want mixed; then
+if want small || want small2 || want demo || want mixed; then
     part prep 120 hpcsgd prep data_prep/demo/so762 runs/demo/archive \
         --alignments data_prep/demo/so762/phones.ctm --labels data_prep/demo/so762/labels.txt \
         --cv-speakers 8 --num-shards 2
@@ -61,12 +70,15 @@ STEPS=(--steps 20 --warmup 5 --rounds 3)
 part train46m 150 hpcsgd bench train --device cuda --ranks 1 --exchange allreduce \
     --double-buffering off --precision float32,mixed,bf16 --pytorch "${STEPS[@]}" \
     --json "$J/train_46m.json"
+# small: the demo DNN with CUDA Graphs beside PyTorch eager and torch.compile, then without
+# graphs; small2: the so762 DNN and BLSTM the same way
 for c in jobs/configs/demo.yaml "$J/so762.yaml" "$J/so762_blstm.yaml"; do
     name=$(basename "$c" .yaml)
-    part small 90 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
+    group=$([ "$name" = demo ] && echo small || echo small2)
+    part "$group" 120 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
         --exchange allreduce,onebit --double-buffering off --cuda-graphs --pytorch \
         --pytorch-compile "${STEPS[@]}" --json "$J/train_${name}_graphs.json"
-    part small 60 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
+    part "$group" 60 hpcsgd bench train --device cuda --config "$c" --ranks 1 \
         --exchange allreduce,onebit --double-buffering off "${STEPS[@]}" \
         --json "$J/train_${name}_eager.json"
 done
@@ -92,6 +104,5 @@ for v in "float32 none" "mixed static train.loss_scale_init=256" "mixed backoff"
 done
 grep -h "NumbaPerformanceWarning" "$J"/demo_k*/logs/*.log >> "$LOG" 2>/dev/null \
     && echo "(the lines above: NumbaPerformanceWarning in a training log)" >> "$LOG"
-files=$(cd "$J" && ls *.json demo_*/metrics.jsonl 2>/dev/null)
-[ -n "$files" ] && tar czf "$OUT/results.tgz" -C "$J" $files
+pack
 echo "done $(date -u +%H:%M:%S)" >> "$LOG"
