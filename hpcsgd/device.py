@@ -13,7 +13,7 @@ a GPU it is cuBLAS through CuPy. Everything else runs the same code on both.
 """
 import numpy as np
 
-from hpcsgd import census
+from hpcsgd import bfloat16, census
 from hpcsgd.lazy_cuda import cuda, device_function
 
 DEVICES = ("cpu", "cuda")
@@ -181,30 +181,45 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     """out = op(a) @ op(b), op = transpose where asked, for 2-D arrays on one side.
     Device arrays: cuBLAS via CuPy (zero-copy views of the Numba arrays; a transpose is a
     cuBLAS flag, not a copy); float32 operands give a float32 out (SGEMM), float16 operands
-    (GPU ranks' mixed precision) a float16 or float32 out, accumulated in float32 either way
-    and rounded once to out's dtype (gemm: cublasGemmEx, CUBLAS_COMPUTE_32F). In the
-    simulator the same arithmetic up to the order of the sums: the operands widened to
-    float32, NumPy's float32 matmul, one rounding to out's dtype. Host arrays: NumPy's BLAS."""
+    (GPU ranks' mixed precision) a float16 or float32 out, uint16 operands (bfloat16 bits:
+    bf16) a uint16 (bfloat16) or float32 out, accumulated in float32 either way and rounded
+    once to out's dtype (gemm: cublasGemmEx, CUBLAS_COMPUTE_32F). In the simulator the same
+    arithmetic up to the order of the sums: the operands widened to float32, NumPy's float32
+    matmul, one rounding to out's dtype (bfloat16 by hpcsgd/bfloat16.py's rule). Host arrays:
+    NumPy's BLAS."""
     if not is_device(out):
         np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
         return
-    if a.dtype != b.dtype or (a.dtype != out.dtype and a.dtype != np.float16):
+    if a.dtype != b.dtype or (a.dtype != out.dtype and (a.dtype not in SIXTEEN_BIT
+                                                        or out.dtype != np.float32)):
         raise TypeError(f"matmul: operands {a.dtype} and {b.dtype} into {out.dtype}: expected "
-                        f"one dtype, or float16 operands into float16 or float32")
+                        f"one dtype, or float16 operands (bfloat16: uint16) into their own "
+                        f"dtype or float32")
     if RECORDER is not None:   # the simulator capturing a graph: replayed later, as cuBLAS's
         RECORDER.append((matmul, (a, b, out, trans_a, trans_b)))
         return
     census.note_launch("cublas_gemm", census.FILL_BLOCKS)   # a cuBLAS kernel (or two)
     if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
         x, y = a._ary, b._ary
-        if x.dtype != np.float16:
+        if x.dtype == np.float32:
             np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
             return
-        x, y = x.astype(np.float32), y.astype(np.float32)   # float16 -> float32: exact
+        x, y = _widened(x), _widened(y)   # float16 or bfloat16 -> float32: exact
         with np.errstate(over="ignore"):   # beyond float16's range: Inf, as cuBLAS stores it
-            out._ary[...] = np.matmul(x.T if trans_a else x, y.T if trans_b else y)
+            product = np.matmul(x.T if trans_a else x, y.T if trans_b else y)
+            # bfloat16 bits by the kernels' rule (hpcsgd/bfloat16.py), else NumPy's conversion
+            out._ary[...] = bfloat16.bits(product) if out.dtype == np.uint16 else product
         return
     gemm(a, b, out, trans_a, trans_b)
+
+
+SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(np.uint16))   # float16, bfloat16 bits
+
+
+def _widened(x):
+    """A 16-bit host array's values as float32 (exact): float16 converted, or uint16
+    bfloat16 bits shifted into float32's upper half."""
+    return bfloat16.values(x) if x.dtype == np.uint16 else x.astype(np.float32)
 
 
 def _ld(a):
@@ -222,6 +237,7 @@ def _ld(a):
 def gemm(a, b, out, trans_a=False, trans_b=False):
     """out (n, m) = op(a) @ op(b) on a GPU through cublasGemmEx: float32 operands into float32
     (SGEMM's arithmetic: CUBLAS_COMPUTE_32F, no TF32), float16 operands into float16 or float32
+    and bfloat16 operands (uint16 arrays: CUDA_R_16BF) into bfloat16 or float32
     (float32 multiply-accumulate, tensor cores allowed: CUBLAS_GEMM_DEFAULT_TENSOR_OP), alpha = 1,
     beta = 0 in float32, so each output is a float32 sum rounded once to out's dtype. Called
     directly rather than through cupy.matmul: CuPy picks CUBLAS_COMPUTE_32F for float16 too
@@ -243,7 +259,10 @@ def gemm(a, b, out, trans_a=False, trans_b=False):
     if k == 0:
         fill(out, 0)
         return
-    types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F}
+    # CuPy's runtime module names no bfloat16 type (cupy_backends/cuda/api/_runtime_enum.pxd
+    # stops at CUDA_C_8U): cudaDataType's CUDA_R_16BF is 14 (library_types.h)
+    types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F,
+             np.dtype(np.uint16): getattr(runtime, "CUDA_R_16BF", 14)}
     ctype, abtype = types[np.dtype(out.dtype)], types[np.dtype(a.dtype)]
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     ptr = lambda v: v.__cuda_array_interface__["data"][0]   # noqa: E731

@@ -7,6 +7,8 @@ of mixed precision and bf16 (docs/precision.md), each with its NumPy reference.
     scale(x, s)                   x *= float32(s) in place (the loss scale)
     unscale(g, scale, rounding)   g = (rounded to `rounding` first, if any) * (1 / scale) in
                                   place; returns (non-finite values, max |g| after unscaling)
+    widen(v), stored(a, v)        inside a CUDA kernel: a stored value as float32, and a
+                                  float32 as array a stores it (uint16 a: bfloat16 bits)
 
 Numba has no float16 type on the CPU, so the CPU kernels convert with LLVM's fptrunc/fpext to
 `half`: the CPU's own instructions (F16C's vcvtps2ph/vcvtph2ps on x86, AVX2 and AVX-512
@@ -30,9 +32,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic
 
+from hpcsgd.bfloat16 import round_bf16_ref
 from hpcsgd.codecs.common import f32_bits, f32_from_bits
 from hpcsgd.device import fill, is_device, on_stream, one_thread_each
-from hpcsgd.lazy_cuda import cuda
+from hpcsgd.lazy_cuda import cuda, device_function
 
 BLOCK = 256   # CUDA threads per block of the element-wise kernels here
 
@@ -67,6 +70,87 @@ bf16_round_bits = njit(inline="always")(_bf16_round_bits)            # the CPU k
 _bf16_round_bits_cuda = cuda.jit(device=True)(_bf16_round_bits)      # the CUDA kernels'
 
 
+# ---------------------------------------------------------------- CUDA loads and stores
+# GPU ranks' 16-bit storage: float16 arrays (mixed) or uint16 arrays holding bfloat16 bits
+# (bf16: NumPy and Numba have no bfloat16 dtype; float32's upper 16 bits are its layout).
+# A kernel reads every stored value through widen (F in model/kernels_cuda.py) and writes
+# through stored: chosen at compile time by the argument's Numba type (an overload for the
+# CUDA target), by the value's NumPy type in the simulator, which runs kernels as Python.
+def _is_bf16_bits(t):
+    """A Numba type: uint16 (bfloat16 bits)?"""
+    return getattr(t, "bitwidth", None) == 16 and getattr(t, "signed", True) is False \
+        and not getattr(t, "ndim", 0)
+
+
+def _widen_sim(v):
+    if isinstance(v, np.uint16):   # bfloat16 bits: the float32 with them on top, exact
+        return (np.uint32(v) << np.uint32(16)).view(np.float32)
+    return np.float32(v)
+
+
+def _stored_sim(a, v):
+    if a.dtype == np.uint16:
+        return np.uint16(_bf16_round_bits(int(np.float32(v).view(np.uint32))) >> 16)
+    return v
+
+
+def _make_widen(real):
+    """widen(v): a stored value as float32 -- bfloat16 bits (uint16) shifted into float32's
+    upper half and reinterpreted (exact); float16 or float32 (or a float64 scalar) by a
+    conversion (none for float32)."""
+    if real.config.ENABLE_CUDASIM:
+        return _widen_sim
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic, overload
+
+    @intrinsic
+    def bf16_value(typingctx, bits):
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+            return builder.bitcast(wide, ir.FloatType())
+        return types.float32(types.uint16), codegen
+
+    def widen(v):
+        raise NotImplementedError("a CUDA kernel's load (hpcsgd/half.py)")
+
+    @overload(widen, inline="always")
+    def _widen(v):
+        if _is_bf16_bits(v):
+            return lambda v: bf16_value(v)
+        return lambda v: np.float32(v)
+    return widen
+
+
+def _make_stored(real):
+    """stored(a, v): the float32 v as the array a stores it -- bfloat16 bits by
+    _bf16_round_bits (round to nearest even, NaN kept, overflow to Inf) for a uint16 array;
+    v itself otherwise (a store into a float16 array rounds once to nearest even)."""
+    if real.config.ENABLE_CUDASIM:
+        return _stored_sim
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic, overload
+
+    @intrinsic
+    def f32_bits(typingctx, v):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(types.float32), codegen
+
+    def stored(a, v):
+        raise NotImplementedError("a CUDA kernel's store (hpcsgd/half.py)")
+
+    @overload(stored, inline="always")
+    def _stored(a, v):
+        if _is_bf16_bits(getattr(a, "dtype", None)):
+            return lambda a, v: np.uint16(_bf16_round_bits_cuda(f32_bits(np.float32(v))) >> 16)
+        return lambda a, v: v
+    return stored
+
+
+widen, stored = device_function(_make_widen), device_function(_make_stored)
+
+
 @njit(inline="always")
 def bf16_round(v):
     """float32 -> float32(bfloat16(v)) (CPU kernels)."""
@@ -75,12 +159,7 @@ def bf16_round(v):
 
 
 # ---------------------------------------------------------------- NumPy references
-def round_bf16_ref(src, dst):
-    """dst = float32(bfloat16(src)) by the same rule on whole arrays (uint64: no wrap-around)."""
-    b = np.ascontiguousarray(src, np.float32).view(np.uint32).astype(np.uint64)
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
-    rounded = np.where(nan, b | 0x00400000, b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-    dst[...] = rounded.astype(np.uint32).view(np.float32).reshape(np.shape(src))
+# round_bf16_ref (imported above): hpcsgd/bfloat16.py, below hpcsgd/device.py's GEMM
 
 
 def round_half_ref(src, dst):
@@ -232,6 +311,14 @@ def _round_bf16_cuda(src, dst):
 
 
 @cuda.jit
+def _to_bf16_cuda(src, dst):
+    """float32 src -> dst's bfloat16 bits (uint16 storage: stored's rule, the one above)."""
+    i = cuda.grid(1)
+    if i < src.size:
+        dst[i] = stored(dst, src[i])
+
+
+@cuda.jit
 def _scale_cuda(x, s):
     i = cuda.grid(1)
     if i < x.size:
@@ -267,10 +354,13 @@ def round_half(src, dst):
 
 def round_bf16(src, dst):
     """dst = float32(bfloat16(src)) (C-contiguous float32 arrays of one size; dst may be src),
-    on the host or the device."""
+    on the host or the device; on the device dst may also be a uint16 array (GPU ranks'
+    bfloat16 storage: w16 and x16), which then holds the bits of bfloat16(src)."""
     src, dst = src.reshape(-1), dst.reshape(-1)
     if is_device(src):
-        if src.size:
+        if src.size and dst.dtype == np.uint16:
+            _to_bf16_cuda[on_stream(one_thread_each(src.size, BLOCK))](src, dst)
+        elif src.size:
             _round_bf16_cuda[on_stream(one_thread_each(src.size, BLOCK))](src.view(np.uint32),
                                                               dst.view(np.uint32))
         return
