@@ -348,20 +348,21 @@ def test_bench_train_cuda_counts_what_the_host_does_per_step(tmp_path):
 
 
 def test_bench_train_cuda_mixed_stores_half_the_activation_bytes(tmp_path):
-    """`bench train --device cuda --precision float32,mixed` in the simulator: GPU ranks'
-    mixed precision stores activations, their gradients and the input copy in float16
-    (docs/precision.md), so its activation bytes are exactly half of float32's, and the
-    memory line says so per precision."""
+    """`bench train --device cuda --precision float32,mixed,bf16` in the simulator: GPU
+    ranks' mixed precision stores activations, their gradients and the input copy in float16,
+    bf16 in uint16 arrays of bfloat16 bits (docs/precision.md), so their activation bytes are
+    exactly half of float32's, and the memory line says so per precision."""
     stdout, run = bench_train_simulated(tmp_path, "--ranks", "1", "--exchange", "allreduce",
-                                        "--precision", "float32,mixed")
+                                        "--precision", "float32,mixed,bf16")
     mem = run["activation_bytes_by_precision"]
     assert mem["float32"]["8"] == run["activation_bytes"]["8"] == 8 * (5 + 5 + 3 + 5) * 4
-    assert mem["mixed"]["8"] * 2 == mem["float32"]["8"]
-    assert run["storage"] == {"float32": "float32", "mixed": "float16"}
-    # the float16 copies: w16 (2 bytes a weight) and x16 (2 bytes a feature)
+    assert mem["mixed"]["8"] * 2 == mem["bf16"]["8"] * 2 == mem["float32"]["8"]
+    assert run["storage"] == {"float32": "float32", "mixed": "float16", "bf16": "uint16"}
+    # the 16-bit copies: w16 (2 bytes a weight) and x16 (2 bytes a feature)
     assert run["copy_bytes_by_precision"]["mixed"]["8"] == 2 * run["params"] + 2 * 8 * 4
+    assert run["copy_bytes_by_precision"]["bf16"]["8"] == 2 * run["params"] + 2 * 8 * 4
     assert "activation memory per rank at N = 8: float32 " in stdout
-    assert "(float32); mixed " in stdout and "(float16)" in stdout
+    assert "(float32); mixed " in stdout and "(float16)" in stdout and "(bfloat16)" in stdout
     assert all(r["host_per_step"]["allocations"] == 0 for r in run["rows"]), \
         [(r["precision"], r["exchange"], r["host_per_step"]) for r in run["rows"]]
 

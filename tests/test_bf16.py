@@ -268,6 +268,11 @@ else:
     from numba import cuda
 
     from hpcsgd import half
+    from hpcsgd.bfloat16 import values
+
+    def as_values(a):
+        """A stored array's float32 values: a uint16 array (bfloat16 storage) holds bits."""
+        return values(a) if a.dtype == np.uint16 else a
 
     def boundary_sample():
         """Every sign and exponent with an even and an odd last significand bit, the largest
@@ -348,7 +353,8 @@ else:
                 params.flat.copy_to_device(out["cpu"]["params"])
             ce, _ = model.forward_backward(params, grads, x, y, n)
             bad, _ = model.unscale(grads, 1.0)
-            get = (lambda a: a) if device == "cpu" else (lambda a: a.copy_to_host())
+            # GPU ranks store bfloat16 bits in uint16 arrays: their values, to compare
+            get = (lambda a: a) if device == "cpu" else (lambda a: as_values(a.copy_to_host()))
             stored = [get(model.x16)[:n], get(model.w16.flat), get(model.delta),
                       get(grads.flat), *[get(a)[:n] for a in model.acts]]
             for a in stored:   # every 16-bit store of either device is bfloat16

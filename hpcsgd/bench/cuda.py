@@ -122,7 +122,8 @@ def record(out_path):
     Step(mixed, mixed_params, gradient_buffers(mixed, False),
          Optimizer(mixed_params.size, device="cuda"), exchanges[0], device="cuda",
          scaler=Static(2.0 ** 10)).run(lambda k: (x[:k], y[:k]), np.array([n]), 0, 1e-3)
-    # bf16 (no loss scale): the bfloat16 rounding kernel, on the model's stores and in unscale
+    # bf16 (no loss scale): bfloat16 storage (uint16 arrays: the kernels' bfloat16 signatures,
+    # the weights' and input's conversion) and the rounding kernel in unscale
     bf16 = dnn(6, [5], 3, "sigmoid", max_batch=n, device="cuda", precision="bf16")
     bf16_params = bf16.new_params()
     bf16.init(bf16_params, np.random.default_rng(1))
@@ -142,15 +143,17 @@ def record(out_path):
          Optimizer(blstm_params.size, device="cuda"), exchanges[0], device="cuda",
          clip=1e-3).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
     blstm.forward(blstm_params, x, n, log=True)
-    # the same BLSTM in mixed precision: float16 storage, so every LSTM, softmax and column
-    # sums kernel's float16 signature (hpcsgd/model/kernels_cuda.py); its forward is float32
-    mixed_blstm = lstm(6, [3], 3, True, [4], "sigmoid", steps=steps, max_batch=n,
-                       device="cuda", precision="mixed")
-    mixed_blstm_params = mixed_blstm.new_params()
-    mixed_blstm.init(mixed_blstm_params, np.random.default_rng(1))
-    Step(mixed_blstm, mixed_blstm_params, gradient_buffers(mixed_blstm, False),
-         Optimizer(mixed_blstm_params.size, device="cuda"), exchanges[0], device="cuda",
-         scaler=Static(2.0 ** 10)).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
+    # the same BLSTM in mixed precision and bf16: float16 and bfloat16 (uint16) storage, so
+    # every LSTM, softmax and column sums kernel's 16-bit signatures
+    # (hpcsgd/model/kernels_cuda.py); its forward is float32
+    for precision, scaler in (("mixed", Static(2.0 ** 10)), ("bf16", None)):
+        half_blstm = lstm(6, [3], 3, True, [4], "sigmoid", steps=steps, max_batch=n,
+                          device="cuda", precision=precision)
+        half_blstm_params = half_blstm.new_params()
+        half_blstm.init(half_blstm_params, np.random.default_rng(1))
+        Step(half_blstm, half_blstm_params, gradient_buffers(half_blstm, False),
+             Optimizer(half_blstm_params.size, device="cuda"), exchanges[0], device="cuda",
+             scaler=scaler).run(lambda k: (x[:k], y_seq[:k]), np.array([n]), 0, 1e-3)
     # quantization-aware training (hpcsgd/model/quantize.py): learned clips on weights and
     # inputs (the backward's reductions), dynamic SAWB ranges (the statistics), the BLSTM's
     # quantized hidden state on strided views

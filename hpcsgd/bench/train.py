@@ -432,7 +432,7 @@ def print_activation_memory(run):
     """Activations and their gradients per rank (each layer's output, the backward's delta,
     the recurrent workspaces), per precision as this rank's models store them: float32; mixed
     on CPU ranks keeps float16 values in float32 buffers (the emulation), on GPU ranks float16
-    arrays (half the bytes); bf16 float32 buffers everywhere. Plus each 16-bit precision's
+    arrays (half the bytes); bf16 likewise, bfloat16 bits in uint16 arrays on GPU ranks. Plus each 16-bit precision's
     weight and input copies, and on a real GPU what the driver saw a model of each precision
     take (its free memory before and after building one: every buffer, whole pages)."""
     by_precision = run.get("activation_bytes_by_precision") or {"float32": run.get(
@@ -442,7 +442,8 @@ def print_activation_memory(run):
     for n in sorted(next(iter(by_precision.values()), {}), key=int):
         parts = []
         for precision, mem in by_precision.items():
-            dtype = "float16" if run.get("storage", {}).get(precision) == "float16" else "float32"
+            dtype = {"float16": "float16", "uint16": "bfloat16"}.get(
+                run.get("storage", {}).get(precision), "float32")
             part = f"{precision} {mem[n] / 2 ** 20:.1f} MiB ({dtype})"
             if extra.get(precision):
                 part += f" + {extra[precision][n] / 2 ** 20:.1f} MiB weight and input copies"

@@ -20,15 +20,19 @@ GPU ranks of a data-parallel job stay bit-identical.
   the row's width); thread t covers columns t, t + T, ...; thread 0 combines the T partials
   in thread order and shares the result.
 
-float16 storage (GPU ranks with train.precision=mixed, docs/precision.md): the DNN's, the
-softmax's and the LSTM's kernels take float16 or float32 arrays (one compiled signature each)
-and compute in float32 either way: every load is widened with F (np.float32: no instruction
-for a float32 array), every constant is float32, and a store into a float16 array rounds once
-to nearest even. Where mixed precision's CPU emulation (model/ops.py: HalfOps) sums values
+16-bit storage (GPU ranks with train.precision=mixed: float16 arrays; bf16: uint16 arrays
+holding bfloat16 bits; docs/precision.md): the DNN's, the softmax's and the LSTM's kernels
+take float16, bfloat16 or float32 arrays (one compiled signature each) and compute in float32
+either way: every load is widened with F (hpcsgd/half.py: widen -- bfloat16 bits shifted into
+a float32, a float16 converted, nothing for a float32 array), every constant is float32, and
+every store of a computed value goes through S (half.py: stored -- bfloat16 bits by the
+project's rounding rule for a uint16 array; the value itself otherwise, so a float16 store
+rounds once to nearest even), both chosen at compile time by the array's type.
+Where mixed precision's CPU emulation (model/ops.py: HalfOps) sums values
 before their float16 rounding -- a hidden layer's bias gradient (the column sums of dz) and
-the output layer's (of the loss gradient) -- the float16 path computes the values in the
+the output layer's (of the loss gradient) -- the 16-bit path computes the values in the
 column sums' layout and sums them before the store (act_backward, softmax_xent_backward with
-float16 arrays), instead of a second pass that could only read the rounded values.
+16-bit arrays), instead of a second pass that could only read the rounded values.
 """
 import math
 
@@ -36,14 +40,22 @@ import numpy as np
 
 from hpcsgd import census
 from hpcsgd.device import as_device, fill, mul_rn, on_stream  # noqa: F401  (fill: re-exported)
+from hpcsgd.half import stored as S
+from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels import SIGMOID
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
 COL_TILE, SUM_LANES = 32, 16   # column sums: columns per block x row lanes (512 threads)
 ROW_THREADS = 128        # softmax: threads per row (block) at most; thread 0 combines them
-F = np.float32           # the kernels' arithmetic, whatever the storage (float32 or float16)
-ONE, ZERO = F(1), F(0)
+# F (a load widened to float32) and S (a float32 as its array stores it): hpcsgd/half.py
+ONE, ZERO = np.float32(1), np.float32(0)
+SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(np.uint16))   # float16, bfloat16 bits
+
+
+def sixteen_bit(a):
+    """Is a a 16-bit storage array (float16, or uint16 holding bfloat16 bits)?"""
+    return a.dtype in SIXTEEN_BIT
 
 
 def row_threads(m):
@@ -81,9 +93,9 @@ def _bias_act_kernel(z, b, kind):
         for j in range(j0, m, sj):
             v = F(z[i, j]) + F(b[0, j])
             if kind == SIGMOID:
-                z[i, j] = ONE / (ONE + math.exp(-v))
+                z[i, j] = S(z, ONE / (ONE + math.exp(-v)))
             else:
-                z[i, j] = max(v, ZERO)
+                z[i, j] = S(z, max(v, ZERO))
 
 
 @cuda.jit(device=True)
@@ -102,7 +114,7 @@ def _act_backward_kernel(h, d, dz, kind):
     for i in range(i0, n, si):
         for j in range(j0, m, sj):
             # h read before dz (which may be h) is written
-            dz[i, j] = _act_grad(F(h[i, j]), F(d[i, j]), kind)
+            dz[i, j] = S(dz, _act_grad(F(h[i, j]), F(d[i, j]), kind))
 
 
 @cuda.jit
@@ -151,7 +163,7 @@ def _act_backward_sums_kernel(h, d, dz, out, kind):
     if col < m:
         for i in range(cuda.threadIdx.y, n, SUM_LANES):
             g = _act_grad(F(h[i, col]), F(d[i, col]), kind)
-            dz[i, col] = g
+            dz[i, col] = S(dz, g)
             acc += g
     _sum_lanes(part, acc, out, col, m)
 
@@ -174,7 +186,7 @@ def _xent_grad_sums_kernel(z, b, y, stats, out, scale):
                 g = mul_rn(math.exp(F(z[i, col]) + F(b[0, col]) - stats[i, 0]), stats[i, 1])
                 if col == label:
                     g -= ONE
-            z[i, col] = g * scale        # a power of two: exact before the store's rounding
+            z[i, col] = S(z, g * scale)   # a power of two: exact before the store's rounding
             acc += g
     _sum_lanes(part, acc, out, col, m)
 
@@ -307,12 +319,12 @@ def _lstm_forward_step_kernel(a, r, b, c_prev, c, h):
             o = ONE / (ONE + math.exp(-(F(a[n, 3 * hc + j]) + F(r[n, 3 * hc + j])
                                         + F(b[0, 3 * hc + j]))))
             cv = f * F(c_prev[n, j]) + i * g
-            c[n, j] = cv
-            h[n, j] = o * math.tanh(cv)
-            a[n, j] = i
-            a[n, hc + j] = f
-            a[n, 2 * hc + j] = g
-            a[n, 3 * hc + j] = o
+            c[n, j] = S(c, cv)
+            h[n, j] = S(h, o * math.tanh(cv))
+            a[n, j] = S(a, i)
+            a[n, hc + j] = S(a, f)
+            a[n, 2 * hc + j] = S(a, g)
+            a[n, 3 * hc + j] = S(a, o)
 
 
 @cuda.jit
@@ -327,11 +339,11 @@ def _lstm_backward_step_kernel(a, c_prev, c, dh, dr, dc):
             tc = math.tanh(F(c[n, j]))
             d = F(dh[n, j]) + F(dr[n, j])
             dcv = F(dc[n, j]) + d * o * (ONE - tc * tc)
-            a[n, j] = dcv * g * (i * (ONE - i))
-            a[n, hc + j] = dcv * F(c_prev[n, j]) * (f * (ONE - f))
-            a[n, 2 * hc + j] = dcv * i * (ONE - g * g)
-            a[n, 3 * hc + j] = d * tc * (o * (ONE - o))
-            dc[n, j] = dcv * f
+            a[n, j] = S(a, dcv * g * (i * (ONE - i)))
+            a[n, hc + j] = S(a, dcv * F(c_prev[n, j]) * (f * (ONE - f)))
+            a[n, 2 * hc + j] = S(a, dcv * i * (ONE - g * g))
+            a[n, 3 * hc + j] = S(a, d * tc * (o * (ONE - o)))
+            dc[n, j] = S(dc, dcv * f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,7 +532,7 @@ def act_backward(h, d, dz, gb, kind):
     (float16 dz: of its float32 values before the store, in one fused kernel)."""
     h, d, dz = as_device(h), as_device(d), as_device(dz)
     n, m = d.shape
-    if n and m and dz.dtype == np.float16:
+    if n and m and sixteen_bit(dz):
         _act_backward_sums_kernel[on_stream(column_sums_launch(m))](h, d, dz, as_device(gb), kind)
         return
     if n and m:
@@ -568,7 +580,7 @@ def softmax_xent_backward(z, b, y, gb, ce_rows, correct_rows, stats=None, scale=
     if n == 0:
         fill(gb, 0)
         return 0.0, 0
-    fused = z.dtype == np.float16
+    fused = sixteen_bit(z)
     stats = as_device(stats) if fused else _no_stats()   # (unused by the unfused kernel)
     _softmax_xent_kernel[on_stream((n, row_threads(m)))](z, b, y, ce_rows, correct_rows, stats, fused)
     if fused:

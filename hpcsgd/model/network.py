@@ -27,9 +27,10 @@ GPU ranks with precision="mixed" store in float16 (`storage`): the activations, 
 gradients (acts, delta), the recurrent layers' workspaces, w16 and x16 are float16 device
 arrays, half the bytes; the GEMMs take float16 operands, accumulate in float32 and round once
 to a float16 output, or to the float32 weight gradients (hpcsgd/device.py: matmul); the
-kernels compute in float32 on float16 arrays. The same values as the emulation, up to the
-order of sums and CUDA's expf (docs/precision.md). Master weights, optimizer state and the
-gradients (`grads`) stay float32. Inference (forward: cross-validation, eval) runs float32 on
+kernels compute in float32 on float16 arrays. precision="bf16" stores the same buffers as
+uint16 arrays holding bfloat16 bits (STORAGE), the same way (bfloat16 GEMM operands). The
+same values as the emulation, up to the order of sums and CUDA's expf (docs/precision.md).
+Master weights, optimizer state and the gradients (`grads`) stay float32. Inference (forward: cross-validation, eval) runs float32 on
 the master weights as on CPU ranks, in float32 buffers of its own made at its first call
 (training alone never makes them).
 
@@ -38,6 +39,8 @@ weights fake-quantized from the float32 master at its start, and on each layer's
 fake-quantized into aq[i]; backward passes the gradients straight through to the master and
 the float inputs (model/quantize.py).
 """
+import os
+
 import numpy as np
 
 from hpcsgd import half
@@ -49,9 +52,24 @@ from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 PRECISIONS = ("float32", "mixed", "bf16")
 # the 16-bit format each reduced precision stores its values in (hpcsgd/half.py: round_to)
 ROUNDING = {"float32": None, "mixed": "float16", "bf16": "bfloat16"}
+# the arrays GPU ranks store each 16-bit format in: float16, and uint16 holding bfloat16's
+# bits (NumPy and Numba have no bfloat16 dtype; it is float32's upper half)
+STORAGE = {"float16": np.float16, "bfloat16": np.uint16}
 # GPU ranks under mixed store in float16 arrays; False: in float32 buffers holding float16
 # values, as the CPU emulation does (tests/test_mixed_cuda.py compares the two bit for bit)
 FLOAT16_STORAGE = True
+# the same for bf16 (tests/test_bf16_cuda.py); HPCSGD_BF16_STORAGE=0 in a rank's environment
+# makes it False there (a whole training run emulated, for that test's comparison)
+BF16_STORAGE = os.environ.get("HPCSGD_BF16_STORAGE", "1") != "0"
+
+
+def storage_dtype(precision, device, dtype=np.float32):
+    """The dtype of a training pass's buffers: the 16-bit format's array on GPU ranks (float16
+    under mixed, uint16 bfloat16 bits under bf16) unless its switch above is off, else the
+    model's (an emulation keeps 16-bit values in float32 buffers)."""
+    rounding = ROUNDING[precision]
+    on = {"float16": FLOAT16_STORAGE, "bfloat16": BF16_STORAGE}.get(rounding, False)
+    return np.dtype(STORAGE[rounding] if device == "cuda" and on else dtype)
 
 
 def gemm_flop_per_frame(layers):
@@ -80,10 +98,7 @@ class Network:
         self.precision = precision
         self.rounding = ROUNDING[precision]   # None, "float16" or "bfloat16"
         self.half = self.rounding is not None   # a 16-bit float emulation (mixed or bf16)
-        # the dtype of the training pass's buffers: float16 on GPU ranks under mixed (real
-        # float16 storage), else the model's (a CPU emulation keeps float16 values in float32)
-        self.storage = np.dtype(np.float16 if device == "cuda" and self.rounding == "float16" and FLOAT16_STORAGE
-                                else self.dtype)
+        self.storage = storage_dtype(precision, device, self.dtype)
         self.acts, self.workspaces = self._pass_buffers(self.storage)
         # dLoss/dx of a layer's input: not of the model's, unless its clip values are learned
         first = 0 if self.quant and self.quant.learns_input(0) else 1
@@ -321,7 +336,7 @@ class Network:
         steps = self._steps(n, steps)
         x, _ = self._to_device(x, None, n)
         params = self._quantized(params, self.ops)
-        if self._inference is None:   # float16 storage: float32 buffers for the float32 pass
+        if self._inference is None:   # 16-bit storage: float32 buffers for the float32 pass
             self._inference = self._pass_buffers(self.dtype)
         z = self._forward(params, x, n, self.ops, steps=steps, buffers=self._inference)
         self.layers[-1].posteriors(params, z, self.ops, log, **self._last_ws(self._inference[1]))

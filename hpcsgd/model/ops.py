@@ -7,8 +7,8 @@ to these.
     GemmOnly  nothing at all: the step's GEMMs alone, the roofline `bench train` divides by
     HalfOps   mixed precision (float16) or bf16 around either of the first two: every value a
               GEMM or kernel stores as a 16-bit float is rounded to it in its float32 buffer
-              (hpcsgd/half.py: round_to(kind)); a float16 buffer (GPU ranks' mixed
-              precision: float16 storage) is left alone, its stores have rounded
+              (hpcsgd/half.py: round_to(kind)); a 16-bit array (GPU ranks' float16
+              or bfloat16 storage) is left alone, its stores have rounded
 
 Shapes: z, h, d (N, M) with N <= max_batch rows and M <= max_width columns; b, gb (1, M);
 y (N,) integer labels. `kind` is kernels.SIGMOID or kernels.RELU.
@@ -164,8 +164,8 @@ class CudaOps:
         KC.act_backward(h, d, dz, gb, kind)
 
     def softmax_xent(self, z, b, y, gb, scale=1.0):
-        """float16 z: the kernels scale it before its store (one rounding, after scaling)."""
-        if z.dtype == np.float16:   # each row's (max, 1 / sum), then a column pass
+        """16-bit z: the kernels scale it before its store (one rounding, after scaling)."""
+        if KC.sixteen_bit(z):   # each row's (max, 1 / sum), then a column pass
             KC.softmax_xent_backward(z, b, y, gb, self.ce_rows, self.correct_rows,
                                      self.row_stats, scale, read=False)
         else:
@@ -306,7 +306,7 @@ class HalfOps:
     operands). Bias gradients are the kernels' float32 column sums of dz before its rounding
     (half an ulp of the format per element more precise than a sum of the stored dz).
 
-    GPU ranks' mixed precision stores in float16 arrays instead (model/network.py: storage):
+    GPU ranks store in 16-bit arrays instead (model/network.py: storage; bfloat16 as uint16):
     there the GEMM's or kernel's store has rounded, once, to the same value, and `store`
     leaves the array alone; the kernels compute the same float32 values (kernels_cuda.py)."""
 
@@ -315,9 +315,9 @@ class HalfOps:
         self.round = half.round_to(kind)
 
     def store(self, x):
-        """x as stored in the 16-bit format: a float32 buffer rounded in place; a float16
-        array already is."""
-        if x.dtype != np.float16:
+        """x as stored in the 16-bit format: a float32 buffer rounded in place; a 16-bit
+        array (float16, or uint16 holding bfloat16 bits) already is."""
+        if x.dtype == np.float32:
             self.round(x, x)
 
     def bias_act(self, z, b, kind):
