@@ -63,7 +63,7 @@ done
 
 GPU_TESTS="tests/test_codecs_cuda.py tests/test_model_cuda.py tests/test_lstm_cuda.py
            tests/test_quantize_cuda.py tests/test_gpu_ranks.py tests/test_eval_cuda.py
-           tests/test_graphs.py tests/test_mixed_cuda.py"
+           tests/test_graphs.py tests/test_mixed_cuda.py tests/test_bf16_cuda.py"
 part tests 240 env HPCSGD_TEST_GPU=1 python -m pytest -q -rf -p no:cacheprovider $GPU_TESTS
 
 STEPS=(--steps 20 --warmup 5 --rounds 3)
