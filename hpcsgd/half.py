@@ -111,8 +111,8 @@ def _make_widen(real):
             return builder.bitcast(wide, ir.FloatType())
         return types.float32(types.uint16), codegen
 
-    def widen(v):
-        raise NotImplementedError("a CUDA kernel's load (hpcsgd/half.py)")
+    def widen(v):   # called from Python (not a kernel): the simulator's rule, the same
+        return _widen_sim(v)
 
     @overload(widen, inline="always")
     def _widen(v):
@@ -137,8 +137,8 @@ def _make_stored(real):
             return builder.bitcast(args[0], ir.IntType(32))
         return types.uint32(types.float32), codegen
 
-    def stored(a, v):
-        raise NotImplementedError("a CUDA kernel's store (hpcsgd/half.py)")
+    def stored(a, v):   # called from Python (not a kernel): the simulator's rule, the same
+        return _stored_sim(a, v)
 
     @overload(stored, inline="always")
     def _stored(a, v):
@@ -427,7 +427,8 @@ def unscale(g, scale, rounding=None):
         if g.size:
             if kind == "bfloat16":   # its own pass: a CUDA kernel has no float32 <-> uint32 cast
                 round_bf16(g, g)
-            _unscale_cuda[on_stream(one_thread_each(g.size, BLOCK))](g, inv, kind == "float16", stats)
+            _unscale_cuda[on_stream(one_thread_each(g.size, BLOCK))](g, inv, kind == "float16",
+                                                                      stats)
         bad, amax = stats.copy_to_host()   # device -> host: sync point
         return int(bad), float(amax)
     bad, amax = unscale_cpu(g, inv, {None: NONE, "float16": FLOAT16, "bfloat16": BFLOAT16}[kind])
