@@ -285,3 +285,36 @@ def latest_arrays(run):
 def small_archive(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("archive"))
     return out, make_archive(out)
+
+
+# ---- the small GPU-rank precision tests' models, batch and trainer options (test_mixed_cuda,
+# test_bf16_cuda, test_graphs): shapes tiny enough for the simulator
+
+def tiny_model(kind, device, precision, n=12):
+    """DNN 6-7-5-5 (kind sigmoid or relu) or a BLSTM (kind blstm: 3 cells, 3 steps of 4
+    sequences), max_batch n, in `precision`."""
+    from hpcsgd.model.dnn import dnn
+    from hpcsgd.model.lstm import lstm
+    if kind == "blstm":
+        return lstm(6, [3], 5, True, [4], "sigmoid", steps=3, max_batch=n, device=device,
+                    precision=precision)
+    return dnn(6, [7, 5], 5, kind, max_batch=n, device=device, precision=precision)
+
+
+def tiny_batch(n=12, seed=3):
+    """(x, y) for tiny_model: n frames of 6 features, labels in 0..4, frame 1 outside the loss."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, 6)) * 2).astype(np.float32)
+    y = rng.integers(0, 5, n).astype(np.int32)
+    y[1] = -1   # a frame outside the loss (a sequence's context)
+    return x, y
+
+
+def tiny_gpu_run(arch, *extra):
+    """Trainer overrides: a 2-shard archive, a DNN of 8 hidden units, 96 frames of 16, GPU
+    ranks; `extra` appended."""
+    return [f"data.train={arch}", "data.context=1", "model.hidden=[8]", "train.minibatch=16",
+            "train.epochs=1", "train.stop_after_frames=96", "data.block_frames=100",
+            "data.buffer_frames=400", "train.log_every_frames=1000", "optim.lr=0.01",
+            "schedule.type=constant", "train.device=cuda", *extra]
+

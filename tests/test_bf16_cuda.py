@@ -19,8 +19,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import CUDA_ENV, REAL_GPU, latest_arrays, make_archive, run_cuda_tests_in_child, \
-    run_train
+from conftest import (CUDA_ENV, REAL_GPU, latest_arrays, make_archive, run_cuda_tests_in_child,
+                      run_train, tiny_batch, tiny_gpu_run, tiny_model)
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 TOL = 2.0 ** -5   # a real GPU only (module docstring)
@@ -47,11 +47,7 @@ if not CHILD:
         weights and optimizer state, bit for bit."""
         arch = str(tmp_path / "arch")
         make_archive(arch, num_shards=2, utts_per_shard=4, max_len=120)
-        opts = [f"data.train={arch}", "data.context=1", "model.hidden=[8]",
-                "train.minibatch=16", "train.epochs=1", "train.stop_after_frames=96",
-                "data.block_frames=100", "data.buffer_frames=400",
-                "train.log_every_frames=1000", "optim.lr=0.01", "optim.momentum_tc=100",
-                "schedule.type=constant", "train.device=cuda", "train.precision=bf16"]
+        opts = tiny_gpu_run(arch, "optim.momentum_tc=100", "train.precision=bf16")
         runs = {}
         for storage in ("1", "0"):
             run = str(tmp_path / f"storage_{storage}")
@@ -74,8 +70,6 @@ else:
     from hpcsgd.model import kernels as K
     from hpcsgd.model import kernels_cuda as KC
     from hpcsgd.model import network
-    from hpcsgd.model.dnn import dnn
-    from hpcsgd.model.lstm import lstm
 
     def rb(v):
         """float32(bfloat16(v))."""
@@ -85,22 +79,14 @@ else:
         return a.copy_to_host() if hasattr(a, "copy_to_host") else np.array(a)
 
     def build(kind, device, storage=True, n=12):
-        """A small bf16 model: DNN (sigmoid or relu) or a BLSTM (3 steps of 4 sequences)."""
+        """tiny_model in bf16; storage=False: the float32-buffer emulation on GPU ranks."""
         network.BF16_STORAGE = storage
         try:
-            if kind == "blstm":
-                return lstm(6, [3], 5, True, [4], "sigmoid", steps=3, max_batch=n,
-                            device=device, precision="bf16")
-            return dnn(6, [7, 5], 5, kind, max_batch=n, device=device, precision="bf16")
+            return tiny_model(kind, device, "bf16", n)
         finally:
             network.BF16_STORAGE = True
 
-    def batch(n=12, seed=3):
-        rng = np.random.default_rng(seed)
-        x = (rng.standard_normal((n, 6)) * 2).astype(np.float32)
-        y = rng.integers(0, 5, n).astype(np.int32)
-        y[1] = -1   # a frame outside the loss
-        return x, y
+    batch = tiny_batch
 
     def step(model, params_host, x, y):
         params, grads = model.new_params(), model.new_params()
@@ -223,7 +209,7 @@ else:
         _, params = init_params("sigmoid")
         x, _ = batch()
         bf16 = build("sigmoid", "cuda")
-        f32 = dnn(6, [7, 5], 5, "sigmoid", max_batch=12, device="cuda")
+        f32 = tiny_model("sigmoid", "cuda", "float32")
         p16, p32 = bf16.new_params(), f32.new_params()
         p16.flat.copy_to_device(params)
         p32.flat.copy_to_device(params)

@@ -11,7 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import CUDA_ENV, make_archive, run_cuda_tests_in_child, run_mpi, run_train
+from conftest import (CUDA_ENV, make_archive, run_cuda_tests_in_child, run_mpi, run_train,
+                      tiny_gpu_run)
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 
@@ -26,12 +27,8 @@ if not CHILD:
         from hpcsgd import checkpoint
         arch = str(tmp_path / "arch")
         make_archive(arch, num_shards=2, utts_per_shard=4, max_len=120)
-        opts = [f"data.train={arch}", "data.context=1", "model.hidden=[8]",
-                "train.minibatch=16", "train.epochs=1", "train.stop_after_frames=96",
-                "data.block_frames=100", "data.buffer_frames=400",
-                "train.log_every_frames=1000", "optim.lr=0.01", "schedule.type=constant",
-                "train.device=cuda", "exchange.aggregation=striped", "train.precision=mixed",
-                "train.loss_scale=backoff"]
+        opts = tiny_gpu_run(arch, "exchange.aggregation=striped", "train.precision=mixed",
+                            "train.loss_scale=backoff")
         runs = {}
         for graphs in (False, True):
             run = tmp_path / f"graphs_{graphs}"

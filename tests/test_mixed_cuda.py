@@ -31,7 +31,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import CUDA_ENV, latest_arrays, make_archive, run_cuda_tests_in_child, run_train
+from conftest import (CUDA_ENV, latest_arrays, make_archive, run_cuda_tests_in_child, run_train,
+                      tiny_batch, tiny_model)
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 TOL = 2.0 ** -7   # of a matrix's 2-norm: L = 7 float16 roundings of 2^-10 (module docstring)
@@ -106,8 +107,6 @@ else:
     from hpcsgd.model import kernels as K
     from hpcsgd.model import kernels_cuda as KC
     from hpcsgd.model import network
-    from hpcsgd.model.dnn import dnn
-    from hpcsgd.model.lstm import lstm
 
     def r16(a):
         """The float32 values of float16(a) (round to nearest even; Inf past 65504)."""
@@ -118,22 +117,14 @@ else:
         return a.copy_to_host() if hasattr(a, "copy_to_host") else np.array(a)
 
     def build(kind, device, storage=True, n=12):
-        """A small mixed model: DNN (sigmoid or relu) or a BLSTM (3 steps of 4 sequences)."""
+        """tiny_model in mixed; storage=False: the float32-buffer emulation on GPU ranks."""
         network.FLOAT16_STORAGE = storage
         try:
-            if kind == "blstm":
-                return lstm(6, [3], 5, True, [4], "sigmoid", steps=3, max_batch=n,
-                            device=device, precision="mixed")
-            return dnn(6, [7, 5], 5, kind, max_batch=n, device=device, precision="mixed")
+            return tiny_model(kind, device, "mixed", n)
         finally:
             network.FLOAT16_STORAGE = True
 
-    def batch(n=12, seed=3):
-        rng = np.random.default_rng(seed)
-        x = (rng.standard_normal((n, 6)) * 2).astype(np.float32)
-        y = rng.integers(0, 5, n).astype(np.int32)
-        y[1] = -1   # a frame outside the loss (a sequence's context)
-        return x, y
+    batch = tiny_batch
 
     def step(model, params_host, scale, x, y):
         params, grads = model.new_params(), model.new_params()
@@ -158,8 +149,7 @@ else:
     @pytest.mark.parametrize("kind", KINDS)
     def test_every_activation_buffer_is_float16_and_takes_half_the_bytes(kind):
         mixed = build(kind, "cuda")
-        f32 = (dnn(6, [7, 5], 5, kind, max_batch=12, device="cuda") if kind != "blstm" else
-               lstm(6, [3], 5, True, [4], "sigmoid", steps=3, max_batch=12, device="cuda"))
+        f32 = tiny_model(kind, "cuda", "float32")
         bufs = mixed.activation_buffers()
         assert {a.dtype for a in bufs.values()} == {np.dtype(np.float16)}
         assert mixed.w16.flat.dtype == np.float16 and mixed.storage == np.float16
@@ -301,7 +291,7 @@ else:
         model, params = init_params("sigmoid")
         x, _ = batch()
         gpu = build("sigmoid", "cuda")
-        f32 = dnn(6, [7, 5], 5, "sigmoid", max_batch=12, device="cuda")
+        f32 = tiny_model("sigmoid", "cuda", "float32")
         outs = []
         for m in (gpu, f32):
             p = m.new_params()
