@@ -5,12 +5,19 @@ An archive is a directory:
     OUT/shard-00000.h5 ...   one file per shard (one Slurm array task each)
     OUT/index.json           shard list with frame/utterance counts, so ranks plan their
                              share of the data without opening every shard
-    OUT/labels.txt           the label inventory, `symbol id` per line
+    OUT/labels.txt           the frame-label inventory, `symbol id` per line
+    OUT/tokens_<kind>.txt    a token inventory (kind phones, chars or bpe), `symbol id` per
+                             line, id 0 the CTC blank <blk>; OUT/bpe.model beside kind bpe
+                             (the sentencepiece model, trained on the training speakers' text)
 
 A shard holds whole speakers (so its per-speaker CMVN statistics are complete):
 
     feats        (F, D) float32   all utterances' frames concatenated, chunked along frames
-    labels       (F,)   int32     frame labels (zero-based ids into the inventory)
+    labels       (F,)   int32     frame labels (zero-based ids into the inventory); absent when
+                                  the corpus came without alignments (attrs frame_labels false)
+    text         (U,)   str       each utterance's transcript words (when the corpus has text)
+    tokens/<kind>/ids      (N,)   int32  every utterance's token ids (1.., never the blank 0),
+    tokens/<kind>/offsets  (U+1,) int64  utterance u's are ids[offsets[u]:offsets[u+1]]
     utt_offsets  (U+1,) int64     utterance u is frames [utt_offsets[u], utt_offsets[u+1])
     utt_ids      (U,)   str
     utt_spk      (U,)   int32     index into spk_ids
@@ -18,7 +25,12 @@ A shard holds whole speakers (so its per-speaker CMVN statistics are complete):
     cmvn_stats   (S, 2, D+1) float64   Kaldi layout: row 0 = sums and frame count, row 1 = sums of squares
     label_counts (L,)   int64     frames per label (priors for hybrid decoding)
     attrs: format_version, feature_type, feature_dim, num_labels, label_inventory_hash,
-           sample_rate, frame_shift_ms, frame_length_ms, extractor_config (JSON)
+           sample_rate, frame_shift_ms, frame_length_ms, extractor_config (JSON), and since
+           format 2 frame_labels (bool), has_text (bool), tokens (JSON {kind: {"num_tokens",
+           "inventory_hash"}})
+
+Format 1 archives (no tokens, no text, always frame labels) still load: their missing
+attributes read as FORMAT1_DEFAULTS.
 
 Shards and the index are written under a temporary name and renamed, so a crash never leaves
 a half-written file with the final name.
@@ -32,14 +44,20 @@ import numpy as np
 
 from hpcsgd.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
 LABELS_NAME = "labels.txt"
+BPE_MODEL = "bpe.model"
+BLANK = "<blk>"                            # token id 0 of every token inventory
+TOKEN_KINDS = ("phones", "chars", "bpe")
 CHUNK_BYTES = 512 * 1024  # feats chunk ~0.5 MiB: large sequential reads, small enough for random blocks
 # Attributes that must agree across all shards of one archive.
 SHARED_ATTRS = ("format_version", "feature_type", "feature_dim", "num_labels",
                 "label_inventory_hash", "sample_rate", "frame_shift_ms", "frame_length_ms",
-                "extractor_config")
+                "extractor_config", "frame_labels", "has_text", "tokens")
+# what a format 1 shard, written before these attributes, means by their absence
+FORMAT1_DEFAULTS = {"frame_labels": True, "has_text": False, "tokens": "{}"}
 
 
 def shard_name(index):
@@ -53,6 +71,17 @@ def inventory_text(symbols):
 
 def inventory_hash(symbols):
     return hashlib.sha256(inventory_text(symbols).encode()).hexdigest()[:16]
+
+
+def token_inventory_name(kind):
+    return f"tokens_{kind}.txt"
+
+
+def token_attrs(inventories):
+    """The shards' `tokens` attribute for {kind: symbols}: JSON of {kind: {num_tokens,
+    inventory_hash}}, kinds sorted (every shard writes the same string)."""
+    return json.dumps({k: {"num_tokens": len(v), "inventory_hash": inventory_hash(v)}
+                       for k, v in sorted(inventories.items())}, sort_keys=True)
 
 
 def read_inventory(path):
@@ -87,10 +116,21 @@ def atomic_write_text(path, text):
 
 
 def write_shard(path, feats, labels, utt_offsets, utt_ids, utt_spk, spk_ids, cmvn_stats,
-                label_counts, attrs):
-    """Write one shard atomically (temp name + fsync + rename). `attrs` holds SHARED_ATTRS."""
+                label_counts, attrs, tokens=None, text=None):
+    """Write one shard atomically (temp name + fsync + rename). `attrs` holds SHARED_ATTRS
+    (FORMAT1_DEFAULTS fill the format-2 ones not given); labels None when the archive has no
+    frame labels; tokens {kind: (ids, offsets)}; text one transcript string per utterance."""
     feats = np.ascontiguousarray(feats, dtype=np.float32)
     num_frames, dim = feats.shape
+    attrs = {**FORMAT1_DEFAULTS, **attrs}
+    if (labels is None) == bool(attrs["frame_labels"]):
+        raise ValueError(f"write_shard: labels given = {labels is not None}, attribute "
+                         f"frame_labels = {attrs['frame_labels']}")
+    declared = set(json.loads(attrs["tokens"]))
+    if declared != set(tokens or {}) or bool(attrs["has_text"]) != (text is not None):
+        raise ValueError(f"write_shard: token kinds {sorted(tokens or {})} / text given "
+                         f"{text is not None} differ from the attributes ({sorted(declared)}, "
+                         f"has_text {attrs['has_text']})")
     missing = [k for k in SHARED_ATTRS if k not in attrs]
     if missing:
         raise ValueError(f"write_shard: missing attributes {missing}")
@@ -101,7 +141,15 @@ def write_shard(path, feats, labels, utt_offsets, utt_ids, utt_spk, spk_ids, cmv
     try:
         with h5py.File(tmp, "w") as f:
             f.create_dataset("feats", data=feats, chunks=(chunk_frames, dim) if num_frames else None)
-            f.create_dataset("labels", data=np.asarray(labels, dtype=np.int32))
+            if labels is not None:
+                f.create_dataset("labels", data=np.asarray(labels, dtype=np.int32))
+            if text is not None:
+                f.create_dataset("text", data=np.array(list(text), dtype=object),
+                                 dtype=h5py.string_dtype())
+            for kind, (ids, offsets) in sorted((tokens or {}).items()):
+                f.create_dataset(f"tokens/{kind}/ids", data=np.asarray(ids, dtype=np.int32))
+                f.create_dataset(f"tokens/{kind}/offsets",
+                                 data=np.asarray(offsets, dtype=np.int64))
             f.create_dataset("utt_offsets", data=np.asarray(utt_offsets, dtype=np.int64))
             f.create_dataset("utt_ids", data=np.array(utt_ids, dtype=object),
                              dtype=h5py.string_dtype())
@@ -123,13 +171,22 @@ def write_shard(path, feats, labels, utt_offsets, utt_ids, utt_spk, spk_ids, cmv
 def shard_summary(path):
     """The index entry of one shard (reads only small datasets and attributes)."""
     with open_shard(path) as f:
+        attrs = shard_attrs(f)
         return {
             "file": os.path.basename(path),
             "frames": int(f["feats"].shape[0]),
             "utterances": int(f["utt_ids"].shape[0]),
             "speakers": int(f["spk_ids"].shape[0]),
-            "attrs": {k: _plain(f.attrs[k]) for k in SHARED_ATTRS},
+            "tokens": {k: int(f[f"tokens/{k}/ids"].shape[0])
+                       for k in json.loads(attrs["tokens"])},
+            "attrs": attrs,
         }
+
+
+def shard_attrs(f):
+    """An open shard's SHARED_ATTRS as plain Python, format 1's missing ones defaulted."""
+    return {k: _plain(f.attrs[k]) if k in f.attrs else FORMAT1_DEFAULTS[k] for k in SHARED_ATTRS
+            if k in f.attrs or k in FORMAT1_DEFAULTS}
 
 
 def write_index(out_dir):
@@ -147,9 +204,13 @@ def write_index(out_dir):
     for s in shards:
         del s["attrs"]
     total_frames = sum(s["frames"] for s in shards)
+    tokens = json.loads(attrs["tokens"])
+    for kind, info in tokens.items():
+        info["total_tokens"] = sum(s["tokens"][kind] for s in shards)
     index = {
-        "format_version": FORMAT_VERSION,
-        **{k: attrs[k] for k in SHARED_ATTRS if k != "format_version"},
+        "format_version": attrs["format_version"],
+        **{k: attrs[k] for k in SHARED_ATTRS if k not in ("format_version", "tokens")},
+        "tokens": tokens,
         "shards": shards,
         "total_frames": total_frames,
         "total_utterances": sum(s["utterances"] for s in shards),
@@ -177,9 +238,12 @@ def read_index(archive_dir):
             index = json.load(f)
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: unreadable index ({err})") from None
-    if index.get("format_version") != FORMAT_VERSION:
+    if index.get("format_version") not in READABLE_VERSIONS:
         raise UserError(f"{path}: format_version {index.get('format_version')} "
-                        f"(this hpcsgd reads {FORMAT_VERSION}); re-run hpcsgd prep")
+                        f"(this hpcsgd reads {', '.join(map(str, READABLE_VERSIONS))}); re-run "
+                        f"hpcsgd prep")
+    for key, value in FORMAT1_DEFAULTS.items():   # format 1: no tokens, no text, labels
+        index.setdefault(key, json.loads(value) if key == "tokens" else value)
     for s in index["shards"]:
         if not os.path.isfile(os.path.join(archive_dir, s["file"])):
             raise UserError(f"{path}: names shard {s['file']}, which does not exist")
@@ -207,7 +271,7 @@ def read_shard_meta(path):
                 "spk_ids": [s.decode() if isinstance(s, bytes) else s for s in f["spk_ids"][()]],
                 "cmvn_stats": f["cmvn_stats"][()],
                 "label_counts": f["label_counts"][()],
-                "attrs": {k: _plain(f.attrs[k]) for k in SHARED_ATTRS},
+                "attrs": shard_attrs(f),
                 "num_frames": int(f["feats"].shape[0]),
             }
         except (KeyError, OSError) as err:
@@ -222,14 +286,19 @@ def validate_shard(path, check_values=True):
     except UserError as err:
         return [str(err)]
     with f:
-        needed = ("feats", "labels", "utt_offsets", "utt_ids", "utt_spk", "spk_ids",
-                  "cmvn_stats", "label_counts")
+        attrs_missing = [k for k in SHARED_ATTRS if k not in f.attrs and k not in FORMAT1_DEFAULTS]
+        if attrs_missing:
+            return [f"{path}: missing attributes {attrs_missing}"]
+        attrs = shard_attrs(f)
+        has_labels = bool(attrs["frame_labels"])
+        tokens = json.loads(attrs["tokens"])
+        needed = (("feats", "utt_offsets", "utt_ids", "utt_spk", "spk_ids", "cmvn_stats",
+                   "label_counts") + (("labels",) if has_labels else ())
+                  + (("text",) if attrs["has_text"] else ())
+                  + tuple(f"tokens/{k}/{d}" for k in tokens for d in ("ids", "offsets")))
         absent = [k for k in needed if k not in f]
         if absent:
             return [f"{path}: missing datasets {absent}"]
-        attrs_missing = [k for k in SHARED_ATTRS if k not in f.attrs]
-        if attrs_missing:
-            return [f"{path}: missing attributes {attrs_missing}"]
         num_frames, dim = f["feats"].shape
         num_labels = int(f.attrs["num_labels"])
         offsets = f["utt_offsets"][()]
@@ -237,7 +306,7 @@ def validate_shard(path, check_values=True):
         num_spk = f["spk_ids"].shape[0]
         if dim != f.attrs["feature_dim"]:
             problems.append(f"{path}: feats dim {dim} != feature_dim attribute {f.attrs['feature_dim']}")
-        if f["labels"].shape != (num_frames,):
+        if has_labels and f["labels"].shape != (num_frames,):
             problems.append(f"{path}: labels shape {f['labels'].shape} != ({num_frames},)")
         if offsets.shape != (num_utts + 1,) or offsets[0] != 0 or offsets[-1] != num_frames \
                 or np.any(np.diff(offsets) <= 0):
@@ -251,13 +320,27 @@ def validate_shard(path, check_values=True):
         counts = f["label_counts"][()]
         if counts.shape != (num_labels,):
             problems.append(f"{path}: label_counts shape {counts.shape} != ({num_labels},)")
-        if check_values and not problems:
+        if attrs["has_text"] and f["text"].shape != (num_utts,):
+            problems.append(f"{path}: text has {f['text'].shape[0]} entries, not {num_utts}")
+        for kind, info in tokens.items():
+            ids, starts = f[f"tokens/{kind}/ids"][()], f[f"tokens/{kind}/offsets"][()]
+            if starts.shape != (num_utts + 1,) or starts[0] != 0 or starts[-1] != len(ids) \
+                    or np.any(np.diff(starts) < 0):
+                problems.append(f"{path}: tokens/{kind}/offsets must rise from 0 to "
+                                f"{len(ids)} with {num_utts + 1} entries")
+            elif len(ids) and (ids.min() < 1 or ids.max() >= info["num_tokens"]):
+                bad = int(np.flatnonzero((ids < 1) | (ids >= info["num_tokens"]))[0])
+                utt = int(np.searchsorted(starts, bad, side="right") - 1)
+                problems.append(f"{path}: utterance {_decoded(f['utt_ids'][utt])} has {kind} "
+                                f"token {ids[bad]} outside 1..{info['num_tokens'] - 1}")
+        if check_values and not problems and has_labels:
             labels = f["labels"][()]
             if num_frames and (labels.min() < 0 or labels.max() >= num_labels):
                 bad = int(np.flatnonzero((labels < 0) | (labels >= num_labels))[0])
                 problems.append(f"{path}: label {labels[bad]} at frame {bad} outside 0..{num_labels - 1}")
             elif not np.array_equal(np.bincount(labels, minlength=num_labels), counts):
                 problems.append(f"{path}: label_counts do not match the labels")
+        if check_values and not problems:
             step = max(1, (1 << 24) // max(dim, 1))  # 64 MiB of features at a time
             for start in range(0, num_frames, step):
                 block = f["feats"][start:start + step]
@@ -269,6 +352,48 @@ def validate_shard(path, check_values=True):
                     problems.append(f"{path}: NaN/Inf feature in utterance {name} (frame {row})")
                     break
     return problems
+
+
+def _decoded(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_tokens(archive_dir, kind, index=None):
+    """The token inventory of `kind` (id order, the blank first), checked against the index:
+    the file exists, id 0 is the blank, its hash is the shards'. UserError naming the kinds the
+    archive has otherwise."""
+    index = index or read_index(archive_dir)
+    if kind not in index["tokens"]:
+        have = ", ".join(sorted(index["tokens"])) or "none"
+        raise UserError(f"{archive_dir}: no {kind} tokens in this archive (it has: {have}); "
+                        f"prep it with --tokens {kind} (docs/prep.md)")
+    path = os.path.join(archive_dir, token_inventory_name(kind))
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: missing (the {kind} token inventory of {archive_dir})")
+    symbols = read_inventory(path)
+    if not symbols or symbols[0] != BLANK:
+        raise UserError(f"{path}: id 0 must be the blank {BLANK}, not {symbols[:1]}")
+    if inventory_hash(symbols) != index["tokens"][kind]["inventory_hash"]:
+        raise UserError(f"{path}: does not match the inventory the shards were written with "
+                        f"(hash {inventory_hash(symbols)}, index {index['tokens'][kind]['inventory_hash']})")
+    return symbols
+
+
+def read_shard_tokens(path, kind):
+    """(ids int32, offsets int64 (U+1,)) of one shard's `kind` tokens."""
+    with open_shard(path) as f:
+        try:
+            return f[f"tokens/{kind}/ids"][()], f[f"tokens/{kind}/offsets"][()]
+        except KeyError:
+            raise UserError(f"{path}: no {kind} tokens (prep with --tokens {kind})") from None
+
+
+def read_shard_text(path):
+    """Each utterance's transcript (list of str), or None when the shard has none."""
+    with open_shard(path) as f:
+        if "text" not in f:
+            return None
+        return [_decoded(t) for t in f["text"][()]]
 
 
 def _plain(value):

@@ -10,6 +10,7 @@ utterance in exactly one shard; labels.txt matching the inventory hash. Exits 1 
 problem. Summary: hours, frames, utterances, speakers, features, label histogram.
 """
 import glob
+import json
 import os
 
 import numpy as np
@@ -78,7 +79,14 @@ def check_archive(archive_dir, check_values=True):
                                     f"{ref['file']} ({ref['attrs'][key]!r})")
         if index is not None:
             for key in archive.SHARED_ATTRS:
-                if key in index and index[key] != ref["attrs"][key]:
+                if key == "tokens":   # the index adds each kind's total to the shards' JSON
+                    shards = json.loads(ref["attrs"][key])
+                    listed = {k: {f: v for f, v in info.items() if f != "total_tokens"}
+                              for k, info in index[key].items()}
+                    if listed != shards:
+                        problems.append(f"{archive_dir}/index.json: tokens {listed} but shards "
+                                        f"have {shards}")
+                elif key in index and index[key] != ref["attrs"][key]:
                     problems.append(f"{archive_dir}/index.json: {key}={index[key]!r} but shards have "
                                     f"{ref['attrs'][key]!r}")
             for key, value in (("total_frames", sum(m["num_frames"] for m in metas)),
