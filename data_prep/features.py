@@ -3,7 +3,8 @@
 Options are Kaldi's compute-fbank-feats / compute-mfcc-feats defaults (25 ms window, 10 ms shift,
 povey window, pre-emphasis 0.97, DC removal, snip_edges=true, mel low 20 Hz) except dither=0,
 which makes features deterministic. Audio is read with soundfile (WAV, FLAC) and scaled to the
-int16 range, as Kaldi reads 16-bit PCM (float sample * 32768).
+int16 range, as Kaldi reads 16-bit PCM (float sample * 32768). Speed perturbation (Kaldi's
+perturb_data_dir_speed.sh, `sox speed f`) resamples with soxr before the features.
 """
 import json
 import os
@@ -11,6 +12,7 @@ import os
 import kaldi_native_fbank as knf
 import numpy as np
 import soundfile as sf
+import soxr
 
 from data_prep.kaldi_dir import BadUtterance
 
@@ -94,6 +96,14 @@ def read_audio(utt, path, start, end, sample_rate):
         raise BadUtterance("unreadable audio", f"{utt}: {path} has {samples.shape[1]} channels, "
                                                f"expected mono")
     return samples[:, 0] * np.float32(32768.0)
+
+
+def perturb_speed(samples, factor, sample_rate):
+    """The utterance f times faster (shorter by 1/f, pitch up by f), as sox's `speed f` that
+    Kaldi's perturb_data_dir_speed.sh runs: the samples read as if recorded at f * rate, then
+    resampled to rate (soxr, its default high quality; deterministic). N samples -> about N / f."""
+    out = soxr.resample(samples, factor * sample_rate, sample_rate)
+    return np.ascontiguousarray(out, dtype=np.float32)
 
 
 def compute(config, samples, utt="utterance"):

@@ -4,7 +4,8 @@ Data directory (paths in wav.scp are relative to the directory, or absolute):
     wav.scp    `rec path`              WAV or FLAC files (soundfile); piped commands are rejected
     utt2spk    `utt spk`
     segments   `utt rec start end`     optional: utterances cut from recordings (seconds; end -1 = to the end)
-    text       `utt words...`          optional, not used for features
+    text       `utt words...`          optional: the transcripts (stored, and the source of the
+                                       token sequences: data_prep/tokens.py); UTF-8
 
 Alignments (--ali-format, detected when `auto`):
     frames     `utt l1 l2 ...`         one label per frame (ali-to-pdf, ali-to-phones --per-frame);
@@ -40,7 +41,7 @@ class BadUtterance(Exception):
 def read_table(path, min_fields, what, unique=True):
     """`key rest...` lines -> list of (key, fields, lineno). Duplicate keys are fatal when unique."""
     rows, seen = [], {}
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             parts = line.split()
             if not parts:
@@ -95,6 +96,15 @@ def read_data_dir(data_dir):
             rec, start, end = cuts[utt]
             utts[utt] = {"spk": spk[utt], "path": recs[rec], "start": start, "end": end}
     return utts, problems
+
+
+def read_text(data_dir):
+    """The data directory's `text` as {utt: [words]} (a line with only the id: no words), or
+    None when the directory has no `text`. Duplicate ids are fatal."""
+    path = os.path.join(data_dir, "text")
+    if not os.path.isfile(path):
+        return None
+    return {utt: words for utt, words, _ in read_table(path, 1, "'utt word word ...'")}
 
 
 # ---------------------------------------------------------------- alignments
@@ -174,6 +184,18 @@ def alignment_length(fmt, entry, shift_s):
     if fmt == "frames":
         return len(entry)
     return max((_frame(e, shift_s) for _, e, _ in entry), default=0)
+
+
+def time_segments(fmt, entry, shift_s):
+    """The alignment as [(start, end, label)] in seconds: ctm and segment entries as they are,
+    frame labels as their runs (frame t spans [t * shift, (t + 1) * shift)), which the segment
+    convention maps back to the same frames."""
+    if fmt != "frames" or not entry:
+        return list(entry)
+    labels = np.asarray(entry)
+    starts = np.flatnonzero(np.concatenate([[True], labels[1:] != labels[:-1]]))
+    ends = np.append(starts[1:], len(labels))
+    return [(a * shift_s, b * shift_s, entry[a]) for a, b in zip(starts.tolist(), ends.tolist())]
 
 
 def frame_labels(utt, fmt, entry, label_ids, num_frames, shift_s, tolerance):

@@ -1,20 +1,28 @@
-"""hpcsgd prep: Kaldi data directory + alignments -> sharded HDF5 feature archive.
+"""hpcsgd prep: Kaldi data directory (+ alignments) -> sharded HDF5 feature archive.
 
-    hpcsgd prep DATA_DIR OUT --alignments ALI [--labels labels.txt] [--num-shards S] [options]
+    hpcsgd prep DATA_DIR OUT [--alignments ALI] [--labels labels.txt] [--tokens phones,chars,bpe]
+                [--speed-perturb 0.9,1.0,1.1] [--num-shards S] [options]
     hpcsgd prep ../shared/data/so762_dev runs/so762 --alignments ../shared/data/so762_dev/phones.ctm \\
         --labels ../shared/data/so762_dev/labels.txt --num-shards 4
+    hpcsgd prep ../shared/data/so762_dev runs/so762_text --labels ../shared/data/so762_dev/labels.txt
+
+Alignments give frame labels (hybrid training); the data directory's `text` gives transcripts
+and token sequences (CTC, RNN-T: data_prep/tokens.py). Either suffices; with both, both are
+stored. Speed perturbation adds every training utterance at each factor f != 1 (Kaldi's
+sp{f}-utt, sp{f}-spk), its audio resampled (soxr) and its alignment's times divided by f.
 
 Cluster use (one shard per Slurm array task, then the index; see jobs/prep.sbatch):
     hpcsgd prep DATA_DIR OUT --alignments ALI --num-shards S --shard-index $SLURM_ARRAY_TASK_ID
     hpcsgd prep --write-index OUT
 
-Speakers are dealt whole to shards (balanced by alignment frames). Frame label convention: a
-segment [start, end) covers frames round(start/shift) .. round(end/shift)-1 (data_prep/kaldi_dir.py,
-docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 2,
+Speakers are dealt whole to shards (balanced by alignment frames, or utterance counts without
+alignments). Frame label convention: a segment [start, end) covers frames round(start/shift) ..
+round(end/shift)-1 (data_prep/kaldi_dir.py, docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 2,
 no index.json) when more than --max-bad-fraction of all utterances were skipped.
 """
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -22,7 +30,7 @@ from collections import Counter
 
 import numpy as np
 
-from data_prep import features, kaldi_dir
+from data_prep import features, kaldi_dir, tokens
 from data_prep.kaldi_dir import BadUtterance
 from data_prep.split import deal_speakers, split_speakers
 from hpcsgd.data import archive
@@ -37,13 +45,30 @@ def add_arguments(p):
                    help="Kaldi data directory: wav.scp, utt2spk, optional segments and text")
     p.add_argument("out", nargs="?", metavar="OUT", help="archive directory to write")
     p.add_argument("--alignments", metavar="PATH",
-                   help="frame-label text, CTM file, or a directory of per-utterance segment files")
+                   help="frame-label text, CTM file, or a directory of per-utterance segment files; "
+                        "without it: no frame labels, tokens from DATA_DIR/text")
     p.add_argument("--ali-format", default="auto", choices=["auto", "frames", "ctm", "segments"],
                    help="alignment form (auto: directory -> segments, 5 fields with times -> ctm, "
                         "else frames)")
     p.add_argument("--labels", metavar="labels.txt",
                    help="label inventory 'symbol id'; default: built from the alignments (sorted "
                         "symbols, or ids 0..max for numeric frame labels) and written to OUT/labels.txt")
+    p.add_argument("--tokens", metavar="KINDS",
+                   help="token sequences to store, comma-separated from phones,chars,bpe, or none "
+                        "(default: phones with --alignments, or from the lexicon with --labels and "
+                        "a `text` it can pronounce; chars with a `text`; with --token-inventory: "
+                        "that archive's kinds)")
+    p.add_argument("--bpe-size", type=int, default=256,
+                   help="sentencepiece BPE pieces (--tokens bpe), learnt from the training text")
+    p.add_argument("--lexicon", metavar="FILE",
+                   help="Kaldi lexicon.txt (WORD PH1 PH2 ...) for phones without --alignments, "
+                        "before CMUdict; each word's first pronunciation")
+    p.add_argument("--token-inventory", metavar="ARCHIVE",
+                   help="take tokens_<kind>.txt (and bpe.model) from this archive instead of "
+                        "building them (a test set for a trained model)")
+    p.add_argument("--speed-perturb", metavar="FACTORS",
+                   help="e.g. 0.9,1.0,1.1: also every training utterance at each factor != 1 "
+                        "(sp{f}-utt, sp{f}-spk, audio f times faster; never the --cv-speakers)")
     p.add_argument("--features", default="fbank", choices=["fbank", "mfcc"],
                    help="log-mel filterbank or MFCC (Kaldi-compatible, kaldi-native-fbank)")
     p.add_argument("--num-mel-bins", type=int, default=40, help="mel bins (fbank dim)")
@@ -77,11 +102,11 @@ def _env_int(name):
 def run(args):
     if args.data_dir is None:
         if not args.write_index:
-            raise UserError("give DATA_DIR OUT --alignments PATH, or --write-index OUT")
+            raise UserError("give DATA_DIR OUT [--alignments PATH], or --write-index OUT")
         finish(args.write_index, args.max_bad_fraction)
         return 0
-    if args.out is None or args.alignments is None:
-        raise UserError("need DATA_DIR, OUT and --alignments PATH")
+    if args.out is None:
+        raise UserError("need DATA_DIR and OUT (and --alignments PATH, or a `text` in DATA_DIR)")
     plan = make_plan(args)
     only = args.shard_index
     if only is not None and not 0 <= only < args.num_shards:
@@ -92,6 +117,12 @@ def run(args):
         clean_stale(out_dir, None if only is None else only)
         archive.atomic_write_text(os.path.join(out_dir, archive.LABELS_NAME),
                                   archive.inventory_text(plan["symbols"]))
+        for kind, symbols in plan["tokens"]["inventories"].items():
+            archive.atomic_write_text(os.path.join(out_dir, archive.token_inventory_name(kind)),
+                                      archive.inventory_text(symbols))
+        if plan["tokens"]["bpe_model"] is not None:
+            archive.atomic_write_bytes(os.path.join(out_dir, archive.BPE_MODEL),
+                                       plan["tokens"]["bpe_model"])
     t0 = time.time()
     totals = Counter()
     for shard, results in extract_all(plan, todo, args.jobs):
@@ -112,24 +143,42 @@ def make_plan(args):
     config = features.extractor_config(args.features, args.num_mel_bins, args.num_ceps,
                                        args.sample_rate)
     utts, problems = kaldi_dir.read_data_dir(args.data_dir)
-    fmt, ali = kaldi_dir.read_alignments(args.alignments, args.ali_format)
-    symbols = archive.read_inventory(args.labels) if args.labels else kaldi_dir.build_inventory(fmt, ali)
-    numeric = fmt == "frames" and all(t.isdigit() for labels in ali.values() for t in labels)
+    text = kaldi_dir.read_text(args.data_dir)
+    if args.alignments is None and text is None:
+        raise UserError(f"{args.data_dir}: no `text` (transcripts: UTT WORD WORD ...) and no "
+                        f"--alignments given: nothing to train on; give --alignments ALI (frame "
+                        f"labels) or add the transcripts (token sequences)")
+    if args.alignments is not None:
+        fmt, ali = kaldi_dir.read_alignments(args.alignments, args.ali_format)
+        symbols = archive.read_inventory(args.labels) if args.labels else kaldi_dir.build_inventory(fmt, ali)
+        numeric = fmt == "frames" and all(t.isdigit() for labels in ali.values() for t in labels)
+    else:   # text only: no frame labels; --labels still names the phones of the lexicon's tokens
+        fmt, ali = None, None
+        symbols = archive.read_inventory(args.labels) if args.labels else []
+        numeric = False
     label_ids = {str(i) if numeric else s: i for i, s in enumerate(symbols)}
     shift_s = features.FRAME_SHIFT_MS / 1000
     by_spk = {}
     for utt, info in utts.items():
         by_spk.setdefault(info["spk"], []).append(utt)
-    weight = {s: sum(max(1, kaldi_dir.alignment_length(fmt, ali[u], shift_s)) if u in ali else 1
-                     for u in us) for s, us in by_spk.items()}
+    if ali is not None:   # alignment frames, known before any audio is read
+        weight = {s: sum(max(1, kaldi_dir.alignment_length(fmt, ali[u], shift_s)) if u in ali else 1
+                         for u in us) for s, us in by_spk.items()}
+    else:
+        weight = {s: len(us) for s, us in by_spk.items()}
     if not weight:
         raise UserError(f"{args.data_dir}: no utterances with both audio and speaker")
     if args.cv_speakers:
         train, cv = split_speakers(weight, args.cv_speakers, args.seed)
+    else:
+        train, cv = sorted(weight), []
+    train_utts = sorted(u for s in train for u in by_spk[s])   # the text inventories learn from
+    train = train + add_speed_copies(parse_speeds(args.speed_perturb), train, utts, by_spk, weight)
+    if args.cv_speakers:
         parts = [(os.path.join(args.out, "train"), train, args.num_shards),
                  (os.path.join(args.out, "cv"), cv, min(args.num_shards, len(cv)))]
     else:
-        parts = [(args.out, sorted(weight), args.num_shards)]
+        parts = [(args.out, train, args.num_shards)]
     shards = []
     for out_dir, speakers, count in parts:
         dealt = deal_speakers({s: weight[s] for s in speakers}, count)
@@ -137,27 +186,139 @@ def make_plan(args):
             shards.append({"dir": out_dir, "index": i, "num_shards": count,
                            "utts": [u for s in spks for u in sorted(by_spk[s])], "problems": []})
     shards[0]["problems"] = problems  # entries without speaker/audio: counted once, in shard 0
+    tok = plan_tokens(args, text, [" ".join(text.get(u, [])) for u in train_utts] if text else [],
+                      symbols, ali is not None)
+    if text is not None and not tok["needs_text"]:
+        lacking = sum(1 for u, info in utts.items() if "src" not in info and u not in text)
+        if lacking:
+            print(f"prep: {lacking} utterances have no line in {tok['text_path']}: stored with an "
+                  f"empty transcript")
     attrs = {
         "format_version": archive.FORMAT_VERSION, "feature_type": args.features,
         "feature_dim": features.feature_dim(config), "num_labels": len(symbols),
         "label_inventory_hash": archive.inventory_hash(symbols), "sample_rate": args.sample_rate,
         "frame_shift_ms": features.FRAME_SHIFT_MS, "frame_length_ms": features.FRAME_LENGTH_MS,
-        "extractor_config": features.config_json(config),
+        "extractor_config": features.config_json(config), "frame_labels": ali is not None,
+        "has_text": text is not None, "tokens": archive.token_attrs(tok["inventories"]),
     }
     return {"config": config, "utts": utts, "fmt": fmt, "ali": ali, "symbols": symbols,
             "label_ids": label_ids, "tolerance": args.length_tolerance, "attrs": attrs,
-            "shards": shards, "archives": [p[0] for p in parts]}
+            "text": text, "tokens": tok, "shards": shards, "archives": [p[0] for p in parts]}
+
+
+def parse_speeds(option):
+    """--speed-perturb '0.9,1.0,1.1' -> [0.9, 1.1]: the factors that add copies (1.0 is the
+    original, always kept)."""
+    if not option:
+        return []
+    try:
+        factors = [float(f) for f in option.split(",") if f.strip()]
+    except ValueError:
+        raise UserError(f"--speed-perturb {option!r}: expected factors such as 0.9,1.0,1.1") from None
+    names = [f"{f:g}" for f in factors]
+    if any(not 0 < f < 10 for f in factors) or len(set(names)) != len(names):
+        raise UserError(f"--speed-perturb {option!r}: factors must be distinct, above 0 (and "
+                        f"below 10)")
+    return [f for f in factors if f != 1.0]
+
+
+def add_speed_copies(factors, speakers, utts, by_spk, weight):
+    """Add each speaker's utterances at each factor (Kaldi's perturb_data_dir_speed.sh ids:
+    sp{f}-utt of speaker sp{f}-spk, a speaker of its own with its own CMVN statistics) to
+    utts, by_spk and weight (frames / f); -> the new speakers."""
+    added = []
+    for f in factors:
+        prefix = f"sp{f:g}-"
+        for spk in speakers:
+            new_spk = prefix + spk
+            if new_spk in by_spk:
+                raise UserError(f"--speed-perturb: speaker {new_spk} already in utt2spk")
+            by_spk[new_spk] = []
+            for utt in by_spk[spk]:
+                if prefix + utt in utts:
+                    raise UserError(f"--speed-perturb: utterance {prefix + utt} already in utt2spk")
+                utts[prefix + utt] = {**utts[utt], "spk": new_spk, "src": utt, "speed": f}
+                by_spk[new_spk].append(prefix + utt)
+            weight[new_spk] = weight[spk] / f
+            added.append(new_spk)
+    return added
+
+
+def plan_tokens(args, text, train_text, symbols, have_ali):
+    """Which token kinds, their inventories (built from the training transcripts, or taken from
+    --token-inventory) and what the workers need to encode an utterance."""
+    text_path = os.path.join(args.data_dir, "text")
+    kinds = None
+    if args.tokens is not None:
+        kinds = [] if args.tokens.strip() == "none" else \
+            [k.strip() for k in args.tokens.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in archive.TOKEN_KINDS]
+        if bad or len(set(kinds)) != len(kinds):
+            raise UserError(f"--tokens {args.tokens}: kinds are {', '.join(archive.TOKEN_KINDS)} "
+                            f"(each once), or none")
+    elif args.token_inventory:
+        kinds = sorted(archive.read_index(args.token_inventory)["tokens"])
+    if text is None and kinds and {"chars", "bpe"} & set(kinds):
+        raise UserError(f"--tokens {','.join(kinds)}: chars and bpe come from the transcripts, "
+                        f"and {text_path} does not exist")
+    loaded, model = tokens.load_inventories(args.token_inventory, kinds or []) \
+        if args.token_inventory else ({}, None)
+    # phones without alignments: the lexicon's pronunciations of the transcripts' words
+    phone_symbols = loaded["phones"][1:] if "phones" in loaded else tokens.phone_inventory(symbols)[1:]
+    prons, lacking = None, 0
+    if not have_ali and text is not None and ("phones" in kinds if kinds is not None else phone_symbols):
+        if not phone_symbols:
+            raise UserError("--tokens phones without --alignments spells the words with the "
+                            "lexicon's phones: give their inventory, --labels labels.txt")
+        prons, lacking = tokens.pronunciations([w for ws in text.values() for w in ws],
+                                               phone_symbols, args.lexicon)
+        prons = {w: [p[0]] for w, p in prons.items()}   # the first pronunciation
+    if kinds is None:   # the defaults
+        kinds = (["phones"] if have_ali or prons else []) + (["chars"] if text is not None else [])
+        if prons is not None and "phones" not in kinds:
+            print(f"prep: no phones tokens: no word of {text_path} has a pronunciation with the "
+                  f"phones of {args.labels}")
+    if "phones" in kinds and not have_ali and text is None:
+        raise UserError("--tokens phones needs --alignments, or a `text` and --labels (the "
+                        "lexicon's phones)")
+    inventories = dict(loaded)
+    for kind in kinds:
+        if kind in inventories:
+            continue
+        if kind == "phones":
+            inventories[kind] = tokens.phone_inventory(symbols)
+        elif kind == "chars":
+            inventories[kind] = tokens.char_inventory(train_text)
+        else:
+            model = tokens.train_bpe(train_text, args.bpe_size, text_path)
+            inventories[kind] = tokens.bpe_inventory(model)
+    if inventories.get("phones") == [archive.BLANK]:
+        raise UserError(f"--tokens phones: the label inventory has no phone but {tokens.SIL}")
+    phones_from = None if "phones" not in kinds else "alignments" if have_ali else "lexicon"
+    source = {"alignments": ", from the alignments", None: "",
+              "lexicon": f", from the lexicon: {lacking} words without a pronunciation"}
+    described = ", ".join(f"{k} ({len(inventories[k]) - 1} + blank"
+                          f"{source[phones_from] if k == 'phones' else ''})" for k in kinds)
+    print(f"prep: tokens: {described or 'none'}"
+          f"{' from ' + args.token_inventory if args.token_inventory else ''}")
+    return {"kinds": kinds, "inventories": inventories,
+            "ids": {k: {s: i for i, s in enumerate(inventories[k])} for k in kinds if k != "bpe"},
+            "bpe_model": model if "bpe" in kinds else None, "phones_from": phones_from,
+            "prons": prons if phones_from == "lexicon" else None, "text_path": text_path,
+            "needs_text": bool({"chars", "bpe"} & set(kinds)) or phones_from == "lexicon"}
 
 
 def clean_stale(out_dir, only):
     """Remove what an earlier (possibly killed) run left: temp files always; with all shards to
-    write, also old shards and reports (a different --num-shards would leave extras). The index
-    goes in both cases, since the shards are about to change."""
+    write, also old shards, reports and token inventories (a different --num-shards or --tokens
+    would leave extras). The index goes in both cases, since the shards are about to change."""
     pattern = "*.tmp.*" if only is None else f"{archive.shard_name(only)}*.tmp.*"
     stale = glob.glob(os.path.join(out_dir, pattern)) + glob.glob(os.path.join(out_dir, archive.INDEX_NAME))
     if only is None:
         stale += glob.glob(os.path.join(out_dir, "shard-*.h5"))
         stale += glob.glob(os.path.join(out_dir, "shard-*" + REPORT_SUFFIX))
+        stale += glob.glob(os.path.join(out_dir, archive.token_inventory_name("*")))
+        stale += glob.glob(os.path.join(out_dir, archive.BPE_MODEL))
     for path in stale:
         os.unlink(path)
 
@@ -165,34 +326,83 @@ def clean_stale(out_dir, only):
 # ---------------------------------------------------------------- extraction (in worker processes)
 
 _worker = {}
+WORKER_KEYS = ("config", "utts", "fmt", "ali", "symbols", "label_ids", "tolerance", "text", "tokens")
 
 
 def _init_worker(plan):
     _worker.clear()
     _worker.update(plan)
+    tok = plan["tokens"]
+    _worker["bpe"] = tokens.bpe_processor(tok["bpe_model"]) if tok["bpe_model"] else None
 
 
 def extract_one(utt):
-    """-> (utt, feats, labels, seconds) or (utt, None, reason, detail). Runs in a worker."""
+    """-> (utt, {feats, labels, seconds, tokens, text}, None, None) or (utt, None, reason,
+    detail). Runs in a worker. A speed-perturbed copy reads its source's audio, alignment and
+    transcript; its tokens are the source's."""
     w = _worker
     info = w["utts"][utt]
+    src, speed = info.get("src", utt), info.get("speed", 1.0)
+    name = utt if src == utt else f"{utt} (speed {speed:g} copy of {src})"   # in skip reasons
     try:
-        if utt not in w["ali"]:
-            raise BadUtterance("no alignment", f"{utt}: no alignment in the alignments given")
+        if w["ali"] is not None and src not in w["ali"]:
+            raise BadUtterance("no alignment", f"{name}: no alignment in the alignments given")
+        words = w["text"].get(src) if w["text"] is not None else None
+        toks = text_tokens(name, words)
         sr = w["config"]["sample_rate"]
         samples = features.read_audio(utt, info["path"], info["start"], info["end"], sr)
+        src_frames = features.num_frames(len(samples), sr)
+        if speed != 1.0:
+            if src_frames == 0:   # the source is skipped, so its copies are too
+                raise BadUtterance("empty audio", f"{name}: {len(samples)} samples, shorter than "
+                                                  f"one {features.FRAME_LENGTH_MS:g} ms frame")
+            samples = features.perturb_speed(samples, speed, sr)
         feats = features.compute(w["config"], samples, utt)
-        labels = kaldi_dir.frame_labels(utt, w["fmt"], w["ali"][utt], w["label_ids"], len(feats),
-                                        features.FRAME_SHIFT_MS / 1000, w["tolerance"])
-        return utt, feats, labels, len(samples) / sr
+        labels = None
+        if w["ali"] is not None:
+            shift_s = features.FRAME_SHIFT_MS / 1000
+            src_labels = kaldi_dir.frame_labels(name, w["fmt"], w["ali"][src], w["label_ids"],
+                                                src_frames, shift_s, w["tolerance"])
+            if speed == 1.0:
+                labels = src_labels
+            else:   # segment times / f (as a ctm's segments); the tolerance stretches with them
+                segs = [(a / speed, b / speed, label) for a, b, label in
+                        kaldi_dir.time_segments(w["fmt"], w["ali"][src], shift_s)]
+                labels = kaldi_dir.frame_labels(utt, "ctm", segs, w["label_ids"], len(feats),
+                                                shift_s, math.ceil(w["tolerance"] / min(speed, 1)))
+            if w["tokens"]["phones_from"] == "alignments":
+                toks["phones"] = tokens.phones_of_labels(name, src_labels, w["symbols"],
+                                                         w["tokens"]["ids"]["phones"])
+        out = {"feats": feats, "labels": labels, "seconds": len(samples) / sr, "tokens": toks,
+               "text": " ".join(words or [])}
+        return utt, out, None, None
     except BadUtterance as bad:
         return utt, None, bad.reason, str(bad)
+
+
+def text_tokens(utt, words):
+    """{kind: ids} of the kinds spelt from the transcript (chars, bpe, phones from the lexicon)."""
+    tok = _worker["tokens"]
+    if not tok["needs_text"]:
+        return {}
+    if words is None:
+        raise BadUtterance("no transcript", f"{utt}: no transcript in {tok['text_path']}")
+    if not words:
+        raise BadUtterance("empty transcript", f"{utt}: empty transcript in {tok['text_path']}")
+    out = {}
+    if "chars" in tok["kinds"]:
+        out["chars"] = tokens.chars(utt, words, tok["ids"]["chars"])
+    if "bpe" in tok["kinds"]:
+        out["bpe"] = tokens.bpe(utt, words, _worker["bpe"])
+    if tok["phones_from"] == "lexicon":
+        out["phones"] = tokens.phones_of_words(utt, words, tok["prons"], tok["ids"]["phones"])
+    return out
 
 
 def extract_all(plan, todo, jobs):
     """Yield (shard, results) in order; one pool streams all shards' utterances so no core idles
     at shard boundaries. Workers get the plan at fork time and open their own audio files."""
-    worker_plan = {k: plan[k] for k in ("config", "utts", "fmt", "ali", "label_ids", "tolerance")}
+    worker_plan = {k: plan[k] for k in WORKER_KEYS}
     stream = [u for shard in todo for u in shard["utts"]]
     if jobs <= 1:
         _init_worker(worker_plan)
@@ -214,32 +424,38 @@ def extract_all(plan, todo, jobs):
 # ---------------------------------------------------------------- writing one shard
 
 def write_one(plan, shard, results, elapsed):
-    good = [r for r in results if r[1] is not None]
-    bad = [(r[0], r[2], r[3]) for r in results if r[1] is None] + shard["problems"]
-    spk_ids = sorted({plan["utts"][u]["spk"] for u, *_ in good})
+    good = [(u, r) for u, r, _, _ in results if r is not None]
+    bad = [(u, reason, detail) for u, r, reason, detail in results if r is None] + shard["problems"]
+    spk_ids = sorted({plan["utts"][u]["spk"] for u, _ in good})
     spk_index = {s: i for i, s in enumerate(spk_ids)}
-    dim, num_labels = plan["attrs"]["feature_dim"], plan["attrs"]["num_labels"]
-    lengths = [len(f) for _, f, _, _ in good]
+    attrs = plan["attrs"]
+    dim, num_labels = attrs["feature_dim"], attrs["num_labels"]
     offsets = np.zeros(len(good) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    feats = np.concatenate([f for _, f, _, _ in good]) if good else np.zeros((0, dim), np.float32)
-    labels = np.concatenate([l for _, _, l, _ in good]) if good else np.zeros(0, np.int32)
-    utt_spk = np.array([spk_index[plan["utts"][u]["spk"]] for u, *_ in good], dtype=np.int32)
+    np.cumsum([len(r["feats"]) for _, r in good], out=offsets[1:])
+    feats = np.concatenate([r["feats"] for _, r in good]) if good else np.zeros((0, dim), np.float32)
+    labels = None
+    if attrs["frame_labels"]:
+        labels = np.concatenate([r["labels"] for _, r in good]) if good else np.zeros(0, np.int32)
+    utt_spk = np.array([spk_index[plan["utts"][u]["spk"]] for u, _ in good], dtype=np.int32)
     cmvn = np.zeros((len(spk_ids), 2, dim + 1), dtype=np.float64)  # Kaldi: [sums, count; sumsq, 0]
     for u, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
         block = feats[a:b].astype(np.float64)
         cmvn[utt_spk[u], 0, :dim] += block.sum(axis=0)
         cmvn[utt_spk[u], 0, dim] += b - a
         cmvn[utt_spk[u], 1, :dim] += (block * block).sum(axis=0)
-    counts = np.bincount(labels, minlength=num_labels).astype(np.int64)
+    counts = (np.bincount(labels, minlength=num_labels) if labels is not None
+              else np.zeros(num_labels)).astype(np.int64)
+    toks = {k: tokens.concatenate([r["tokens"][k] for _, r in good])
+            for k in plan["tokens"]["kinds"]}
+    text = [r["text"] for _, r in good] if attrs["has_text"] else None
     path = os.path.join(shard["dir"], archive.shard_name(shard["index"]))
-    archive.write_shard(path, feats, labels, offsets, [u for u, *_ in good], utt_spk, spk_ids,
-                        cmvn, counts, plan["attrs"])
+    archive.write_shard(path, feats, labels, offsets, [u for u, _ in good], utt_spk, spk_ids,
+                        cmvn, counts, attrs, tokens=toks, text=text)
     reasons = Counter(reason for _, reason, _ in bad)
     report = {"shard": shard["index"], "num_shards": shard["num_shards"],
               "utterances": len(results) + len(shard["problems"]), "ok": len(good),
               "skipped": dict(sorted(reasons.items())), "frames": int(len(feats)),
-              "audio_s": float(sum(r[3] for r in good))}
+              "audio_s": float(sum(r["seconds"] for _, r in good))}
     archive.atomic_write_text(path[:-len(".h5")] + REPORT_SUFFIX, json.dumps(report, indent=1) + "\n")
     listed = Counter()
     for utt, reason, detail in bad:
@@ -249,8 +465,9 @@ def write_one(plan, shard, results, elapsed):
     for reason, n in sorted(listed.items()):
         if n > MAX_LISTED:
             print(f"prep: ... and {n - MAX_LISTED} more skipped for {reason}", file=sys.stderr)
-    print(f"prep: wrote {path}: {len(good)} utterances, {len(spk_ids)} speakers, {len(feats)} frames, "
-          f"{len(bad)} skipped ({elapsed:.1f} s)")
+    counted = "".join(f", {len(ids)} {k} tokens" for k, (ids, _) in toks.items())
+    print(f"prep: wrote {path}: {len(good)} utterances, {len(spk_ids)} speakers, {len(feats)} frames"
+          f"{counted}, {len(bad)} skipped ({elapsed:.1f} s)")
     return Counter(utterances=report["utterances"], ok=len(good), audio_s=report["audio_s"])
 
 

@@ -47,16 +47,42 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,
-                 speakers_per_shard=3, seed=0, min_len=20, max_len=300, label_prefix="L"):
+                 speakers_per_shard=3, seed=0, min_len=20, max_len=300, label_prefix="L",
+                 token_kinds=(), num_tokens=8, text=False, frame_labels=True):
     """A small archive whose feats[:, 0] is the frame's global id (shard * 1e6 + frame), so
-    tests can tell exactly which frames a loader produced. Returns the feats per shard."""
+    tests can tell exactly which frames a loader produced. Returns the feats per shard.
+
+    Optional (format 2): token_kinds such as ("phones", "chars") adds synthetic token sequences
+    (random ids 1..V-1 per utterance, 1 to frames/4 + 1 of them; V = num_tokens, for bpe the
+    pieces of a real sentencepiece model of the synthetic text, written as bpe.model) with
+    their tokens_<kind>.txt; text=True a transcript per utterance (random words);
+    frame_labels=False drops the labels (a text-only corpus). Tokens and text come from their
+    own random stream: the frames and labels are those of the same call without them."""
     rng = np.random.default_rng(seed)
+    extra = np.random.default_rng([seed, 1])   # tokens and text
     os.makedirs(out_dir, exist_ok=True)
     symbols = [f"{label_prefix}{i}" for i in range(num_labels)]
     attrs = dict(format_version=archive.FORMAT_VERSION, feature_type="fbank", feature_dim=dim,
                  num_labels=num_labels, label_inventory_hash=archive.inventory_hash(symbols),
                  sample_rate=16000, frame_shift_ms=10.0, frame_length_ms=25.0,
                  extractor_config="{}")
+    words = ["alpha", "beta", "gamma", "delta", "echo", "foxtrot"]
+    texts = [[" ".join(extra.choice(words, extra.integers(1, 6))) for _ in range(utts_per_shard)]
+             for _ in range(num_shards)]
+    inventories = {}
+    for kind in token_kinds:
+        if kind == "bpe":
+            from data_prep import tokens
+            model = tokens.train_bpe([t for ts in texts for t in ts], 24, "make_archive")
+            archive.atomic_write_bytes(os.path.join(out_dir, archive.BPE_MODEL), model)
+            inventories[kind] = tokens.bpe_inventory(model)
+        else:
+            inventories[kind] = [archive.BLANK] + [f"{kind[0]}{i}" for i in range(1, num_tokens)]
+        archive.atomic_write_text(os.path.join(out_dir, archive.token_inventory_name(kind)),
+                                  archive.inventory_text(inventories[kind]))
+    if token_kinds or text or not frame_labels:
+        attrs.update(frame_labels=frame_labels, has_text=bool(text),
+                     tokens=archive.token_attrs(inventories))
     all_feats = []
     for s in range(num_shards):
         lengths = rng.integers(min_len, max_len, utts_per_shard)
@@ -73,10 +99,18 @@ def make_archive(out_dir, num_shards=3, utts_per_shard=12, dim=4, num_labels=5,
             stats[utt_spk[u], 0, dim] += len(x)
             stats[utt_spk[u], 1, :dim] += (x * x).sum(0)
         stats[stats[:, 0, dim] == 0, 0, dim] = 1  # a speaker with no utterance: harmless count
-        archive.write_shard(os.path.join(out_dir, archive.shard_name(s)), feats, labels, offsets,
+        toks = {}
+        for kind, inventory in inventories.items():
+            counts = extra.integers(1, lengths // 4 + 2)
+            ids = extra.integers(1, len(inventory), int(counts.sum())).astype(np.int32)
+            toks[kind] = (ids, np.concatenate([[0], np.cumsum(counts)]))
+        archive.write_shard(os.path.join(out_dir, archive.shard_name(s)), feats,
+                            labels if frame_labels else None, offsets,
                             [f"s{s}u{u}" for u in range(utts_per_shard)], utt_spk,
                             [f"s{s}spk{k}" for k in range(speakers_per_shard)], stats,
-                            np.bincount(labels, minlength=num_labels), attrs)
+                            np.bincount(labels, minlength=num_labels) if frame_labels
+                            else np.zeros(num_labels, np.int64),
+                            attrs, tokens=toks or None, text=texts[s] if text else None)
         all_feats.append((feats, labels, offsets, utt_spk, stats))
     archive.atomic_write_text(os.path.join(out_dir, archive.LABELS_NAME),
                               archive.inventory_text(symbols))

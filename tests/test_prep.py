@@ -83,6 +83,16 @@ def test_ctm_written_by_kaldi_inverts_exactly():
     assert labels(segs, len(frames)) == frames.tolist()
 
 
+def test_frame_labels_as_time_segments_map_back_to_the_same_frames():
+    """Speed perturbation divides an alignment's times by f; a frame alignment goes through its
+    runs in seconds, which the segment convention maps back exactly."""
+    rng = np.random.default_rng(2)
+    frames = ["SIL A B".split()[k] for k in np.repeat(rng.integers(0, 3, 40), rng.integers(1, 7, 40))]
+    segs = kaldi_dir.time_segments("frames", frames, 0.01)
+    assert all(a < b for a, b, _ in segs) and segs[-1][1] == pytest.approx(len(frames) * 0.01)
+    assert labels(segs, len(frames)) == labels(frames, len(frames), fmt="frames")
+
+
 def test_segment_convention_rounding_gaps_overlaps_tolerance():
     assert labels([(0.0, 0.02, "SIL"), (0.02, 0.05, "A")], 5) == [0, 0, 1, 1, 1]
     assert labels([(0.0, 0.024, "SIL"), (0.024, 0.05, "A")], 5) == [0, 0, 1, 1, 1]  # 2.4 -> 2
@@ -122,8 +132,12 @@ def test_split_and_deal_by_speaker():
 # ---------------------------------------------------------------- the bundled demo, end to end
 
 def read_all(path):
+    """Every dataset of a shard by its path (tokens/chars/ids ...)."""
+    out = {}
     with h5py.File(path, "r") as f:
-        return {k: f[k][()] for k in f}
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+    return out
 
 
 def test_demo_corpora_prep_and_inspect(tmp_path, capsys):
@@ -288,6 +302,61 @@ def test_bad_utterance_is_skipped_named_and_counted(tmp_path, capsys, case):
     assert not os.path.exists(out / "index.json")
 
 
+def write_text(data, n=20):
+    """Transcripts of make_corpus's utterances, two letters A and B."""
+    words = lambda i: " ".join(["AB"] + ["BA", "ABBA"] * (i % 3))   # noqa: E731
+    (data / "text").write_text("".join(f"spk{i % 2}-u{i:02d} {words(i)}\n" for i in range(n)))
+    (data / "lexicon.txt").write_text("AB A B\nBA B A\nABBA A B B A\n")
+
+
+HELD_OUT = split_speakers(["spk0", "spk1"], 1, 0)[1][0]   # the speaker --cv-speakers 1 holds out
+HELD_UTT = f"{HELD_OUT}-u0{4 if HELD_OUT == 'spk0' else 5}"
+
+TEXT_CASES = {
+    # name: (how to break one utterance's text, options, reason printed, text naming the culprit)
+    "no transcript": (lambda d: _edit(d / "text", lambda l: not l.startswith("spk0-u04")),
+                      ["--tokens", "chars"], "no transcript", "spk0-u04: no transcript in"),
+    "empty transcript": (lambda d: _edit(d / "text", lambda l: "spk0-u04" if
+                                         l.startswith("spk0-u04") else l),
+                         ["--tokens", "phones,chars"], "empty transcript",
+                         "spk0-u04: empty transcript in"),
+    "unknown character": (lambda d: _edit(d / "text", lambda l: l + " AQB" if
+                                          l.startswith(HELD_UTT) else l),
+                          ["--tokens", "chars", "--cv-speakers", 1], "unknown token",
+                          f"{HELD_UTT}: character 'Q' (in 'AQB') is not in the chars inventory"),
+    "unknown piece": (lambda d: _edit(d / "text", lambda l: l + " AQB" if
+                                      l.startswith(HELD_UTT) else l),
+                      ["--tokens", "bpe", "--bpe-size", 8, "--cv-speakers", 1], "unknown token",
+                      f"{HELD_UTT}: 'Q' is not in the bpe pieces"),
+    "no pronunciation": (lambda d: _edit(d / "text", lambda l: l + " QQ" if
+                                         l.startswith("spk0-u04") else l),
+                         ["--lexicon", "LEXICON", "--tokens", "phones"], "no pronunciation",
+                         "spk0-u04: word 'QQ' has no pronunciation"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEXT_CASES))
+def test_bad_transcript_is_skipped_named_and_counted(tmp_path, capsys, case):
+    breaker, options, reason, culprit = TEXT_CASES[case]
+    data = make_corpus(tmp_path / "data")
+    write_text(data)
+    breaker(data)
+    options = [str(data / "lexicon.txt") if o == "LEXICON" else o for o in options]
+    for fraction, ok in ((0.1, True), (0.01, False)):
+        argv = [data, tmp_path / "out", "--labels", data / "labels.txt", "--jobs", 1,
+                "--max-bad-fraction", fraction, *options]
+        if "--lexicon" not in options:   # else a text-only corpus: phones from the lexicon
+            argv += ["--alignments", data / "ali.txt"]
+        rc = prep(*argv)
+        captured = capsys.readouterr()
+        text = captured.out + captured.err
+        if ok:
+            assert rc == 0, text
+            assert culprit in text and f"{reason} 1 (total 1 of 20)" in text, text
+        else:
+            assert rc == 2 and "more than --max-bad-fraction" in text
+
+
 @pytest.mark.parametrize("table", ["wav.scp", "utt2spk"])
 def test_duplicate_ids_are_fatal(tmp_path, capsys, table):
     data = make_corpus(tmp_path / "data", n=4)
@@ -345,7 +414,8 @@ def test_sigkill_midway_leaves_no_partial_shard_or_index(tmp_path):
     assert 1 <= len(shards) < 8
     for n in shards:  # whatever has the final name is complete
         assert archive.validate_shard(str(out / n)) == []
-    assert all(n.endswith((".h5", ".report.json", "labels.txt")) or ".tmp." in n for n in names)
+    assert all(n.endswith((".h5", ".report.json", "labels.txt")) or n.startswith("tokens_") or
+               ".tmp." in n for n in names)
     # a re-run cleans the stale temp files and completes
     cmd[cmd.index(src)] = os.path.join(DEMO, "so762")
     cmd[cmd.index("--alignments") + 1] = os.path.join(DEMO, "so762", "phones.ctm")

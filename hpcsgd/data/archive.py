@@ -87,7 +87,7 @@ def token_attrs(inventories):
 def read_inventory(path):
     """Read `symbol id` lines; ids must be exactly 0..L-1 (in any order)."""
     by_id = {}
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:   # token symbols: any character, bpe's "▁"
         for lineno, line in enumerate(f, 1):
             parts = line.split()
             if not parts:
@@ -108,8 +108,18 @@ def read_inventory(path):
 
 def atomic_write_text(path, text):
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_bytes(path, data):
+    """atomic_write_text for binary files (bpe.model)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

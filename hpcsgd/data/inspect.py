@@ -5,9 +5,14 @@
 
 Checks: index.json readable and naming only existing shards; every shard's datasets, shapes,
 offsets, label range, label counts and (unless --no-values) NaN/Inf features; attributes equal
-across shards and the index; index frame/utterance/speaker counts vs the shards; each speaker and
-utterance in exactly one shard; labels.txt matching the inventory hash. Exits 1 naming every
-problem. Summary: hours, frames, utterances, speakers, features, label histogram.
+across shards and the index; index frame/utterance/speaker/token counts vs the shards; each
+speaker and utterance in exactly one shard; labels.txt matching the inventory hash; each token
+kind's tokens_<kind>.txt present, blank first and matching its hash, token ids in range, and for
+bpe a bpe.model whose pieces are that inventory; one transcript per utterance. Exits 1 naming
+every problem. Summary: hours, frames, utterances, speakers, features, label histogram (or "no
+frame labels"), and per token kind: inventory size, tokens, tokens per second of speech, the
+longest sequence, the fewest frames per token (how tight CTC is) and the utterances too short
+for CTC (fewer frames than tokens + repeated neighbours, the blanks CTC needs between them).
 """
 import glob
 import json
@@ -106,6 +111,17 @@ def check_archive(archive_dir, check_values=True):
                 archive.inventory_hash(symbols) != metas[0]["attrs"]["label_inventory_hash"]:
             problems.append(f"{labels_path}: does not match the shards' label_inventory_hash")
             symbols = None
+    token_kinds = json.loads(metas[0]["attrs"]["tokens"]) if metas else {}
+    problems += check_token_files(archive_dir, token_kinds)
+    tokens = {}
+    for kind in token_kinds:
+        per_shard = [token_stats(os.path.join(archive_dir, m["file"]), kind, m) for m in metas]
+        tokens[kind] = merge_token_stats(per_shard, token_kinds[kind]["num_tokens"])
+        if index is not None and len(metas) == len(entries):
+            listed = index["tokens"].get(kind, {}).get("total_tokens")
+            if listed != tokens[kind]["total"]:
+                problems.append(f"{archive_dir}/index.json: {kind} total_tokens {listed} but the "
+                                f"shards hold {tokens[kind]['total']}")
     if not metas:
         return problems, None
     attrs = metas[0]["attrs"]
@@ -118,16 +134,103 @@ def check_archive(archive_dir, check_values=True):
         "speakers": sum(len(m["spk_ids"]) for m in metas),
         "feature_type": attrs["feature_type"], "feature_dim": attrs["feature_dim"],
         "sample_rate": attrs["sample_rate"], "num_labels": attrs["num_labels"],
-        "label_counts": counts, "symbols": symbols,
+        "label_counts": counts, "symbols": symbols, "frame_labels": bool(attrs["frame_labels"]),
+        "texts": None, "tokens": tokens,
     }
+    if attrs["has_text"]:
+        texts = [t for m in metas for t in archive.read_shard_text(
+            os.path.join(archive_dir, m["file"])) or []]
+        summary["texts"] = (len(texts), sum(1 for t in texts if not t))
     return problems, summary
+
+
+def check_token_files(archive_dir, kinds):
+    """Each kind's inventory file (present, blank first, the shards' hash) and bpe.model."""
+    problems = []
+    for kind, info in sorted(kinds.items()):
+        path = os.path.join(archive_dir, archive.token_inventory_name(kind))
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing (the shards have {kind} tokens)")
+            continue
+        try:
+            symbols = archive.read_inventory(path)
+        except UserError as err:
+            problems.append(str(err))
+            continue
+        if symbols[:1] != [archive.BLANK]:
+            problems.append(f"{path}: id 0 must be the blank {archive.BLANK}, not {symbols[:1]}")
+        if archive.inventory_hash(symbols) != info["inventory_hash"]:
+            problems.append(f"{path}: does not match the shards' {kind} inventory_hash "
+                            f"(its {len(symbols)} symbols, the shards' {info['num_tokens']})")
+            continue
+        if kind == "bpe":
+            model = os.path.join(archive_dir, archive.BPE_MODEL)
+            if not os.path.isfile(model):
+                problems.append(f"{model}: missing (the shards have bpe tokens)")
+                continue
+            import sentencepiece as spm
+            try:
+                sp = spm.SentencePieceProcessor(model_file=model)
+            except (OSError, RuntimeError) as err:
+                problems.append(f"{model}: not a sentencepiece model ({err})")
+                continue
+            pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+            if [archive.BLANK, *pieces] != symbols:
+                problems.append(f"{model}: its {len(pieces)} pieces are not {path} after the blank")
+    return problems
+
+
+def token_stats(path, kind, meta):
+    """One shard's figures for one token kind (the ids are already checked by validate_shard)."""
+    ids, offsets = archive.read_shard_tokens(path, kind)
+    starts, ends = offsets[:-1], offsets[1:]
+    lengths, frames = ends - starts, np.diff(meta["utt_offsets"])
+    # CTC puts a blank between two equal neighbours, so it needs T >= tokens + repeats;
+    # pairs[k] = equal neighbours (i, i + 1) with i < k, so an utterance has
+    # pairs[end - 1] - pairs[start] of them
+    pairs = np.zeros(len(ids) + 1, dtype=np.int64)
+    pairs[1:len(ids)] = np.cumsum(ids[1:] == ids[:-1])
+    pairs[len(ids)] = pairs[max(len(ids) - 1, 0)]
+    repeats = pairs[np.maximum(ends - 1, starts)] - pairs[starts]
+    ratio = np.where(lengths > 0, frames / np.maximum(lengths, 1), np.inf)
+    tightest = int(np.argmin(ratio)) if len(ratio) and np.isfinite(ratio.min()) else None
+    return {"total": int(offsets[-1]), "longest": int(lengths.max(initial=0)),
+            "min_ratio": float(ratio[tightest]) if tightest is not None else np.inf,
+            "tightest": meta["utt_ids"][tightest] if tightest is not None else None,
+            "too_short": int((frames < lengths + repeats).sum()),
+            "empty": int((lengths == 0).sum())}
+
+
+def merge_token_stats(per_shard, num_tokens):
+    best = min(per_shard, key=lambda s: s["min_ratio"], default=None)
+    return {"num_tokens": num_tokens, "total": sum(s["total"] for s in per_shard),
+            "longest": max((s["longest"] for s in per_shard), default=0),
+            "min_ratio": best["min_ratio"] if best else np.inf,
+            "tightest": best["tightest"] if best else None,
+            "too_short": sum(s["too_short"] for s in per_shard),
+            "empty": sum(s["empty"] for s in per_shard)}
 
 
 def format_summary(archive_dir, s):
     lines = [f"{archive_dir}: {s['shards']} shards, {s['hours']:.3f} h, {s['frames']} frames, "
-             f"{s['utterances']} utterances, {s['speakers']} speakers",
-             f"features: {s['feature_type']} dim {s['feature_dim']}, {s['sample_rate']} Hz; "
-             f"labels: {s['num_labels']} ({int((s['label_counts'] > 0).sum())} seen)"]
+             f"{s['utterances']} utterances, {s['speakers']} speakers"]
+    if not s["frame_labels"]:
+        lines.append(f"features: {s['feature_type']} dim {s['feature_dim']}, {s['sample_rate']} Hz; "
+                     f"no frame labels (label inventory of {s['num_labels']})")
+    else:
+        lines.append(f"features: {s['feature_type']} dim {s['feature_dim']}, {s['sample_rate']} Hz; "
+                     f"labels: {s['num_labels']} ({int((s['label_counts'] > 0).sum())} seen)")
+    if s["texts"] is not None:
+        lines.append(f"text: {s['texts'][0]} transcripts ({s['texts'][1]} empty)")
+    seconds = max(s["hours"] * 3600, 1e-9)
+    for kind, t in sorted(s["tokens"].items()):
+        lines.append(f"tokens {kind}: inventory {t['num_tokens']} (blank included), {t['total']} "
+                     f"tokens, {t['total'] / seconds:.1f}/s of speech, longest {t['longest']}, "
+                     f"frames per token min {t['min_ratio']:.2f}"
+                     f"{' (' + t['tightest'] + ')' if t['tightest'] else ''}; utterances too short "
+                     f"for CTC {t['too_short']}, without tokens {t['empty']}")
+    if not s["frame_labels"]:
+        return "\n".join(lines)
     total = max(int(s["label_counts"].sum()), 1)
     order = np.argsort(-s["label_counts"], kind="stable")[:TOP_LABELS]
     lines.append(f"top {len(order)} labels:")
