@@ -1,20 +1,24 @@
 """`hpcsgd decode`: recognize an archive through a decoding graph, and score it as Kaldi does.
 
     hpcsgd decode RUN_DIR|CHECKPOINT --data ARCHIVE --graph GRAPH_DIR [--text TEXT] [--tune]
+    hpcsgd decode CTC_RUN_DIR --data ARCHIVE --greedy
     mpiexec -n 4 python -m mpi4py -m hpcsgd.cli decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR
 
-The model's log-posteriors, minus the scaled log-prior (the training archive's label
+A hybrid model's log-posteriors, minus the scaled log-prior (the training archive's label
 frequencies, stored in the checkpoint), times the acoustic scale, go through Kaldi's
-FasterDecoder on HLG (hpcsgd/decode/search.py). The references are the archive's own phone
-alignments for a phone graph (PER; silence is not a token) and the Kaldi `text` transcripts
-for a word or digit graph (WER; --text, default the file the graph was made with). Under
-mpiexec the ranks decode disjoint utterances; the hypotheses do not depend on the number of
-ranks. --tune decodes the archive at every acoustic and prior scale of a grid and keeps the
-best: tune on held-out speakers (the CV archive), never on the training speakers.
+FasterDecoder on HLG (hpcsgd/decode/search.py). A CTC model's token log-posteriors
+(hpcsgd.outputs.ctc_posteriors) go through a TLG graph (mkgraph --topology ctc) times the
+acoustic scale, no prior, or through greedy search without a graph (--greedy). The references
+are the archive's own: its phone tokens or alignments for phone outputs (PER; silence is not a
+token), its transcripts for words (WER, and CER for CTC models over chars or bpe tokens;
+--text instead when given, else the file the graph was made with). Under mpiexec the ranks
+decode disjoint utterances; the hypotheses do not depend on the number of ranks. --tune
+decodes the archive at every scale of a grid and keeps the best: tune on held-out speakers
+(the CV archive), never on the training speakers.
 
-Writes OUT (default RUN_DIR/decode/<graph>_<archive>/): hyp.txt and ref.txt (Kaldi `text`),
-per_utt.txt (ins del sub ref per utterance), scoring.txt (the lines printed) and
-result.json; all under temporary names, renamed.
+Writes OUT (default RUN_DIR/decode/<graph>_<archive>/, greedy_<archive>/ for --greedy):
+hyp.txt and ref.txt (Kaldi `text`), per_utt.txt (ins del sub ref per utterance), scoring.txt
+(the lines printed) and result.json; all under temporary names, renamed.
 """
 import json
 import os
@@ -35,22 +39,33 @@ EXAMPLES = """examples:
   hpcsgd decode runs/so762/run --data runs/so762/archive/cv --graph runs/so762/graph_phones --tune
   mpiexec -n 2 python -m mpi4py -m hpcsgd.cli decode runs/so762/run \\
       --data runs/so762/archive/cv --graph runs/so762/graph_words --acoustic-scale 0.083
-Graphs: hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind phones|words|digits (docs/decode.md)."""
+  hpcsgd decode runs/so762/ctc --data runs/so762/archive/cv --greedy
+  hpcsgd decode runs/so762/ctc --data runs/so762/archive/cv --graph runs/so762/tlg_chars --tune
+Graphs: hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind phones|words|digits
+[--topology ctc --tokens phones|chars|bpe] (docs/decode.md)."""
 
 
 def add_arguments(parser):
     parser.add_argument("model", help="run directory (latest checkpoint), checkpoint file or "
                                       "exported model")
     parser.add_argument("--data", required=True, help="archive to recognize (hpcsgd prep OUT)")
-    parser.add_argument("--graph", required=True, help="graph directory (hpcsgd mkgraph)")
+    how = parser.add_mutually_exclusive_group(required=True)
+    how.add_argument("--graph", help="graph directory (hpcsgd mkgraph): HLG for a hybrid "
+                                     "model, TLG (--topology ctc) for a CTC model")
+    how.add_argument("--greedy", action="store_true",
+                     help="CTC models: greedy search, no graph (the best token per frame, "
+                          "repeats merged, blanks dropped)")
     parser.add_argument("--out", help="output directory (default RUN_DIR/decode/GRAPH_ARCHIVE)")
     recognize.add_search_arguments(parser)
     parser.add_argument("--tune", action="store_true",
                         help="decode at every acoustic scale of "
                              f"{','.join(map(str, recognize.TUNE_ACOUSTIC))} and prior scale "
-                             f"of {','.join(map(str, recognize.TUNE_PRIOR))}; keep the best")
+                             f"of {','.join(map(str, recognize.TUNE_PRIOR))} (CTC graphs: "
+                             f"acoustic scale {','.join(map(str, recognize.TUNE_CTC))}); "
+                             f"keep the best")
     parser.add_argument("--sequences", choices=("chunks", "whole"), default="chunks",
-                        help="sequence (LSTM) models: the training chunks, or whole utterances")
+                        help="hybrid sequence (LSTM) models: the training chunks, or whole "
+                             "utterances")
     add_device_argument(parser)
 
 
@@ -89,25 +104,44 @@ def decode(args, comm):
     from hpcsgd.outputs import log_priors, longest_utterance
     rank, world = comm.Get_rank(), comm.Get_size()
     # every input checked on every rank before the first collective: a bad one stops them all
-    graph = search.Graph(args.graph)
+    graph = search.Graph(args.graph) if args.graph else None
     index = archive.read_index(args.data)
-    graph.check_archive(index, args.data)
     whole = args.sequences == "whole"
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
                                      if whole else EVAL_BATCH, device=args.device, comm=comm)
-    check_archive(args.data, meta)
-    refs = recognize.references(graph, args.data, args.text)
-    priors = log_priors(meta["label_counts"])
-    decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active)
+    ctc_model = recognize.is_ctc(meta)
+    tokens = meta["tokens"] if ctc_model else None
+    if graph is not None:
+        graph.check_model(meta)
+        graph.check_archive(index, args.data)
+        unit, scales = recognize.unit(graph), recognize.scales(graph, args)
+    elif not ctc_model:
+        raise UserError(f"--greedy is for CTC models, and {meta['path']} is a hybrid model: "
+                        f"give --graph GRAPH_DIR (hpcsgd mkgraph)")
+    else:
+        if args.tune or args.acoustic_scale is not None or args.prior_scale is not None:
+            raise UserError("--tune, --acoustic-scale and --prior-scale weigh a graph search: "
+                            "greedy search has nothing to weigh")
+        unit, scales = ("phones" if tokens["kind"] == "phones" else "words"), None
+    check_archive(args.data, meta)     # features; labels (hybrid) or tokens (CTC)
+    refs, ref_source = recognize.archive_references(
+        unit, args.data, args.text, graph.info.get("text") if graph is not None else None)
+    priors = None if ctc_model else log_priors(meta["label_counts"])
+    decoder = None if graph is None else \
+        search.Decoder(graph, beam=args.beam, max_active=args.max_active)
 
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
-    scales = recognize.scales(graph, args)
     table = None
-    if args.tune:
-        table = recognize.tune(decoder, logposts, priors, refs, comm, default=scales)
-        scales = table[0][:2]
-    hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales)
-    frames = sum(len(lp) for _, lp in logposts)
+    if decoder is None:
+        hyps, search_s = recognize.greedy(logposts, tokens["symbols"], tokens["kind"])
+        not_final = 0
+    else:
+        if args.tune:
+            table = recognize.tune(decoder, logposts, priors, refs, comm, default=scales)
+            scales = table[0][:2]
+        hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales)
+    lengths = dict(recognize.utterance_frames(args.data))   # audio frames, not output rows
+    frames = sum(lengths[utt] for utt, _ in logposts)
     sums = np.array([frames, search_s, forward_s, not_final], np.float64)
     from mpi4py import MPI
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
@@ -115,41 +149,67 @@ def decode(args, comm):
     if rank != 0:
         return 0
 
-    hyps = {utt: tokens for part in gathered for utt, tokens in part.items()}
+    hyps = {utt: words for part in gathered for utt, words in part.items()}
     total, per_utt = recognize.error_counts(refs, hyps)
     frames, search_s, forward_s, not_final = sums
     audio_s = frames * index["frame_shift_ms"] / 1000.0
-    name = recognize.metric(graph)
+    name = "PER" if unit == "phones" else "WER"
     lines = []
     if table is not None:
         lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
         lines += recognize.tuning_lines(table, scales, name)
-    lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}): acoustic "
-                 f"scale {scales[0]:g}, prior scale {scales[1]:g}, beam {args.beam:g}, "
-                 f"max active {args.max_active}")
+    if graph is None:
+        lines.append(f"{args.model} on {args.data} by CTC greedy search over {tokens['kind']} "
+                     f"tokens (the best token per frame, repeats merged, blanks dropped)")
+    elif ctc_model:
+        lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}, CTC over "
+                     f"{tokens['kind']} tokens): acoustic scale {scales[0]:g}, beam "
+                     f"{args.beam:g}, max active {args.max_active}")
+    else:
+        lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}): "
+                     f"acoustic scale {scales[0]:g}, prior scale {scales[1]:g}, beam "
+                     f"{args.beam:g}, max active {args.max_active}")
     lines.append(score.kaldi_lines(name, total))
     scored = sorted(per_utt)
     low, high = score.bootstrap([refs[u] for u in scored], [hyps[u] for u in scored]) \
         if scored else (float("nan"), float("nan"))
     lines.append(f"95% confidence interval {low:.2f}-{high:.2f} (a bootstrap over the "
                  f"utterances, as Kaldi's compute-wer-bootci)")
-    oov = recognize.out_of_vocabulary(graph, refs, hyps)
-    if graph.kind != "phones":
+    cer = None
+    if recognize.with_cer(tokens and tokens["kind"], unit):
+        ref_chars, hyp_chars = score.characters_of(refs, hyps)
+        cer_total, _ = recognize.error_counts(ref_chars, hyp_chars)
+        c_low, c_high = score.bootstrap([ref_chars[u] for u in scored],
+                                        [hyp_chars[u] for u in scored]) \
+            if scored else (float("nan"), float("nan"))
+        lines.append(score.kaldi_lines("CER", cer_total).split("\n")[0] +
+                     f" (the words' characters, no spaces); 95% interval {c_low:.2f}-{c_high:.2f}")
+        cer = {**score.as_dict("CER", cer_total), "ci95": [c_low, c_high]}
+    oov = recognize.out_of_vocabulary(graph, refs, hyps) if graph is not None else None
+    if graph is not None and graph.kind != "phones":
         lines.append(f"{oov} of the {int(total[3])} reference words are not in the graph's "
                      f"vocabulary ({100 * oov / max(int(total[3]), 1):.2f}%: errors whatever "
                      f"the acoustic model says)")
+    finals = "" if graph is None else f"; {int(not_final)} ended in no final state"
     lines.append(f"{len(hyps)} utterances, {int(frames)} frames ({audio_s:.1f} s of audio) on "
-                 f"{world} rank(s); {int(not_final)} ended in no final state; "
-                 f"{len(hyps) - len(per_utt)} without a reference (not scored)")
+                 f"{world} rank(s){finals}; {len(hyps) - len(per_utt)} without a reference "
+                 f"(not scored); references: {ref_source}")
     lines.append(f"real-time factor per core: search {search_s / audio_s:.4f} "
                  f"({search_s:.2f} s), acoustic model {forward_s / audio_s:.4f} "
                  f"({forward_s:.2f} s)")
     report = "\n".join(lines) + "\n"
     print(report, end="")
     result = {"model": args.model, "archive": args.data, "graph": args.graph,
-              "kind": graph.kind, **score.as_dict(name, total),
-              "acoustic_scale": scales[0], "prior_scale": scales[1], "beam": args.beam,
-              "max_active": args.max_active, "frames": int(frames), "audio_seconds": audio_s,
+              "kind": graph.kind if graph is not None else None,
+              "topology": graph.topology if graph is not None else "ctc",
+              "search": "graph" if graph is not None else "greedy",
+              "tokens": tokens["kind"] if tokens else None, **score.as_dict(name, total),
+              "cer": cer, "references": ref_source,
+              "acoustic_scale": scales[0] if scales else None,
+              "prior_scale": scales[1] if scales else None,
+              "beam": args.beam if graph is not None else None,
+              "max_active": args.max_active if graph is not None else None,
+              "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
               "oov_tokens": oov, "ci95": [low, high],
               "ranks": world, "search_seconds": search_s, "forward_seconds": forward_s,
@@ -157,7 +217,7 @@ def decode(args, comm):
               "tuning": None if table is None else
               [{"acoustic_scale": a, "prior_scale": b, "error_rate": score.error_rate(c)}
                for a, b, c in table]}
-    out = args.out or default_out(args.model, args.graph, args.data)
+    out = args.out or default_out(args.model, args.graph or "greedy", args.data)
     os.makedirs(out, exist_ok=True)
     archive.atomic_write_text(os.path.join(out, "hyp.txt"), text_lines(hyps))
     archive.atomic_write_text(os.path.join(out, "ref.txt"), text_lines(

@@ -1,15 +1,17 @@
-"""The decoding graph HLG: HMM (H) o lexicon (L) o grammar (G), built with OpenFst (kaldifst).
+"""Decoding graphs, built with OpenFst (kaldifst): HLG for hybrid models, TLG for CTC models.
 
     G  an n-gram over words or phones (ARPA -> FST by Kaldi's arpa2fst, the `kaldilm`
        package; backoff arcs read #0), or a grammar of isolated words (digits)
-    L  phones -> words, Kaldi's lexicon FST: optional silence between words, #1, #2, ... after
-       a pronunciation that is another's prefix or homophone, so that L o G determinizes
+    L  phones (or CTC tokens) -> words, Kaldi's lexicon FST: optional silence between words,
+       #1, #2, ... after a pronunciation that is another's prefix or homophone, so that L o G
+       determinizes
     H  HMM states -> phones: each phone is `states` states in a row, each with a self-loop,
        all states of a phone scored by the phone's one network output (a minimum duration of
        `states` frames); the loop probability from the phone's mean duration in training
+    T  CTC frames -> tokens: k2/icefall's standard (not the modified) CTC topology
 
     HLG = H o min(det(L o G))   (Kaldi's fsttablecompose | fstdeterminizestar --use-log=true
-                                 | fstminimizeencoded, then composed with H on the left)
+    TLG = T o min(det(L o G))    | fstminimizeencoded, then composed with H or T on the left)
 
 H's input labels are HMM states, 1-based: state s of phone p is p * states + s + 1, so that
 every input label names one state (the best path gives a state alignment), and the decoder's
@@ -19,9 +21,17 @@ hub, between phones, where L and G put them: that consumes them in H o LG. HLG i
 determinized at the H level (Kaldi does so before adding the self-loops, which needs its
 transition model); the beam search takes a non-deterministic graph as it is.
 
-Symbol tables are Kaldi's: phones.txt (<eps> 0, the labels 1.., #0, #1, ...) and words.txt
-(<eps> 0, the words 1.., #0, <s>, </s>). For phone error rates the "words" are the phones
-themselves (L maps each phone to itself, SIL included: the phone n-gram places the silences).
+T's input labels are token id + 1 for every token, the blank (id 0) included, so that input
+label i is column i - 1 of the CTC model's (T', V) matrix as kaldi-decoder reads it; its output
+labels are the token ids (the blank writes nothing). T writes the disambiguation symbols on
+self-loops that read nothing at every state: a word boundary can fall after any token without
+a frame of its own, and they are consumed in T o LG as in H o LG.
+
+Symbol tables are Kaldi's: phones.txt (<eps> 0, the labels 1.., #0, #1, ...) or, for CTC,
+tokens.txt (<eps> 0 in the blank's place, the tokens 1.. with their archive ids, #0, #1, ...),
+and words.txt (<eps> 0, the words 1.., #0, <s>, </s>). For phone error rates the "words" are
+the phones themselves (L maps each phone to itself, SIL included in HLG: the phone n-gram
+places the silences).
 """
 import contextlib
 import math
@@ -65,11 +75,14 @@ def disambiguate(lexicon):
 
 
 def make_lexicon_fst(entries, phone_id, word_id, sil_prob, sil_phone, backoff):
-    """Kaldi's make_lexicon_fst.py with silence: a start state that may begin with silence, a
-    loop state (between words, final) and a silence state. A word leaves the loop state with
-    its first phone (the word on that arc) and returns to it directly (1 - sil_prob) or
-    through one silence (sil_prob). sil_prob None: no optional silence (the phone "lexicon"
-    of PER graphs, where SIL is a token of the n-gram). backoff = (phone #0, word #0): the
+    """Kaldi's make_lexicon_fst.py with silence: a start state, a loop state (between words,
+    final) and a silence state. The start goes to the loop state reading nothing (1 -
+    sil_prob) or one silence (sil_prob). A word leaves the loop state with its first phone
+    (the word on that arc) and returns to it directly (1 - sil_prob) or through the silence
+    state, which reads one silence (sil_prob). sil_prob None: no optional silence (the phone
+    "lexicon" of PER graphs, where SIL is a token of the n-gram, and of CTC graphs without a
+    word separator token). For a chars CTC graph the silence is the `<space>` token: a model
+    trained on `a <space> b` emits one between words. backoff = (phone #0, word #0): the
     self-loops that let G's backoff symbol through L (Kaldi's fstaddselfloops)."""
     kf = _fst()
     L = kf.StdVectorFst()
@@ -83,8 +96,10 @@ def make_lexicon_fst(entries, phone_id, word_id, sil_prob, sil_phone, backoff):
         sil = L.add_state()
         no_sil, sil_cost = -math.log(1.0 - sil_prob), -math.log(sil_prob)
         L.add_arc(start, kf.StdArc(0, 0, no_sil, loop))
-        L.add_arc(start, kf.StdArc(phone_id[sil_phone], 0, sil_cost, sil))
-        L.add_arc(sil, kf.StdArc(0, 0, 0.0, loop))
+        L.add_arc(start, kf.StdArc(phone_id[sil_phone], 0, sil_cost, loop))
+        # the silence after a word is read here (it once read nothing, so that no silence
+        # between words could be recognized: its frames went to the neighbouring phones)
+        L.add_arc(sil, kf.StdArc(phone_id[sil_phone], 0, 0.0, loop))
     for word, phones, k in entries:
         labels = [phone_id[p] for p in phones] + ([phone_id[f"#{k}"]] if k else [])
         src, out = loop, word_id[word]
@@ -133,6 +148,31 @@ def make_hmm_fst(num_phones, states, loop_probs, self_loop_scale, disambig_ids):
     for d in disambig_ids:
         H.add_arc(hub, kf.StdArc(0, d, 0.0, hub))
     return H
+
+
+def make_ctc_topo_fst(num_tokens, disambig_ids):
+    """T, k2/icefall's standard CTC topology (ctc_topo, modified=False) over tokens 0..V-1, 0
+    the blank: state 0 the blank's (start), state k token k's; every state final. From any
+    state, token k (input label k + 1) goes to state k and writes k, except from state k
+    itself, where it loops and writes nothing (a repeat continues the token); the blank
+    (input label 1) goes to state 0 and writes nothing. So a token sequence is read by
+    exactly its CTC alignments: repeats merged, blanks anywhere, a blank needed between two
+    equal tokens. Each state loops reading nothing and writing each disambiguation symbol
+    (consumed here, as H does at its hub): a word boundary of L o G falls between two tokens
+    without a frame of its own. V^2 + V * (disambiguation symbols) arcs: 250k for 500 tokens."""
+    kf = _fst()
+    T = kf.StdVectorFst()
+    for _ in range(num_tokens):
+        T.add_state()
+    T.start = 0
+    for src in range(num_tokens):
+        T.set_final(src, 0.0)
+        for k in range(num_tokens):
+            write = 0 if k == src or k == 0 else k
+            T.add_arc(src, kf.StdArc(k + 1, write, 0.0, k))
+        for d in disambig_ids:
+            T.add_arc(src, kf.StdArc(0, d, 0.0, src))
+    return T
 
 
 def loop_probabilities(mean_frames, states):
@@ -194,7 +234,7 @@ def grammar_of_words(word_ids):
 
 
 def compose_hlg(H, L, G):
-    """HLG = H o min(det(L o G)); each step connected (trimmed)."""
+    """HLG = H o min(det(L o G)) (or TLG with T for H); each step connected (trimmed)."""
     kf = _fst()
     kf.arcsort(L, sort_type="olabel")
     kf.arcsort(G, sort_type="ilabel")

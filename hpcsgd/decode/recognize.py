@@ -1,16 +1,21 @@
 """Recognition of an archive: the model's outputs through the graph, scored against references.
 
-Shared by `hpcsgd decode` (files, ranks, tuning) and `hpcsgd eval --graph` (one report). The
-references are the archive's own phone alignments for a phone graph (PER; silence is not a
-token) and the Kaldi `text` transcripts for a word or digit graph (WER). Under several ranks
-each decodes the utterances hpcsgd/outputs.py deals it; an utterance's hypothesis does not
-depend on which rank decodes it.
+Shared by `hpcsgd decode` (files, ranks, tuning) and `hpcsgd eval --graph` (one report). Two
+kinds of model: hybrid frame classifiers (HLG, scaled log-likelihoods) and CTC models (TLG or
+greedy search, log-posteriors over tokens; hpcsgd/decode/ctc.py). The references are the
+archive's own: its phone token sequences, else its frame alignments, for phone outputs (PER;
+silence is not a token); for word outputs (WER) --text when given, else the archive's
+transcripts, else the file the graph was made with. Under several ranks each decodes the
+utterances hpcsgd/outputs.py deals it; an utterance's hypothesis does not depend on which
+rank decodes it.
 """
+import os
 import time
 
 import numpy as np
 
-from hpcsgd.decode import mkgraph, score, search
+from hpcsgd.data import archive
+from hpcsgd.decode import ctc, mkgraph, score, search
 from hpcsgd.errors import UserError
 from hpcsgd.outputs import sequence_outputs, utterance_outputs
 
@@ -20,30 +25,51 @@ from hpcsgd.outputs import sequence_outputs, utterance_outputs
 SCALES = {"phones": (0.2, 0.5), "words": (0.1, 0.5), "digits": (0.1, 0.5)}
 TUNE_ACOUSTIC = (0.05, 0.067, 0.083, 0.1, 0.125, 0.15, 0.2, 0.3)
 TUNE_PRIOR = (0.0, 0.5, 1.0)
+# CTC through TLG: the log-posteriors at scale 1 against G's costs, as icefall's HLG 1-best
+# decoding adds them (lm_scale 1); not yet tuned on a CTC model of ours. No prior scale
+CTC_ACOUSTIC = 1.0
+TUNE_CTC = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 
 
 def add_search_arguments(parser):
     """The options `decode` and `eval --graph` share."""
-    parser.add_argument("--text", help="Kaldi `text` with the references (word and digit "
-                                       "graphs; default: the file the graph was made with)")
+    parser.add_argument("--text", help="Kaldi `text` with the references of word outputs "
+                                       "(default: the archive's own transcripts, else the "
+                                       "file the graph was made with)")
     parser.add_argument("--acoustic-scale", type=float,
                         help="weight of the scaled log-likelihoods against the graph's costs "
                              "(default per graph kind: " + ", ".join(
-                                 f"{k} {a:g}" for k, (a, _) in SCALES.items()) + ")")
+                                 f"{k} {a:g}" for k, (a, _) in SCALES.items()) +
+                             f"; CTC graphs {CTC_ACOUSTIC:g})")
     parser.add_argument("--prior-scale", type=float,
-                        help="how much of the log-prior to subtract from the log-posteriors "
-                             "(default per graph kind: " + ", ".join(
+                        help="hybrid models: how much of the log-prior to subtract from the "
+                             "log-posteriors (default per graph kind: " + ", ".join(
                                  f"{k} {b:g}" for k, (_, b) in SCALES.items()) + ")")
     parser.add_argument("--beam", type=float, default=search.BEAM, help="decoder beam")
     parser.add_argument("--max-active", type=int, default=search.MAX_ACTIVE,
                         help="most tokens alive per frame")
 
 
+def is_ctc(meta):
+    return meta["model"].get("type") == "ctc"
+
+
 def scales(graph, args):
-    """(acoustic scale, prior scale): the options where given, else the graph kind's."""
+    """(acoustic scale, prior scale): the options where given, else the graph kind's. A TLG
+    (CTC) has no prior scale: None."""
+    if graph.topology == "ctc":
+        if args.prior_scale is not None:
+            raise UserError("--prior-scale is for hybrid models: a CTC model's log-posteriors "
+                            "are searched as they are (docs/decode.md)")
+        return (CTC_ACOUSTIC if args.acoustic_scale is None else args.acoustic_scale), None
     a, b = SCALES[graph.kind]
     return (a if args.acoustic_scale is None else args.acoustic_scale,
             b if args.prior_scale is None else args.prior_scale)
+
+
+def unit(graph):
+    """What the graph outputs: "phones" (phone graphs) or "words"."""
+    return "phones" if graph.kind == "phones" else "words"
 
 
 def metric(graph):
@@ -52,15 +78,46 @@ def metric(graph):
 
 def references(graph, archive_dir, text_path):
     """{utt: tokens} for the archive's utterances that have a reference (phones: all)."""
-    symbols, utts = mkgraph.archive_alignments(archive_dir)
-    if graph.kind == "phones":
-        return {utt: mkgraph.phone_sequence(symbols, ids, keep_sil=False)
-                for utt, ids, _ in utts}
-    text_path = text_path or graph.info.get("text")
+    return archive_references(unit(graph), archive_dir, text_path, graph.info.get("text"))[0]
+
+
+def archive_references(kind, archive_dir, text_path=None, graph_text=None):
+    """({utt: tokens} for the archive's utterances that have a reference, where they came
+    from). kind "phones": the archive's phone tokens, else its frame alignments, runs merged
+    (the two agree: data_prep/tokens.py makes one from the other), SIL dropped. kind "words":
+    --text when given, else the archive's transcripts, else the file the graph was made with."""
+    index = archive.read_index(archive_dir)
+    if kind == "phones":
+        if "phones" in index["tokens"]:
+            symbols, utts = mkgraph.archive_tokens(archive_dir, "phones")
+            return ({utt: [symbols[i] for i in ids] for utt, ids in utts},
+                    f"{archive_dir} (its phone tokens)")
+        if index["frame_labels"]:
+            symbols, utts = mkgraph.archive_alignments(archive_dir)
+            return ({utt: mkgraph.phone_sequence(symbols, ids, keep_sil=False)
+                     for utt, ids, _ in utts}, f"{archive_dir} (its alignments)")
+        raise UserError(f"{archive_dir}: no phone references (neither phone tokens nor frame "
+                        f"labels): prep it with --tokens phones or --alignments")
+    if not text_path and index["has_text"]:
+        return mkgraph.archive_text(archive_dir), f"{archive_dir} (its transcripts)"
+    text_path = text_path or graph_text
     if not text_path:
-        raise UserError(f"a {graph.kind} graph scores against transcripts: give --text")
+        raise UserError(f"{archive_dir} has no transcripts of its own, and word outputs are "
+                        f"scored against transcripts: give --text")
     text = mkgraph.read_text(text_path)
-    return {utt: text[utt] for utt, _, _ in utts if utt in text}
+    utts = [utt for utt, _ in utterance_frames(archive_dir)]
+    return {utt: text[utt] for utt in utts if utt in text}, text_path
+
+
+def utterance_frames(archive_dir):
+    """[(utt, frames)] in archive order, from the shards' offsets alone: the audio each
+    hypothesis covers (a CTC model's outputs have fewer rows than the archive has frames)."""
+    index = archive.read_index(archive_dir)
+    out = []
+    for shard in index["shards"]:
+        meta = archive.read_shard_meta(os.path.join(index["dir"], shard["file"]))
+        out += zip(meta["utt_ids"], np.diff(meta["utt_offsets"]).tolist())
+    return out
 
 
 def out_of_vocabulary(graph, refs, utts):
@@ -72,7 +129,11 @@ def out_of_vocabulary(graph, refs, utts):
 
 def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
     """This rank's share of the archive as [(utt, (T, P) log-posteriors)] (archive order),
-    and the CPU seconds the acoustic model took (all of this process's threads)."""
+    and the CPU seconds the acoustic model took (all of this process's threads). A CTC
+    model's (T', V) token log-posteriors come from hpcsgd.outputs.ctc_posteriors."""
+    if is_ctc(meta):
+        from hpcsgd.outputs import ctc_posteriors
+        return ctc_posteriors(model, params, meta, archive_dir, rank=rank, world=world)
     data = meta["data"]
     t0 = time.process_time()
     if model.recurrent:
@@ -87,13 +148,17 @@ def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
 
 def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
     """-> ({utt: hypothesis tokens}, utterances that ended in no final state, search CPU
-    seconds of this thread)."""
+    seconds of this thread). A TLG takes the log-posteriors times the acoustic scale
+    (log_priors and prior_scale unused)."""
     graph = decoder.graph
     hyps, not_final = {}, 0
     t0 = time.thread_time()
     for utt, logpost in logposts:
-        scores = search.scaled_loglikelihoods(logpost, log_priors, acoustic_scale, prior_scale,
-                                              graph.states)
+        if graph.topology == "ctc":
+            scores = search.ctc_scores(logpost, acoustic_scale)
+        else:
+            scores = search.scaled_loglikelihoods(logpost, log_priors, acoustic_scale,
+                                                  prior_scale, graph.states)
         words, final, _ = decoder.decode(scores)
         tokens = [graph.words[w] for w in words]
         if graph.kind == "phones":
@@ -101,6 +166,17 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
         hyps[utt] = tokens
         not_final += not final
     return hyps, not_final, time.thread_time() - t0
+
+
+def greedy(logposts, symbols, kind):
+    """CTC greedy search of every utterance -> ({utt: words, or phones for phone tokens},
+    search CPU seconds of this thread)."""
+    symbols = np.asarray(symbols, dtype=object)
+    hyps = {}
+    t0 = time.thread_time()
+    for utt, logpost in logposts:
+        hyps[utt] = ctc.tokens_to_words(symbols[ctc.greedy_search(logpost)], kind)
+    return hyps, time.thread_time() - t0
 
 
 def error_counts(refs, hyps):
@@ -116,8 +192,11 @@ def tune(decoder, logposts, log_priors, refs, comm=None, grid=None, default=None
     """Every (acoustic scale, prior scale) of the grid on this rank's utterances, the counts
     summed over ranks: -> [(a, b, total counts)], best first: fewest errors, then fewest
     utterances with an error, then fewest that ended in no final state, then the nearest to
-    `default` (the scales decode would use untuned), so that a tie keeps the defaults."""
-    grid = grid or [(a, b) for b in TUNE_PRIOR for a in TUNE_ACOUSTIC]
+    `default` (the scales decode would use untuned), so that a tie keeps the defaults. A TLG's
+    grid is the acoustic scales of TUNE_CTC, prior scale None."""
+    if grid is None:
+        grid = [(a, None) for a in TUNE_CTC] if decoder.graph.topology == "ctc" else \
+            [(a, b) for b in TUNE_PRIOR for a in TUNE_ACOUSTIC]
     counts = np.zeros((len(grid), len(score.FIELDS) + 1), np.int64)
     for i, (a, b) in enumerate(grid):
         hyps, not_final, _ = recognize(decoder, logposts, log_priors, a, b)
@@ -128,13 +207,19 @@ def tune(decoder, logposts, log_priors, refs, comm=None, grid=None, default=None
         comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)     # cross-rank sync point
     a0, b0 = default or grid[0]
     a0 = max(a0, 1e-6)
-    near = [abs(np.log(a / a0)) + abs(b - b0) for a, b in grid]
+    near = [abs(np.log(a / a0)) + (abs(b - b0) if b is not None else 0.0) for a, b in grid]
     order = sorted(range(len(grid)), key=lambda i: (counts[i, :3].sum(), counts[i, 5],
                                                     counts[i, 6], near[i]))
     return [(*grid[i], counts[i, :-1]) for i in order]
 
 
 def tuning_lines(table, best, name):
+    if table[0][1] is None:     # CTC: acoustic scales only
+        lines = [f"acoustic scale -> %{name}"]
+        for a, _, counts in sorted(table, key=lambda r: r[0]):
+            mark = "  <- best" if a == best[0] else ""
+            lines.append(f"  {a:<6g} {score.error_rate(counts):6.2f}{mark}")
+        return lines
     lines = [f"acoustic scale, prior scale -> %{name}"]
     for a, b, counts in sorted(table, key=lambda r: (r[1], r[0])):
         mark = "  <- best" if (a, b) == tuple(best) else ""
@@ -144,21 +229,23 @@ def tuning_lines(table, best, name):
 
 def recognize_archive(model, params, meta, archive_dir, graph_dir, args, comm=None):
     """Default or given scales: the error rate of `eval --graph` as a dict (score.as_dict
-    plus the scales and the search's real-time factor per core). Under several ranks (comm)
-    each decodes its share and rank 0 scores the gathered hypotheses (the others get None)."""
-    from hpcsgd.data import archive
+    plus the scales and the search's real-time factor per core; "cer" for a CTC model with
+    chars or bpe tokens). Under several ranks (comm) each decodes its share and rank 0
+    scores the gathered hypotheses (the others get None)."""
     from hpcsgd.outputs import log_priors
     rank, world = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     graph = search.Graph(graph_dir)
+    graph.check_model(meta)
     index = archive.read_index(archive_dir)
     graph.check_archive(index, archive_dir)
     refs = references(graph, archive_dir, args.text)
-    priors = log_priors(meta["label_counts"])
+    priors = None if is_ctc(meta) else log_priors(meta["label_counts"])
     decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active)
-    logposts, _ = posteriors(model, params, meta, archive_dir, rank, world)
     a, b = scales(graph, args)
+    logposts, _ = posteriors(model, params, meta, archive_dir, rank, world)
     hyps, not_final, search_s = recognize(decoder, logposts, priors, a, b)
-    frames = sum(len(lp) for _, lp in logposts)
+    lengths = dict(utterance_frames(archive_dir))
+    frames = sum(lengths[utt] for utt, _ in logposts)
     if world > 1:
         from mpi4py import MPI
         sums = np.array([frames, search_s, not_final], np.float64)
@@ -170,6 +257,20 @@ def recognize_archive(model, params, meta, archive_dir, graph_dir, args, comm=No
         frames, search_s, not_final = int(sums[0]), float(sums[1]), int(sums[2])
     total, per_utt = error_counts(refs, hyps)
     audio_s = frames * index["frame_shift_ms"] / 1000.0
-    return {**score.as_dict(metric(graph), total), "graph": graph_dir, "kind": graph.kind,
-            "acoustic_scale": a, "prior_scale": b, "not_final": not_final, "no_reference": len(hyps) - len(per_utt),
-            "rtf_search": search_s / audio_s, "lines": score.kaldi_lines(metric(graph), total)}
+    lines = score.kaldi_lines(metric(graph), total)
+    result = {**score.as_dict(metric(graph), total), "graph": graph_dir, "kind": graph.kind,
+              "topology": graph.topology, "acoustic_scale": a, "prior_scale": b,
+              "not_final": not_final, "no_reference": len(hyps) - len(per_utt),
+              "rtf_search": search_s / audio_s}
+    if with_cer(graph.topology == "ctc" and graph.tokens["kind"], unit(graph)):
+        cer, _ = error_counts(*score.characters_of(refs, hyps))
+        result["cer"] = score.as_dict("CER", cer)
+        lines += "\n" + score.kaldi_lines("CER", cer).split("\n")[0]
+    result["lines"] = lines
+    return result
+
+
+def with_cer(token_kind, output_unit):
+    """A character error rate beside the WER: for CTC models over chars or bpe tokens whose
+    outputs are words."""
+    return token_kind in ("chars", "bpe") and output_unit == "words"

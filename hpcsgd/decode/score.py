@@ -3,7 +3,9 @@
     %WER 12.34 [ 123 / 1000, 10 ins, 20 del, 93 sub ]
     %SER 45.67 [ 71 / 156 ]
 
-(%PER for phone graphs, whose tokens are phones; silence is not a token of either side), and
+(%PER for phone graphs, whose tokens are phones; silence is not a token of either side;
+%CER for CTC models over characters or word pieces: the characters of the words, the spaces
+between words not counted, as Kaldi's score_kaldi_cer.sh splits words into characters), and
 how far to trust them: the 95% confidence interval of a bootstrap over utterances (Bisani &
 Ney 2004, Kaldi's compute-wer-bootci, through kaldialign), and the probability that one
 system's hypotheses are better than another's on the same utterances.
@@ -19,6 +21,19 @@ def counts(ref, hyp):
     d = kaldialign.edit_distance(ref, hyp)
     wrong = int(d["ins"] + d["del"] + d["sub"] > 0)
     return np.array([d["ins"], d["del"], d["sub"], len(ref), 1, wrong], np.int64)
+
+
+def characters(words):
+    """A word sequence as the characters of its words for the CER: the boundaries between
+    words are not characters (Kaldi's score_kaldi_cer.sh), so a word split in two or two run
+    together costs no character error, and a wrong letter costs one, however long its word."""
+    return [c for word in words for c in word]
+
+
+def characters_of(refs, hyps):
+    """({utt: characters} of the references, likewise of the hypotheses)."""
+    return ({u: characters(w) for u, w in refs.items()},
+            {u: characters(w) for u, w in hyps.items()})
 
 
 def error_rate(total):

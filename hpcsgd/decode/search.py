@@ -1,7 +1,7 @@
-"""Beam search through HLG: Kaldi's FasterDecoder (the `kaldi-decoder` package).
+"""Beam search through HLG or TLG: Kaldi's FasterDecoder (the `kaldi-decoder` package).
 
-The network gives log-posteriors log p(phone | x_t); a hybrid decoder needs scaled
-log-likelihoods, by Bayes up to a per-frame constant:
+Hybrid models. The network gives log-posteriors log p(phone | x_t); a hybrid decoder needs
+scaled log-likelihoods, by Bayes up to a per-frame constant:
 
     score(t, p) = acoustic_scale * (log p(p | x_t) - prior_scale * log p(p))
 
@@ -11,6 +11,11 @@ recipes); a prior scale below 1 divides out only part of the prior. kaldi-decode
 DecodableCtc scores input label i with column i - 1 of the matrix it is given: HLG's input
 label of HMM state s of phone p is p * states + s + 1 (hpcsgd/decode/graph.py), so the
 matrix is the scores with each phone's column repeated `states` times.
+
+CTC models. The (T', V) log-posteriors over the tokens, blank column included, times the
+acoustic scale, are the matrix as they are: TLG's input label of token k is k + 1. No prior
+is divided out (the CTC posteriors are used as icefall's HLG decoding uses them); the
+acoustic scale weighs them against G's costs (1 / the LM scale of icefall's recipes).
 """
 import json
 import os
@@ -26,7 +31,7 @@ MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the 
 
 
 class Graph:
-    """A graph directory as decode reads it: HLG, the word table, graph.json."""
+    """A graph directory as decode reads it: HLG or TLG, the word table, graph.json."""
 
     def __init__(self, graph_dir):
         path = os.path.join(graph_dir, "graph.json")
@@ -37,18 +42,57 @@ class Graph:
             self.info = json.load(f)
         self.dir = graph_dir
         self.kind = self.info["kind"]
-        self.states = self.info["states"]
-        self.labels = self.info["labels"]
+        self.topology = self.info.get("topology", "hmm")
+        # input labels per network output column: HMM states per phone, one per CTC token
+        self.states = self.info["states"] if self.topology == "hmm" else 1
+        self.labels = self.info.get("labels")
+        self.tokens = self.info.get("tokens")     # CTC: {"kind", "inventory_hash", "symbols"}
         self.words = archive.read_inventory(os.path.join(graph_dir, "words.txt"))
-        self.fst = graphs.read_fst(os.path.join(graph_dir, "HLG.fst"))
+        name = "HLG.fst" if self.topology == "hmm" else "TLG.fst"
+        self.fst = graphs.read_fst(os.path.join(graph_dir, name))
 
     def check_archive(self, index, archive_dir):
-        """The archive's labels must be the graph's phones (the matrix columns)."""
+        """An HLG's phones must be the archive's labels (the matrix columns); a TLG's columns
+        are the model's tokens (check_model)."""
+        if self.topology != "hmm":
+            return
         if index["label_inventory_hash"] != self.info["label_inventory_hash"]:
             raise UserError(f"{archive_dir}: label inventory {index['label_inventory_hash']} "
                             f"differs from the graph's phone table "
                             f"({self.info['label_inventory_hash']}, {self.dir}/phones.txt): "
                             f"build the graph from an archive with the same labels.txt")
+
+    def check_model(self, meta):
+        """The graph's topology must be the model's: HLG for a hybrid frame classifier, TLG
+        over the model's own token inventory for a CTC model."""
+        model_type = meta["model"].get("type")
+        path = meta.get("path", "the model")
+        if (model_type == "ctc") != (self.topology == "ctc"):
+            hint = (f"hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind {self.kind} --topology ctc "
+                    f"--tokens {meta.get('tokens', {}).get('kind', 'KIND')}"
+                    if model_type == "ctc" else
+                    f"hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind {self.kind}")
+            raise UserError(f"{self.dir}: a {self.topology} graph, but {path} is a "
+                            f"{'CTC' if model_type == 'ctc' else 'hybrid'} model: make its "
+                            f"graph with `{hint}`")
+        if model_type == "ctc":
+            self.check_tokens(meta["tokens"], path)
+
+    def check_tokens(self, meta_tokens, model_path="the model"):
+        """A TLG reads the matrix columns as the tokens it was made with: the model must
+        output the same kind over the same inventory."""
+        mine = self.tokens
+        if mine["kind"] != meta_tokens["kind"]:
+            raise UserError(f"{self.dir}: a graph over {mine['kind']} tokens, but {model_path} "
+                            f"outputs {meta_tokens['kind']} tokens: make the graph with "
+                            f"--tokens {meta_tokens['kind']}")
+        if mine["inventory_hash"] != meta_tokens["inventory_hash"]:
+            raise UserError(f"{model_path}: {meta_tokens['kind']} token inventory "
+                            f"{meta_tokens['inventory_hash']} differs from the graph's "
+                            f"({mine['inventory_hash']}, {self.dir}/graph.json, made from "
+                            f"{self.info['archive']}/"
+                            f"{archive.token_inventory_name(mine['kind'])}): make the graph from "
+                            f"the archive the model was trained on")
 
 
 def scaled_loglikelihoods(logpost, log_priors, acoustic_scale, prior_scale, states):
@@ -56,6 +100,11 @@ def scaled_loglikelihoods(logpost, log_priors, acoustic_scale, prior_scale, stat
     scores = logpost - np.float32(prior_scale) * log_priors
     scores *= np.float32(acoustic_scale)
     return np.repeat(scores, states, axis=1)
+
+
+def ctc_scores(logpost, acoustic_scale):
+    """(T', V) CTC log-posteriors -> the decoder's (T', V) float32 score matrix (no prior)."""
+    return np.ascontiguousarray(logpost * np.float32(acoustic_scale), np.float32)
 
 
 class Decoder:
@@ -74,10 +123,11 @@ class Decoder:
         self.decoder = kaldi_decoder.FasterDecoder(graph.fst, options)
 
     def decode(self, scores):
-        """(T, P * states) scores -> (word ids of the best path, whether it reached a final
-        state, its phone per frame). A path that ends in no final state (an utterance shorter
-        than the graph's shortest word sequence, or a beam too narrow) is taken as it is, as
-        Kaldi's decoders do with a warning; the caller counts them."""
+        """(T, P * states) scores (a TLG: (T', V)) -> (word ids of the best path, whether it
+        reached a final state, its phone per frame; a TLG's token per frame, blanks included).
+        A path that ends in no final state (an utterance shorter than the graph's shortest
+        word sequence, or a beam too narrow) is taken as it is, as Kaldi's decoders do with a
+        warning; the caller counts them."""
         decodable = self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32))
         self.decoder.decode(decodable)
         final = self.decoder.reached_final()
@@ -85,6 +135,6 @@ class Decoder:
         if not ok:
             return [], False, np.zeros(0, np.int64)
         ok, states, words, _ = self._kf.get_linear_symbol_sequence(path)
-        # input labels are HMM states, one per frame: p * states + s + 1
+        # input labels are HMM states, one per frame: p * states + s + 1 (TLG: token + 1)
         phones = (np.asarray(states, np.int64) - 1) // self.graph.states
         return list(words), final and ok, phones
