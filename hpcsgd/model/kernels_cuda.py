@@ -623,3 +623,78 @@ def exp_inplace(z):
     n, m = z.shape
     if n and m:
         _exp_kernel[on_stream(_elem_launch(n, m))](z)
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence layers (model.kernels_seq: the CPU kernels and their references). A thread per
+# (row, channel): a warp reads 32 consecutive channels of one row (coalesced); fold adds its
+# taps in order j = 0..k-1 as the CPU does, one thread per output value (no atomics).
+
+
+@cuda.jit
+def _unfold_kernel(x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):
+    c = x.shape[1]
+    j0, r0 = cuda.grid(2)
+    sj, sr = cuda.gridsize(2)
+    for r in range(r0, steps_out * nb, sr):
+        t, b = r // nb, r % nb
+        for q in range(j0, kernel * c, sj):
+            j, i = q // c, q % c
+            src = t * stride - left + j * dilation
+            if 0 <= src < steps_in:
+                cols[r, q] = x[src * nb + b, i]   # a copy: the storage's bits as they are
+            else:
+                cols[r, q] = 0
+
+
+@cuda.jit
+def _fold_kernel(dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left):
+    c = dx.shape[1]
+    i0, r0 = cuda.grid(2)
+    si, sr = cuda.gridsize(2)
+    for r in range(r0, steps_in * nb, sr):
+        t, b = r // nb, r % nb
+        for i in range(i0, c, si):
+            acc = ZERO
+            for j in range(kernel):
+                at = t + left - j * dilation
+                if at >= 0 and at % stride == 0 and at // stride < steps_out:
+                    acc += F(dcols[(at // stride) * nb + b, j * c + i])
+            dx[r, i] = S(dx, acc)
+
+
+@cuda.jit
+def _mask_rows_kernel(x, batch_sizes, nb):
+    m = x.shape[1]
+    j0, r0 = cuda.grid(2)
+    sj, sr = cuda.gridsize(2)
+    for r in range(r0, len(batch_sizes) * nb, sr):
+        if r % nb >= batch_sizes[r // nb]:
+            for j in range(j0, m, sj):
+                x[r, j] = 0
+
+
+def unfold(x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):
+    """model.kernels_seq.unfold on the device (x and cols of one storage dtype)."""
+    x, cols = as_device(x), as_device(cols)
+    rows, width = steps_out * nb, kernel * x.shape[1]
+    if rows and width:
+        _unfold_kernel[on_stream(_elem_launch(rows, width))](
+            x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left)
+
+
+def fold(dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left):
+    """model.kernels_seq.fold on the device: the sum in float32, stored once."""
+    dcols, dx = as_device(dcols), as_device(dx)
+    rows, c = steps_in * nb, dx.shape[1]
+    if rows and c:
+        _fold_kernel[on_stream(_elem_launch(rows, c))](
+            dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left)
+
+
+def mask_rows(x, batch_sizes, nb):
+    """model.kernels_seq.mask_rows on the device; batch_sizes a device int64 array."""
+    x = as_device(x)
+    rows, m = len(batch_sizes) * nb, x.shape[1]
+    if rows and m:
+        _mask_rows_kernel[on_stream(_elem_launch(rows, m))](x, as_device(batch_sizes), nb)

@@ -80,13 +80,15 @@ def _forward_steps(dirs, a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, ga0, gh0, 
     """dirs (1 or 2) directions' time steps in one launch, direction d's arrays and column
     offsets from the pairs: one compiled kernel (per dtype) for both lstm_forward_step and
     lstm_forward_step2, and the row body compiled once (two inlined copies took twice the
-    compile time, the same run time)."""
-    nb = a0.shape[0]
+    compile time, the same run time). The directions' steps may have different rows (whole
+    sequences of different lengths: model.lengths)."""
+    n0 = a0.shape[0]
+    n1 = a1.shape[0] if dirs == 2 else 0
     a, r, cp, c, h = (a0, a1), (r0, r1), (cp0, cp1), (c0, c1), (h0, h1)
     ga, gh = (ga0, ga1), (gh0, gh1)
-    for k in prange(dirs * nb):
-        d = k // nb
-        _forward_row(a[d], r[d], b, cp[d], c[d], h[d], ga[d], gh[d], hc, k - d * nb)
+    for k in prange(n0 + n1):
+        d = 0 if k < n0 else 1
+        _forward_row(a[d], r[d], b, cp[d], c[d], h[d], ga[d], gh[d], hc, k - d * n0)
 
 
 def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
@@ -130,12 +132,13 @@ def _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n):
 def _backward_steps(dirs, a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, ga0, gh0, ga1,
                     gh1, hc):
     """dirs directions' steps backwards in one launch (as _forward_steps)."""
-    nb = a0.shape[0]
+    n0 = a0.shape[0]
+    n1 = a1.shape[0] if dirs == 2 else 0
     a, cp, c, dh, dr, dc = (a0, a1), (cp0, cp1), (c0, c1), (dh0, dh1), (dr0, dr1), (dc0, dc1)
     ga, gh = (ga0, ga1), (gh0, gh1)
-    for k in prange(dirs * nb):
-        d = k // nb
-        _backward_row(a[d], cp[d], c[d], dh[d], dr[d], dc[d], ga[d], gh[d], hc, k - d * nb)
+    for k in prange(n0 + n1):
+        d = 0 if k < n0 else 1
+        _backward_row(a[d], cp[d], c[d], dh[d], dr[d], dc[d], ga[d], gh[d], hc, k - d * n0)
 
 
 def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):

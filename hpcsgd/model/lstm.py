@@ -37,7 +37,8 @@ FORGET_BIAS = 1.0   # Gers et al.; Jozefowicz et al. 2015: an open forget gate a
 class LSTM:
     """An LSTM layer of `cells` cells per direction (bidirectional: outputs [forward |
     backward], 2 * cells wide)."""
-    recurrent = True   # Network passes steps (T) and the layer's workspaces
+    recurrent = True   # Network passes the batch's Lengths and the layer's workspaces
+    sequence = True
     output_range = (-1.0, 1.0)   # h = o tanh(c)
     hidden_grid = None   # quantization-aware training: h_{t-1}'s grid (model.quantize)
 
@@ -82,30 +83,42 @@ class LSTM:
         for d in range(self.dirs):
             b[0, d * g + self.cells:d * g + 2 * self.cells] = FORGET_BIAS
 
-    def forward(self, p, x, y, ops, progress=None, steps=None, ws=None):
-        n, hc = len(x), self.cells
-        nb = n // steps
+    def forward(self, p, x, y, ops, progress=None, ws=None, lengths=None):
+        """lengths (model.lengths.Lengths): the batch's sequences; at step t only the first
+        batch_sizes[t] rows are stepped, the padding rows of y and the cells stay zero (a
+        sequence's backward direction starts from a zero state at its own end)."""
+        hc = self.cells
+        nb, steps, bs = lengths.nb, lengths.steps, lengths.batch_sizes
+        n = nb * steps
         gates, cells, b = ws["gates"][:n], ws["cells"][:n], p[self.b]
         matmul(x, p[self.W], gates)                     # 2 n n_in width FLOP: every step
         if progress is not None:
             progress()
-        zeros, recs = ws["zeros"][:nb], (ws["rec"][:nb], ws["rec2"][:nb])
         grid = self.hidden_grid   # quantized h_{t-1} into the recurrent GEMM, kept in hq
         h = y if grid is None else ws["hq"][:n]
+        if not lengths.full:   # padding: zero input (the Network masks it), outputs, state
+            for a in (gates, y, cells) + ((h,) if grid is not None else ()):
+                ops.mask_rows(a, lengths)
+        zeros, recs = ws["zeros"], (ws["rec"], ws["rec2"])
         # step s: time s forwards and, for a BLSTM, time T-1-s backwards, in one kernel launch
         # (a launch wakes the threads: one per step instead of one per direction and step)
-        prev = [None] * self.dirs
+        prev = [None] * self.dirs   # the previous step's first row, per direction
         for s in range(steps):
-            args = []
+            args, rows = [], []
             for d in range(self.dirs):   # direction d: gate columns from 4hc d, cells from hc d
                 t = s if d == 0 else steps - 1 - s
-                rows = slice(t * nb, (t + 1) * nb)
+                m = int(bs[t])
+                now = slice(t * nb, t * nb + m)
                 if prev[d] is None:   # the first step: no previous output or cell
-                    args.append((gates[rows], zeros, zeros, cells[rows], y[rows]))
+                    args.append((gates[now], zeros[:m], zeros[:m], cells[now], y[now]))
                 else:
-                    matmul(h[prev[d], d * hc:(d + 1) * hc], p[self.U[d]], recs[d])
-                    args.append((gates[rows], recs[d], cells[prev[d]], cells[rows], y[rows]))
-                prev[d] = rows
+                    # the sequences valid now were valid at the previous step forwards; a
+                    # backward-direction sequence that starts here reads the zero padding
+                    before = slice(prev[d], prev[d] + m)
+                    matmul(h[before, d * hc:(d + 1) * hc], p[self.U[d]], recs[d][:m])
+                    args.append((gates[now], recs[d][:m], cells[before], cells[now], y[now]))
+                prev[d] = t * nb
+                rows.append(now)
             if self.dirs == 2:
                 ops.lstm_step2(args[0], args[1], b, hc)
             else:
@@ -114,40 +127,46 @@ class LSTM:
             if grid is not None:
                 for d in range(self.dirs):
                     cols = slice(d * hc, (d + 1) * hc)
-                    ops.fake_quant(y[prev[d], cols], h[prev[d], cols], grid)
+                    ops.fake_quant(y[rows[d], cols], h[rows[d], cols], grid)
             if progress is not None and s in (steps // 2, steps - 1):   # the exchange in flight
                 progress()
 
-    def backward(self, p, g, x, y, dy, dx, ops, progress=None, steps=None, ws=None):
-        n, hc = len(x), self.cells
-        nb = n // steps
+    def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
+        hc = self.cells
+        nb, steps, bs = lengths.nb, lengths.steps, lengths.batch_sizes
+        n = nb * steps
         gates, cells = ws["gates"][:n], ws["cells"][:n]
-        zeros = ws["zeros"][:nb]
-        dh_recs, dcs = (ws["dh_rec"][:nb], ws["dh_rec2"][:nb]), (ws["dc"][:nb], ws["dc2"][:nb])
+        zeros = ws["zeros"]
+        dh_recs, dcs = (ws["dh_rec"], ws["dh_rec2"]), (ws["dc"], ws["dc2"])
         h = y if self.hidden_grid is None else ws["hq"][:n]   # what the recurrent GEMM read
-        m = (steps - 1) * nb   # rows of the steps that have a previous one
+        m_rows = (steps - 1) * nb   # rows of the steps that have a previous one
         for d in range(self.dirs):
-            zero(dcs[d])
+            zero(dcs[d][:nb])
         # step s: each direction's steps in reverse (time T-1-s for the forward direction,
-        # time s for the backward one), both in one kernel launch
+        # time s for the backward one), both in one kernel launch. Padding rows are not
+        # stepped: their gate rows stay zero (the forward zeroed them), so the GEMMs over
+        # all rows below get nothing from them, and a sequence's last step reads a zero dr
+        # and dc (dc rows past the later step's batch size were never written)
         later = [None] * self.dirs   # the step processed before this one, per direction
         for s in range(steps):
             args = []
             for d in range(self.dirs):
                 cols = slice(d * GATES * hc, (d + 1) * GATES * hc)
                 t = steps - 1 - s if d == 0 else s
-                rows = slice(t * nb, (t + 1) * nb)
+                m = int(bs[t])
+                now = slice(t * nb, t * nb + m)
                 first = t == 0 if d == 0 else t == steps - 1
-                earlier = None if first else (slice((t - 1) * nb, t * nb) if d == 0
-                                              else slice((t + 1) * nb, (t + 2) * nb))
+                earlier = None if first else (slice((t - 1) * nb, (t - 1) * nb + m) if d == 0
+                                              else slice((t + 1) * nb, (t + 1) * nb + m))
                 if later[d] is None:
-                    dr = zeros
+                    dr = zeros[:m]
                 else:
-                    matmul(gates[later[d], cols], p[self.U[d]], dh_recs[d], trans_b=True)
-                    dr = dh_recs[d]
-                args.append((gates[rows], zeros if first else cells[earlier], cells[rows],
-                             dy[rows], dr, dcs[d]))
-                later[d] = rows
+                    matmul(gates[later[d]:later[d] + m, cols], p[self.U[d]], dh_recs[d][:m],
+                           trans_b=True)
+                    dr = dh_recs[d][:m]
+                args.append((gates[now], zeros[:m] if first else cells[earlier], cells[now],
+                             dy[now], dr, dcs[d][:m]))
+                later[d] = t * nb
             if self.dirs == 2:
                 ops.lstm_step_backward2(args[0], args[1], hc)
             else:
@@ -156,12 +175,12 @@ class LSTM:
             # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
             cols, gh = slice(d * GATES * hc, (d + 1) * GATES * hc), d * hc
             gU = g[self.U[d]]
-            if m == 0:
+            if m_rows == 0:
                 zero(gU)
             elif d == 0:
-                matmul(h[:m, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
+                matmul(h[:m_rows, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
             else:
-                matmul(h[nb:, gh:gh + hc], gates[:m, cols], gU, trans_a=True)
+                matmul(h[nb:, gh:gh + hc], gates[:m_rows, cols], gU, trans_a=True)
             if progress is not None:
                 progress()
         ops.column_sums(gates, g[self.b])

@@ -47,6 +47,7 @@ from hpcsgd import half
 from hpcsgd.device import assign, is_device, zeros
 from hpcsgd.model import quantize
 from hpcsgd.model.flat import FlatParams, as_specs
+from hpcsgd.model.lengths import Lengths
 from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 
 PRECISIONS = ("float32", "mixed", "bf16")
@@ -107,8 +108,12 @@ class Network:
         widest = max(getattr(layer, "width", layer.n_out) for layer in self.layers)
         self.ops = make_ops(device, self.max_batch, widest, self.dtype)
         # recurrent layers: sequences of `steps` frames (time-major rows) unless a pass is
-        # told otherwise
+        # told otherwise; sequence layers (recurrent, convolutions) take the batch's Lengths
         self.recurrent = any(getattr(layer, "recurrent", False) for layer in self.layers)
+        self.sequence = any(getattr(layer, "sequence", False) for layer in self.layers)
+        # the output layer's criterion reads frame labels, or a batch's token sequences
+        # (targets of whole utterances: CTC, whose passes take their lengths from them)
+        self.frame_labels = not getattr(self.layers[-1], "tokens", False)
         self.steps = steps
         self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
         self._inference = None if self.storage != self.dtype else (self.acts, self.workspaces)
@@ -197,47 +202,91 @@ class Network:
                              f"(>= {n}, {self.input_dim})")
 
     def _to_device(self, x, y, n):
-        """GPU ranks: host frames (and labels) -> the device input buffers; device arrays pass
-        through. Host-to-device copies, queued on the default stream."""
+        """GPU ranks: host frames (and frame labels) -> the device input buffers; device
+        arrays pass through. Host-to-device copies, queued on the default stream. Token
+        targets stay on the host: the criterion copies what it needs (model.ops)."""
         if self.device == "cpu" or is_device(x):
             return x, y
         self.x_in[:n].copy_to_device(x[:n])
-        if y is None:
-            return self.x_in, None
+        if y is None or not self.frame_labels:
+            return self.x_in, y
         self.y_in[:n].copy_to_device(np.ascontiguousarray(y[:n], np.int32))
         return self.x_in, self.y_in
 
-    def _sequences(self, layer, ws, steps):
-        """The extra arguments of a layer's passes: a recurrent layer's sequence length, the
+    def _sequences(self, layer, ws, lengths):
+        """The extra arguments of a layer's passes: a sequence layer's input Lengths, the
         workspaces of a layer that has them (nothing for the others)."""
-        if ws is None:
-            return {}
-        return {"steps": steps, "ws": ws} if getattr(layer, "recurrent", False) else {"ws": ws}
+        extra = {"ws": ws} if ws is not None else {}
+        if getattr(layer, "sequence", False):
+            extra["lengths"] = lengths
+        return extra
 
     def _last_ws(self, workspaces=None):
         """The output layer's workspaces, if it has any (a split softmax)."""
         ws = (workspaces or self.workspaces)[-1]
         return {"ws": ws} if ws is not None else {}
 
-    def _steps(self, n, steps):
-        """The sequence length of a pass of n rows (recurrent models; None otherwise)."""
-        if not self.recurrent:
+    def _geometry(self, n, steps=None, lengths=None):
+        """The Lengths (model.lengths) of every layer's input and of the output, for a pass
+        of n time-major rows: whole sequences of `lengths` (frames per sequence, or a
+        Lengths), or chunks of `steps` frames (a recurrent frame model; default its own);
+        None for a frame model (every layer n rows)."""
+        if not self.sequence:
             return None
-        steps = steps or self.steps
-        if not steps or n % steps:
-            raise ValueError(f"minibatch of {n} rows: expected whole sequences of {steps} "
-                             f"time steps (time-major, hpcsgd.data.sequences)")
-        return steps
+        if lengths is None:
+            steps = steps or self.steps
+            if not steps or n % steps:
+                raise ValueError(f"minibatch of {n} rows: expected whole sequences of {steps} "
+                                 f"time steps (time-major, hpcsgd.data.sequences)")
+            lengths = Lengths.full_batch(n // steps, steps)
+        elif not isinstance(lengths, Lengths):
+            lengths = Lengths(lengths)
+        if lengths.rows != n:
+            raise ValueError(f"minibatch of {n} rows: its {lengths.nb} sequences of up to "
+                             f"{lengths.steps} steps are {lengths.rows} rows")
+        geo = [lengths]
+        for layer in self.layers:
+            geo.append(layer.out_lengths(geo[-1]) if hasattr(layer, "out_lengths")
+                       else geo[-1])
+        return geo
 
-    def _forward(self, params, x, n, ops, progress=None, steps=None, buffers=None):
+    def out_rows(self, n, steps=None, lengths=None):
+        """Rows of the output of a pass over n input rows (fewer after a time stride)."""
+        geo = self._geometry(n, steps, lengths)
+        return n if geo is None else geo[-1].rows
+
+    def out_lengths(self, n, lengths):
+        """The Lengths of a pass's output over whole sequences of these frames."""
+        return self._geometry(n, None, lengths)[-1]
+
+    def pop_skipped(self):
+        """Sequences the criterion gave no loss since the last call (CTC: no alignment fits
+        them after the subsampling), then zero; 0 for a frame criterion."""
+        out = getattr(self.layers[-1], "skipped", 0)
+        if out:
+            self.layers[-1].skipped = 0
+        return out
+
+    def _mask(self, a, lengths, ops):
+        """Zero the padding rows of a sequence batch's activation or gradient: what a layer
+        reads past a sequence's end is then zero, as for that sequence alone."""
+        if lengths is not None and not lengths.full:
+            ops.mask_rows(a, lengths)
+
+    def _forward(self, params, x, n, ops, progress=None, geo=None, buffers=None):
         a = x[:n]
         acts, workspaces = buffers or (self.acts, self.workspaces)
+        last = len(self.layers) - 1
         for i, (layer, out, ws) in enumerate(zip(self.layers, acts, workspaces)):
+            rows_in, rows = (n, n) if geo is None else (geo[i].rows, geo[i + 1].rows)
             if self.quant:
-                out_q = self.aq[i][:n] if self.aq[i] is not None else None
+                out_q = self.aq[i][:rows_in] if self.aq[i] is not None else None
                 a = self.quant.quantize_input(i, a, out_q, params, ops)
-            layer.forward(params, a, out[:n], ops, progress, **self._sequences(layer, ws, steps))
-            a = out[:n]
+            layer.forward(params, a, out[:rows], ops, progress,
+                          **self._sequences(layer, ws, geo[i] if geo else None))
+            if geo is not None and i < last:
+                self._mask(out[:rows], geo[i + 1], ops)
+            a = out[:rows]
         return a
 
     def _quantized(self, params, ops):
@@ -248,7 +297,7 @@ class Network:
         return self.wq
 
     def forward_backward(self, params, grads, x, y, n, progress=None, ops=None,
-                         loss_scale=1.0, steps=None):
+                         loss_scale=1.0, steps=None, lengths=None):
         """One minibatch: x[:n] (n, input_dim) frames, y[:n] (n,) integer labels in
         [0, num_labels) (host arrays; a GPU model copies them to the device). Overwrites every
         view of `grads` with the gradient of the cross-entropy SUMMED over the n frames.
@@ -258,26 +307,42 @@ class Network:
         loss_scale multiplies the loss gradient (so grads come out scaled); mixed precision
         leaves the weight gradients as float32 GEMM results: unscale() finishes both.
         A label -1 marks a frame outside the loss (a sequence's context or padding); `steps`:
-        the sequence length of a recurrent model's time-major rows (default: its own)."""
+        the sequence length of a recurrent model's time-major rows (default: its own), or
+        `lengths`: whole sequences of these frames (non-increasing), padded to the longest.
+        A model with token targets (CTC) takes y = hpcsgd.data.utterances.Targets (the
+        sequences' frames, token ids, offsets) and returns (loss summed over the sequences,
+        tokens in the targets)."""
         ops = ops or self.ops
         self._check(x, n)
-        steps = self._steps(n, steps)
-        lab = y[:n]
-        if not is_device(lab) and (lab.shape != (n,) or lab.min() < -1
-                                   or lab.max() >= self.num_labels):
-            raise ValueError(f"labels: expected {n} integers in [0, {self.num_labels}) or -1 "
-                             f"(no loss), got shape {lab.shape}, range [{lab.min()}, "
-                             f"{lab.max()}]")
+        geo = self._geometry(n, steps, lengths if self.frame_labels else y.frames)
+        if self.frame_labels:
+            lab = y[:n]
+            if not is_device(lab) and (lab.shape != (n,) or lab.min() < -1
+                                       or lab.max() >= self.num_labels):
+                raise ValueError(f"labels: expected {n} integers in [0, {self.num_labels}) or "
+                                 f"-1 (no loss), got shape {lab.shape}, range [{lab.min()}, "
+                                 f"{lab.max()}]")
+        else:
+            check_targets(y, self.num_labels)
         x, y = self._to_device(x, y, n)
         # an overflow (float16, or a scaled gradient) is detected by unscale(), not warned of
         with np.errstate(over="ignore", invalid="ignore"):
             if self.graphs is not None and ops is self.ops and progress is None:
                 # one CUDA Graph per shape, buffers and scale: the same pass, one launch
+                steps = geo[0].steps if geo else None
                 key = (n, float(loss_scale), steps, id(params), id(grads), id(x), id(y))
                 return self.graphs.run(key, lambda: self._forward_backward(
-                    params, grads, x, y, n, None, ops, loss_scale, steps), n)
+                    params, grads, x, y, n, None, ops, loss_scale, geo), n)
             return self._forward_backward(params, grads, x, y, n, progress, ops, loss_scale,
-                                          steps)
+                                          geo)
+
+    def frames_in_loss(self, y, n):
+        """Input frames a pass of n rows trains on (the per-sample learning rate's count):
+        a frame model's labelled rows (not a chunk's context or padding, labelled -1), the
+        frames of a batch of whole utterances (not the padding)."""
+        if not self.frame_labels:
+            return int(np.sum(y.frames))
+        return int(np.count_nonzero(np.asarray(y[:n]) >= 0)) if self.recurrent else n
 
     def use_cuda_graphs(self):
         """GPU ranks: capture forward_backward as CUDA Graphs from now on (hpcsgd/graphs.py),
@@ -290,7 +355,7 @@ class Network:
                              "model.parallel (their passes read back to the host)")
         self.graphs = Graphs(self.ops)
 
-    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, steps):
+    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, geo):
         if self.half:   # the 16-bit copy of the weights and input; 16-bit stores
             self.round(params.flat, self.w16.flat)
             self.round(x[:n], self.x16[:n])
@@ -298,19 +363,28 @@ class Network:
             ops = ops if isinstance(ops, GemmOnly) else (
                 self.half_ops if ops is self.ops else HalfOps(ops, self.rounding))
         master, params = params, self._quantized(params, ops)
-        logits = self._forward(params, x, n, ops, progress, steps)
-        ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale,
-                                           **self._last_ws())
+        logits = self._forward(params, x, n, ops, progress, geo)
+        if self.frame_labels:
+            ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale,
+                                               **self._last_ws())
+        else:   # token targets of whole sequences, at the output's (subsampled) lengths
+            ce, correct = self.layers[-1].loss(params, grads, logits, y, ops, loss_scale,
+                                               lengths=geo[-1])
         dy = None                      # the loss has turned the logits into dLoss/dz
         quant = self.quant
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
-            inp = self.acts[i - 1][:n] if i > 0 else x[:n]
+            rows_in, rows = (n, n) if geo is None else (geo[i].rows, geo[i + 1].rows)
+            inp = self.acts[i - 1][:rows_in] if i > 0 else x[:rows_in]
             wants_dx = i > 0 or (quant and quant.learns_input(0))
-            dx = self.delta[:n * layer.n_in].reshape(n, layer.n_in) if wants_dx else None
-            layer.backward(params, grads, self.aq[i][:n] if quant and quant.grids[i] is not None else inp,
-                           self.acts[i][:n], dy, dx, ops, progress,
-                           **self._sequences(layer, self.workspaces[i], steps))
+            dx = self.delta[:rows_in * layer.n_in].reshape(rows_in, layer.n_in) \
+                if wants_dx else None
+            layer.backward(params, grads,
+                           self.aq[i][:rows_in] if quant and quant.grids[i] is not None else inp,
+                           self.acts[i][:rows], dy, dx, ops, progress,
+                           **self._sequences(layer, self.workspaces[i], geo[i] if geo else None))
+            if geo is not None and dx is not None:
+                self._mask(dx, geo[i], ops)
             if quant:   # straight through to the float input (before the layer below reuses it)
                 quant.input_backward(i, inp, dx, master, grads, ops, n * loss_scale)
             dy = dx
@@ -326,25 +400,42 @@ class Network:
         (hpcsgd/step.py)."""
         return half.unscale(grads.flat, loss_scale, self.rounding)
 
-    def forward(self, params, x, n, out=None, log=True, steps=None):
-        """Log-posteriors (log=True) or posteriors of x[:n], shape (n, num_labels). Written
-        into `out` (a C-contiguous (>= n, num_labels) host array of the model's dtype) if
-        given, else returned as a view of the model's workspace (a GPU model's host copy),
-        valid until the next call. Recurrent models: x[:n] is time-major sequences of
-        `steps` frames (default: the model's; a whole utterance is steps = n)."""
+    def forward(self, params, x, n, out=None, log=True, steps=None, lengths=None):
+        """Log-posteriors (log=True) or posteriors of x[:n], shape (rows, num_labels): rows
+        n, or fewer after a time stride (out_rows). Written into `out` (a C-contiguous
+        (>= rows, num_labels) host array of the model's dtype) if given, else returned as a
+        view of the model's workspace (a GPU model's host copy), valid until the next call.
+        Recurrent frame models: x[:n] is time-major sequences of `steps` frames (default:
+        the model's; a whole utterance is steps = n). Sequence models of whole utterances
+        (CTC): `lengths`, the frames of each of the batch's sequences (non-increasing), x[:n]
+        their time-major rows."""
         self._check(x, n)
-        steps = self._steps(n, steps)
+        geo = self._geometry(n, steps, lengths)
         x, _ = self._to_device(x, None, n)
         params = self._quantized(params, self.ops)
         if self._inference is None:   # 16-bit storage: float32 buffers for the float32 pass
             self._inference = self._pass_buffers(self.dtype)
-        z = self._forward(params, x, n, self.ops, steps=steps, buffers=self._inference)
+        z = self._forward(params, x, n, self.ops, geo=geo, buffers=self._inference)
+        rows = len(z)
         self.layers[-1].posteriors(params, z, self.ops, log, **self._last_ws(self._inference[1]))
         if self.device == "cuda":
-            host = out[:n] if out is not None else self.out_host[:n]
+            host = out[:rows] if out is not None else self.out_host[:rows]
             z.copy_to_host(host)   # a device -> host copy: sync point
             return host
         if out is None:
             return z
-        out[:n] = z
-        return out[:n]
+        out[:rows] = z
+        return out[:rows]
+
+
+def check_targets(targets, num_labels):
+    """A batch's token targets (hpcsgd.data.utterances.Targets): offsets that cut ids into
+    one sequence per frame count, token ids 1..num_labels-1 (0 is the blank)."""
+    frames, ids, offsets = targets.frames, targets.ids, targets.offsets
+    if len(offsets) != len(frames) + 1 or (len(offsets) and (offsets[0] != 0
+                                                             or offsets[-1] != len(ids))):
+        raise ValueError(f"targets: {len(offsets)} offsets for {len(frames)} sequences and "
+                         f"{len(ids)} tokens")
+    if len(ids) and (ids.min() < 1 or ids.max() >= num_labels):
+        raise ValueError(f"targets: token ids in [{ids.min()}, {ids.max()}], expected "
+                         f"1..{num_labels - 1} (0 is the blank)")

@@ -17,10 +17,12 @@ import numpy as np
 
 from hpcsgd import half
 from hpcsgd.device import zeros
+from hpcsgd.lazy_cuda import cuda as cuda_module
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_lstm as KL
 from hpcsgd.model import kernels_parallel as KP
 from hpcsgd.model import kernels_quant as KQ
+from hpcsgd.model import kernels_seq as KS
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
 
@@ -86,6 +88,48 @@ class CpuOps:
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
         KL.column_sums(d, gb, self.partial)
+
+    # the sequence layers (model/conv.py, model/lstm.py, model/ctc.py; model/lengths.py)
+    def unfold(self, x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):
+        """cols <- x's taps per output row: a time convolution as one GEMM
+        (model.kernels_seq.unfold)."""
+        KS.unfold(x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left)
+
+    def fold(self, dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left):
+        """dx <- unfold's adjoint of dcols (model.kernels_seq.fold)."""
+        KS.fold(dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left)
+
+    def mask_rows(self, x, lengths):
+        """Zero the padding rows of a time-major batch of the given Lengths."""
+        KS.mask_rows(x, lengths.batch_sizes, lengths.nb)
+
+    def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
+        """The CTC loss of z (logits without bias, time-major, `lengths` the utterances'
+        output steps) against targets (frames, ids, offsets): z <- scale * dLoss/d(z + b)
+        (zero on the padding and for an utterance no alignment fits), gb <- its column sums
+        (model.kernels_ctc). Returns (loss summed over the utterances, unscaled; tokens;
+        utterances skipped: no alignment)."""
+        from hpcsgd.model import kernels_ctc as KCTC
+        frames = lengths.lengths
+        ws = KCTC.workspace_offsets(frames, targets.offsets)
+        alpha, beta, loss, feasible = self._ctc_scratch(int(ws[-1]), lengths.nb)
+        KCTC.ctc_loss_grad(z, b, lengths.nb, frames, targets.ids, targets.offsets, scale, ws,
+                           alpha, beta, loss, feasible)
+        KL.column_sums(z, gb, self.partial)
+        nb = lengths.nb
+        return float(loss[:nb].sum()), len(targets.ids), nb - int(feasible[:nb].sum())
+
+    def _ctc_scratch(self, size, nb):
+        """The CTC recursions' log-space workspaces (alpha, beta: float32, size each) and the
+        per-utterance loss and feasibility: grown when a batch needs more (a handful of
+        times in a run; the kernel itself allocates nothing)."""
+        have = getattr(self, "ctc_scratch", None)
+        if have is None or len(have[0]) < size or len(have[2]) < nb:
+            grow = max(size, 2 * len(have[0]) if have else 0)
+            rows = max(nb, 2 * len(have[2]) if have else 16)
+            self.ctc_scratch = (np.empty(grow, np.float32), np.empty(grow, np.float32),
+                                np.empty(rows, np.float64), np.empty(rows, np.uint8))
+        return self.ctc_scratch
 
     def fake_quant(self, x, out, grid):
         """out <- x on the grid (model.quantize.Grid; out may be x); a grid of vectors
@@ -207,6 +251,55 @@ class CudaOps:
     def column_sums(self, d, gb):
         KC.column_sums(d, gb)
 
+    def unfold(self, x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):
+        KC.unfold(x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left)
+
+    def fold(self, dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left):
+        KC.fold(dcols, dx, nb, steps_in, steps_out, kernel, stride, dilation, left)
+
+    def mask_rows(self, x, lengths):
+        """The batch sizes go to the device once per Lengths (a pass's layers share it: one
+        small allocation and copy per pass and geometry)."""
+        if lengths.device_batch_sizes is None:
+            lengths.device_batch_sizes = cuda_module.to_device(lengths.batch_sizes)
+        KC.mask_rows(x, lengths.device_batch_sizes, lengths.nb)
+
+    def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
+        """One block per utterance (model.kernels_ctc_cuda). The targets and the workspace
+        offsets go to the device (small copies); the losses and feasibility come back in
+        one copy (a sync point, as the softmax's loss read). A 16-bit z gets the scaled
+        gradient rounded once; gb sums the stored values."""
+        from hpcsgd.model import kernels_ctc as KCTC
+        from hpcsgd.model import kernels_ctc_cuda as KCC
+        frames, nb = lengths.lengths, lengths.nb
+        ws = KCTC.workspace_offsets(frames, targets.offsets)
+        ids, ints, alpha, beta, out = self._ctc_scratch(int(ws[-1]), nb, len(targets.ids))
+        # frames, target offsets and workspace offsets in one int64 copy, the ids in another
+        ints[:3 * nb + 2].copy_to_device(np.concatenate([frames, targets.offsets, ws]))
+        if len(targets.ids):
+            ids[:len(targets.ids)].copy_to_device(np.ascontiguousarray(targets.ids, np.int32))
+        KCC.ctc_loss_grad(z, b, nb, ints[:nb], ids, ints[nb:2 * nb + 1], scale,
+                          ints[2 * nb + 1:3 * nb + 2], alpha, beta, out[:nb, 0], out[:nb, 1])
+        KC.column_sums(z, gb)
+        host = out[:nb].copy_to_host()   # device -> host: waits for the kernel
+        return float(host[:, 0].sum()), len(targets.ids), nb - int(host[:, 1].sum())
+
+    def _ctc_scratch(self, size, nb, tokens):
+        """Device buffers of the CTC loss, grown when a batch needs more (a handful of times
+        a run): token ids, the int64 offsets, alpha, beta, and each utterance's (loss,
+        feasible)."""
+        have = getattr(self, "ctc_scratch", None)
+        need = (max(tokens, 1), 3 * nb + 2, max(size, 1), max(size, 1), nb)
+        if have is None or any(len(a) < k for a, k in zip(have, need)):
+            sizes = [max(k, 2 * len(a)) if have else max(k, 64)
+                     for k, a in zip(need, have or need)]
+            self.ctc_scratch = (zeros(sizes[0], np.int32, "cuda"),
+                                zeros(sizes[1], np.int64, "cuda"),
+                                zeros(sizes[2], np.float32, "cuda"),
+                                zeros(sizes[3], np.float32, "cuda"),
+                                zeros((sizes[4], 2), np.float64, "cuda"))
+        return self.ctc_scratch
+
     def fake_quant(self, x, out, grid):
         if np.ndim(grid.step):   # per column: the vectors go to the device (a small copy)
             KC.fake_quant_channels(x, out, grid.step, grid.inv, grid.klo, grid.khi)
@@ -253,6 +346,18 @@ class GemmOnly:
 
     def column_sums(self, d, gb):
         pass
+
+    def unfold(self, x, cols, *shape):
+        pass
+
+    def fold(self, dcols, dx, *shape):
+        pass
+
+    def mask_rows(self, x, lengths):
+        pass
+
+    def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
+        return 0.0, 0, 0
 
     def fake_quant(self, x, out, grid):
         pass
@@ -380,6 +485,26 @@ class HalfOps:
 
     def column_sums(self, d, gb):
         self.ops.column_sums(d, gb)
+
+    def unfold(self, x, cols, *shape):
+        self.ops.unfold(x, cols, *shape)   # a copy of values stored already
+
+    def fold(self, dcols, dx, *shape):
+        self.store(dcols)                  # dz @ W^T: a GEMM's 16-bit output
+        self.ops.fold(dcols, dx, *shape)
+        self.store(dx)
+
+    def mask_rows(self, x, lengths):
+        self.ops.mask_rows(x, lengths)     # zeros: exact in any format
+
+    def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
+        """As softmax_xent: the 16-bit logits in, the scaled gradient rounded once after;
+        the loss from float32 arithmetic on the 16-bit logits."""
+        self.store(z)
+        out = self.ops.ctc_loss(z, b, targets, lengths, gb, scale)
+        self.store(z)
+        self.store(gb)
+        return out
 
     def _before_step(self, *gemm_outputs):
         for x in gemm_outputs:

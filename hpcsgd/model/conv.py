@@ -1,0 +1,128 @@
+"""Time convolutions over time-major batches of sequences (hpcsgd.model.lengths): the 1-D
+convolution of DeepSpeech2's front end, Wav2Letter's stack and Kaldi's TDNN layers, and frame
+stacking. Each is a GEMM over unfolded frames (model.kernels_seq: unfold, fold).
+
+Conv1d(index, C, F, kernel k, stride s, dilation d): output step t' of a sequence reads its
+input steps t'*s - p + j*d, j = 0..k-1, p = (k-1)*d // 2 (centred; outside the sequence the
+input is zero), so a sequence of L steps gives ceil(L / s). Parameters W{index} (k*C, F) and
+b{index} (1, F): a codec column of W is the fan-out of one input channel at one tap. Forward:
+cols = unfold(x) (T'*nb, k*C), y = f(cols @ W + b); the unfolded input is kept for the
+backward's dW = cols^T @ dz, whose buffer then takes dcols = dz @ W^T, folded into dx. Costs
+per output row: 2 k C F FLOP forward, as much for dW and for dX; the workspace is k times
+the input.
+
+StackFrames(index, C, k): row t' = [x_{t'k}, ..., x_{t'k+k-1}] (zeros past the end): a
+subsampling by k without parameters, the input of the next layer k*C wide.
+
+Padding: the Network zeroes the padded rows of every sequence layer's output and input
+gradient (Network._mask), so a convolution sees zeros past a sequence's end, as it would on
+that sequence alone, and the weight gradients get nothing from the padding.
+"""
+import numpy as np
+
+from hpcsgd.device import assign, matmul
+from hpcsgd.model import kernels as K
+from hpcsgd.model.flat import ParamSpec
+from hpcsgd.model.layers import ACTIVATIONS, glorot_uniform
+
+
+class Conv1d:
+    """A 1-D convolution over time with an activation (ReLU or sigmoid)."""
+    sequence = True   # Network passes its input's Lengths and its workspace
+
+    def __init__(self, index, n_in, n_out, kernel, stride=1, dilation=1, activation="relu"):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
+        if min(kernel, stride, dilation) < 1:
+            raise ValueError(f"convolution: kernel {kernel}, stride {stride}, dilation "
+                             f"{dilation} must all be >= 1")
+        self.W, self.b = f"W{index}", f"b{index}"
+        self.n_in, self.n_out = int(n_in), int(n_out)
+        self.kernel, self.stride, self.dilation = int(kernel), int(stride), int(dilation)
+        self.left = (self.kernel - 1) * self.dilation // 2
+        self.activation, self.kind = activation, ACTIVATIONS[activation]
+        self.gemm_macs = self.kernel * self.n_in * self.n_out   # per output row
+        self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)
+
+    def specs(self):
+        return [ParamSpec(self.W, (self.kernel * self.n_in, self.n_out), "weight", "codec",
+                          "rows"),
+                ParamSpec(self.b, (1, self.n_out), "bias", "codec", "rows")]
+
+    def workspace(self, max_rows):
+        return {"cols": (max_rows, self.kernel * self.n_in)}
+
+    def init(self, views, rng):
+        """Glorot over the k*C inputs, times 4 for sigmoid and sqrt(2) for ReLU (as Dense)."""
+        glorot_uniform(views[self.W], rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
+        views[self.b][...] = 0
+
+    def out_lengths(self, lengths):
+        return lengths.strided(self.stride)
+
+    def _shape(self, lengths):
+        out = lengths.strided(self.stride)
+        return (lengths.nb, lengths.steps, out.steps, self.kernel, self.stride, self.dilation,
+                self.left), out.rows
+
+    def forward(self, p, x, y, ops, progress=None, ws=None, lengths=None):
+        shape, rows = self._shape(lengths)
+        cols = ws["cols"][:rows]
+        ops.unfold(x, cols, *shape)
+        matmul(cols, p[self.W], y)                       # 2 rows k C F FLOP
+        if progress is not None:
+            progress()
+        ops.bias_act(y, p[self.b], self.kind)
+
+    def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
+        shape, rows = self._shape(lengths)
+        cols = ws["cols"][:rows]                         # the forward's unfolded input
+        ops.act_backward(y, dy, y, g[self.b], self.kind)  # dz over y
+        matmul(cols, y, g[self.W], trans_a=True)
+        if progress is not None:
+            progress()
+        if dx is not None:
+            matmul(y, p[self.W], cols, trans_b=True)     # dcols, over the unfolded input
+            if progress is not None:
+                progress()
+            ops.fold(cols, dx, *shape)
+
+
+class StackFrames:
+    """Frame stacking: every k consecutive steps of a sequence as one (subsampling by k)."""
+    sequence = True
+
+    def __init__(self, index, n_in, k):
+        if k < 1:
+            raise ValueError(f"frame stacking by {k}: expected >= 1")
+        self.n_in, self.k = int(n_in), int(k)
+        self.n_out, self.stride = self.k * self.n_in, self.k
+        self.gemm_macs = 0
+        self.output_range = (None, None)   # the input's values, moved
+
+    def specs(self):
+        return []
+
+    def workspace(self, max_rows):
+        """Where dLoss/dy is copied before it is folded into dx: the Network hands both in
+        one buffer (delta). Only a model whose input gradient is wanted (a learned clip of
+        the features, qat) uses it; stacking is the first layer otherwise."""
+        return {"dy": (max_rows, self.n_out)}
+
+    def init(self, views, rng):
+        pass
+
+    def out_lengths(self, lengths):
+        return lengths.strided(self.k)
+
+    def _shape(self, lengths):
+        return (lengths.nb, lengths.steps, lengths.strided(self.k).steps, self.k, self.k, 1, 0)
+
+    def forward(self, p, x, y, ops, progress=None, ws=None, lengths=None):
+        ops.unfold(x, y, *self._shape(lengths))
+
+    def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
+        if dx is not None:
+            saved = ws["dy"][:len(dy)]
+            assign(saved, dy)
+            ops.fold(saved, dx, *self._shape(lengths))

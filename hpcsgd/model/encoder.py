@@ -1,0 +1,113 @@
+"""The encoder of the sequence models: a list of layer specs -> layers. The CTC model
+(model/ctc.py), the RNN-T's encoder and the hybrid (B)LSTM/TDNN (model/lstm.py) take one.
+
+A spec is a short string (the config key model.encoder is a list of them):
+
+    conv F kK [sS] [dD]   a 1-D convolution of F channels, kernel K, stride S, dilation D
+                          (model/conv.py: Conv1d; S and D default to 1), with model.activation
+    stack K               frame stacking: K consecutive frames as one (subsampling by K; the
+                          first layer only)
+    blstm H               a bidirectional LSTM layer, H cells per direction (model/lstm.py)
+    lstm H                a forward LSTM layer
+    dense F               a fully connected layer of F units with model.activation
+
+    DeepSpeech2-like:  ["conv 256 k5 s2", "blstm 320", "blstm 320", "blstm 320"]
+    Wav2Letter-like:   ["conv 256 k11 s2", "conv 256 k11", "conv 256 k13", "conv 512 k17 d2",
+                        "conv 512 k1"]
+
+The output layer (softmax over labels, or CTC over tokens and the blank) is the builder's:
+model/ctc.py for CTC, tdnn() below for a hybrid frame classifier over chunks.
+"""
+import re
+
+import numpy as np
+
+from hpcsgd.model.conv import Conv1d, StackFrames
+from hpcsgd.model.layers import Dense, SoftmaxOutput
+from hpcsgd.model.lstm import LSTM
+from hpcsgd.model.network import Network
+
+KINDS = ("conv", "stack", "blstm", "lstm", "dense")
+_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)$")
+
+
+def parse_spec(text):
+    """One spec string -> {"kind", ...sizes}; ValueError naming the spec and the grammar."""
+    words = " ".join(str(text).split())
+    conv = _CONV.match(words)
+    if conv:
+        opts = dict((o[0], int(o[1:])) for o in conv.group(3).split())
+        spec = {"kind": "conv", "units": int(conv.group(1)), "kernel": int(conv.group(2)),
+                "stride": opts.get("s", 1), "dilation": opts.get("d", 1)}
+        if min(spec["units"], spec["kernel"], spec["stride"], spec["dilation"]) < 1:
+            raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
+        return spec
+    parts = words.split(" ")
+    if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
+            and parts[1].isdigit() and int(parts[1]) >= 1:
+        return {"kind": parts[0], "units": int(parts[1])}
+    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD]', 'stack K', "
+                     f"'blstm H', 'lstm H' or 'dense F' (model/encoder.py)")
+
+
+def encoder_layers(input_dim, specs, activation="relu", first_index=0):
+    """The layers of the specs over input_dim features -> (layers, their output width).
+    Parameter names continue from first_index (W{i}, b{i}, U{i}f ...)."""
+    layers, n_in = [], int(input_dim)
+    for k, text in enumerate(specs):
+        spec = parse_spec(text)
+        index = first_index + len(layers)
+        kind = spec["kind"]
+        if kind == "stack":
+            if k:
+                raise ValueError(f"encoder layer {text!r}: frame stacking is the first layer "
+                                 f"only (it stacks the input frames)")
+            layers.append(StackFrames(index, n_in, spec["units"]))
+        elif kind == "conv":
+            layers.append(Conv1d(index, n_in, spec["units"], spec["kernel"], spec["stride"],
+                                 spec["dilation"], activation))
+        elif kind in ("blstm", "lstm"):
+            layers.append(LSTM(index, n_in, spec["units"], bidirectional=kind == "blstm"))
+        else:
+            layers.append(Dense(index, n_in, spec["units"], activation))
+        n_in = layers[-1].n_out
+    return layers, n_in
+
+
+def time_stride(specs):
+    """The encoder's subsampling in time: the product of its strides (and stacking)."""
+    total = 1
+    for text in specs:
+        spec = parse_spec(text)
+        total *= spec.get("stride", spec["units"] if spec["kind"] == "stack" else 1)
+    return total
+
+
+def describe(specs):
+    """One line: 'conv 256 k5 s2, blstm 320 x3'."""
+    parts = []
+    for text in (" ".join(str(t).split()) for t in specs):
+        if parts and parts[-1][0] == text:
+            parts[-1][1] += 1
+        else:
+            parts.append([text, 1])
+    return ", ".join(t if n == 1 else f"{t} x{n}" for t, n in parts)
+
+
+def tdnn(input_dim, encoder, num_labels, activation="relu", steps=40, max_batch=2560,
+         dtype=np.float32, device="cpu", precision="float32", qat=None):
+    """A hybrid frame classifier over chunks (model.type tdnn): the encoder's layers (time
+    convolutions as Kaldi's TDNN layers, (B)LSTMs) and a softmax over the frame labels,
+    trained on the chunks of hpcsgd.data.sequences like the (B)LSTM. Every stride must be 1:
+    each frame keeps its label."""
+    if time_stride(encoder) != 1:
+        raise ValueError(f"model.type tdnn: the encoder {describe(encoder)} subsamples by "
+                         f"{time_stride(encoder)}; a frame classifier needs stride 1 (subsampling "
+                         f"is for CTC models)")
+    layers, n_in = encoder_layers(input_dim, encoder, activation)
+    describe_ = {"type": "tdnn", "input_dim": int(input_dim),
+                 "encoder": [" ".join(str(e).split()) for e in encoder],
+                 "num_labels": int(num_labels), "activation": activation,
+                 **({"qat": dict(qat)} if qat else {})}
+    return Network(layers + [SoftmaxOutput(len(layers), n_in, num_labels)], max_batch, dtype,
+                   device, describe_, precision, steps=steps, qat=qat)
