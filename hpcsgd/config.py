@@ -20,23 +20,46 @@ DEFAULTS = {
     "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
     "data.cv": ("", str, None, "cross-validation archive of held-out speakers ('' = none)"),
     "data.context": (5, int, (0, 50), "splice +-C frames around each frame (11 frames, as Kaldi DNNs); dnn only"),
-    "data.chunk": (40, int, (1, 10000), "lstm: frames per training sequence (chunk) whose labels are trained"),
+    "data.chunk": (40, int, (1, 10000), "lstm/tdnn: frames per training sequence (chunk) whose labels are trained"),
     "data.left_context": (0, int, (0, 1000), "lstm: frames fed before each chunk to warm the state up, outside the loss"),
     "data.right_context": (0, int, (0, 1000), "lstm: frames fed after each chunk (the backward direction's warm-up), outside the loss"),
     "data.cmvn": ("meanvar", str, ("none", "mean", "meanvar"), "per-speaker normalisation at load time"),
     "data.block_frames": (BLOCK_FRAMES, int, (1, 1 << 24), "frames per block dealt to ranks"),
     "data.buffer_frames": (BUFFER_FRAMES, int, (1, 1 << 28), "frames shuffled together in RAM"),
     "data.prefetch": (True, bool, None, "load the next buffer in a background thread"),
+    "data.tokens": ("phones", str, ("phones", "chars", "bpe"),
+                    "ctc: the archive's token sequences the model learns (hpcsgd prep --tokens)"),
+    "data.max_frames": (0, int, (0, 1 << 30),
+                        "ctc: leave out utterances longer than this many frames (0 = none; "
+                        "counted and named in the log)"),
+    "data.bucket_frames": (0, int, (0, 1 << 40),
+                           "ctc: frames per length bucket of whole utterances (0 = 4 minibatches)"),
+    "data.specaugment": (False, bool, None,
+                         "ctc: SpecAugment's frequency and time masks on the training utterances "
+                         "(drawn per seed, epoch and utterance: a resume masks the same)"),
+    "data.specaug_freq_masks": (2, int, (0, 100), "specaugment: frequency masks per utterance"),
+    "data.specaug_freq_width": (10, int, (0, 10000), "specaugment: widest frequency mask (bins)"),
+    "data.specaug_time_masks": (2, int, (0, 100), "specaugment: time masks per utterance"),
+    "data.specaug_time_width": (40, int, (0, 100000), "specaugment: widest time mask (frames)"),
+    "data.specaug_time_ratio": (0.2, float, (0.0, 1.0),
+                                "specaugment: a time mask covers at most this share of the utterance"),
     # --- model ---
-    "model.type": ("dnn", str, ("dnn", "lstm"),
+    "model.type": ("dnn", str, ("dnn", "lstm", "tdnn", "ctc"),
                    "dnn: spliced frames through Dense layers; lstm: (B)LSTM layers over chunks "
-                   "(data.chunk, data.left_context, data.right_context)"),
+                   "(data.chunk, data.left_context, data.right_context); tdnn: model.encoder's "
+                   "layers (time convolutions, LSTMs) over chunks; ctc: model.encoder over "
+                   "whole utterances, CTC over data.tokens (docs/ctc.md)"),
+    "model.encoder": ([], list, None,
+                      "tdnn/ctc: the encoder's layers, e.g. ['conv 256 k5 s2', 'blstm 320'] "
+                      "(conv F kK [sS] [dD], stack K, blstm H, lstm H, dense F: "
+                      "hpcsgd/model/encoder.py)"),
     "model.hidden": ([512, 512, 512], list, (1, 1 << 16), "hidden layer sizes of the DNN"),
     "model.cells": ([320, 320, 320], list, (1, 1 << 16), "lstm: cells per direction of each LSTM layer"),
     "model.bidirectional": (True, bool, None, "lstm: a BLSTM (outputs [forward | backward])"),
     "model.bottleneck": ([], list, (1, 1 << 16),
                          "lstm: Dense layers (model.activation) between the LSTM layers and the softmax"),
-    "model.activation": ("sigmoid", str, ("sigmoid", "relu"), "hidden nonlinearity (the paper: sigmoid)"),
+    "model.activation": ("sigmoid", str, ("sigmoid", "relu"),
+                         "hidden nonlinearity (the paper: sigmoid; convolutions: relu)"),
     "model.parallel": (1, int, (1, 4096),
                        "M: split every layer of the DNN by output columns over M consecutive "
                        "ranks (a model group); the job's ranks are D data x M model (docs/parallel.md)"),
@@ -165,7 +188,7 @@ DEFAULTS = {
                       "SLURM_CPUS_PER_TASK, else this rank's cores / the ranks sharing them"),
     "train.minibatch": (256, int, (1, 1 << 20),
                         "global minibatch in frames, split over ranks (lstm: minibatch / data.chunk "
-                        "chunks)"),
+                        "chunks; ctc: whole utterances of up to this many frames in all)"),
     "train.clip_gradient_norm": (0.0, float, (0.0, 1e9),
                                  "clip each rank's summed gradient to this 2-norm per frame before "
                                  "the exchange (0 = off)"),
@@ -207,6 +230,9 @@ DEFAULTS = {
 }
 
 
+STRING_LISTS = {"model.encoder"}   # lists of strings (the other lists hold integers)
+
+
 def _check(key, value):
     default, kind, constraint, _ = DEFAULTS[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -216,6 +242,10 @@ def _check(key, value):
             value = float(value)
         except ValueError:
             pass
+    if key in STRING_LISTS:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"config key {key}: expected a list of strings, got {value!r}")
+        return [" ".join(v.split()) for v in value]
     if kind is list:
         may_be_empty = not default   # a list whose default is empty (model.bottleneck)
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
@@ -319,10 +349,37 @@ def load(path=None, overrides=()):
         raise UserError(f"config keys optim.type=adam and optim.adagrad="
                         f"{config['optim.adagrad']}: Adam normalises by its own second moment; "
                         f"set optim.adagrad=off")
-    if config["model.type"] == "lstm":
+    if config["model.type"] in ("lstm", "tdnn"):
         if config["train.minibatch"] < config["data.chunk"]:
             raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
                             f"less than one chunk (data.chunk={config['data.chunk']})")
+    if config["model.type"] in ("tdnn", "ctc"):
+        from hpcsgd.model.encoder import parse_spec, time_stride
+        if not config["model.encoder"]:
+            raise UserError(f"config key model.encoder: model.type={config['model.type']} needs "
+                            f"its encoder's layers, e.g. ['conv 256 k5 s2', 'blstm 320'] "
+                            f"(jobs/configs/so762_ctc.yaml)")
+        try:
+            for spec in config["model.encoder"]:
+                parse_spec(spec)
+        except ValueError as err:
+            raise UserError(f"config key model.encoder: {err}") from None
+        if config["model.type"] == "tdnn" and time_stride(config["model.encoder"]) != 1:
+            raise UserError("config key model.encoder: a tdnn frame classifier keeps every "
+                            "frame's label, so its layers need stride 1 (model.type=ctc "
+                            "subsamples)")
+    if config["model.type"] == "ctc":
+        if config["model.parallel"] > 1:
+            raise UserError("config keys model.parallel and model.type=ctc: model parallelism "
+                            "splits the DNN's layers by output columns over a group; a CTC "
+                            "encoder's LSTMs would need an all-gather of the hidden state at "
+                            "every time step and its convolutions a halo exchange, so it is not "
+                            "split: train data-parallel (model.parallel=1)")
+        if config["train.cuda_graphs"]:
+            raise UserError("config keys train.cuda_graphs and model.type=ctc: a batch of whole "
+                            "utterances has a new shape (utterances x longest) nearly every "
+                            "step, and a CUDA Graph replays one shape; set "
+                            "train.cuda_graphs=false")
     if config["model.parallel"] > 1:
         for key, want in (("model.type", "dnn"), ("train.precision", "float32"),
                           ("train.device", "cpu")):

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 
-from hpcsgd.data.loader import batch_split
 from hpcsgd.step import Step
 
 
@@ -55,20 +54,19 @@ def probe_minibatch(cfg, state, step, loader, rank_frames, lr, reduce, beat):
                  device=step.device, check_finite=False, scaler=step.scaler, unit=step.unit)
     criteria = {}
     for size in sizes:
-        batch_of = batch_split(size, state.grid.data_size, loader.unit)
         offs = offsets.copy()
-        loader.start_epoch(epoch, int(offs[rank]), state.progress["deal"])
+        loader.resume(epoch, offs, state.progress["deal"])
         sums, done = np.zeros(3), 0
         while done < cfg["train.probe_frames"] and (rank_frames - offs).sum() > 0:
             beat(f"minibatch-size probe ({size})")
-            take = np.minimum(batch_of, rank_frames - offs)
+            take = loader.take(size, offs, rank_frames)
             sums += trial.run(loader.next_batch, take, rank, lr, f"minibatch-size probe ({size})")
             offs += take
             done += int(take.sum())
         totals = reduce(sums)
         criteria[size] = totals[0] / max(totals[2], 1)
         state.restore(snap)
-    loader.start_epoch(epoch, int(offsets[rank]), state.progress["deal"])
+    loader.resume(epoch, offsets, state.progress["deal"])
     best = min(criteria.values())
     ok = [c for c in sizes
           if np.isfinite(criteria[c]) and criteria[c] <= best * (1 + cfg["train.probe_margin"])]

@@ -5,7 +5,9 @@
     mpiexec -n 2 python -m mpi4py -m hpcsgd.cli eval RUN_DIR --data ARCHIVE --device cuda
 
 With --graph, the archive is also recognized through that decoding graph (hpcsgd mkgraph) and
-the phone or word error rate is reported beside the frame accuracy (hpcsgd/decode/).
+the phone or word error rate is reported beside the frame accuracy (hpcsgd/decode/). A CTC
+model reports its CTC loss per token and the greedy token error rate against the archive's
+transcripts instead (evaluate_ctc: the trainer's cross-validation of CTC models).
 
 The model shape, splicing context and CMVN mode come from the checkpoint; the archive's label
 inventory must be the one the model was trained on. Under mpiexec every rank evaluates a
@@ -76,6 +78,85 @@ def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=No
             "frames": frames, "confusion": confusion}
 
 
+def evaluate_ctc(model, params, archive_dir, data, rank=0, world=1, comm=None,
+                 heartbeat=None):
+    """A CTC model on an archive: its CTC loss (from the log-posteriors, model.kernels_ctc)
+    and the greedy token error rate (hpcsgd.decode.ctc.greedy_search, edit distance to the
+    archive's tokens), summed over the ranks' disjoint utterances. data: the checkpoint's
+    data meta (tokens, cmvn). -> {"ctc_per_token", "ctc_per_frame", "token_error_rate",
+    "tokens", "frames", "utterances", "ins", "del", "sub", "skipped"}."""
+    from hpcsgd.data.utterances import UtteranceLoader
+    from hpcsgd.decode.ctc import greedy_search
+    from hpcsgd.decode.score import counts
+    from hpcsgd.model import kernels_ctc as KCTC
+    loader = UtteranceLoader(archive_dir, rank, world, tokens=data["tokens"],
+                             cmvn=data["cmvn"], minibatch=model.max_batch, prefetch=False)
+    sums = np.zeros(9)   # loss, tokens, frames, utterances, ins, del, sub, skipped, ref
+    for utts, x, targets in loader.eval_batches(model.max_batch):
+        if heartbeat is not None:
+            heartbeat()
+        lengths = model.out_lengths(len(x), targets.frames)
+        logp = model.forward(params, x, len(x), lengths=targets.frames)
+        nb, frames = lengths.nb, lengths.lengths
+        ws = KCTC.workspace_offsets(frames, targets.offsets)
+        alpha = np.empty(int(ws[-1]), np.float32)
+        loss, feasible = np.empty(nb), np.empty(nb, np.uint8)
+        KCTC.ctc_loss_logprobs(logp, nb, frames, targets.ids, targets.offsets, ws, alpha,
+                               loss, feasible)
+        sums[0] += loss.sum()
+        sums[1] += len(targets.ids)
+        sums[2] += targets.frames.sum()
+        sums[3] += nb
+        sums[7] += nb - int(feasible.sum())
+        for b in range(nb):
+            rows = logp[np.arange(frames[b]) * nb + b]
+            ref = targets.ids[targets.offsets[b]:targets.offsets[b + 1]].tolist()
+            sums[4:7] += counts(ref, greedy_search(rows).tolist())[:3]
+    loader.close()
+    if comm is not None and world > 1:
+        from mpi4py import MPI
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)   # cross-rank sync point
+    tokens = max(sums[1], 1)
+    return {"ctc_per_token": sums[0] / tokens, "ctc_per_frame": sums[0] / max(sums[2], 1),
+            "token_error_rate": sums[4:7].sum() / tokens, "tokens": int(sums[1]),
+            "frames": int(sums[2]), "utterances": int(sums[3]), "ins": int(sums[4]),
+            "del": int(sums[5]), "sub": int(sums[6]), "skipped": int(sums[7])}
+
+
+def run_ctc(args, comm, model, params, meta):
+    """`hpcsgd eval` of a CTC model: its loss per token and greedy token error rate on the
+    archive's transcripts (rank 0 prints; --json writes them), and with --graph the error
+    rate through that graph."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    kind = meta["tokens"]["kind"]
+    result = evaluate_ctc(model, params, args.data, {**meta["data"], "tokens": kind}, rank,
+                          world, comm)
+    decoded = None
+    if args.graph:
+        decoded = recognize.recognize_archive(model, params, meta, args.data, args.graph, args,
+                                              comm=comm)
+    if rank != 0:
+        return 0
+    errors = result["ins"] + result["del"] + result["sub"]
+    print(f"{meta['path']} on {args.data}: {result['utterances']} utterances, "
+          f"{result['frames']} frames, {result['tokens']} {kind} tokens")
+    print(f"CTC loss {result['ctc_per_token']:.4f} nats/token ({result['ctc_per_frame']:.4f} "
+          f"per frame)" + (f"; {result['skipped']} utterances have no alignment after the "
+                           f"subsampling (no loss)" if result["skipped"] else ""))
+    print(f"greedy token error rate {100 * result['token_error_rate']:.2f}% [ {errors} / "
+          f"{result['tokens']}, {result['ins']} ins, {result['del']} del, {result['sub']} sub ]"
+          f" (hpcsgd decode --greedy scores words too)")
+    if decoded is not None:
+        print(f"through {args.graph} ({decoded['kind']}; acoustic scale "
+              f"{decoded['acoustic_scale']:g}):")
+        print(decoded.pop("lines"))
+    if args.json:
+        payload = {"checkpoint": meta["path"], "archive": args.data, "tokens": kind, **result,
+                   "decode": decoded}
+        archive.atomic_write_text(args.json, json.dumps(payload) + "\n")
+    return 0
+
+
 def add_arguments(parser):
     parser.add_argument("model", help="run directory (latest checkpoint) or checkpoint file")
     parser.add_argument("--data", required=True, help="archive to evaluate (hpcsgd prep OUT)")
@@ -94,6 +175,8 @@ def run(args):
     # every rank checks the same inputs before the first collective: a bad one stops them all
     model, params, meta = load_model(args.model, device=args.device, comm=comm)
     check_archive(args.data, meta)
+    if meta["model"].get("type") == "ctc":
+        return run_ctc(args, comm, model, params, meta)
     result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"],
                       rank=rank, world=world, comm=comm,
                       sequences=meta["data"] if "chunk" in meta["data"] else None)

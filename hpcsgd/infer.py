@@ -3,7 +3,8 @@
     hpcsgd infer RUN_DIR|CHECKPOINT --data ARCHIVE --out OUT [--output loglik|posteriors|logpost]
                  [--format hdf5|ark|both] [--sequences chunks|whole] [--device cpu|cuda]
 
-loglik = log posterior - log prior (hpcsgd/outputs.py). Writes OUT.h5
+loglik = log posterior - log prior (hpcsgd/outputs.py); a CTC model writes its log-posteriors
+(or posteriors) over its tokens, the blank first, at its subsampled frame rate. Writes OUT.h5
 (`values` (F, V) float32 concatenated, `utt_offsets`, `utt_ids`, like an archive) and/or
 OUT.ark + OUT.scp (Kaldi matrices, readable by latgen-faster-mapped via kaldiio). Files are
 written under temporary names and renamed. A sequence model (LSTM) runs in its training
@@ -17,7 +18,8 @@ import h5py
 import numpy as np
 
 from hpcsgd.model_io import EVAL_BATCH, add_device_argument, check_archive, load_model
-from hpcsgd.outputs import log_priors, longest_utterance, sequence_outputs, utterance_outputs
+from hpcsgd.outputs import (ctc_outputs, log_priors, longest_utterance, sequence_outputs,
+                            utterance_outputs)
 
 
 def add_arguments(parser):
@@ -41,7 +43,9 @@ def run(args):
     check_archive(args.data, meta)
     priors = log_priors(meta["label_counts"])
     context, cmvn = meta["data"]["context"], meta["data"]["cmvn"]
-    if model.recurrent:
+    if meta["model"].get("type") == "ctc":   # whole utterances, over tokens and the blank
+        outputs = ctc_outputs(model, params, args.data, meta["data"], args.output)
+    elif model.recurrent:
         outputs = sequence_outputs(model, params, args.data, meta["data"], cmvn, args.output,
                                    priors, whole)
         print(f"infer: {'whole utterances' if whole else 'the training chunks'} "

@@ -27,6 +27,7 @@ from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
 
 EVAL_BATCH = 1024
+CTC_EVAL_ROWS = 16384   # a CTC model's passes: whole utterances (164 s at 10 ms) and batches
 FORMAT = "hpcsgd-int"   # an exported model's attrs["format"]
 
 
@@ -87,6 +88,8 @@ def load_model(path, max_batch=EVAL_BATCH, device="cpu", comm=None):
     arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
     if "params" not in arrays:
         raise UserError(f"checkpoint {path}: no 'params' dataset")
+    if meta["model"].get("type") == "ctc":   # whole utterances in a pass
+        max_batch = max(max_batch, CTC_EVAL_ROWS)
     model = build(meta["model"], max_batch=max_batch, device=device)
     model.steps = sequence_steps(meta["data"])
     params = model.new_params()
@@ -107,9 +110,19 @@ def sequence_steps(data):
 
 
 def check_archive(archive_dir, meta):
-    """The archive must match the model's features and label inventory."""
+    """The archive must match the model's features and label inventory (a CTC model: its
+    token inventory, when the archive has that kind of tokens)."""
     index = archive.read_index(archive_dir)
-    if index["label_inventory_hash"] != meta["label_inventory_hash"]:
+    tokens = meta.get("tokens")
+    if tokens:
+        kind = tokens["kind"]
+        have = index["tokens"].get(kind)
+        if have is not None and have["inventory_hash"] != tokens["inventory_hash"]:
+            raise UserError(f"{archive_dir}: its {kind} token inventory "
+                            f"({have['inventory_hash']}) differs from the model's "
+                            f"({tokens['inventory_hash']}); prep it with --token-inventory "
+                            f"TRAIN_ARCHIVE")
+    elif index["label_inventory_hash"] != meta["label_inventory_hash"]:
         raise UserError(f"{archive_dir}: label inventory {index['label_inventory_hash']} differs "
                         f"from the model's ({meta['label_inventory_hash']}); prep it with the "
                         f"training labels.txt")

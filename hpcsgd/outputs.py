@@ -5,9 +5,11 @@ loglik = log posterior - log prior, the prior being the label frequencies of the
 (LSTM) runs each utterance either in the chunks it was trained on (the checkpoint's chunk and
 left/right context; each frame's output comes from the one chunk that labels it: the
 default, the condition the model knows) or as one whole sequence (every frame sees the whole
-utterance; a BLSTM trained on chunks was not trained so).
+utterance; a BLSTM trained on chunks was not trained so). A CTC model runs whole
+utterances and gives log-posteriors over its tokens (ctc_outputs: no priors, no frame labels).
 """
 import os
+import time
 
 import numpy as np
 
@@ -15,6 +17,8 @@ from hpcsgd.data import BLOCK_FRAMES, archive
 from hpcsgd.data.loader import iter_utterances
 from hpcsgd.data.sequences import chunk_windows, gather_sequences
 from hpcsgd.data.splice import splice_gather
+from hpcsgd.data.utterances import UtteranceLoader
+from hpcsgd.errors import UserError
 
 PRIOR_FLOOR = 1e-8  # a label never seen in training gets this prior instead of 0
 
@@ -91,6 +95,38 @@ def sequence_outputs(model, params, archive_dir, data, cmvn, output, priors, who
         if output == "loglik":
             values -= priors
         yield utt, values
+
+
+def ctc_outputs(model, params, archive_dir, data, output="logpost", rank=0, world=1):
+    """A CTC model's (utt_id, (T', V) float32) log-posteriors (or posteriors) over its
+    tokens, column 0 the blank, T' the frames after its subsampling: whole utterances in
+    batches of similar lengths (hpcsgd.data.utterances: eval_batches; the ranks' shares
+    disjoint), longest first. The archive needs no transcripts."""
+    if output not in ("logpost", "posteriors"):
+        raise UserError(f"a CTC model's outputs are posteriors over tokens, not {output!r} "
+                        f"(a hybrid decoder's scaled likelihoods): --output logpost or "
+                        f"posteriors")
+    loader = UtteranceLoader(archive_dir, rank, world, tokens=None, cmvn=data["cmvn"],
+                             minibatch=model.max_batch, prefetch=False)
+    try:
+        for utts, x, targets in loader.eval_batches(model.max_batch):
+            lengths = model.out_lengths(len(x), targets.frames)
+            out = model.forward(params, x, len(x), log=output == "logpost",
+                                lengths=targets.frames)
+            for b, utt in enumerate(utts):
+                yield utt, np.ascontiguousarray(out[np.arange(lengths.lengths[b]) *
+                                                    lengths.nb + b], np.float32)
+    finally:
+        loader.close()
+
+
+def ctc_posteriors(model, params, meta, archive_dir, rank=0, world=1):
+    """This rank's share of the archive as [(utt, (T', V) log-posteriors)], and the CPU
+    seconds the acoustic model took (all of this process's threads): what a CTC decoder
+    searches (hpcsgd/decode/)."""
+    t0 = time.process_time()
+    mine = list(ctc_outputs(model, params, archive_dir, meta["data"], "logpost", rank, world))
+    return mine, time.process_time() - t0
 
 
 def longest_utterance(archive_dir):

@@ -41,7 +41,6 @@ import numpy as np
 
 from hpcsgd import checkpoint
 from hpcsgd.comm.stripes import fold_residuals, folded_from, restripe
-from hpcsgd.data.loader import redeal
 from hpcsgd.device import assign, host_copy, to_host
 from hpcsgd.errors import UserError
 from hpcsgd.model.parallel import from_whole, group_of, to_whole, whole_size
@@ -210,15 +209,11 @@ class TrainState:
             self.progress[key] = saved[key]
         self.progress["offsets"], self.progress["deal"] = saved["offsets"], saved.get("deal")
         if old_world != world:   # the rest of the epoch dealt to the new ranks
+            self.progress["deal"], self.progress["offsets"] = self.loader.redeal(
+                saved.get("deal"), saved["offsets"], world, saved["epoch"])
             if any(saved["offsets"]):
-                standard = self.loader.plan_for(old_world).rank_frames(saved["epoch"])
-                self.progress["deal"] = redeal(saved.get("deal"), saved["offsets"], world,
-                                               standard, self.loader.unit)
                 log.info(f"epoch {saved['epoch']} re-dealt from {old_world} to {world} ranks at "
                          f"frame {saved['frames']:,}: every frame not yet trained, once")
-            else:
-                self.progress["deal"] = None
-            self.progress["offsets"] = [0] * world
         if self.bitwidth and saved.get("bitwidth"):   # the width and its controller
             rows = arrays.get(checkpoint.rank_prefix(self.grid.rank) + "bitwidth/rows")
             if old_world != world and rows is not None and len(rows):

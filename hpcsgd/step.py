@@ -48,7 +48,8 @@ from hpcsgd.timeline import EXCHANGE_CATEGORY
 def halves(take, unit=1):
     """Double buffering: a step's per-rank frame counts split in two halves, (take + 1) // 2
     then the rest (a pure function of take, so every rank knows every rank's halves), in
-    whole units (a sequence model's chunks: unit = the loader's unit)."""
+    whole units (a sequence model's chunks: unit = the loader's unit). The loaders' own
+    halves() (hpcsgd/data/loader.py, utterances.py) is what the trainer's step uses."""
     first = (take // unit + 1) // 2 * unit
     return [first, take - first]
 
@@ -239,12 +240,15 @@ class Step:
 
     def __init__(self, model, params, grads, opt, ex, double_buffering=False, progress="test",
                  timeline=None, device="cpu", check_finite=True, scaler=None, clip=0.0,
-                 unit=1):
+                 unit=1, halve=None):
         if double_buffering and len(grads) < 2:
             raise ValueError("double buffering needs two gradient buffers")
         self.model, self.params, self.grads, self.opt, self.ex = model, params, grads, opt, ex
         self.double_buffering = bool(double_buffering)
         self.unit = int(unit)   # frames of an indivisible batch part (an LSTM's chunk)
+        # double buffering's two halves of a step's per-rank frames: halves() in whole
+        # units, or the loader's (whole utterances: hpcsgd/data/utterances.py)
+        self.halve = halve or (lambda take: halves(take, self.unit))
         self.test_between_gemms = self.double_buffering and progress == "test"
         self.timeline, self.check_finite = timeline, check_finite
         self.device = device
@@ -263,7 +267,7 @@ class Step:
         """One step: take[r] frames on data rank r (a half with no frames anywhere is
         skipped). Returns this rank's [CE sum, correct frames, frames] as float64."""
         sums = np.zeros(3)
-        for part in (halves(take, self.unit) if self.double_buffering else [take]):
+        for part in (self.halve(take) if self.double_buffering else [take]):
             if part.sum():
                 sums += self._half(batch, part, rank, lr, where)
         return sums
@@ -274,10 +278,10 @@ class Step:
         grads = self.grads[self.slot]   # not the buffer of the exchange in flight
         t0 = time.perf_counter()
         x, y = batch(int(part[rank]))
-        n = len(y)
-        # frames in the loss: all rows of a frame batch; a sequence batch's rows labelled
-        # -1 (context, padding) are not
-        counted = int(np.count_nonzero(y >= 0)) if self.model.recurrent else n
+        n = len(x)   # rows: frames, or a sequence batch's steps x sequences
+        # frames in the loss: all rows of a frame batch; a chunk's rows labelled -1
+        # (context, padding) are not, nor the padding of a batch of whole utterances
+        counted = self.model.frames_in_loss(y, n)
         t1 = time.perf_counter()
         if timeline:
             timeline.span("batch", t0, t1, frames=n)
@@ -292,7 +296,8 @@ class Step:
             ce, correct = self.model.forward_backward(self.params, grads, x, y, n, poke,
                                                       loss_scale=scale)
             if self.check_finite and not np.isfinite(ce):
-                raise UserError(f"{where}: cross-entropy is {ce} on rank {rank}; lower "
+                what = "cross-entropy" if self.model.frame_labels else "the CTC loss"
+                raise UserError(f"{where}: {what} is {ce} on rank {rank}; lower "
                                 f"optim.lr. No checkpoint was written after the divergence.")
             if self.scaler or self.model.half:   # float16 rounding, the scale off
                 bad, amax = self.model.unscale(grads, scale)

@@ -40,12 +40,15 @@ from hpcsgd.comm.grid import Grid
 from hpcsgd.data import archive
 from hpcsgd.data.loader import FrameLoader, batch_split
 from hpcsgd.data.sequences import SequenceLoader
+from hpcsgd.data.utterances import SpecAugment, UtteranceLoader
 from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import assign, to_host
 from hpcsgd.errors import UserError
-from hpcsgd.evaluate import evaluate
+from hpcsgd.evaluate import evaluate, evaluate_ctc
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
+from hpcsgd.model.encoder import describe as encoder_describe
+from hpcsgd.model.encoder import time_stride
 from hpcsgd.model.flat import FlatParams
 from hpcsgd.model.network import ROUNDING
 from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_size, whole_specs
@@ -155,15 +158,16 @@ def train(cfg, comm, stop):
     resume_or_start(cfg, run, state)
     log_start(log, cfg, grid, loader, state, step.ex)
     # every epoch trains each labelled frame once: the run's frames (the linear schedule's end)
-    run_frames = cfg["train.epochs"] * loader.index["total_frames"]
+    run_frames = cfg["train.epochs"] * loader.frames_per_epoch
     cold = cold_start(cfg)   # float32 exchange until this frame (0: none)
 
     # --- epochs of steps, each ending in a replica check, CV and a checkpoint ----------------
-    window = Window(log, time.perf_counter(), comm_blocking, state.bitwidth, step.scaler)
+    window = Window(log, time.perf_counter(), comm_blocking, state.bitwidth, step.scaler,
+                    criterion(cfg))
     while progress["epoch"] < cfg["train.epochs"]:
         epoch = progress["epoch"]
         rank_frames = loader.epoch_frames(epoch, progress["deal"])
-        loader.start_epoch(epoch, progress["offsets"][grid.data_rank], progress["deal"])
+        loader.resume(epoch, progress["offsets"], progress["deal"])
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
         while (rank_frames - progress["offsets"]).sum() > 0:
             where = f"step {window.steps} (epoch {epoch}, frame {progress['frames']})"
@@ -172,8 +176,7 @@ def train(cfg, comm, stop):
             if probe_due(cfg, state):   # a between-step decision (no exchange in flight)
                 probe(cfg, run, state, rank_frames, lr)
             # one step: every rank's count is known here, so the loop ends everywhere together
-            take = np.minimum(batch_split(state.decisions["minibatch"], grid.data_size,
-                                          loader.unit), rank_frames - progress["offsets"])
+            take = loader.take(state.decisions["minibatch"], progress["offsets"], rank_frames)
             # the exchange's seconds so far: only the adaptive bit width reads them per step
             # (on GPU ranks a read waits for the last phase's event)
             t_step = time.perf_counter()
@@ -188,7 +191,7 @@ def train(cfg, comm, stop):
             if state.bitwidth:   # between-step decision: the width of the next T steps
                 decide_bits(cfg, state, log, sums, time.perf_counter() - t_step,
                             sum(step.phases.times.values()) - t_exchange)
-            window.add(sums)
+            window.add(sums, step.model.pop_skipped())
             run.compiles.summary()   # once, after the first step compiled most kernels
             epoch_sums += sums
             timeline.end_step()
@@ -277,7 +280,20 @@ def open_loader(cfg, grid):
     if probing and global_batch > cap:
         raise UserError(f"config key train.minibatch: {global_batch} is above "
                         f"train.probe_max_minibatch={cap} (automatic minibatch size)")
-    if cfg["model.type"] == "lstm":   # minibatches of whole chunks; rows = chunks x steps
+    if cfg["model.type"] == "ctc":    # whole utterances with their token sequences
+        spec = None
+        if cfg["data.specaugment"]:
+            spec = SpecAugment(cfg["data.specaug_freq_masks"], cfg["data.specaug_freq_width"],
+                               cfg["data.specaug_time_masks"], cfg["data.specaug_time_width"],
+                               cfg["data.specaug_time_ratio"])
+        loader = UtteranceLoader(cfg["data.train"], grid.data_rank, grid.data_size,
+                                 tokens=cfg["data.tokens"], cmvn=cfg["data.cmvn"],
+                                 seed=cfg["train.seed"], minibatch=global_batch,
+                                 max_minibatch=cap if probing else global_batch,
+                                 max_frames=cfg["data.max_frames"],
+                                 bucket_frames=cfg["data.bucket_frames"], spec=spec,
+                                 prefetch=cfg["data.prefetch"])
+    elif cfg["model.type"] in ("lstm", "tdnn"):   # whole chunks; rows = chunks x steps
         chunk = cfg["data.chunk"]
         if global_batch < grid.data_size * chunk:
             raise UserError(f"config key train.minibatch: {global_batch} frames is less than "
@@ -301,10 +317,25 @@ def open_loader(cfg, grid):
                              buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
     if cfg["data.cv"]:
         cv_index = archive.read_index(cfg["data.cv"])
-        if cv_index["label_inventory_hash"] != loader.index["label_inventory_hash"] \
-                or cv_index["feature_dim"] != loader.index["feature_dim"]:
-            raise UserError(f"{cfg['data.cv']}: labels or feature dim differ from the training "
-                            f"archive {cfg['data.train']}; prep both with the same labels.txt")
+        if cfg["model.type"] == "ctc":
+            kind = cfg["data.tokens"]
+            archive.read_tokens(cfg["data.cv"], kind, cv_index)   # there, and consistent
+            if cv_index["tokens"][kind]["inventory_hash"] != \
+                    loader.index["tokens"][kind]["inventory_hash"]:
+                raise UserError(f"{cfg['data.cv']}: its {kind} token inventory differs from the "
+                                f"training archive {cfg['data.train']}'s; prep both in one "
+                                f"`hpcsgd prep --cv-speakers`, or the held-out set with "
+                                f"--token-inventory {cfg['data.train']}")
+        elif cv_index["label_inventory_hash"] != loader.index["label_inventory_hash"]:
+            raise UserError(f"{cfg['data.cv']}: labels differ from the training archive "
+                            f"{cfg['data.train']}; prep both with the same labels.txt")
+        if cv_index["feature_dim"] != loader.index["feature_dim"]:
+            raise UserError(f"{cfg['data.cv']}: feature dim {cv_index['feature_dim']} differs "
+                            f"from the training archive's {loader.index['feature_dim']}")
+    if not loader.index["frame_labels"] and cfg["model.type"] != "ctc":
+        raise UserError(f"{cfg['data.train']}: an archive without frame labels (prepped "
+                        f"without --alignments) trains sequence models only: "
+                        f"model.type=ctc with data.tokens={', '.join(loader.index['tokens']) or '?'}")
     return loader
 
 
@@ -320,7 +351,8 @@ def build_state(cfg, grid, loader, timeline):
         # model parallelism: every layer split over this rank's model group
         group = ModelGroup(grid.model, cfg["model.activation_codec"],
                            cfg["model.activation_block"]) if grid.model_size > 1 else None
-        model = build(shape, max_batch=max(loader.max_batch, 1024), device=device,
+        model = build(shape, max_batch=max(loader.max_rows if cfg["model.type"] == "ctc"
+                                           else loader.max_batch, 1024), device=device,
                       precision=cfg["train.precision"], group=group)
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
@@ -335,13 +367,19 @@ def build_state(cfg, grid, loader, timeline):
     opt = optim.from_config(cfg, params.size, ex.state_size, device)
     scaler = loss_scale.from_config(cfg)   # train.loss_scale: None, or the scale's decision
     step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
-                scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit)
+                scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit,
+                halve=loader.halves)
+    tokens = {}
+    if cfg["model.type"] == "ctc":   # what decode and eval check an archive or graph against
+        kind = cfg["data.tokens"]
+        tokens = {"tokens": {"kind": kind, "symbols": loader.symbols,
+                             "inventory_hash": loader.index["tokens"][kind]["inventory_hash"]}}
     state = TrainState(grid, params, opt, ex, step, loader, {
         "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
         "data": {"context": loader.context, "cmvn": cfg["data.cmvn"],
                  "feature_dim": loader.feature_dim, **sequence_meta(cfg)},
         "label_counts": label_counts(loader.index).tolist(), "config": cfg,
-        "aggregation": cfg["exchange.aggregation"]})
+        "aggregation": cfg["exchange.aggregation"], **tokens})
     # the adaptive bit width (exchange.bits = oland_raj | mqgrad): a decision every T steps
     state.bitwidth = BitWidth(cfg, grid.data) if adaptive_bits(cfg) else None
     if state.bitwidth and cfg["exchange.bits"] == "oland_raj":
@@ -354,6 +392,12 @@ def model_shape(cfg, loader):
     checkpoint's meta keeps."""
     qat = config.qat_of(cfg)
     qat = {"qat": qat} if qat else {}
+    if cfg["model.type"] == "ctc":
+        return {"type": "ctc", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
+                "num_tokens": loader.num_labels, "activation": cfg["model.activation"], **qat}
+    if cfg["model.type"] == "tdnn":
+        return {"type": "tdnn", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
+                "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}
     if cfg["model.type"] == "lstm":
         return {"type": "lstm", "input_dim": loader.input_dim, "cells": cfg["model.cells"],
                 "num_labels": loader.num_labels, "bidirectional": cfg["model.bidirectional"],
@@ -378,8 +422,7 @@ def resume_or_start(cfg, run, state):
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
         if cfg["train.init_from"]:
-            source = init_from(model, params, cfg["train.init_from"],
-                               state.loader.index["label_inventory_hash"])
+            source = init_from(model, params, cfg["train.init_from"], state.static)
             log.info(f"weights from {source} (train.init_from): a fresh optimizer and schedule")
     cold = cold_start(cfg)
     if cold and state.progress["frames"] < cold:
@@ -388,12 +431,20 @@ def resume_or_start(cfg, run, state):
                  f"{cfg['exchange.codec']} (exchange.cold_start_frames)")
 
 
-def init_from(model, params, path, label_hash):
+def init_from(model, params, path, static):
     """Fine-tuning's start: every weight and bias from the checkpoint (or run directory) at
     `path`, by name; the parameters it does not have (learned clip values) start from their
-    init on the loaded weights. Returns the checkpoint's path."""
+    init on the loaded weights. Its outputs must be this run's: the same label inventory (a
+    CTC model: token inventory). Returns the checkpoint's path."""
     _, source, meta = load_model(path)
-    if meta.get("label_inventory_hash") != label_hash:
+    tokens = static.get("tokens")
+    if tokens and (meta.get("tokens") or {}).get("inventory_hash") != tokens["inventory_hash"]:
+        theirs = meta.get("tokens") or {"kind": "frame labels", "inventory_hash": "-"}
+        raise UserError(f"train.init_from {meta['path']}: its outputs are {theirs['kind']} "
+                        f"({theirs['inventory_hash']}), this run's {tokens['kind']} tokens "
+                        f"({tokens['inventory_hash']})")
+    if not tokens and (meta.get("tokens") or meta.get("label_inventory_hash")
+                       != static["label_inventory_hash"]):
         raise UserError(f"train.init_from {meta['path']}: trained on another label inventory "
                         f"than data.train's")
     # a split model (model.parallel) takes its columns of the whole matrices
@@ -545,7 +596,7 @@ def end_of_epoch(cfg, run, state, steps, epoch_sums, t_epoch, run_frames):
           else None)
     run.timeline.span("cross_validation", t0, time.perf_counter())
     log_epoch(run.log, epoch, progress, totals, time.perf_counter() - t_epoch,
-              learning_rate(cfg, progress, run_frames), cv)
+              learning_rate(cfg, progress, run_frames), cv, criterion(cfg))
     log_clipped(run.log, step)
     state.end_epoch(cv["frame_accuracy"] if cv else None)
     save_checkpoint(cfg, run, state)
@@ -564,7 +615,13 @@ def finish(cfg, run, state, steps):
 
 
 def describe_model(shape):
-    """One line: 440-512-512-40 sigmoid, or 40-BLSTM 320x3-40."""
+    """One line: 440-512-512-40 sigmoid, 40-BLSTM 320x3-40, or
+    40-[conv 256 k5 s2, blstm 320 x3]-CTC 41 relu."""
+    if shape.get("type") in ("ctc", "tdnn"):
+        out = (f"CTC {shape['num_tokens']}" if shape["type"] == "ctc"
+               else str(shape["num_labels"]))
+        return (f"{shape['input_dim']}-[{encoder_describe(shape['encoder'])}]-{out} "
+                f"{shape['activation']}" + describe_qat(shape.get("qat")))
     if shape.get("type") == "lstm":
         kind = "BLSTM" if shape["bidirectional"] else "LSTM"
         cells = shape["cells"]
@@ -587,11 +644,19 @@ def describe_qat(qat):
 
 
 def sequence_meta(cfg):
-    """lstm: how the training sequences were cut (inference and CV use the same)."""
-    if cfg["model.type"] != "lstm":
+    """lstm/tdnn: how the training sequences were cut (inference and CV use the same);
+    ctc: whole utterances of which token kind."""
+    if cfg["model.type"] == "ctc":
+        return {"tokens": cfg["data.tokens"]}
+    if cfg["model.type"] not in ("lstm", "tdnn"):
         return {}
     return {"chunk": cfg["data.chunk"], "left_context": cfg["data.left_context"],
             "right_context": cfg["data.right_context"]}
+
+
+def criterion(cfg):
+    """What the training sums are: cross-entropy and correct frames, or CTC and tokens."""
+    return "ctc" if cfg["model.type"] == "ctc" else "ce"
 
 
 def log_start(log, cfg, grid, loader, state, ex):
@@ -610,14 +675,17 @@ def log_start(log, cfg, grid, loader, state, ex):
                  f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "
                  f"{state.params.size:,} of the model's {parameters:,} parameters "
                  f"(model.parallel), activations {cfg['model.activation_codec']} between them")
-    log.info(f"{grid.size} rank(s), minibatch {minibatch} "
-             f"({batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here, "
+    share = ("whole utterances, balanced over the ranks" if cfg["model.type"] == "ctc" else
+             f"{batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here")
+    log.info(f"{grid.size} rank(s), minibatch {minibatch} ({share}, "
              f"pid {os.getpid()} on {socket.gethostname()}), model "
              f"{describe_model(model_shape(cfg, loader))} ({parameters:,} parameters), "
              f"exchange "
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
+    if cfg["model.type"] == "ctc":
+        log_utterances(log, cfg, loader)
     if cfg["train.precision"] != "float32" or cfg["train.loss_scale"] != "none":
         scale = state.scaler.scale if state.scaler else None
         fmt = ROUNDING[cfg["train.precision"]]   # None, float16 or bfloat16
@@ -640,6 +708,30 @@ def log_start(log, cfg, grid, loader, state, ex):
                device=cfg["train.device"], transport=ex.transport, config=cfg)
 
 
+def log_utterances(log, cfg, loader):
+    """ctc: the tokens trained, the utterances left out (data.max_frames) and those no CTC
+    alignment fits after the encoder's subsampling (they train with zero loss), by name."""
+    kind, stride = cfg["data.tokens"], time_stride(cfg["model.encoder"])
+    tokens = loader.token_lengths()
+    frames = loader.lengths[loader.kept]
+    log.info(f"ctc: {len(loader.kept):,} utterances of {kind} tokens ({loader.num_labels - 1} "
+             f"and the blank), {tokens.sum():,} tokens, {frames.sum() / max(tokens.sum(), 1):.1f} "
+             f"frames per token before the encoder's {stride}x subsampling; length buckets "
+             f"of {loader.bucket_frames:,} frames, at most {loader.max_rows:,} padded rows a "
+             f"rank" + (", SpecAugment on" if loader.spec else ""))
+    if loader.dropped:
+        names = ", ".join(f"{u} ({n})" for u, n in loader.dropped[:5])
+        log.info(f"left out {len(loader.dropped)} utterances longer than data.max_frames="
+                 f"{cfg['data.max_frames']} frames: {names}"
+                 + (" ..." if len(loader.dropped) > 5 else ""))
+    short = loader.too_short(stride)
+    if short:
+        log.info(f"warning: {len(short)} utterances have fewer frames after the {stride}x "
+                 f"subsampling than their {kind} tokens need (tokens + repeated neighbours): "
+                 f"CTC has no alignment for them, they train with zero loss: "
+                 f"{', '.join(short[:5])}{' ...' if len(short) > 5 else ''}")
+
+
 def crossed(before, after, every):
     """Whether a step from `before` to `after` frames crossed a multiple of `every` (0: never)."""
     return bool(every) and after // every != before // every
@@ -647,10 +739,17 @@ def crossed(before, after, every):
 
 def cross_validate(cfg, model, params, grid, watchdog):
     """The CV archive's sums over the data ranks (hpcsgd/evaluate.py), and the share of its
-    most frequent label (the majority-class baseline)."""
+    most frequent label (the majority-class baseline); a CTC model's loss and greedy token
+    error rate, its `frame_accuracy` (what the newbob schedule compares) 1 - that rate."""
+    beat = lambda: watchdog.beat("cross-validation")   # noqa: E731
+    if cfg["model.type"] == "ctc":
+        cv = evaluate_ctc(model, params, cfg["data.cv"],
+                          {"tokens": cfg["data.tokens"], "cmvn": cfg["data.cmvn"]},
+                          grid.data_rank, grid.data_size, grid.data, heartbeat=beat)
+        cv["frame_accuracy"] = 1.0 - cv["token_error_rate"]
+        return cv
     cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
-                  grid.data_rank, grid.data_size, grid.data,
-                  heartbeat=lambda: watchdog.beat("cross-validation"),
+                  grid.data_rank, grid.data_size, grid.data, heartbeat=beat,
                   sequences=sequence_meta(cfg))
     cv["majority"] = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
     return cv
@@ -665,13 +764,25 @@ def log_clipped(log, step):
         step.clipped = step.clip_seen = 0
 
 
-def log_epoch(log, epoch, progress, totals, seconds, lr, cv):
+def log_epoch(log, epoch, progress, totals, seconds, lr, cv, criterion="ce"):
     record = {"epoch": epoch, "frames": progress["frames"],
-              "train_ce": totals[0] / max(totals[2], 1),
-              "train_frame_accuracy": totals[1] / max(totals[2], 1), "seconds": seconds, "lr": lr}
-    line = (f"epoch {epoch} done in {seconds:.1f} s: train ce {record['train_ce']:.4f} acc "
-            f"{100 * record['train_frame_accuracy']:.2f}%")
-    if cv is not None:
+              "train_ce": totals[0] / max(totals[2], 1), "seconds": seconds, "lr": lr}
+    if criterion == "ctc":   # per token (and per frame, as train_ce)
+        record["train_ctc_per_token"] = totals[0] / max(totals[1], 1)
+        line = (f"epoch {epoch} done in {seconds:.1f} s: train ctc "
+                f"{record['train_ctc_per_token']:.4f}/token")
+    else:
+        record["train_frame_accuracy"] = totals[1] / max(totals[2], 1)
+        line = (f"epoch {epoch} done in {seconds:.1f} s: train ce {record['train_ce']:.4f} acc "
+                f"{100 * record['train_frame_accuracy']:.2f}%")
+    if cv is not None and criterion == "ctc":
+        record.update(cv_ctc_per_token=cv["ctc_per_token"], cv_ce=cv["ctc_per_frame"],
+                      cv_token_error_rate=cv["token_error_rate"],
+                      cv_skipped_utterances=cv["skipped"])
+        line += (f" | cv ctc {cv['ctc_per_token']:.4f}/token, greedy token error rate "
+                 f"{100 * cv['token_error_rate']:.2f}% [{cv['ins']} ins, {cv['del']} del, "
+                 f"{cv['sub']} sub / {cv['tokens']}]")
+    elif cv is not None:
         record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
                       cv_majority=cv["majority"])
         line += (f" | cv ce {cv['ce']:.4f} acc {100 * cv['frame_accuracy']:.2f}% "
@@ -681,12 +792,15 @@ def log_epoch(log, epoch, progress, totals, seconds, lr, cv):
 
 
 class Window:
-    """The steps between two log lines: this rank's [CE, correct, frames] sums, the steps of
-    the run so far, and when the window began; line() writes the log line and the metrics
+    """The steps between two log lines: this rank's [CE, correct, frames, skipped] sums (a
+    CTC model: [CTC loss, tokens, frames, utterances without an alignment]), the steps of the
+    run so far, and when the window began; line() writes the log line and the metrics
     record and starts the next window."""
 
-    def __init__(self, log, t0, comm_blocking=None, bitwidth=None, scaler=None):
-        self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(3), 0
+    def __init__(self, log, t0, comm_blocking=None, bitwidth=None, scaler=None,
+                 criterion="ce"):
+        self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(4), 0
+        self.criterion = criterion
         self.first = 0   # the run's steps when this window began
         # reported beside the sums: double buffering's blocking communication time, the
         # adaptive bit width, the loss scaler (each None when off)
@@ -696,8 +810,9 @@ class Window:
         """Whether `seconds` have passed since the last line (0: never by time)."""
         return bool(seconds) and time.perf_counter() - self.t0 >= seconds
 
-    def add(self, sums):
-        self.sums += sums
+    def add(self, sums, skipped=0):
+        self.sums[:3] += sums
+        self.sums[3] += skipped
         self.steps += 1
 
     def line(self, epoch, progress, rank_frames, lr, totals, phases, sent):
@@ -711,8 +826,16 @@ class Window:
             bits = {"bits": bitwidth.bits, "bits_controller_s": bitwidth.seconds}
         if scaler:     # the loss scale now, and the steps skipped on an overflow so far
             bits.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
-        self.log.info(f"epoch {epoch} {done:,}/{total:,} frames  ce {ce:.4f}  "
-                      f"acc {100 * acc:.2f}%  lr {lr:.3g}  {fps:,.0f} frames/s  "
+        if self.criterion == "ctc":   # loss per token, and per frame (the divergence check's)
+            measures = {"ce": ce, "ctc_per_token": totals[0] / max(totals[1], 1),
+                        "skipped_utterances": int(totals[3])}
+            shown = (f"ctc {measures['ctc_per_token']:.4f}/token ({ce:.4f}/frame)"
+                     + (f"  {int(totals[3])} without alignment" if totals[3] else ""))
+        else:
+            measures = {"ce": ce, "frame_accuracy": acc}
+            shown = f"ce {ce:.4f}  acc {100 * acc:.2f}%"
+        self.log.info(f"epoch {epoch} {done:,}/{total:,} frames  {shown}  "
+                      f"lr {lr:.3g}  {fps:,.0f} frames/s  "
                       + (f"bits {bits['bits']}  " if bitwidth else "")
                       + (f"scale {scaler.scale:g} ({scaler.skipped} skipped)  " if scaler
                          else "")
@@ -725,8 +848,8 @@ class Window:
         # bytes this rank sent per step of the window (double buffering: two exchanges a
         # step; a step skipped on an overflow: none)
         per_step = sent / max(self.steps - self.first, 1)
-        self.log.record("train", epoch=epoch, frames=progress["frames"], step=self.steps, ce=ce,
-                        frame_accuracy=acc, lr=lr, frames_per_s=fps, exchange_s=phases,
+        self.log.record("train", epoch=epoch, frames=progress["frames"], step=self.steps,
+                        **measures, lr=lr, frames_per_s=fps, exchange_s=phases,
                         exchange_total_s=sum(phases.values()), comm_exposed_s=exposed,
                         comm_bytes_per_step=per_step, **overlap, **bits)
         self.sums[:] = 0
@@ -788,8 +911,12 @@ def check_divergence(cfg, totals, num_labels, where):
     factor = cfg["train.diverged_ce_factor"]
     ce, frames = totals[0] / max(totals[2], 1), int(totals[2])
     limit = factor * math.log(max(num_labels, 2))
+    what, unit = "cross-entropy", "frame"
+    if cfg["model.type"] == "ctc":   # an untrained CTC model: about ln(V) per OUTPUT frame
+        ce *= time_stride(cfg["model.encoder"])
+        what, unit = "the CTC loss", "output frame"
     if factor and frames and ce > limit:
-        raise UserError(f"{where}: training diverged: cross-entropy is {ce:.4g} nats/frame over "
+        raise UserError(f"{where}: training diverged: {what} is {ce:.4g} nats/{unit} over "
                         f"the last {frames:,} frames, above train.diverged_ce_factor {factor:g} x "
                         f"ln({num_labels} labels) = {limit:.3g}; lower optim.lr (or "
                         f"train.minibatch, or turn exchange.double_buffering off) and resume "

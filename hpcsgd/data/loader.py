@@ -278,6 +278,35 @@ class FrameLoader:
             return self.plan.rank_frames(epoch)
         return np.array([sum(hi - lo for _, _, lo, hi in segs) for segs in deal], np.int64)
 
+    @property
+    def frames_per_epoch(self):
+        """Frames an epoch trains on (the linear schedule's length is epochs times this)."""
+        return int(self.index["total_frames"])
+
+    # --- the step's contract with the spine (the same calls as the utterance loader's) ----
+    def resume(self, epoch, offsets, deal=None):
+        """Start (or continue) `epoch` at this rank's offset among every data rank's."""
+        self.start_epoch(epoch, int(offsets[self.rank]), deal)
+
+    def take(self, minibatch, offsets, rank_frames):
+        """The next step's frames on every data rank: its share of the global minibatch, in
+        whole units, or what is left of its epoch."""
+        return np.minimum(batch_split(minibatch, self.world, self.unit),
+                          np.asarray(rank_frames) - np.asarray(offsets))
+
+    def halves(self, take):
+        """Double buffering's halves of a step: (take + 1) // 2 then the rest, in units."""
+        first = (take // self.unit + 1) // 2 * self.unit
+        return [first, take - first]
+
+    def redeal(self, deal, offsets, world, epoch):
+        """A checkpoint's position (the deal and offsets of len(offsets) ranks mid-epoch)
+        for `world` ranks: the frames none has trained re-dealt (redeal); -> (deal, offsets)."""
+        if not any(offsets):
+            return None, [0] * world
+        standard = self.plan_for(len(offsets)).rank_frames(epoch)
+        return redeal(deal, offsets, world, standard, self.unit), [0] * world
+
     def start_epoch(self, epoch, offset=0, deal=None):
         """Begin streaming `epoch` at frame `offset` of this rank's stream (0, or a saved one);
         deal: the epoch re-dealt over this world (None: every rank its own plan's stream)."""

@@ -37,16 +37,15 @@ def apply_delayed(pending):
 
 frames, pending, slot = 0, None, 0
 for lr, take, ends_epoch in global_steps(cfg, loaders, batch_of):
-    first = (take + 1) // 2
-    for part in (first, take - first):
+    for part in [ld.halves(take) for ld in loaders][0]:   # every loader told (utterances)
         if not part.sum():
             continue
         x, y = global_batch(loaders, part, dtype)
         slot ^= 1
-        model.forward_backward(params, grads[slot], x, y, len(y))   # G_h at W_h
+        model.forward_backward(params, grads[slot], x, y, len(x))   # G_h at W_h
         if pending:
             apply_delayed(pending)                                 # W_{h+1}
-        opt.begin_step(len(y), len(y))
+        opt.begin_step(int(part.sum()), model.frames_in_loss(y, len(x)))
         pending = (grads[slot], lr)
     frames += int(take.sum())
     if ends_epoch:   # epoch end: drain before the next epoch

@@ -58,29 +58,30 @@ rank_grads = model.new_params()
 
 
 def per_rank_gradient(take):
-    """grads <- the sum over ranks (in rank order) of each rank's gradient of its batch."""
+    """grads <- the sum over ranks (in rank order) of each rank's gradient of its batch;
+    -> the frames in the loss."""
     grads.flat[:] = 0
-    ys = []
+    counted = 0
     for r, loader in enumerate(loaders):
         x, y = global_batch([loader], take[r:r + 1], dtype)
-        if len(y):   # a rank without frames in this step sends zeros
-            model.forward_backward(params, rank_grads, x, y, len(y))
+        if len(x):   # a rank without frames in this step sends zeros
+            model.forward_backward(params, rank_grads, x, y, len(x))
             grads.flat[:] += rank_grads.flat
-        ys.append(y)
-    return np.concatenate(ys)
+            counted += model.frames_in_loss(y, len(x))
+    return counted
 
 
 for lr, take, _ in global_steps(cfg, loaders, batch_of):
     if per_rank:
         assert cfg["train.loss_scale"] == "none"
-        y = per_rank_gradient(take)
-        opt.begin_step(int(take.sum()), int(np.count_nonzero(y >= 0)))
+        counted = per_rank_gradient(take)
+        opt.begin_step(int(take.sum()), counted)
         opt.post_exchange(grads.flat, params.flat)
         opt.apply(params.flat, grads.flat, lr)
         frames += int(take.sum())
         continue
     x, y = global_batch(loaders, take, dtype)
-    n = len(y)
+    n = len(x)
     # a static loss scale (the trainer's rules for the others are tested on their own): the
     # scaled gradient, float16 where mixed precision stores it, unscaled in float32
     scale = cfg["train.loss_scale_init"] if cfg["train.loss_scale"] == "static" else 1.0
@@ -91,7 +92,7 @@ for lr, take, _ in global_steps(cfg, loaders, batch_of):
         assert bad == 0, "an overflow: the reference does not skip steps"
     # the minibatch's frames (a sequence model's frame slots: whole chunks) and those in the
     # loss, as the trainer's step counts them
-    opt.begin_step(int(take.sum()), int(np.count_nonzero(y >= 0)))
+    opt.begin_step(int(take.sum()), model.frames_in_loss(y, n))
     if mode == "onebit":
         quantize(grads.flat, res1)
     opt.post_exchange(grads.flat, params.flat)

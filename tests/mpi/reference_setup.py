@@ -11,6 +11,7 @@ import numpy as np
 from hpcsgd import optim
 from hpcsgd.data.loader import FrameLoader, batch_split
 from hpcsgd.data.sequences import SequenceLoader
+from hpcsgd.data.utterances import PAD_SLACK, Targets, UtteranceLoader
 from hpcsgd.model import build as build_model
 from hpcsgd.train import model_shape
 
@@ -31,7 +32,15 @@ def batch(x, dtype):
 def build(cfg, K, dtype=np.float32):
     """(batch_of, loaders, model, params, opt) for the config `cfg` and K ranks."""
     gb = cfg["train.minibatch"]
-    if cfg["model.type"] == "lstm":   # K sequence loaders; rows = chunks x steps
+    if cfg["model.type"] == "ctc":   # K loaders of whole utterances; one batch of all theirs
+        steps, batch_of = None, None
+        loaders = [UtteranceLoader(cfg["data.train"], r, K, tokens=cfg["data.tokens"],
+                                   cmvn=cfg["data.cmvn"], seed=cfg["train.seed"], minibatch=gb,
+                                   max_frames=cfg["data.max_frames"],
+                                   bucket_frames=cfg["data.bucket_frames"], prefetch=False)
+                   for r in range(K)]
+        rows = int(PAD_SLACK * gb) + int(loaders[0].lengths.max())
+    elif cfg["model.type"] == "lstm":   # K sequence loaders; rows = chunks x steps
         chunk = cfg["data.chunk"]
         steps = cfg["data.left_context"] + chunk + cfg["data.right_context"]
         batch_of = batch_split(gb, K, chunk)
@@ -85,12 +94,13 @@ def global_steps(cfg, loaders, batch_of):
     and the run goes on (where the double-buffering reference drains the half in flight)."""
     frames, stop = 0, cfg["train.stop_after_frames"]
     for epoch in range(cfg["train.epochs"]):
-        rank_frames = loaders[0].plan.rank_frames(epoch)
+        rank_frames = loaders[0].epoch_frames(epoch)
         offsets = np.zeros(len(loaders), np.int64)
         for ld in loaders:
-            ld.start_epoch(epoch)
+            ld.resume(epoch, offsets)
         while (rank_frames - offsets).sum() > 0 and not (stop and frames >= stop):
-            take = np.minimum(batch_of, rank_frames - offsets)
+            # every rank's loader is told the step (whole utterances: each keeps its part)
+            take = [ld.take(cfg["train.minibatch"], offsets, rank_frames) for ld in loaders][0]
             lr = optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], frames, [],
                                      cfg["schedule.step_frames"], cfg["schedule.factor"])
             offsets += take
@@ -102,6 +112,8 @@ def global_batch(loaders, part, dtype):
     """Every rank's next part[r] frames, concatenated in rank order: (x, y). Sequences
     (time-major rows): every rank's chunks side by side at each time step."""
     batches = [ld.next_batch(int(t)) for ld, t in zip(loaders, part)]
+    if isinstance(batches[0][1], Targets):   # whole utterances: one batch, longest first
+        return merged_utterances(batches, dtype)
     steps = getattr(loaders[0], "steps", None)
     if steps is None:
         x = batch(np.ascontiguousarray(np.concatenate([b[0] for b in batches])), dtype)
@@ -109,3 +121,26 @@ def global_batch(loaders, part, dtype):
     x = np.concatenate([b[0].reshape(steps, -1, b[0].shape[1]) for b in batches], axis=1)
     y = np.concatenate([b[1].reshape(steps, -1) for b in batches], axis=1)
     return batch(np.ascontiguousarray(x.reshape(-1, x.shape[2])), dtype), y.reshape(-1)
+
+
+def merged_utterances(batches, dtype):
+    """Every rank's utterances as one batch (x, Targets), longest first (ties in rank
+    order): what one process computes the summed gradient of all ranks' utterances on."""
+    utts = []
+    for x, t in batches:
+        nb = len(t.frames)
+        steps = int(t.frames[0]) if nb else 0
+        x_tb = x.reshape(steps, nb, -1) if nb else x
+        for b in range(nb):
+            utts.append((int(t.frames[b]), x_tb[:t.frames[b], b],
+                         t.ids[t.offsets[b]:t.offsets[b + 1]]))
+    utts.sort(key=lambda u: -u[0])   # stable: rank order among equal lengths
+    frames = np.array([u[0] for u in utts], np.int64)
+    steps, dim = (int(frames[0]), utts[0][1].shape[1]) if utts else (0, batches[0][0].shape[1])
+    x = np.zeros((steps, len(utts), dim), np.float32)
+    for b, (n, feats, _) in enumerate(utts):
+        x[:n, b] = feats
+    offsets = np.concatenate([[0], np.cumsum([len(u[2]) for u in utts])]).astype(np.int64)
+    ids = np.concatenate([u[2] for u in utts]) if utts else np.zeros(0, np.int32)
+    return (batch(np.ascontiguousarray(x.reshape(-1, dim)), dtype),
+            Targets(frames, ids.astype(np.int32), offsets))
