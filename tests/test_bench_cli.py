@@ -15,6 +15,7 @@ from conftest import REPO
 from hpcsgd.bench import BENCHES, report
 
 EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it must print
+    "ctc": (["--repeats", "1"], "torch/ours"),
     "cuda": (["--launches", "{tmp}/launches.json"], "spills: 0 of"),
     "decode": ([], "search RTF <= 0.02 per core"),
     "exchange": (["--ranks", "2", "--codecs", "onebit,onebit_unfused,float32", "--repeats", "1"],
@@ -42,6 +43,16 @@ def scaled(obj, factor):
     if isinstance(obj, list):
         return [scaled(v, factor) for v in obj]
     return obj * factor if isinstance(obj, float) else obj
+
+
+def check_ctc(res):
+    """Each shape's loss-and-gradient time, the bytes it must move (logits in, gradient out,
+    the alpha/beta workspace) and their share of the triad measured in the same run."""
+    assert res["triad_GBps"] > 0 and len(res["rows"]) == 2
+    for r in res["rows"]:
+        assert r["ms"] > 0 and r["GBps"] > 0 and r["frac_triad"] > 0
+        B, T, _, V = r["B"], r["T"], r["U"], r["V"]
+        assert r["bytes"] == 8 * B * T * V + r["workspace_bytes"]
 
 
 def check_cuda(res):

@@ -15,6 +15,7 @@ USAGE = """Benchmarks: each figure beside the machine limit it is measured again
 (memory bandwidth, GEMM rate, float32 Allreduce, the link), with the exact command recorded.
 
 benchmarks (hpcsgd bench NAME --help for each one's options):
+  ctc       CTC loss + gradient kernel ms and GB/s vs memory bandwidth and PyTorch
   cuda      every CUDA kernel compiled for sm_80/sm_90 (no GPU needed): registers, spills
   decode    beam search real-time factor per core beside the acoustic model's
   exchange  exchange time per phase vs float32 in-place Allreduce
@@ -30,6 +31,7 @@ EXAMPLES = """examples:
 Results and the commands behind them: docs/benchmarks.md."""
 
 BENCHES = {
+    "ctc": ("hpcsgd.bench.ctc", "CTC loss + gradient kernel ms and GB/s vs memory bandwidth and PyTorch"),
     "cuda": ("hpcsgd.bench.cuda", "every CUDA kernel compiled for sm_80/sm_90: registers, spills"),
     "decode": ("hpcsgd.bench.decode", "beam search real-time factor per core vs the acoustic model's"),
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),

@@ -1,0 +1,172 @@
+"""`hpcsgd bench ctc`: the fused CTC loss kernel (hpcsgd.model.kernels_ctc.ctc_loss_grad: the
+loss and the gradient of the logits) on the shapes users train, as ms per call, as GB/s of the
+bytes that must move and as a fraction of the triad timed in alternation with it, and beside
+PyTorch's CPU ctc_loss when PyTorch is importable.
+
+    hpcsgd bench ctc [--small] [--json FILE] [--compare OLD] [--threads N] [--repeats N]
+                     [--shapes so762,char,bpe,ds2]
+
+Shapes (B utterances, T frames, U targets, V labels): so762 phone CTC (16, 150, 25, 41),
+character CTC (16, 300, 60, 29), BPE (16, 150, 30, 500), DeepSpeech2 on LibriSpeech
+(32, 800, 200, 29). Utterance b has frames from T down to 0.7 T (sorted, the first T, the
+rest padding) and round(U f_b / T) random targets, some repeated.
+
+Bytes that must move: the logits read and the gradient written (2 * 4 * T*B*V) plus alpha
+and beta written once (2 * 4 * sum of f_b (2 U_b + 1)); the kernel re-reads both, mostly
+from cache. The call works in place, so each timed call runs on the previous call's
+gradient (finite values of the same shape: the same work).
+
+PyTorch (not a dependency; `pip install torch==2.13.0` beside hpcsgd for this column): the
+same logits as a (T, B, V) float32 tensor, log_softmax + F.ctc_loss(reduction="sum",
+zero_infinity=True) + backward to the logits, torch.set_num_threads(ours); `torch/ours` > 1
+means hpcsgd's kernel is faster. Without PyTorch the column is skipped and the output says so.
+"""
+
+import numpy as np
+
+from hpcsgd.bench import membw
+from hpcsgd.model import kernels_ctc as KC
+
+SHAPES = {   # name: (B, T, U, V)
+    "so762": (16, 150, 25, 41),
+    "char": (16, 300, 60, 29),
+    "bpe": (16, 150, 30, 500),
+    "ds2": (32, 800, 200, 29),
+}
+SMALL = {"so762": (4, 30, 5, 41), "bpe": (4, 20, 4, 500)}
+
+
+def add_arguments(parser):
+    parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
+    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma-separated subset of {','.join(SHAPES)}")
+
+
+def make_batch(shape, rng):
+    """(z, bias, frames, ids, tgt_offsets) of a shape: frames T down to 0.7 T, sorted;
+    targets in 1..V-1, a fifth of them repeating the one before (every shape here leaves
+    U + repeats well below the frames: all feasible, which bench_shape checks)."""
+    nb, t, u, v = shape
+    frames = np.sort(rng.integers(int(0.7 * t), t + 1, nb))[::-1].astype(np.int64)
+    frames[0] = t
+    lengths = np.maximum(1, np.rint(u * frames / t)).astype(np.int64)
+    ids = rng.integers(1, v, int(lengths.sum())).astype(np.int32)
+    repeat = rng.random(ids.size) < 0.2
+    offsets = np.zeros(nb + 1, np.int64)
+    offsets[1:] = np.cumsum(lengths)
+    repeat[offsets[:-1]] = False                       # a target's first label repeats nothing
+    for i in np.flatnonzero(repeat):
+        ids[i] = ids[i - 1]
+    z = rng.standard_normal((t * nb, v)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal((1, v))).astype(np.float32)
+    return z, bias, frames, ids, offsets
+
+
+def torch_timer(z, frames, ids, offsets, nb, threads):
+    """A call of PyTorch's CTC loss and its gradient on the same batch; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    t = z.shape[0] // nb
+    x = torch.from_numpy(z.reshape(t, nb, z.shape[1]).copy()).requires_grad_()
+    targets = torch.from_numpy(ids.astype(np.int64))
+    in_len = torch.from_numpy(frames.copy())
+    tgt_len = torch.from_numpy(np.diff(offsets))
+
+    def call():
+        lp = torch.nn.functional.log_softmax(x, dim=2)
+        loss = torch.nn.functional.ctc_loss(lp, targets, in_len, tgt_len, blank=0,
+                                            reduction="sum", zero_infinity=True)
+        loss.backward()
+        x.grad = None
+    return call
+
+
+def bench_shape(name, shape, repeats, rng, triad, threads):
+    """Best-of-`repeats` times of ours, PyTorch's and the triad, timed in alternation (each
+    round one of each), so all three see the same neighbours on a shared machine."""
+    nb, t, u, v = shape
+    z, bias, frames, ids, offsets = make_batch(shape, rng)
+    ws = KC.workspace_offsets(frames, offsets)
+    alpha, beta = np.empty(ws[-1], np.float32), np.empty(ws[-1], np.float32)
+    loss, feasible = np.empty(nb), np.empty(nb, np.uint8)
+    g = z.copy()
+
+    def ours():
+        KC.ctc_loss_grad(g, bias, nb, frames, ids, offsets, 1.0, ws, alpha, beta, loss, feasible)
+
+    ours()   # compile (cached) and first touch
+    assert feasible.all() and np.isfinite(loss).all()
+    first_loss = float(loss.sum())
+    theirs = torch_timer(z, frames, ids, offsets, nb, threads)
+    if theirs:
+        theirs()
+    t_ours = t_torch = t_tri = float("inf")
+    for _ in range(repeats):
+        t_tri = min(t_tri, membw.best_time(triad[0], 1))
+        t_ours = min(t_ours, membw.best_time(ours, 1))
+        if theirs:
+            t_torch = min(t_torch, membw.best_time(theirs, 1))
+    workspace = 2 * 4 * int(ws[-1])
+    moved = 2 * 4 * t * nb * v + workspace
+    return {"shape": name, "B": nb, "T": t, "U": u, "V": v, "frames": int(frames.sum()),
+            "loss": first_loss, "ms": 1e3 * t_ours, "bytes": moved, "workspace_bytes": workspace,
+            "GBps": moved / t_ours / 1e9, "triad_GBps": triad[1] / t_tri / 1e9,
+            "torch_ms": 1e3 * t_torch if theirs else None,
+            "vs_torch": t_torch / t_ours if theirs else None}
+
+
+def run(args):
+    threads = membw.set_threads(args.threads)
+    small = args.small
+    repeats = args.repeats or (2 if small else 10)
+    table = SMALL if small else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"hpcsgd bench ctc: unknown shapes {unknown}; known: {list(table)}")
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    print(f"hpcsgd bench ctc: {threads} threads, {'small' if small else 'training'} shapes, "
+          f"best of {repeats}, in alternation with the triad"
+          + (f" and PyTorch {torch_version}" if torch_version else ""))
+    if not torch_version:
+        print("PyTorch is not installed: its column is skipped "
+              "(pip install torch==2.13.0 beside hpcsgd for the comparison)")
+    triad = membw.triad_timer((8 << 20) if small else (200 << 20))
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in names:
+        rows.append(bench_shape(name, table[name], repeats, rng, triad, threads))
+    best_triad = max(r["triad_GBps"] for r in rows)
+    print(f"{'shape':8} {'B':>3} {'T':>4} {'U':>4} {'V':>4} {'ms':>8} {'GB/s':>7} "
+          f"{'of triad':>8} {'torch ms':>9} {'torch/ours':>10}")
+    for r in rows:
+        r["frac_triad"] = r["GBps"] / r["triad_GBps"]
+        torch_cols = (f"{r['torch_ms']:9.2f} {r['vs_torch']:10.2f}" if r["torch_ms"] is not None
+                      else f"{'-':>9} {'-':>10}")
+        print(f"{r['shape']:8} {r['B']:3d} {r['T']:4d} {r['U']:4d} {r['V']:4d} {r['ms']:8.2f} "
+              f"{r['GBps']:7.2f} {r['frac_triad']:8.1%} {torch_cols}")
+    print(f"triad {min(r['triad_GBps'] for r in rows):.1f}..{best_triad:.1f} GB/s (timed in "
+          f"alternation with each shape; each row is judged against its own). Bytes: logits "
+          f"read + gradient written + alpha and beta written.")
+    return {"threads": threads, "small": small, "repeats": repeats, "torch": torch_version,
+            "triad_GBps": best_triad, "rows": rows}
+
+
+def figures(res):
+    out = {"triad GB/s": res["triad_GBps"]}
+    for r in res["rows"]:
+        out[f"{r['shape']} ms"] = r["ms"]
+        out[f"{r['shape']} GB/s"] = r["GBps"]
+        out[f"{r['shape']} of triad"] = r["frac_triad"]
+        if r["vs_torch"] is not None:
+            out[f"{r['shape']} torch/ours"] = r["vs_torch"]
+    return out
