@@ -23,8 +23,8 @@ import subprocess
 import sys
 
 KERNEL_MODULES = ("hpcsgd.device", "hpcsgd.optim", "hpcsgd.model.kernels_cuda",
-                  "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit", "hpcsgd.codecs.dettmers",
-                  "hpcsgd.codecs.floats", "hpcsgd.half")
+                  "hpcsgd.model.kernels_ctc_cuda", "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit",
+                  "hpcsgd.codecs.dettmers", "hpcsgd.codecs.floats", "hpcsgd.half")
 USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--kernels NAMES] [--json FILE]"
 EXAMPLES = """examples:
   hpcsgd bench cuda                     every kernel for sm_80 and sm_90
@@ -170,6 +170,23 @@ def record(out_path):
         q_params = quantized.new_params()
         quantized.init(q_params, np.random.default_rng(1))
         quantized.forward_backward(q_params, quantized.new_params(), x, y, n)
+    # a CTC model's step in float32, mixed and bf16 (the sequence kernels: unfold, fold,
+    # mask: a second convolution has an input gradient; the CTC loss's float32, float16 and
+    # bfloat16 signatures), then its posteriors
+    from hpcsgd.data.utterances import Targets
+    from hpcsgd.model.ctc import ctc
+    frames = np.array([5, 3], np.int64)   # two utterances, time-major (5 steps x 2)
+    targets = Targets(frames, np.array([1, 2, 2], np.int32), np.array([0, 2, 3], np.int64))
+    x_seq = x[:5].repeat(2, axis=0)
+    for precision, scaler in (("float32", None), ("mixed", Static(2.0 ** 10)), ("bf16", None)):
+        model_ctc = ctc(6, ["conv 3 k3 s2", "conv 3 k3", "blstm 2"], 3, max_batch=n + 2,
+                        device="cuda", precision=precision)
+        ctc_params = model_ctc.new_params()
+        model_ctc.init(ctc_params, np.random.default_rng(1))
+        Step(model_ctc, ctc_params, gradient_buffers(model_ctc, False),
+             Optimizer(ctc_params.size, device="cuda"), exchanges[0], device="cuda",
+             scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
+    model_ctc.forward(ctc_params, x_seq, len(x_seq), lengths=frames)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")

@@ -24,7 +24,9 @@ from hpcsgd.model import kernels_parallel as KP
 from hpcsgd.model import kernels_quant as KQ
 from hpcsgd.model import kernels_seq as KS
 from hpcsgd.model.kernels_lstm import GATES
-from hpcsgd.model import kernels_cuda as KC   # compiled on first launch, by GPU models only
+from hpcsgd.model import kernels_ctc as KCTC
+from hpcsgd.model import kernels_ctc_cuda as KCC   # compiled on first launch, by GPU models only
+from hpcsgd.model import kernels_cuda as KC
 
 
 class CpuOps:
@@ -109,7 +111,6 @@ class CpuOps:
         (zero on the padding and for an utterance no alignment fits), gb <- its column sums
         (model.kernels_ctc). Returns (loss summed over the utterances, unscaled; tokens;
         utterances skipped: no alignment)."""
-        from hpcsgd.model import kernels_ctc as KCTC
         frames = lengths.lengths
         ws = KCTC.workspace_offsets(frames, targets.offsets)
         alpha, beta, loss, feasible = self._ctc_scratch(int(ws[-1]), lengths.nb)
@@ -269,35 +270,32 @@ class CudaOps:
         offsets go to the device (small copies); the losses and feasibility come back in
         one copy (a sync point, as the softmax's loss read). A 16-bit z gets the scaled
         gradient rounded once; gb sums the stored values."""
-        from hpcsgd.model import kernels_ctc as KCTC
-        from hpcsgd.model import kernels_ctc_cuda as KCC
         frames, nb = lengths.lengths, lengths.nb
         ws = KCTC.workspace_offsets(frames, targets.offsets)
-        ids, ints, alpha, beta, out = self._ctc_scratch(int(ws[-1]), nb, len(targets.ids))
+        ids, ints, alpha, beta, loss, feasible = self._ctc_scratch(int(ws[-1]), nb,
+                                                                   len(targets.ids))
         # frames, target offsets and workspace offsets in one int64 copy, the ids in another
         ints[:3 * nb + 2].copy_to_device(np.concatenate([frames, targets.offsets, ws]))
         if len(targets.ids):
             ids[:len(targets.ids)].copy_to_device(np.ascontiguousarray(targets.ids, np.int32))
         KCC.ctc_loss_grad(z, b, nb, ints[:nb], ids, ints[nb:2 * nb + 1], scale,
-                          ints[2 * nb + 1:3 * nb + 2], alpha, beta, out[:nb, 0], out[:nb, 1])
+                          ints[2 * nb + 1:3 * nb + 2], alpha, beta, loss[:nb], feasible[:nb])
         KC.column_sums(z, gb)
-        host = out[:nb].copy_to_host()   # device -> host: waits for the kernel
-        return float(host[:, 0].sum()), len(targets.ids), nb - int(host[:, 1].sum())
+        # device -> host: the first copy waits for the kernel (a sync point, as the softmax's)
+        total = float(loss[:nb].copy_to_host().sum())
+        return total, len(targets.ids), nb - int(feasible[:nb].copy_to_host().sum())
 
     def _ctc_scratch(self, size, nb, tokens):
         """Device buffers of the CTC loss, grown when a batch needs more (a handful of times
-        a run): token ids, the int64 offsets, alpha, beta, and each utterance's (loss,
-        feasible)."""
+        a run): token ids, the int64 offsets, alpha, beta, each utterance's loss and
+        feasibility."""
         have = getattr(self, "ctc_scratch", None)
-        need = (max(tokens, 1), 3 * nb + 2, max(size, 1), max(size, 1), nb)
+        need = (max(tokens, 1), 3 * nb + 2, max(size, 1), max(size, 1), nb, nb)
         if have is None or any(len(a) < k for a, k in zip(have, need)):
             sizes = [max(k, 2 * len(a)) if have else max(k, 64)
                      for k, a in zip(need, have or need)]
-            self.ctc_scratch = (zeros(sizes[0], np.int32, "cuda"),
-                                zeros(sizes[1], np.int64, "cuda"),
-                                zeros(sizes[2], np.float32, "cuda"),
-                                zeros(sizes[3], np.float32, "cuda"),
-                                zeros((sizes[4], 2), np.float64, "cuda"))
+            self.ctc_scratch = tuple(zeros(k, t, "cuda") for k, t in zip(
+                sizes, (np.int32, np.int64, np.float32, np.float32, np.float64, np.uint8)))
         return self.ctc_scratch
 
     def fake_quant(self, x, out, grid):

@@ -1,0 +1,226 @@
+"""CTC models in the trainer, under a real mpiexec: K ranks against one process on the same
+global batches of whole utterances, 1-bit SGD against the two-residual loop, mixed precision
+and bf16 against their single-process references, double buffering against its delayed-
+update reference, a bit-exact resume mid-epoch, a move from 2 to 3 ranks mid-epoch, the probe,
+the adaptive bit width, the cold start and QAT running on CTC, eval/infer/decode of the
+checkpoint, and what the config refuses for CTC models with its reason."""
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import (TrainerRuns, assert_float32_close, latest_arrays, make_archive, run_train)
+from hpcsgd import checkpoint, config
+from hpcsgd.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def arch(tmp_path_factory):
+    """3 shards of 10 utterances of 20..160 frames, phone tokens (8 and the blank), a token
+    per 4 frames at most: feasible after a 2x subsampling but for repeats."""
+    out = str(tmp_path_factory.mktemp("ctc_archive"))
+    make_archive(out, num_shards=3, utts_per_shard=10, dim=4, min_len=20, max_len=160,
+                 token_kinds=("phones", "chars"), num_tokens=9)
+    return out
+
+
+def options(arch, *extra):
+    """A tiny DS2-like CTC model (a stride-2 convolution, a BLSTM), batches of up to 900
+    frames in buckets of 1800, 1 epoch, constant lr, momentum; every step checks replicas."""
+    return [f"data.train={arch}", "model.type=ctc", "model.encoder=[conv 6 k3 s2, blstm 5]",
+            "model.activation=relu", "train.minibatch=900", "data.bucket_frames=1800",
+            "train.epochs=1", "train.log_every_frames=1000", "optim.lr=0.001",
+            "optim.momentum_tc=100", "schedule.type=constant", "train.check_every_steps=1",
+            *extra]
+
+
+RUNS = TrainerRuns(options, timeout=180)
+train, reference, arrays = RUNS.train, RUNS.reference, latest_arrays
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_allreduce_equals_one_process_on_the_same_global_batches(K, arch, tmp_path,
+                                                                 tmp_path_factory):
+    """Every rank's utterances of a step together are the global batch: one process on their
+    union (tests/mpi/reference_setup.py: merged longest first) is the same sum of gradients;
+    one rank bit for bit, K ranks within float32 rounding of the float64 trajectory."""
+    got = arrays(train(K, arch, tmp_path_factory))["params"]
+    want = reference(K, "float", arch, tmp_path)["params"]
+    if K == 1:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_float32_close(got, want, reference(K, "float", arch, tmp_path,
+                                                  float64=True)["params"])
+    assert not np.array_equal(got, reference(K, "float", arch, tmp_path,
+                                             "train.stop_after_frames=500")["params"])
+
+
+def test_striped_onebit_on_one_rank_equals_the_two_residual_loop(arch, tmp_path,
+                                                                 tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
+    got = arrays(train(1, arch, tmp_path_factory, *extra))
+    want = reference(1, "onebit", arch, tmp_path, *extra)
+    np.testing.assert_array_equal(got["params"], want["params"])
+    np.testing.assert_array_equal(got["rank0000/exchange/residual1"], want["residual1"])
+    assert np.abs(want["residual2"]).sum() > 0
+
+
+@pytest.mark.parametrize("precision", [
+    ("train.precision=mixed", "train.loss_scale=static", "train.loss_scale_init=256"),
+    ("train.precision=bf16",)])
+def test_reduced_precision_equals_its_one_process_reference(precision, arch, tmp_path,
+                                                            tmp_path_factory):
+    """float16 (a static loss scale) and bfloat16 stores of a CTC model: one rank is the
+    single-process reference bit for bit (the same rounding at the same places: the 16-bit
+    logits into the CTC kernel, its gradient rounded once after the scale); not float32."""
+    got = arrays(train(1, arch, tmp_path_factory, *precision))["params"]
+    np.testing.assert_array_equal(got, reference(1, "float", arch, tmp_path, *precision)["params"])
+    assert not np.array_equal(got, arrays(train(1, arch, tmp_path_factory))["params"])
+
+
+def test_double_buffering_equals_the_delayed_update_reference(arch, tmp_path,
+                                                              tmp_path_factory):
+    """Halves of each rank's utterances (even and odd places), each exchanged while the next
+    computes on weights N/2 stale: the delayed-update loop of one process on the same halves."""
+    from conftest import run_reference
+    got = arrays(train(2, arch, tmp_path_factory, "exchange.double_buffering=true"))["params"]
+    out = str(tmp_path / "db.npz")
+    script = os.path.join(os.path.dirname(__file__), "mpi", "double_buffering_reference.py")
+    for dtype in ("32", "64"):
+        run_reference(script, [out.replace(".npz", dtype + ".npz"), "2"]
+                      + ["--float64"] * (dtype == "64") + options(arch))
+    assert_float32_close(got, np.load(out.replace(".npz", "32.npz"))["params"],
+                         np.load(out.replace(".npz", "64.npz"))["params"])
+
+
+@pytest.mark.parametrize("double_buffering", [False, True])
+def test_striped_onebit_resumes_bit_exactly_mid_epoch(double_buffering, arch, tmp_path,
+                                                      tmp_path_factory):
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit", "train.epochs=2",
+             "data.specaugment=true", f"exchange.double_buffering={str(double_buffering).lower()}")
+    full = arrays(train(2, arch, tmp_path_factory, *extra))
+    cut = str(tmp_path / "cut")
+    for stop in ("train.stop_after_frames=1500", "train.stop_after_frames=0"):
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if stop.endswith("=1500"):
+            meta = checkpoint.read_meta(checkpoint.latest(cut))
+            assert meta["epoch"] == 0 and 0 < sum(meta["offsets"])
+    resumed = arrays(cut)
+    assert set(full) == set(resumed)
+    for name in full:
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+
+
+def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
+    """The rest of the epoch's batches dealt over three: the epoch trains every frame once
+    (its frames add up to the archive's), residuals folded, replicas agree."""
+    extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
+    run = str(tmp_path / "run")
+    for K, stop in ((2, 1500), (3, 0)):
+        proc = run_train(K, options(arch, f"train.run_dir={run}", *extra,
+                                    f"train.stop_after_frames={stop}"), timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert "re-dealt from 2 to 3 ranks" in log and "folded into the new stripes" in log
+    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
+              if json.loads(line)["kind"] == "epoch"]
+    index = json.load(open(os.path.join(arch, "index.json")))
+    assert [e["frames"] for e in epochs] == [index["total_frames"]]
+
+
+@pytest.mark.parametrize("extra", [
+    ("train.probe_every_frames=2000", "train.probe_frames=900", "train.probe_max_minibatch=1800"),
+    ("exchange.aggregation=striped", "exchange.codec=kbit", "exchange.bits=mqgrad",
+     "exchange.bits_every_steps=2"),
+    ("exchange.aggregation=striped", "exchange.codec=onebit", "exchange.cold_start_frames=1000"),
+    ("exchange.aggregation=striped", "exchange.codec=dettmers"),
+    ("qat.weights=sawb", "qat.weight_bits=4", "qat.activations=bac", "qat.activation_bits=4"),
+    ("train.precision=mixed", "train.loss_scale=backoff", "train.loss_scale_init=65536"),
+], ids=["probe", "mqgrad", "cold_start", "dettmers", "qat", "backoff"])
+def test_trainer_features_run_on_ctc(extra, arch, tmp_path):
+    """The automatic minibatch size (in frames of whole utterances), the adaptive bit width,
+    the cold start, Dettmers' codec, quantization-aware training and a backoff loss scaler
+    train a CTC model on 2 ranks to a finite loss, replicas identical every step."""
+    run = str(tmp_path / "run")
+    proc = run_train(2, options(arch, f"train.run_dir={run}", "train.epochs=2", *extra),
+                     timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert len(epochs) == 2 and all(np.isfinite(e["train_ctc_per_token"]) for e in epochs)
+    if "probe" in str(extra):
+        probes = [r for r in records if r["kind"] == "probe"]
+        assert probes and all(np.isfinite(v) for v in probes[0]["criteria"].values())
+
+
+def test_eval_infer_and_greedy_decode_agree(arch, tmp_path, tmp_path_factory):
+    """eval's greedy token error rate (the trainer's CV measure) is decode --greedy's phone
+    error rate on the same archive; infer writes (T', V) log-posteriors per utterance at the
+    model's 2x subsampled rate."""
+    run = train(1, arch, tmp_path_factory)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    cli = [sys.executable, "-m", "hpcsgd.cli"]
+    ev = subprocess.run(cli + ["eval", run, "--data", arch, "--json", str(tmp_path / "e.json")],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ev.returncode == 0, ev.stderr
+    result = json.load(open(tmp_path / "e.json"))
+    assert result["tokens"] == json.load(open(os.path.join(arch, "index.json")))["tokens"][
+        "phones"]["total_tokens"]
+    dec = subprocess.run(cli + ["decode", run, "--data", arch, "--greedy", "--out",
+                                str(tmp_path / "dec")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert dec.returncode == 0, dec.stderr
+    decoded = json.load(open(tmp_path / "dec" / "result.json"))
+    assert abs(decoded["error_rate"] - 100 * result["token_error_rate"]) < 1e-9
+    out = str(tmp_path / "post")
+    p = subprocess.run(cli + ["infer", run, "--data", arch, "--out", out, "--format", "hdf5",
+                              "--output", "logpost"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    with h5py.File(out + ".h5") as f:
+        offsets, values = f["utt_offsets"][()], f["values"][()]
+    frames = np.concatenate([np.diff(o) for o in _utt_frames(arch)])
+    assert np.array_equal(np.diff(offsets), -(-frames // 2)[np.argsort(-frames, kind="stable")])
+    np.testing.assert_allclose(np.exp(values).sum(axis=1), 1, rtol=1e-5)
+    bad = subprocess.run(cli + ["infer", run, "--data", arch, "--out", out, "--output",
+                                "loglik"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "posteriors over tokens" in bad.stderr
+
+
+def _utt_frames(arch):
+    from hpcsgd.data import archive
+    index = archive.read_index(arch)
+    return [archive.read_shard_meta(os.path.join(index["dir"], s["file"]))["utt_offsets"]
+            for s in index["shards"]]
+
+
+def test_config_refuses_what_ctc_cannot_do(arch):
+    base = [f"data.train={arch}", "model.type=ctc", "model.encoder=[conv 6 k3 s2]"]
+    for extra, words in ((["model.parallel=2"], "model parallelism splits"),
+                         (["train.device=cuda", "train.cuda_graphs=true"], "new shape"),
+                         (["model.encoder=[]"], "needs its encoder"),
+                         (["model.encoder=[conv 6 k3 x2]"], "encoder layer")):
+        with pytest.raises(UserError, match=words):
+            config.load(None, base + extra)
+    with pytest.raises(UserError, match="stride 1"):
+        config.load(None, [f"data.train={arch}", "model.type=tdnn",
+                           "model.encoder=[conv 6 k3 s2]"])
+
+
+def test_bad_inputs_are_named(arch, tmp_path):
+    """A CV archive with another token inventory, an archive without the token kind asked
+    for, a frame model on an archive without frame labels: a clear error, exit 2."""
+    other = str(tmp_path / "other")
+    make_archive(other, num_shards=1, utts_per_shard=4, dim=4, token_kinds=("phones",),
+                 num_tokens=5, frame_labels=False)
+    for extra, words in (([f"data.cv={other}"], "token inventory differs"),
+                         (["data.tokens=bpe"], "no bpe tokens")):
+        proc = run_train(1, options(arch, f"train.run_dir={tmp_path / 'r'}", *extra))
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    proc = run_train(1, [f"data.train={other}", f"train.run_dir={tmp_path / 'f'}"])
+    assert proc.returncode == 2 and "without frame labels" in proc.stderr, proc.stderr
