@@ -174,6 +174,44 @@ def latest(run_dir):
     return path if os.path.exists(path) else None
 
 
+def verify(path, ranks=None):
+    """None when the checkpoint at `path` reads back whole -- its manifest, shared.h5 and the
+    rank files of `ranks` (None: all), every dataset read to its last byte -- else why not
+    (a truncated or corrupt file, named)."""
+    try:
+        if not os.path.isdir(path):   # format 1: one file
+            files = [path]
+        else:
+            with open(os.path.join(path, MANIFEST)) as f:
+                manifest = json.load(f)
+            files = [os.path.join(path, SHARED)] + [
+                os.path.join(path, rank_file(r)) for r in range(manifest["world"])
+                if ranks is None or r in ranks]
+        for name in files:
+            with h5py.File(name, "r") as f:
+                f.visititems(lambda _, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)
+    except (OSError, KeyError, ValueError, RuntimeError) as err:
+        return f"{_reason(err)} ({name if 'name' in locals() else path})"
+    return None
+
+
+def newest_intact(run_dir, comm=None):
+    """The newest checkpoint of a run that reads back whole on every rank, and the newer ones
+    skipped, with the reason: [(path, reason)]. Each of K ranks reads the manifest, the shared
+    file and the rank files r = its rank, rank + K, ... (all of them between the ranks; a
+    collective with K > 1 ranks, all of which get the same answer)."""
+    rank, world = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    skipped = []
+    for path in reversed(all_checkpoints(run_dir)):
+        reason = verify(path, ranks=range(rank, 1 << 30, world) if world > 1 else None)
+        if world > 1:   # the first rank's reason that is not None (small: a string or None)
+            reason = next((r for r in comm.allgather(reason) if r), None)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
 def all_checkpoints(run_dir):
     """Paths of a run's complete checkpoints, oldest first."""
     directory = checkpoint_dir(run_dir)

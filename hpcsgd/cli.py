@@ -13,13 +13,13 @@ from hpcsgd.errors import UserError
 
 # name -> (module, one-line help). `bench` has its own subcommands (hpcsgd/bench/__init__.py).
 SUBCOMMANDS = {
-    "prep": ("data_prep.prep", "audio + alignments -> sharded HDF5 feature archive"),
+    "prep": ("data_prep.prep", "audio + alignments and/or transcripts -> sharded HDF5 archive"),
     "inspect": ("hpcsgd.data.inspect", "validate an archive and print a summary"),
     "train": ("hpcsgd.train", "train an acoustic model (run under mpiexec for K ranks)"),
-    "eval": ("hpcsgd.evaluate", "cross-entropy, frame accuracy and confusions of a checkpoint"),
+    "eval": ("hpcsgd.evaluate", "cross-entropy and frame accuracy (CTC: loss and token errors)"),
     "infer": ("hpcsgd.infer", "write posteriors or scaled log-likelihoods for a decoder"),
-    "mkgraph": ("hpcsgd.decode.mkgraph", "a decoding graph (HLG) from a training archive"),
-    "decode": ("hpcsgd.decode.decode", "recognize an archive with a graph: WER/PER, real-time factor"),
+    "mkgraph": ("hpcsgd.decode.mkgraph", "a decoding graph (HLG, or CTC's TLG) from a training archive"),
+    "decode": ("hpcsgd.decode.decode", "recognize an archive (graph or CTC greedy): WER/PER/CER, RTF"),
     "export": ("hpcsgd.export", "a model's weights as int8/int4 codes for integer inference"),
     "bench": ("hpcsgd.bench", "benchmarks against this machine's limits"),
     "plot": ("hpcsgd.plot", "learning curves and throughput of a run directory to PNG"),

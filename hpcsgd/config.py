@@ -34,6 +34,9 @@ DEFAULTS = {
                         "counted and named in the log)"),
     "data.bucket_frames": (0, int, (0, 1 << 40),
                            "ctc: frames per length bucket of whole utterances (0 = 4 minibatches)"),
+    "data.sortagrad": (False, bool, None,
+                        "ctc: the first epoch's length buckets shortest first (DeepSpeech2's "
+                        "SortaGrad), then shuffled"),
     "data.specaugment": (False, bool, None,
                          "ctc: SpecAugment's frequency and time masks on the training utterances "
                          "(drawn per seed, epoch and utterance: a resume masks the same)"),

@@ -241,8 +241,11 @@ def open_run(cfg, grid):
     earlier attempt left: metrics.prepare_run_dir), every rank's log with the threads it
     runs, its watchdog, its timeline, and on GPU ranks the GPU bound to it."""
     run_dir = cfg["train.run_dir"]
-    resume = {"auto": checkpoint.latest(run_dir), "none": None}.get(cfg["train.resume"],
-                                                                     cfg["train.resume"])
+    skipped = []   # auto: newer checkpoints that do not read back whole (collective)
+    if cfg["train.resume"] == "auto":
+        resume, skipped = checkpoint.newest_intact(run_dir, grid.world)
+    else:
+        resume = None if cfg["train.resume"] == "none" else cfg["train.resume"]
     resume_frames = checkpoint.read_meta(resume)["frames"] if resume else None
     tidied = prepare_run_dir(run_dir, resume_frames, bool(checkpoint.all_checkpoints(run_dir)),
                              modify=grid.rank == 0)
@@ -252,6 +255,9 @@ def open_run(cfg, grid):
     log = RunLog(run_dir, grid.rank, grid.size)
     if tidied:
         log.info(tidied)
+    for path, reason in skipped:
+        log.info(f"warning: checkpoint {path} skipped: it does not read back whole ({reason}); "
+                 f"resuming from {resume or 'the start'}")
     if grid.rank == 0 and cfg["train.tensorboard"]:   # no other rank imports its library
         log.board = tensorboard.open_board(run_dir, resume_frames, log.info)
     # threads per rank: decided by the CLI before numpy/numba started (hpcsgd/threads.py)
@@ -292,7 +298,7 @@ def open_loader(cfg, grid):
                                  max_minibatch=cap if probing else global_batch,
                                  max_frames=cfg["data.max_frames"],
                                  bucket_frames=cfg["data.bucket_frames"], spec=spec,
-                                 prefetch=cfg["data.prefetch"])
+                                 prefetch=cfg["data.prefetch"], sortagrad=cfg["data.sortagrad"])
     elif cfg["model.type"] in ("lstm", "tdnn"):   # whole chunks; rows = chunks x steps
         chunk = cfg["data.chunk"]
         if global_batch < grid.data_size * chunk:

@@ -256,6 +256,26 @@ def test_a_failing_rank_aborts_the_job_instead_of_hanging(tmp_path):
     assert "shard-00001.h5" in proc.stderr
 
 
+def test_a_resume_skips_a_truncated_newest_checkpoint(synth, tmp_path):
+    """A half-copied rank file in the newest checkpoint (the previous one intact): the run
+    resumes from the previous one on every rank, says which it skipped and why, and ends
+    with the weights of an uninterrupted run (the same steps again, the same bits)."""
+    run = str(tmp_path / "run")
+    proc = run_train(2, train_args(synth, run, "train.epochs=2")[1:], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    whole = final_params(run)[0]["params"]
+    newest = checkpoint.latest(run)
+    path = os.path.join(newest, checkpoint.rank_file(1))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    proc = run_train(2, train_args(synth, run, "train.epochs=2")[1:], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert f"checkpoint {newest} skipped" in log and "rank0001.h5" in log
+    assert "resumed from" in log and "epoch 1" in log
+    np.testing.assert_array_equal(final_params(run)[0]["params"], whole)
+
+
 def test_a_cv_set_smaller_than_one_block_per_rank_is_evaluated_by_three_ranks(synth, tmp_path):
     """The CV loader sizes its blocks so every rank gets one (the training default, 8192
     frames, would leave this 2-shard set with 2 blocks for 3 ranks); the sums are the same as

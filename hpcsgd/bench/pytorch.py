@@ -62,6 +62,50 @@ def SequenceModel(torch, shape, act):
     return Net()
 
 
+def CTCModel(torch, shape, act):
+    """A CTC encoder as PyTorch users write it, layer for layer the spec's
+    (hpcsgd/model/encoder.py): nn.Conv1d with centred padding (on (B, C, T), transposed
+    around it), nn.LSTM (bidirectional for blstm), nn.Linear; a Linear to the tokens.
+    (T, B, D) in, (T', B, V) log-probabilities out, for nn.CTCLoss."""
+    from hpcsgd.model.encoder import parse_spec
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList()
+            self.kinds, n_in = [], shape["input_dim"]
+            for text in shape["encoder"]:
+                spec = parse_spec(text)
+                kind, width = spec["kind"], spec["units"]
+                if kind == "conv":
+                    k, d = spec["kernel"], spec["dilation"]
+                    layer = torch.nn.Conv1d(n_in, width, k, stride=spec["stride"],
+                                            dilation=d, padding=(k - 1) * d // 2)
+                elif kind in ("blstm", "lstm"):
+                    layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
+                    width *= 2 if kind == "blstm" else 1
+                elif kind == "dense":
+                    layer = torch.nn.Linear(n_in, width)
+                else:
+                    raise SystemExit(f"bench --pytorch: encoder layer {text!r} not built")
+                self.layers.append(layer)
+                self.kinds.append(kind)
+                n_in = width
+            self.act = act()
+            self.out = torch.nn.Linear(n_in, shape["num_tokens"])
+
+        def forward(self, x):
+            for kind, layer in zip(self.kinds, self.layers):
+                if kind == "conv":
+                    x = self.act(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
+                elif kind == "dense":
+                    x = self.act(layer(x))
+                else:
+                    x, _ = layer(x)
+            return torch.nn.functional.log_softmax(self.out(x), dim=-1)
+    return Net()
+
+
 # variant -> (the hpcsgd precision it stands beside, autocast dtype name or None, compiled)
 VARIANTS = {"pytorch": ("float32", None, False), "pytorch_amp16": ("mixed", "float16", False),
             "pytorch_bf16": ("bf16", "bfloat16", False),
@@ -84,7 +128,7 @@ def variants_for(precisions, device, compiled, world):
 
 class TorchRank:
     def __init__(self, comm, shape, activation, max_local, threads, lr=1e-6, momentum=0.9,
-                 device="cpu", variants=("pytorch",)):
+                 device="cpu", variants=("pytorch",), targets=None):
         try:
             import torch
         except ImportError:
@@ -105,7 +149,8 @@ class TorchRank:
             backend = "nccl" if self.world > 1 and not shared_gpus(comm) else "gloo"
         self.cuda = self.dev.type == "cuda"
         act = torch.nn.Sigmoid if activation == "sigmoid" else torch.nn.ReLU
-        self.steps = shape["steps"] if shape.get("type") == "lstm" else None
+        self.shape, self.ctc = shape, shape.get("type") == "ctc"
+        self.steps = shape["steps"] if shape.get("type") in ("lstm", "ctc") else None
         if self.world > 1:
             import torch.distributed as dist
             port = None
@@ -133,9 +178,16 @@ class TorchRank:
         rng = np.random.default_rng(1 + self.rank)
         self.x = torch.from_numpy(rng.standard_normal((max_local, shape["input_dim"]),
                                                       dtype=np.float32)).to(self.dev)
-        self.y = torch.from_numpy(rng.integers(0, shape["num_labels"], max_local)).to(self.dev)
+        if self.ctc:   # summed over the utterances, as hpcsgd's; hpcsgd's targets of n frames
+            self.loss = torch.nn.CTCLoss(blank=0, reduction="sum", zero_infinity=True)
+            self.targets = targets
+        else:
+            self.y = torch.from_numpy(rng.integers(0, shape["num_labels"],
+                                                   max_local)).to(self.dev)
 
     def _model(self, torch, shape, act):
+        if self.ctc:
+            return CTCModel(torch, shape, act)
         if self.steps:   # nn.LSTM on time-major (T, B, D) input, the usual recipe
             return SequenceModel(torch, shape, act)
         dims = [shape["input_dim"], *shape["hidden"]]
@@ -157,7 +209,8 @@ class TorchRank:
         model, opt, amp, scaler = self.runs[variant]
         n = int(take[self.rank])
         x = self.x[:n] if not self.steps else self.x[:n].view(self.steps, -1, self.x.shape[1])
-        y = self.y[:n]
+        loss_of = (lambda out: self.loss(out, y)) if not self.ctc else self._ctc_loss(n)
+        y = self.y[:n] if not self.ctc else None
         marks = []
         self._sync()
         self.comm.Barrier()
@@ -166,7 +219,7 @@ class TorchRank:
             opt.zero_grad(set_to_none=False)
             with (torch.autocast(self.dev.type, dtype=amp) if amp is not None
                   else contextlib.nullcontext()):
-                loss = self.loss(model(x), y)
+                loss = loss_of(model(x))
             if scaler is not None:
                 scaler.scale(loss).backward()   # DDP: the allreduce overlaps the backward
                 scaler.step(opt)
@@ -182,6 +235,19 @@ class TorchRank:
                                      f"{float(loss.detach())}")
         return times, {"compute": float(times.mean()), "encode": 0.0, "communicate": 0.0,
                        "update": 0.0}, {}
+
+    def _ctc_loss(self, n):
+        """nn.CTCLoss of n frames' utterances (the targets hpcsgd's step of n frames has:
+        hpcsgd/bench/train.py, utterance_targets), the output lengths after the strides."""
+        torch = self.torch
+        from hpcsgd.model.encoder import time_stride
+        t = self.targets(n)
+        out_len = -(-self.steps // time_stride(self.shape["encoder"]))
+        per = int(t.offsets[1]) if len(t.frames) else 0
+        targets = torch.from_numpy(t.ids.astype(np.int64)).view(len(t.frames), per).to(self.dev)
+        lengths = torch.full((len(t.frames),), out_len, dtype=torch.long)
+        target_lengths = torch.full((len(t.frames),), per, dtype=torch.long)
+        return lambda out: self.loss(out.float(), targets, lengths, target_lengths)
 
     def bytes_on_wire(self, size):
         """A ring allreduce of the float32 gradient: 2 (K-1)/K of it per rank."""

@@ -60,6 +60,14 @@ SMALL = dict(input_dim=440, hidden=[256] * 3, num_labels=500)
 LSTM = dict(type="lstm", input_dim=40, cells=[320] * 3, num_labels=40, bidirectional=True,
             bottleneck=[], steps=40)
 LSTM_SMALL = dict(LSTM, cells=[32, 32], steps=10)
+# --model ctc: jobs/configs/so762_ctc.yaml's DeepSpeech2-like encoder on 40 log-mel features
+# (two stride-2 convolutions, 3 BLSTM layers), CTC over 40 phone tokens; every utterance of
+# `steps` frames (so762's mean, 4.1 s) with a token per 20 frames; --small: a tiny one
+CTC = dict(type="ctc", input_dim=40, encoder=["conv 256 k5 s2", "conv 256 k5 s2", "blstm 256",
+                                              "blstm 256", "blstm 256"], num_tokens=40,
+           steps=400)
+CTC_SMALL = dict(CTC, encoder=["conv 16 k3 s2", "blstm 16"], steps=40)
+FRAMES_PER_TOKEN = 20
 USES_MPI = True
 LR = 1e-6                       # per sample: small, so random labels do not blow weights up
 MOMENTUM_TC = 9719.0            # samples: momentum 0.9 per 1024-frame minibatch (CNTK's usual)
@@ -79,13 +87,16 @@ def add_arguments(parser):
                              "its model.hidden, model.activation and train.minibatch, the "
                              "input and label sizes from its archive (e.g. "
                              "jobs/configs/so762.yaml)")
-    parser.add_argument("--model", default="dnn", choices=("dnn", "lstm"),
+    parser.add_argument("--model", default="dnn", choices=("dnn", "lstm", "ctc"),
                         help="dnn: the paper's 46M DNN (or --config's); lstm: a BLSTM, 3 x 320 "
-                             "cells on 40 features, chunks of 40 frames, N = 2560 (64 chunks)")
+                             "cells on 40 features, chunks of 40 frames, N = 2560 (64 chunks); "
+                             "ctc: so762_ctc.yaml's conv + BLSTM CTC model, utterances of 400 "
+                             "frames, N = 8000")
     parser.add_argument("--cells", default=None,
                         help="lstm: cells per direction of each layer, e.g. 512,512,512,512")
     parser.add_argument("--unidirectional", action="store_true", help="lstm: an LSTM, not a BLSTM")
-    parser.add_argument("--chunk", type=int, default=None, help="lstm: frames per sequence (40)")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="lstm: frames per sequence (40); ctc: frames per utterance (400)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: GPU ranks, one GPU per local rank, as train.device=cuda")
     parser.add_argument("--ranks", default=None, help="K values (default 1,2,4; --small 1,2)")
@@ -156,12 +167,27 @@ def parse_qat(spec):
 def model_of(args):
     """(name, shape, activation, default minibatch) of the benchmarked model; shape is the
     builder's description (hpcsgd.model.build) without the activation."""
-    lstm_config = None
+    lstm_config = ctc_config = None
     if args.config:
         from hpcsgd import config
         lstm_config = config.load(args.config, [])
+        if lstm_config["model.type"] == "ctc":
+            ctc_config = lstm_config
         if lstm_config["model.type"] != "lstm":
             lstm_config = None
+    if getattr(args, "model", "dnn") == "ctc" or ctc_config:
+        shape = dict(CTC_SMALL if args.small else CTC)
+        n = 800 if args.small else 8000
+        name = "small ctc" if args.small else "ctc"
+        if ctc_config:   # the config's encoder; the token count from its archive
+            from hpcsgd.data import archive
+            index = archive.read_index(ctc_config["data.train"])
+            shape.update(input_dim=index["feature_dim"], encoder=ctc_config["model.encoder"],
+                         num_tokens=index["tokens"][ctc_config["data.tokens"]]["num_tokens"])
+            n, name = ctc_config["train.minibatch"], os.path.basename(args.config)
+        if args.chunk:
+            shape["steps"] = args.chunk
+        return name, shape, args.activation or "relu", n
     if getattr(args, "model", "dnn") == "lstm" or lstm_config:
         shape = dict(LSTM_SMALL if args.small else LSTM)
         n = 160 if args.small else 2560
@@ -211,6 +237,10 @@ def _settings(args):
 
 def describe(shape):
     """The benchmarked model in one line."""
+    if shape.get("type") == "ctc":
+        from hpcsgd.model.encoder import describe as encoder
+        return (f"{shape['input_dim']}-[{encoder(shape['encoder'])}]-CTC {shape['num_tokens']}, "
+                f"utterances of {shape['steps']} frames")
     if shape.get("type") == "lstm":
         kind = "BLSTM" if shape["bidirectional"] else "LSTM"
         return (f"{shape['input_dim']}-{kind} {'x'.join(map(str, shape['cells']))}"
@@ -221,8 +251,25 @@ def describe(shape):
 
 def unit_of(shape):
     """Frames of the indivisible part of a minibatch: one chunk for an LSTM (whole sequences
-    on every rank, hpcsgd.data.loader.batch_split), one frame for a DNN."""
-    return shape.get("steps", 1) if shape.get("type") == "lstm" else 1
+    on every rank, hpcsgd.data.loader.batch_split), one utterance for a CTC model, one frame
+    for a DNN."""
+    return shape.get("steps", 1) if shape.get("type") in ("lstm", "ctc") else 1
+
+
+def builder_shape(shape):
+    """The builder's description of the benchmarked model (without the bench's own keys: a
+    CTC model's utterance length)."""
+    return {k: v for k, v in shape.items() if not (shape.get("type") == "ctc" and k == "steps")}
+
+
+def utterance_targets(shape, n, rng):
+    """A CTC batch of n frames: n / steps utterances of `steps` frames, each with a random
+    token per FRAMES_PER_TOKEN frames (ids 1..V-1): the hpcsgd.data.utterances.Targets."""
+    from hpcsgd.data.utterances import Targets
+    steps = shape["steps"]
+    nb, per = n // steps, max(steps // FRAMES_PER_TOKEN, 1)
+    ids = rng.integers(1, shape["num_tokens"], nb * per).astype(np.int32)
+    return Targets(np.full(nb, steps, np.int64), ids, np.arange(nb + 1, dtype=np.int64) * per)
 
 
 def run(args):
@@ -546,7 +593,8 @@ class Rank:
             if grid is not None and grid.model_size > 1:
                 group = ModelGroup(grid.model, precision[4:] if precision.startswith("act:")
                                    else "float32")
-            model = build(dict(shape, activation=activation, **({"qat": qat} if qat else {})),
+            model = build(dict(builder_shape(shape), activation=activation,
+                               **({"qat": qat} if qat else {})),
                           max_batch=max_local, device=device, group=group,
                           precision="float32" if qat or group else precision)
             params = model.new_params()
@@ -555,10 +603,29 @@ class Rank:
         self.model, self.params, self.grads = self.models[precisions[0]]
         rng = np.random.default_rng(1 + self.rank)
         self.x = rng.standard_normal((max_local, shape["input_dim"]), dtype=np.float32)
-        self.y = rng.integers(0, shape["num_labels"], max_local).astype(np.int32)
+        self.ctc = shape.get("type") == "ctc"
+        if self.ctc:   # whole utterances: n frames are n / steps of them, time-major
+            self.shape, self.rng = shape, rng
+            self.targets = {}
+        else:
+            self.y = rng.integers(0, shape["num_labels"], max_local).astype(np.int32)
+
+    def labels(self, n):
+        """What the loss of n frames needs: frame labels, or a CTC batch's targets (made
+        once per n: the same utterances every step, as the same frames are)."""
+        if not self.ctc:
+            return self.y[:n]
+        if n not in self.targets:
+            self.targets[n] = utterance_targets(self.shape, n, self.rng)
+        return self.targets[n]
 
     def batch(self, n):
-        return self.x, self.y[:n]
+        return (self.x[:n] if self.ctc else self.x), self.labels(n)
+
+    def halve(self, take):
+        """Double buffering of whole utterances: the first half of each rank's (the
+        trainer's loader takes every other one; here all have one length)."""
+        return halves(take, self.unit)
 
     def slowest(self, seconds):
         from mpi4py import MPI
@@ -582,8 +649,8 @@ class Rank:
             for part in parts:
                 n = int(part[self.rank])
                 if n:
-                    self.model.forward_backward(self.params, self.grads[0], self.x, self.y, n,
-                                                ops=GemmOnly())
+                    self.model.forward_backward(self.params, self.grads[0], self.x,
+                                                self.labels(n), n, ops=GemmOnly())
             synchronize(self.device)   # GPU ranks: the GEMMs queued on the device are done
             samples.append(self.slowest(time.perf_counter() - t))
         return statistics.median(samples[1:])
@@ -602,7 +669,8 @@ class Rank:
         model, params, grads = self.models[precision]
         step = Step(model, params, grads, opt, ex, double_buffering, progress or "none",
                     device=self.device,
-                    scaler=Static(1.0) if precision == "mixed" else None, unit=self.unit)
+                    scaler=Static(1.0) if precision == "mixed" else None, unit=self.unit,
+                    halve=self.halve if self.ctc else None)
         marks, ce = [], 0.0
         group = next((layer.group for layer in model.layers if hasattr(layer, "group")), None)
         act = (0.0, 0)
@@ -743,7 +811,7 @@ def worker(argv):
         from hpcsgd.bench.pytorch import VARIANTS, TorchRank, variants_for
         torch_runs = variants_for(precisions, dev, args.pytorch_compile, K)
         torch_rank = TorchRank(comm, shape, activation, r.x.shape[0], numba.get_num_threads(),
-                               LR, MOMENTUM, device=dev, variants=torch_runs)
+                               LR, MOMENTUM, device=dev, variants=torch_runs, targets=r.labels)
         precision_of.update({v: VARIANTS[v][0] for v in torch_runs})
     rows, skip, roof = [], {}, {}
     for n in ns:
@@ -840,7 +908,7 @@ def worker(argv):
             from hpcsgd.model import build
             synchronize("cuda")
             free = cuda.current_context().get_memory_info()[0]
-            again = build(dict(shape, activation=activation), max_batch=max_local,
+            again = build(dict(builder_shape(shape), activation=activation), max_batch=max_local,
                           device=dev, precision=precision)
             synchronize("cuda")
             memory["device_bytes_by_precision"][precision] = \

@@ -178,6 +178,11 @@ class Codec:
             raise ValueError(f"backend must be cpu, cuda or reference, got {backend!r}")
         self.backend = backend
 
+    def set_loss_scale(self, scale):
+        """The loss scale of the gradient about to be encoded (mixed precision: the step's).
+        Only a codec whose range it affects keeps it (float16: it sends v * scale); the
+        others encode the unscaled gradient as they always do."""
+
     # ---- several matrices at once (the striped exchange's pieces). items: (element offset
     # in the flat arrays, columns, rows, byte offset in the packed buffer) per matrix. A
     # codec with the two GPU launches of the table path (_launch_encode, _launch_decode: the

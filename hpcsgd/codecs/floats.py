@@ -158,6 +158,10 @@ class Float(Codec):
         self.error_feedback = bool(error_feedback)
         self.scale = scale   # float16: v * scale is sent (a power of two; see the docstring)
 
+    def set_loss_scale(self, scale):
+        if self.half:   # sent as v * scale: the loss scale's headroom on the wire too
+            self.scale = scale
+
     def _scales(self):
         s = float(self.scale)
         if not (s > 0 and np.frexp(s)[0] == 0.5):

@@ -596,8 +596,7 @@ class Striped(_Collective):
         """Phase 1: encode my whole local gradient with residual 1, grouped by owner. grad is
         not read after this, but an update() decodes into it: the step keeps it until then."""
         self._grad = grad
-        if self.codec.name == "float16":   # this exchange's scale, for all its phases
-            self.codec.scale = self.loss_scale or 1.0
+        self.codec.set_loss_scale(self.loss_scale or 1.0)   # for all of this exchange's phases
         if not self.error_feedback:   # the no-feedback baseline: quantize each step afresh
             zero(self.residual1)
             zero(self.residual2)

@@ -9,6 +9,8 @@ The epoch (every rank computes it from the shards' offsets alone, no communicati
                into buckets of about data.bucket_frames frames; the buckets' order and the
                utterances inside each bucket shuffled (seed, epoch): similar lengths together,
                a different mix every epoch
+               (data.sortagrad: the first epoch's buckets shortest first, as DeepSpeech2's
+               SortaGrad: short utterances while the model is new)
   batches      the next run of the order inside one bucket whose frames stay <= N (the global
                minibatch, train.minibatch) and whose padded rows (utterances x the longest)
                stay <= PAD_SLACK x N; at least one utterance
@@ -98,7 +100,7 @@ class UtteranceLoader:
 
     def __init__(self, archive_dir, rank=0, world=1, tokens="phones", cmvn="meanvar", seed=0,
                  minibatch=8000, max_minibatch=None, max_frames=0, bucket_frames=0,
-                 spec=None, prefetch=True):
+                 spec=None, prefetch=True, sortagrad=False):
         if cmvn not in ("none", "mean", "meanvar"):
             raise UserError(f"loader: cmvn must be none, mean or meanvar, not {cmvn!r}")
         if not 0 <= rank < world:
@@ -106,6 +108,7 @@ class UtteranceLoader:
         self.index = archive.read_index(archive_dir)
         self.dir, self.rank, self.world, self.seed = self.index["dir"], rank, world, seed
         self.kind, self.cmvn, self.spec, self.prefetch = tokens, cmvn, spec, prefetch
+        self.sortagrad = bool(sortagrad)   # epoch 0's buckets shortest first (DeepSpeech2)
         # tokens None: the features alone (inference on an archive without transcripts)
         self.symbols = archive.read_tokens(archive_dir, tokens, self.index) if tokens else None
         self.num_labels = len(self.symbols or ())   # the model's outputs: blank and tokens
@@ -203,7 +206,9 @@ class UtteranceLoader:
             starts = np.flatnonzero(np.diff(bucket, prepend=-1))
             ends = np.append(starts[1:], len(by_length))
             pieces = []
-            for b in rng.permutation(len(starts)):
+            buckets = (np.arange(len(starts)) if self.sortagrad and epoch == 0
+                       else rng.permutation(len(starts)))
+            for b in buckets:
                 members = by_length[starts[b]:ends[b]]
                 pieces.append(members[rng.permutation(len(members))])
             order = np.concatenate(pieces)

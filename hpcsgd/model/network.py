@@ -75,9 +75,15 @@ def storage_dtype(precision, device, dtype=np.float32):
 
 def gemm_flop_per_frame(layers):
     """FLOP of the GEMMs of one training frame: forward, dW and dX (none for the input
-    layer's input: its dx_macs, all of its GEMM for a Dense layer)."""
-    macs = [layer.gemm_macs for layer in layers]
-    return 2 * (3 * sum(macs) - getattr(layers[0], "dx_macs", macs[0]))
+    layer's input: its dx_macs, all of its GEMM for a Dense layer). A layer after a time
+    stride runs on fewer rows than the input has frames: its share is scaled by them."""
+    rate, macs = 1.0, []
+    for layer in layers:
+        rate /= getattr(layer, "stride", 1)   # the layer's output rows per input frame
+        macs.append(layer.gemm_macs * rate)
+    first = getattr(layers[0], "dx_macs", layers[0].gemm_macs) * macs[0] / max(
+        layers[0].gemm_macs, 1)
+    return 2 * (3 * sum(macs) - first)
 
 
 class Network:

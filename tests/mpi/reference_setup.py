@@ -37,7 +37,8 @@ def build(cfg, K, dtype=np.float32):
         loaders = [UtteranceLoader(cfg["data.train"], r, K, tokens=cfg["data.tokens"],
                                    cmvn=cfg["data.cmvn"], seed=cfg["train.seed"], minibatch=gb,
                                    max_frames=cfg["data.max_frames"],
-                                   bucket_frames=cfg["data.bucket_frames"], prefetch=False)
+                                   bucket_frames=cfg["data.bucket_frames"], prefetch=False,
+                                   sortagrad=cfg["data.sortagrad"])
                    for r in range(K)]
         rows = int(PAD_SLACK * gb) + int(loaders[0].lengths.max())
     elif cfg["model.type"] == "lstm":   # K sequence loaders; rows = chunks x steps
