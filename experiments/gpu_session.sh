@@ -13,6 +13,9 @@
 #   demo      the demo trained on 1 and 2 GPU ranks (held-out frame accuracy)
 #   mixed     the demo on one GPU rank in float32, mixed (each scaler: static 256, backoff,
 #             logmax) and bf16
+#   ctc       issue 53: the CTC loss kernel beside PyTorch's CUDA ctc_loss (bench ctc), and
+#             so762_ctc.yaml's CTC model's step beside PyTorch's Conv1d/LSTM/CTCLoss on the
+#             card, float32 and mixed (bench train --model ctc)
 # ONLY="tests small" runs those parts only. The limits add up to more than one call's 600 s
 # and a session's 15 minutes of device time (a start costs 1-2 of them), so a session runs
 # ONLY="tests train46m small" first (limits 240 + 150 + 180 s; prep 120 s: give the call
@@ -25,7 +28,7 @@ OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT" runs/gpu_session
 LOG="$OUT/session.log"
 J=runs/gpu_session
-ONLY=${ONLY:-"tests train46m small exchange mixed small2 demo"}
+ONLY=${ONLY:-"tests train46m small exchange mixed small2 demo ctc"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the log
     local name=$1 limit=$2; shift 2
@@ -63,7 +66,8 @@ done
 
 GPU_TESTS="tests/test_codecs_cuda.py tests/test_model_cuda.py tests/test_lstm_cuda.py
            tests/test_quantize_cuda.py tests/test_gpu_ranks.py tests/test_eval_cuda.py
-           tests/test_graphs.py tests/test_mixed_cuda.py tests/test_bf16_cuda.py"
+           tests/test_graphs.py tests/test_mixed_cuda.py tests/test_bf16_cuda.py
+           tests/test_ctc_cuda.py tests/test_ctc_model_cuda.py"
 part tests 240 env HPCSGD_TEST_GPU=1 python -m pytest -q -rf -p no:cacheprovider $GPU_TESTS
 
 STEPS=(--steps 20 --warmup 5 --rounds 3)
@@ -102,6 +106,10 @@ for v in "float32 none" "mixed static train.loss_scale_init=256" "mixed backoff"
     part mixed 30 hpcsgd eval "$J/demo_$1_$2" --data runs/demo/archive/cv --device cuda \
         --json "$J/demo_$1_$2_eval.json"
 done
+part ctc 90 hpcsgd bench ctc --device cuda --json "$J/ctc_loss.json"
+part ctc 150 hpcsgd bench train --device cuda --model ctc --ranks 1 --exchange allreduce \
+    --double-buffering off --precision float32,mixed --pytorch "${STEPS[@]}" \
+    --json "$J/train_ctc.json"
 grep -h "NumbaPerformanceWarning" "$J"/demo_k*/logs/*.log >> "$LOG" 2>/dev/null \
     && echo "(the lines above: NumbaPerformanceWarning in a training log)" >> "$LOG"
 pack

@@ -4,7 +4,7 @@ bytes that must move and as a fraction of the triad timed in alternation with it
 PyTorch's CPU ctc_loss when PyTorch is importable.
 
     hpcsgd bench ctc [--small] [--json FILE] [--compare OLD] [--threads N] [--repeats N]
-                     [--shapes so762,char,bpe,ds2]
+                     [--shapes so762,char,bpe,ds2] [--device cpu|cuda]
 
 Shapes (B utterances, T frames, U targets, V labels): so762 phone CTC (16, 150, 25, 41),
 character CTC (16, 300, 60, 29), BPE (16, 150, 30, 500), DeepSpeech2 on LibriSpeech
@@ -20,6 +20,11 @@ PyTorch (not a dependency; `pip install torch==2.13.0` beside hpcsgd for this co
 same logits as a (T, B, V) float32 tensor, log_softmax + F.ctc_loss(reduction="sum",
 zero_infinity=True) + backward to the logits, torch.set_num_threads(ours); `torch/ours` > 1
 means hpcsgd's kernel is faster. Without PyTorch the column is skipped and the output says so.
+
+--device cuda: the CUDA kernel (hpcsgd.model.kernels_ctc_cuda: one block per utterance) on the
+device, each call timed to its end (a synchronize), its limit the device-to-device copy of
+the same number of bytes measured in the same rounds, and PyTorch's CUDA ctc_loss (cuDNN's
+or its own) beside it on the same card.
 """
 
 import numpy as np
@@ -42,6 +47,9 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
     parser.add_argument("--shapes", default=None,
                         help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the CUDA kernel and PyTorch's CUDA ctc_loss, against the "
+                             "device's copy bandwidth")
 
 
 def make_batch(shape, rng):
@@ -64,18 +72,23 @@ def make_batch(shape, rng):
     return z, bias, frames, ids, offsets
 
 
-def torch_timer(z, frames, ids, offsets, nb, threads):
-    """A call of PyTorch's CTC loss and its gradient on the same batch; None without torch."""
+def torch_timer(z, frames, ids, offsets, nb, threads, device="cpu"):
+    """A call of PyTorch's CTC loss and its gradient on the same batch (on the GPU: to its
+    end); None without torch."""
     try:
         import torch
     except ImportError:
         return None
+    if device == "cuda" and not torch.cuda.is_available():   # a CPU build, or the simulator
+        return None
     torch.set_num_threads(threads)
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
     t = z.shape[0] // nb
-    x = torch.from_numpy(z.reshape(t, nb, z.shape[1]).copy()).requires_grad_()
-    targets = torch.from_numpy(ids.astype(np.int64))
+    x = torch.from_numpy(z.reshape(t, nb, z.shape[1]).copy()).to(dev).requires_grad_()
+    targets = torch.from_numpy(ids.astype(np.int64)).to(dev)
     in_len = torch.from_numpy(frames.copy())
     tgt_len = torch.from_numpy(np.diff(offsets))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def call():
         lp = torch.nn.functional.log_softmax(x, dim=2)
@@ -83,26 +96,60 @@ def torch_timer(z, frames, ids, offsets, nb, threads):
                                             reduction="sum", zero_infinity=True)
         loss.backward()
         x.grad = None
+        sync()
     return call
 
 
-def bench_shape(name, shape, repeats, rng, triad, threads):
-    """Best-of-`repeats` times of ours, PyTorch's and the triad, timed in alternation (each
-    round one of each), so all three see the same neighbours on a shared machine."""
+def cuda_timers(z, bias, frames, ids, offsets, ws, nb, moved):
+    """(ours, copy): the CUDA kernel on device copies of the batch, and a device-to-device
+    copy of `moved` bytes, each timed to its end."""
+    from hpcsgd.lazy_cuda import cuda
+    from hpcsgd.model import kernels_ctc_cuda as KCC
+    dev = [cuda.to_device(a) for a in (z, bias, frames, ids, offsets, ws)]
+    g, d_bias, d_frames, d_ids, d_off, d_ws = dev
+    alpha = cuda.device_array(max(int(ws[-1]), 1), np.float32)
+    beta = cuda.device_array(max(int(ws[-1]), 1), np.float32)
+    loss, feasible = cuda.device_array(nb, np.float64), cuda.device_array(nb, np.uint8)
+    src = cuda.device_array(max(moved // 4, 1), np.float32)
+    dst = cuda.device_array(max(moved // 4, 1), np.float32)
+
+    def ours():
+        KCC.ctc_loss_grad(g, d_bias, nb, d_frames, d_ids, d_off, 1.0, d_ws, alpha, beta, loss,
+                          feasible)
+        cuda.synchronize()
+
+    def copy():
+        dst.copy_to_device(src)
+        cuda.synchronize()
+    return ours, copy, (loss, feasible)
+
+
+def bench_shape(name, shape, repeats, rng, triad, threads, device="cpu"):
+    """Best-of-`repeats` times of ours, PyTorch's and the triad (the device copy on a GPU),
+    timed in alternation (each round one of each), so all three see the same neighbours on
+    a shared machine."""
     nb, t, u, v = shape
     z, bias, frames, ids, offsets = make_batch(shape, rng)
     ws = KC.workspace_offsets(frames, offsets)
-    alpha, beta = np.empty(ws[-1], np.float32), np.empty(ws[-1], np.float32)
-    loss, feasible = np.empty(nb), np.empty(nb, np.uint8)
-    g = z.copy()
+    if device == "cuda":
+        ours, copy, (d_loss, d_feasible) = cuda_timers(
+            z, bias, frames, ids, offsets, ws, nb, 2 * 4 * t * nb * v + 2 * 4 * int(ws[-1]))
+        ours()   # compile and first touch
+        loss, feasible = d_loss.copy_to_host(), d_feasible.copy_to_host()
+        triad = (copy, 2 * (2 * 4 * t * nb * v + 2 * 4 * int(ws[-1])))   # read + write
+    else:
+        alpha, beta = np.empty(ws[-1], np.float32), np.empty(ws[-1], np.float32)
+        loss, feasible = np.empty(nb), np.empty(nb, np.uint8)
+        g = z.copy()
 
-    def ours():
-        KC.ctc_loss_grad(g, bias, nb, frames, ids, offsets, 1.0, ws, alpha, beta, loss, feasible)
+        def ours():
+            KC.ctc_loss_grad(g, bias, nb, frames, ids, offsets, 1.0, ws, alpha, beta, loss,
+                             feasible)
 
-    ours()   # compile (cached) and first touch
+        ours()   # compile (cached) and first touch
     assert feasible.all() and np.isfinite(loss).all()
     first_loss = float(loss.sum())
-    theirs = torch_timer(z, frames, ids, offsets, nb, threads)
+    theirs = torch_timer(z, frames, ids, offsets, nb, threads, device)
     if theirs:
         theirs()
     t_ours = t_torch = t_tri = float("inf")
@@ -134,7 +181,8 @@ def run(args):
         torch_version = torch.__version__
     except ImportError:
         torch_version = None
-    print(f"hpcsgd bench ctc: {threads} threads, {'small' if small else 'training'} shapes, "
+    print(f"hpcsgd bench ctc: {args.device}, {threads} threads, "
+          f"{'small' if small else 'training'} shapes, "
           f"best of {repeats}, in alternation with the triad"
           + (f" and PyTorch {torch_version}" if torch_version else ""))
     if not torch_version:
@@ -144,7 +192,7 @@ def run(args):
     rng = np.random.default_rng(0)
     rows = []
     for name in names:
-        rows.append(bench_shape(name, table[name], repeats, rng, triad, threads))
+        rows.append(bench_shape(name, table[name], repeats, rng, triad, threads, args.device))
     best_triad = max(r["triad_GBps"] for r in rows)
     print(f"{'shape':8} {'B':>3} {'T':>4} {'U':>4} {'V':>4} {'ms':>8} {'GB/s':>7} "
           f"{'of triad':>8} {'torch ms':>9} {'torch/ours':>10}")
@@ -154,11 +202,13 @@ def run(args):
                       else f"{'-':>9} {'-':>10}")
         print(f"{r['shape']:8} {r['B']:3d} {r['T']:4d} {r['U']:4d} {r['V']:4d} {r['ms']:8.2f} "
               f"{r['GBps']:7.2f} {r['frac_triad']:8.1%} {torch_cols}")
-    print(f"triad {min(r['triad_GBps'] for r in rows):.1f}..{best_triad:.1f} GB/s (timed in "
-          f"alternation with each shape; each row is judged against its own). Bytes: logits "
-          f"read + gradient written + alpha and beta written.")
+    limit = "device copy" if args.device == "cuda" else "triad"
+    print(f"{limit} {min(r['triad_GBps'] for r in rows):.1f}..{best_triad:.1f} GB/s (timed in "
+          f"alternation with each shape; each row is judged against its own; the column "
+          f"'of triad' is of this). Bytes: logits read + gradient written + alpha and beta "
+          f"written.")
     return {"threads": threads, "small": small, "repeats": repeats, "torch": torch_version,
-            "triad_GBps": best_triad, "rows": rows}
+            "device": args.device, "triad_GBps": best_triad, "rows": rows}
 
 
 def figures(res):

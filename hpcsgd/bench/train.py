@@ -620,7 +620,7 @@ class Rank:
         return self.targets[n]
 
     def batch(self, n):
-        return (self.x[:n] if self.ctc else self.x), self.labels(n)
+        return self.x[:n], self.labels(n)
 
     def halve(self, take):
         """Double buffering of whole utterances: the first half of each rank's (the

@@ -237,29 +237,39 @@ def softmax_xent_backward(z, b, y, gb, partial, lanes, ce_part, correct_part):
         gb[0, j] = acc
 
 
+@njit(inline="always")
+def log_softmax_row(row, b, m, lane):
+    """row <- (row + b) - logsumexp(row + b), in place: max-subtracted, the sum of exps in
+    LANES interleaved partial sums (lane: LANES scratch). The rows of log_softmax_forward,
+    and of the CTC loss (model.kernels_ctc), so both give a logit row the same bits."""
+    mx = row[0] + b[0, 0]
+    for j in range(m):
+        v = row[j] + b[0, j]
+        row[j] = v
+        mx = max(mx, v)
+    s = row.dtype.type(0)
+    for k in range(LANES):
+        lane[k] = 0
+    m_l = m - m % LANES
+    for j0 in range(0, m_l, LANES):
+        for k in range(LANES):
+            lane[k] += fexp(row[j0 + k] - mx)
+    for k in range(LANES):
+        s += lane[k]
+    for j in range(m_l, m):
+        s += fexp(row[j] - mx)
+    lse = mx + math.log(s)
+    for j in range(m):
+        row[j] = row[j] - lse
+
+
 @njit(parallel=True, cache=True)
 def log_softmax_forward(z, b, lanes):
     """z (N, M): h @ W in, log-posteriors z + b - logsumexp(z + b) out (in place);
     lanes (N, LANES) scratch."""
     n, m = z.shape
     for i in prange(n):
-        mx, _ = _bias_max_argmax(z, b, i, m)
-        row = z[i]
-        s = z.dtype.type(0)
-        lane = lanes[i]
-        for k in range(LANES):
-            lane[k] = 0
-        m_l = m - m % LANES
-        for j0 in range(0, m_l, LANES):
-            for k in range(LANES):
-                lane[k] += fexp(row[j0 + k] - mx)
-        for k in range(LANES):
-            s += lane[k]
-        for j in range(m_l, m):
-            s += fexp(row[j] - mx)
-        lse = mx + math.log(s)
-        for j in range(m):
-            row[j] = row[j] - lse
+        log_softmax_row(z[i], b, m, lanes[i])
 
 
 @njit(parallel=True, cache=True)

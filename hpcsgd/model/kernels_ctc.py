@@ -59,7 +59,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from hpcsgd.codecs.common import f32_bits, f32_from_bits
-from hpcsgd.model.kernels import LANES, fexp
+from hpcsgd.model.kernels import LANES, fexp, log_softmax_row
 
 BLANK = 0
 CHUNK = 64   # states per vectorized sub-loop (the size of the per-thread stack scratch below)
@@ -152,14 +152,17 @@ def _lse3(a, b, c):
 _lse3_call = njit(_lse3.py_func)
 
 
-@njit(inline="always")
-def _feasible(ids, off, u, f):
-    """Has the sequence an alignment: f >= 1 and f >= U + (adjacent equal target pairs)?"""
+def feasible_rule(ids, off, u, f):
+    """Has the sequence an alignment: f >= 1 and f >= U + (adjacent equal target pairs)?
+    (Plain Python, compiled for the CPU kernels here and for the CUDA ones.)"""
     repeats = 0
     for i in range(1, u):
         if ids[off + i] == ids[off + i - 1]:
             repeats += 1
     return f >= 1 and f >= u + repeats
+
+
+_feasible = njit(inline="always")(feasible_rule)
 
 
 @njit(inline="always")
@@ -191,32 +194,6 @@ def _scratch():
     scratch = carray(_stack_scratch(), _SCRATCH)
     return (scratch[:LANES], scratch[LANES:LANES + CHUNK + 2],
             scratch[LANES + CHUNK + 2:])
-
-
-@njit(inline="always")
-def _log_softmax_row(row, bias, v, lane):
-    """row (V,) <- log softmax(row + bias), in place: the arithmetic of
-    kernels.log_softmax_forward (max-subtracted, the sum of exps in LANES interleaved partial
-    sums), so the model's log-softmax output has the same bits as these rows."""
-    mx = row[0] + bias[0, 0]
-    for j in range(v):
-        x = row[j] + bias[0, j]
-        row[j] = x
-        mx = max(mx, x)
-    s = _ZERO
-    for k in range(LANES):
-        lane[k] = 0
-    v_l = v - v % LANES
-    for j0 in range(0, v_l, LANES):
-        for k in range(LANES):
-            lane[k] += fexp(row[j0 + k] - mx)
-    for k in range(LANES):
-        s += lane[k]
-    for j in range(v_l, v):
-        s += fexp(row[j] - mx)
-    lse = mx + math.log(s)
-    for j in range(v):
-        row[j] = row[j] - lse
 
 
 @njit(inline="always")
@@ -326,7 +303,7 @@ def ctc_loss_grad(z, bias, nb, frames, ids, tgt_offsets, scale, ws_offsets, alph
             continue
         _zero_rows(z, nb, b, f, n_t)
         for t in range(f):
-            _log_softmax_row(z[t * nb + b], bias, v, lane)
+            log_softmax_row(z[t * nb + b], bias, v, lane)
         w0 = ws_offsets[b]
         logz = _alpha_pass(z, nb, b, f, ids, off, u, alpha, w0, em, sk)
         al = alpha[w0:w0 + f * ns]

@@ -37,6 +37,7 @@ from hpcsgd.device import as_device, on_stream
 from hpcsgd.half import stored as S
 from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
+from hpcsgd.model import kernels_ctc as KC
 
 CTC_THREADS = 128   # threads per sequence's block: S and V beyond it are strided over
 # the largest block (and the shared reduction arrays' size): ptxas gives the gradient kernel
@@ -55,14 +56,9 @@ def _check_threads(threads):
 # device functions
 
 
-@cuda.jit(device=True)
-def _feasible(ids, off, u, f):
-    """f >= 1 and f >= U + (adjacent equal target pairs); every thread computes it (uniform)."""
-    repeats = 0
-    for i in range(1, u):
-        if ids[off + i] == ids[off + i - 1]:
-            repeats += 1
-    return f >= 1 and f >= u + repeats
+# has the sequence an alignment (the CPU kernels' rule, one Python function for both); every
+# thread computes it (uniform across the block)
+_feasible = cuda.jit(device=True)(KC.feasible_rule)
 
 
 @cuda.jit(device=True)

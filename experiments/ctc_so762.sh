@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 53 on so762 (112 training, 13 held-out speakers): the CTC recipe of
+# jobs/configs/so762_ctc.yaml (frames stacked by 3, 3 BLSTM layers of 256, phone tokens,
+# SpecAugment, Adam with a linear decay, 30 epochs) on 2 ranks: float32 allreduce, the striped
+# 1-bit exchange with error feedback (and the 200k-frame float32 cold start of the DNN recipe),
+# mixed precision (float16 with a backoff loss scale), characters instead of phones; the
+# Wave2Letter-like all-convolutional model (so762_w2l.yaml); then every model decoded on the
+# held-out speakers, greedily and through a phone bigram (TLG), the character model through
+# a word bigram too.
+#   bash experiments/ctc_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
+#   ONLY="f32" bash experiments/ctc_so762.sh  the runs whose name starts with ONLY
+# Runs in runs/ctc/<name>/ (metrics.jsonl, decode/); experiments/summarize_ctc.py runs/ctc
+# prints the table. The PyTorch peer on the same recipe: experiments/pytorch_ctc.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
+source experiments/train_run.sh
+ROOT=runs/ctc
+A=runs/so762/archive_ctc
+run() {   # NAME CONFIG [key=value ...]
+    train_run "$ROOT" "$@"
+}
+want() { case "$1" in "${ONLY:-}"*) return 0 ;; *) return 1 ;; esac; }
+ONEBIT=(exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_frames=200000)
+run f32 2 --config jobs/configs/so762_ctc.yaml
+run onebit 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}"
+run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
+run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
+run w2l 2 --config jobs/configs/so762_w2l.yaml
+# the graphs, from the training speakers only: a phone bigram, a word bigram spelled in
+# characters
+[ -f "$ROOT/tlg_phones/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_phones" \
+    --kind phones --topology ctc --tokens phones > /dev/null
+[ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
+    --kind words --topology ctc --tokens chars > /dev/null
+for name in f32 onebit mixed w2l chars; do
+    want "$name" && [ -d "$ROOT/$name" ] || continue
+    graph=tlg_phones
+    [ "$name" = chars ] && graph=tlg_words
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$ROOT/$graph" --tune \
+        | grep -E "^%|interval|acoustic scale [0-9]"
+done
