@@ -7,8 +7,9 @@ training and nothing else (docs/results.md, "CTC models on so762").
 What is the same: the training archive's batches as hpcsgd's loader deals them to one rank
 (whole utterances in length buckets, SpecAugment drawn per utterance and epoch), the epochs,
 Adam with the per-sample rate times each batch's frames and the linear decay to 0
-(hpcsgd/optim.py), the encoder layer for layer (hpcsgd/bench/pytorch.py: CTCModel: frame
-stacking as a reshape, nn.Conv1d, nn.LSTM on packed sequences, nn.Linear), nn.CTCLoss summed
+(hpcsgd/optim.py), the encoder layer for layer (hpcsgd/bench/pytorch.py: CTCModel, what bench
+train --pytorch times: frame stacking as a reshape, nn.Conv1d, nn.LSTM on packed sequences,
+nn.Linear), nn.CTCLoss summed
 over the utterances. What is PyTorch's own: its default initialisation, its kernels. The held-out
 archive's greedy phone error rate is hpcsgd's (hpcsgd.decode.ctc.greedy_search against the
 archive's tokens, Kaldi's scoring). PyTorch is a benchmark peer: `pip install torch==2.13.0`.
@@ -23,59 +24,11 @@ import numpy as np
 import torch
 
 from hpcsgd import config
+from hpcsgd.bench.pytorch import CTCModel
 from hpcsgd.data.utterances import SpecAugment, UtteranceLoader
 from hpcsgd.decode.ctc import greedy_search
 from hpcsgd.decode.score import counts, kaldi_lines
-from hpcsgd.model.encoder import parse_spec, time_stride
-
-
-class Net(torch.nn.Module):
-    """The encoder of the specs on packed sequences, then the token logits."""
-
-    def __init__(self, input_dim, specs, num_tokens):
-        super().__init__()
-        self.specs = [parse_spec(s) for s in specs]
-        self.layers = torch.nn.ModuleList()
-        n_in = input_dim
-        for spec in self.specs:
-            kind, width = spec["kind"], spec["units"]
-            if kind == "stack":
-                layer, width = torch.nn.Identity(), width * n_in
-            elif kind == "conv":
-                k, d = spec["kernel"], spec["dilation"]
-                layer = torch.nn.Conv1d(n_in, width, k, stride=spec["stride"], dilation=d,
-                                        padding=(k - 1) * d // 2)
-            elif kind in ("blstm", "lstm"):
-                layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
-                width *= 2 if kind == "blstm" else 1
-            else:
-                layer = torch.nn.Linear(n_in, width)
-            self.layers.append(layer)
-            n_in = width
-        self.out = torch.nn.Linear(n_in, num_tokens)
-
-    def forward(self, x, lengths):
-        """x (T, B, D) time-major, zero padding; lengths (B,) -> ((T', B, V) log-probs, T')."""
-        for spec, layer in zip(self.specs, self.layers):
-            kind = spec["kind"]
-            if kind == "stack":
-                k = spec["units"]
-                t, b, d = x.shape
-                pad = -t % k
-                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-                x = x.view((t + pad) // k, k, b, d).permute(0, 2, 1, 3).reshape(-1, b, k * d)
-                lengths = (lengths + k - 1) // k
-            elif kind == "conv":
-                x = torch.relu(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
-                lengths = (lengths + spec["stride"] - 1) // spec["stride"]
-                x = x * (torch.arange(x.shape[0])[:, None] < lengths[None, :])[..., None]
-            elif kind in ("blstm", "lstm"):
-                packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=True)
-                x, _ = torch.nn.utils.rnn.pad_packed_sequence(layer(packed)[0],
-                                                              total_length=x.shape[0])
-            else:
-                x = torch.relu(layer(x))
-        return torch.nn.functional.log_softmax(self.out(x), dim=-1), lengths
+from hpcsgd.model.encoder import time_stride
 
 
 def batch_tensors(x, targets, dim):
@@ -97,7 +50,7 @@ def evaluate(model, cv_dir, cfg):
         for _, x, t in loader.eval_batches(16384):
             xs, frames, ids, tgt_len = batch_tensors(x, t, loader.feature_dim)
             logp, out_len = model(xs, frames)
-            loss_sum += float(ctc(logp, ids, out_len, tgt_len))
+            loss_sum += ctc(logp, ids, out_len, tgt_len).item()
             for b in range(len(frames)):
                 hyp = greedy_search(logp[:out_len[b], b].numpy())
                 ref = t.ids[t.offsets[b]:t.offsets[b + 1]]
@@ -119,7 +72,9 @@ def main(argv):
                              max_frames=cfg["data.max_frames"],
                              bucket_frames=cfg["data.bucket_frames"], spec=spec,
                              sortagrad=cfg["data.sortagrad"])
-    model = Net(loader.feature_dim, cfg["model.encoder"], loader.num_labels)
+    act = torch.nn.ReLU if cfg["model.activation"] == "relu" else torch.nn.Sigmoid
+    model = CTCModel(torch, {"input_dim": loader.feature_dim, "encoder": cfg["model.encoder"],
+                             "num_tokens": loader.num_labels}, act)
     assert cfg["optim.type"] == "adam" and cfg["schedule.type"] == "linear"
     opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg["optim.adam_beta1"],
                                                            cfg["optim.adam_beta2"]))
@@ -143,7 +98,7 @@ def main(argv):
             loss = ctc(logp, ids, out_len, tgt_len)
             loss.backward()
             opt.step()
-            loss_sum, tokens = loss_sum + float(loss), tokens + len(ids)
+            loss_sum, tokens = loss_sum + loss.item(), tokens + len(ids)
             offsets += take
             done += int(take.sum())
         errors, cv_loss = evaluate(model, cfg["data.cv"], cfg)

@@ -48,10 +48,19 @@ def run(args):
     frames = [r["frames"] for r in train]
 
     fig, (ax_ce, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_ce.plot(frames, [r["ce"] for r in train], label="train (running)")
-    ax_acc.plot(frames, [100 * r["frame_accuracy"] for r in train], label="train (running)")
+    ctc = "ctc_per_token" in train[0]   # a CTC model: the loss per token, token errors
+    if ctc:
+        ax_ce.plot(frames, [r["ctc_per_token"] for r in train], label="train (running)")
+    else:
+        ax_ce.plot(frames, [r["ce"] for r in train], label="train (running)")
+        ax_acc.plot(frames, [100 * r["frame_accuracy"] for r in train], label="train (running)")
     cv = [r for r in epochs if r.get("cv_ce") is not None]
-    if cv:
+    if cv and ctc:
+        ax_ce.plot([r["frames"] for r in cv], [r["cv_ctc_per_token"] for r in cv], "o-",
+                   label="cross-validation")
+        ax_acc.plot([r["frames"] for r in cv], [100 * r["cv_token_error_rate"] for r in cv],
+                    "o-", label="cross-validation (greedy)")
+    elif cv:
         ax_ce.plot([r["frames"] for r in cv], [r["cv_ce"] for r in cv], "o-", label="cross-validation")
         ax_acc.plot([r["frames"] for r in cv], [100 * r["cv_frame_accuracy"] for r in cv], "o-",
                     label="cross-validation")
@@ -69,8 +78,12 @@ def run(args):
                      alpha=0.6, label="bits")
         ax_bits.set(ylabel="gradient bits per value", ylim=(1.5, 8.5))
         ax_bits.legend(loc="center right")
-    ax_ce.set(xlabel="frames", ylabel="cross-entropy (nats/frame)", title="cross-entropy")
-    ax_acc.set(xlabel="frames", ylabel="frame accuracy (%)", title="frame accuracy")
+    if ctc:
+        ax_ce.set(xlabel="frames", ylabel="CTC loss (nats/token)", title="CTC loss")
+        ax_acc.set(xlabel="frames", ylabel="token error rate (%)", title="token error rate")
+    else:
+        ax_ce.set(xlabel="frames", ylabel="cross-entropy (nats/frame)", title="cross-entropy")
+        ax_acc.set(xlabel="frames", ylabel="frame accuracy (%)", title="frame accuracy")
     for ax in (ax_ce, ax_acc):
         frames_axis(ax)
         ax.legend()

@@ -31,13 +31,17 @@ DIR = "tensorboard"
 # (no CV, no adaptive bits, no loss scaling, no double buffering) is no point
 TAGS = {
     "train": (("ce", "train/ce"), ("frame_accuracy", "train/accuracy"), ("lr", "lr"),
+              ("ctc_per_token", "train/ctc_per_token"),
+              ("skipped_utterances", "train/no_alignment_utterances"),
               ("frames_per_s", "throughput/frames_per_s"),
               ("comm_exposed_s", "comm/exposed_s"),   # per exchange
               ("comm_bytes_per_step", "comm/bytes_per_step"), ("overlap", "comm/overlap"),
               ("bits", "exchange/bits"), ("loss_scale", "precision/loss_scale"),
               ("skipped_steps", "precision/skipped_steps")),
     "epoch": (("cv_ce", "cv/ce"), ("cv_frame_accuracy", "cv/accuracy"),
-              ("cv_majority", "cv/majority_accuracy")),
+              ("cv_majority", "cv/majority_accuracy"),
+              ("cv_ctc_per_token", "cv/ctc_per_token"),
+              ("cv_token_error_rate", "cv/token_error_rate")),
     "bits": (("bits", "exchange/bits"),),   # each change of the adaptive width, where it is
     "probe": (("chosen", "probe/minibatch"), ("seconds", "probe/seconds"),
               ("criteria", "probe/ce")),    # {size: CE} -> probe/ce/<size>

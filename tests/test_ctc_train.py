@@ -224,3 +224,44 @@ def test_bad_inputs_are_named(arch, tmp_path):
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     proc = run_train(1, [f"data.train={other}", f"train.run_dir={tmp_path / 'f'}"])
     assert proc.returncode == 2 and "without frame labels" in proc.stderr, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def demo_text_only(tmp_path_factory):
+    """The bundled so762 demo corpus prepped from its transcripts alone (no --alignments):
+    phones from CMUdict, characters; no frame labels."""
+    from conftest import REPO
+    out = str(tmp_path_factory.mktemp("demo_text") / "archive")
+    demo = os.path.join(REPO, "data_prep", "demo", "so762")
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "prep", demo, out, "--labels",
+                           os.path.join(demo, "labels.txt"), "--cv-speakers", "8",
+                           "--num-shards", "2", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    index = json.load(open(os.path.join(out, "train", "index.json")))
+    assert not index["frame_labels"] and set(index["tokens"]) == {"phones", "chars"}
+    return out
+
+
+def test_a_text_only_corpus_trains_a_ctc_model_with_onebit_on_two_ranks(demo_text_only,
+                                                                        tmp_path):
+    """Real speech, no alignment anywhere: 2 ranks, the striped 1-bit exchange with error
+    feedback, replicas checked every step. It learns: past the CTC plateau (the loss of the
+    blank-and-unigram model, about 3.6 nats per phone here) on the held-out speakers, with
+    phones recognized greedily."""
+    run = str(tmp_path / "run")
+    proc = run_train(2, [f"data.train={demo_text_only}/train", f"data.cv={demo_text_only}/cv",
+                         f"train.run_dir={run}", "model.type=ctc",
+                         "model.encoder=[stack 2, blstm 96, blstm 96]", "train.minibatch=1500",
+                         "train.epochs=20", "optim.type=adam", "optim.lr=1.3e-6",
+                         "optim.momentum_tc=0", "schedule.type=constant",
+                         "exchange.aggregation=striped", "exchange.codec=onebit",
+                         "train.check_every_steps=1", "train.log_every_frames=1000000"],
+                     timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
+              if json.loads(line)["kind"] == "epoch"]
+    assert len(epochs) == 20
+    assert epochs[-1]["cv_ctc_per_token"] < 3.2 < epochs[0]["cv_ctc_per_token"]
+    assert epochs[-1]["cv_token_error_rate"] < 0.95
+    assert epochs[-1]["train_ctc_per_token"] < 0.8 * epochs[1]["train_ctc_per_token"]

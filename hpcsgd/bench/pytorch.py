@@ -64,45 +64,58 @@ def SequenceModel(torch, shape, act):
 
 def CTCModel(torch, shape, act):
     """A CTC encoder as PyTorch users write it, layer for layer the spec's
-    (hpcsgd/model/encoder.py): nn.Conv1d with centred padding (on (B, C, T), transposed
-    around it), nn.LSTM (bidirectional for blstm), nn.Linear; a Linear to the tokens.
-    (T, B, D) in, (T', B, V) log-probabilities out, for nn.CTCLoss."""
+    (hpcsgd/model/encoder.py): frame stacking as a reshape, nn.Conv1d with centred padding
+    (on (B, C, T), the padding past each utterance zeroed), nn.LSTM on packed sequences
+    (bidirectional for blstm), nn.Linear; a Linear to the tokens. forward(x (T, B, D)
+    time-major, lengths (B,) longest first) -> ((T', B, V) log-probabilities for nn.CTCLoss,
+    the output lengths). Also experiments/pytorch_ctc.py's model."""
     from hpcsgd.model.encoder import parse_spec
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
+            self.specs = [parse_spec(text) for text in shape["encoder"]]
             self.layers = torch.nn.ModuleList()
-            self.kinds, n_in = [], shape["input_dim"]
-            for text in shape["encoder"]:
-                spec = parse_spec(text)
+            n_in = shape["input_dim"]
+            for spec in self.specs:
                 kind, width = spec["kind"], spec["units"]
-                if kind == "conv":
+                if kind == "stack":
+                    layer, width = torch.nn.Identity(), width * n_in
+                elif kind == "conv":
                     k, d = spec["kernel"], spec["dilation"]
                     layer = torch.nn.Conv1d(n_in, width, k, stride=spec["stride"],
                                             dilation=d, padding=(k - 1) * d // 2)
                 elif kind in ("blstm", "lstm"):
                     layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
                     width *= 2 if kind == "blstm" else 1
-                elif kind == "dense":
-                    layer = torch.nn.Linear(n_in, width)
                 else:
-                    raise SystemExit(f"bench --pytorch: encoder layer {text!r} not built")
+                    layer = torch.nn.Linear(n_in, width)
                 self.layers.append(layer)
-                self.kinds.append(kind)
                 n_in = width
             self.act = act()
             self.out = torch.nn.Linear(n_in, shape["num_tokens"])
 
-        def forward(self, x):
-            for kind, layer in zip(self.kinds, self.layers):
-                if kind == "conv":
+        def forward(self, x, lengths):
+            for spec, layer in zip(self.specs, self.layers):
+                kind = spec["kind"]
+                if kind == "stack":
+                    k, (t, b, d) = spec["units"], x.shape
+                    x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, -t % k))
+                    x = x.view(-1, k, b, d).permute(0, 2, 1, 3).reshape(-1, b, k * d)
+                    lengths = (lengths + k - 1) // k
+                elif kind == "conv":
                     x = self.act(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
-                elif kind == "dense":
-                    x = self.act(layer(x))
+                    lengths = (lengths + spec["stride"] - 1) // spec["stride"]
+                    valid = torch.arange(x.shape[0], device=x.device)[:, None] < \
+                        lengths.to(x.device)[None, :]
+                    x = x * valid[..., None]
+                elif kind in ("blstm", "lstm"):
+                    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu())
+                    x, _ = torch.nn.utils.rnn.pad_packed_sequence(layer(packed)[0],
+                                                                  total_length=x.shape[0])
                 else:
-                    x, _ = layer(x)
-            return torch.nn.functional.log_softmax(self.out(x), dim=-1)
+                    x = self.act(layer(x))
+            return torch.nn.functional.log_softmax(self.out(x), dim=-1), lengths
     return Net()
 
 
@@ -210,6 +223,8 @@ class TorchRank:
         n = int(take[self.rank])
         x = self.x[:n] if not self.steps else self.x[:n].view(self.steps, -1, self.x.shape[1])
         loss_of = (lambda out: self.loss(out, y)) if not self.ctc else self._ctc_loss(n)
+        inputs = (x,) if not self.ctc else (x, torch.full((x.shape[1],), x.shape[0],
+                                                          dtype=torch.long))
         y = self.y[:n] if not self.ctc else None
         marks = []
         self._sync()
@@ -219,7 +234,7 @@ class TorchRank:
             opt.zero_grad(set_to_none=False)
             with (torch.autocast(self.dev.type, dtype=amp) if amp is not None
                   else contextlib.nullcontext()):
-                loss = loss_of(model(x))
+                loss = loss_of(model(*inputs))
             if scaler is not None:
                 scaler.scale(loss).backward()   # DDP: the allreduce overlaps the backward
                 scaler.step(opt)
@@ -240,14 +255,11 @@ class TorchRank:
         """nn.CTCLoss of n frames' utterances (the targets hpcsgd's step of n frames has:
         hpcsgd/bench/train.py, utterance_targets), the output lengths after the strides."""
         torch = self.torch
-        from hpcsgd.model.encoder import time_stride
         t = self.targets(n)
-        out_len = -(-self.steps // time_stride(self.shape["encoder"]))
         per = int(t.offsets[1]) if len(t.frames) else 0
         targets = torch.from_numpy(t.ids.astype(np.int64)).view(len(t.frames), per).to(self.dev)
-        lengths = torch.full((len(t.frames),), out_len, dtype=torch.long)
         target_lengths = torch.full((len(t.frames),), per, dtype=torch.long)
-        return lambda out: self.loss(out.float(), targets, lengths, target_lengths)
+        return lambda out: self.loss(out[0].float(), targets, out[1], target_lengths)
 
     def bytes_on_wire(self, size):
         """A ring allreduce of the float32 gradient: 2 (K-1)/K of it per rank."""

@@ -142,7 +142,7 @@ class UtteranceLoader:
         """Every utterance's shard, place, frames, speaker, tokens (as arrays), and each
         shard's CMVN (shift, scale)."""
         shard, first, lengths, spk, ids, tok_first, tok_len, utt_ids = ([] for _ in range(8))
-        self._cmvn, self._paths, token_base, spk_base = [], [], 0, 0
+        self._paths, token_base, spk_base = [], 0, 0
         shifts, scales = [], []
         for s, entry in enumerate(self.index["shards"]):
             path = os.path.join(self.dir, entry["file"])
@@ -316,7 +316,11 @@ class UtteranceLoader:
         part, future = self._part   # the group is the step's part or a half of it
         feats = future.result() if future is not None else self._read(self._epoch, part)
         at = {int(u): k for k, u in enumerate(part)}
-        feats = [feats[at[int(u)]] for u in group]
+        return self._batch(group, [feats[at[int(u)]] for u in group])
+
+    def _batch(self, group, feats):
+        """(x, Targets) of a group of utterances (longest first) and their features, x a
+        view of the loader's one output buffer."""
         lengths = self.lengths[group]
         steps, nb = int(lengths[0]), len(group)
         x = self._out_x[:steps * nb]
@@ -342,21 +346,15 @@ class UtteranceLoader:
             utt = self.utt_ids[by_length[0]]
             raise UserError(f"{self.dir}: utterance {utt} has {longest} frames, more than "
                             f"the {min(max_rows, self.max_rows)} rows of a pass")
-        m, spec = 0, self.spec
-        self.spec = None
-        try:
-            while m < len(by_length):
-                e = m + 1
-                while e < len(by_length) and (e - m + 1) * self.lengths[by_length[m]] <= \
-                        min(max_rows, self.max_rows):
-                    e += 1
-                group = by_length[m:e]
-                self._groups, self._part = [group], (group, None)
-                x, targets = self.next_batch(int(self.lengths[group].sum()))
-                yield [self.utt_ids[u] for u in group], x, targets
-                m = e
-        finally:
-            self.spec = spec
+        rows, m = min(max_rows, self.max_rows), 0
+        while m < len(by_length):
+            e = m + 1
+            while e < len(by_length) and (e - m + 1) * self.lengths[by_length[m]] <= rows:
+                e += 1
+            group = by_length[m:e]
+            x, targets = self._batch(group, self._read(None, group))
+            yield [self.utt_ids[u] for u in group], x, targets
+            m = e
 
     # --- reading (the prefetch thread) -------------------------------------------------------
     def _load(self, group):
@@ -374,7 +372,8 @@ class UtteranceLoader:
         return self._loading[key]
 
     def _read(self, epoch, group):
-        """Each utterance's normalised (and, training, masked) features, longest first."""
+        """Each utterance's normalised features, longest first, SpecAugment's masks on them
+        when the loader has them and an epoch is given (epoch None: evaluation)."""
         out = []
         for u in group:
             s, a, length = int(self.shard[u]), int(self.first[u]), int(self.lengths[u])
@@ -386,7 +385,7 @@ class UtteranceLoader:
                                 f"({err}); truncated or corrupt shard?") from None
             feats += self.shift[self.spk[u]]
             feats *= self.scale[self.spk[u]]
-            if self.spec is not None:
+            if self.spec is not None and epoch is not None:
                 specaugment(feats, np.random.default_rng([self.seed, epoch, SPEC_TAG, int(u)]),
                             self.spec)
             out.append(feats)

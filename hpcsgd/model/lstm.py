@@ -69,6 +69,7 @@ class LSTM:
                 "zeros": (max_rows, max(g, self.n_out)),
                 "dh_rec": (max_rows, self.cells), "dh_rec2": (two, self.cells),
                 "dc": (max_rows, self.cells), "dc2": (two, self.cells),
+                "ut": (self.dirs, g, self.cells),   # U^T per direction (CPU steps' products)
                 "hq": (max_rows if self.hidden_grid is not None else 0, self.n_out)}
 
     def init(self, views, rng):
@@ -115,7 +116,7 @@ class LSTM:
                     # the sequences valid now were valid at the previous step forwards; a
                     # backward-direction sequence that starts here reads the zero padding
                     before = slice(prev[d], prev[d] + m)
-                    matmul(h[before, d * hc:(d + 1) * hc], p[self.U[d]], recs[d][:m])
+                    ops.step_product(h[before, d * hc:(d + 1) * hc], p[self.U[d]], recs[d][:m])
                     args.append((gates[now], recs[d][:m], cells[before], cells[now], y[now]))
                 prev[d] = t * nb
                 rows.append(now)
@@ -140,6 +141,8 @@ class LSTM:
         dh_recs, dcs = (ws["dh_rec"], ws["dh_rec2"]), (ws["dc"], ws["dc2"])
         h = y if self.hidden_grid is None else ws["hq"][:n]   # what the recurrent GEMM read
         m_rows = (steps - 1) * nb   # rows of the steps that have a previous one
+        # U^T of each direction, once per pass, for the steps' small products (CPU ranks)
+        uts = [ops.transposed_copy(p[self.U[d]], ws["ut"][d]) for d in range(self.dirs)]
         for d in range(self.dirs):
             zero(dcs[d][:nb])
         # step s: each direction's steps in reverse (time T-1-s for the forward direction,
@@ -161,8 +164,8 @@ class LSTM:
                 if later[d] is None:
                     dr = zeros[:m]
                 else:
-                    matmul(gates[later[d]:later[d] + m, cols], p[self.U[d]], dh_recs[d][:m],
-                           trans_b=True)
+                    ops.step_product(gates[later[d]:later[d] + m, cols], p[self.U[d]],
+                                     dh_recs[d][:m], trans_b=True, wt=uts[d])
                     dr = dh_recs[d][:m]
                 args.append((gates[now], zeros[:m] if first else cells[earlier], cells[now],
                              dy[now], dr, dcs[d][:m]))

@@ -121,6 +121,9 @@ class Network:
         # (targets of whole utterances: CTC, whose passes take their lengths from them)
         self.frame_labels = not getattr(self.layers[-1], "tokens", False)
         self.steps = steps
+        # the first layer that has parameters: the input gradient of those above it is needed
+        self.first_learning = next((i + 1 for i, layer in enumerate(self.layers)
+                                    if layer.specs()), 1)
         self.parallel = any(hasattr(layer, "whole") for layer in self.layers)
         self._inference = None if self.storage != self.dtype else (self.acts, self.workspaces)
         if self.half:
@@ -382,7 +385,9 @@ class Network:
             layer = self.layers[i]
             rows_in, rows = (n, n) if geo is None else (geo[i].rows, geo[i + 1].rows)
             inp = self.acts[i - 1][:rows_in] if i > 0 else x[:rows_in]
-            wants_dx = i > 0 or (quant and quant.learns_input(0))
+            # dLoss/dx only where a layer below it learns (or the input's learned clip):
+            # not below a parameterless first layer such as frame stacking
+            wants_dx = i >= self.first_learning or (quant and quant.learns_input(0))
             dx = self.delta[:rows_in * layer.n_in].reshape(rows_in, layer.n_in) \
                 if wants_dx else None
             layer.backward(params, grads,

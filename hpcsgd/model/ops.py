@@ -16,7 +16,7 @@ y (N,) integer labels. `kind` is kernels.SIGMOID or kernels.RELU.
 import numpy as np
 
 from hpcsgd import half
-from hpcsgd.device import zeros
+from hpcsgd.device import matmul, zeros
 from hpcsgd.lazy_cuda import cuda as cuda_module
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_lstm as KL
@@ -37,6 +37,7 @@ class CpuOps:
         self.correct_part = np.empty(K.NCHUNK, np.int64)
         self.quant_part = np.empty((max_batch, 3), np.float64)   # grown for a taller weight
         self.quant_bits = np.empty(max_batch, np.uint64)
+        self.small_rows = small_rows()   # the threads are set before a model is built
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -90,6 +91,18 @@ class CpuOps:
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
         KL.column_sums(d, gb, self.partial)
+
+    def step_product(self, a, w, out, trans_b=False, wt=None):
+        """out = a @ w (a @ w^T with trans_b) for one time step's rows, the LSTM's recurrent
+        products: up to kernels_lstm.SMALL_WORK / threads rows by small_matmul (a @ w^T on
+        wt, the transposed copy transposed_copy made), else BLAS."""
+        step_product(a, w, out, trans_b, wt, self.small_rows)
+
+    def transposed_copy(self, w, wt):
+        """wt <- w^T, returned: what step_product's small rows read for a @ w^T (made once
+        per backward pass, not per step)."""
+        np.copyto(wt, w.T)
+        return wt
 
     # the sequence layers (model/conv.py, model/lstm.py, model/ctc.py; model/lengths.py)
     def unfold(self, x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):
@@ -252,6 +265,13 @@ class CudaOps:
     def column_sums(self, d, gb):
         KC.column_sums(d, gb)
 
+    def step_product(self, a, w, out, trans_b=False, wt=None):
+        """cuBLAS for every size (a transposed w is the GEMM's argument: no copy)."""
+        matmul(a, w, out, trans_b=trans_b)
+
+    def transposed_copy(self, w, wt):
+        return None   # cuBLAS transposes in the product
+
     def unfold(self, x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):
         KC.unfold(x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left)
 
@@ -328,7 +348,20 @@ class CudaOps:
 
 
 class GemmOnly:
-    """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers."""
+    """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers (the
+    recurrent products included, as the device's ops compute them)."""
+
+    def step_product(self, a, w, out, trans_b=False, wt=None):
+        if isinstance(a, np.ndarray):
+            step_product(a, w, out, trans_b, wt, small_rows())
+        else:
+            matmul(a, w, out, trans_b=trans_b)
+
+    def transposed_copy(self, w, wt):
+        if isinstance(w, np.ndarray):
+            np.copyto(wt, w.T)
+            return wt
+        return None
 
     def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
         pass
@@ -484,6 +517,12 @@ class HalfOps:
     def column_sums(self, d, gb):
         self.ops.column_sums(d, gb)
 
+    def step_product(self, a, w, out, trans_b=False, wt=None):
+        self.ops.step_product(a, w, out, trans_b, wt)   # rounded by the step that reads it
+
+    def transposed_copy(self, w, wt):
+        return self.ops.transposed_copy(w, wt)
+
     def unfold(self, x, cols, *shape):
         self.ops.unfold(x, cols, *shape)   # a copy of values stored already
 
@@ -509,6 +548,22 @@ class HalfOps:
             self.store(x)
 
     _after_step = _before_step   # the kernel's outputs: stored in the 16-bit format too
+
+
+def step_product(a, w, out, trans_b=False, wt=None, small_rows=KL.SMALL_WORK):
+    """A CPU time step's product (CpuOps.step_product): out = a @ w, or a @ w^T = a @ wt;
+    small_rows: the most rows small_matmul takes (kernels_lstm.SMALL_WORK / threads)."""
+    if len(a) <= small_rows:
+        KL.small_matmul(a, wt if trans_b else w, out)
+    else:
+        matmul(a, w, out, trans_b=trans_b)
+
+
+def small_rows():
+    """The most rows of a time step's product that small_matmul takes at this process's
+    threads (BLAS's threads win above it)."""
+    import numba
+    return KL.SMALL_WORK // max(numba.get_num_threads(), 1)
 
 
 def make_ops(device, max_batch, max_width, dtype):
