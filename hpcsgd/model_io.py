@@ -150,6 +150,8 @@ def load_exported(path, max_batch, device="cpu"):
         with h5py.File(path, "r") as f:
             meta = json.loads(f.attrs["meta"])
             bits = int(f.attrs["bits"])
+            if meta["model"].get("type") == "ctc":   # whole utterances in a pass
+                max_batch = max(max_batch, CTC_EVAL_ROWS)
             model = build(meta["model"], max_batch=max_batch, device=device)
             params = FlatParams(model.specs, model.dtype)   # on the host
             for spec in model.specs:

@@ -626,8 +626,10 @@ def describe_model(shape):
     if shape.get("type") in ("ctc", "tdnn"):
         out = (f"CTC {shape['num_tokens']}" if shape["type"] == "ctc"
                else str(shape["num_labels"]))
-        return (f"{shape['input_dim']}-[{encoder_describe(shape['encoder'])}]-{out} "
-                f"{shape['activation']}" + describe_qat(shape.get("qat")))
+        # the activation only where a convolution or a dense layer has one
+        act = any(spec.split()[0] in ("conv", "dense") for spec in shape["encoder"])
+        return (f"{shape['input_dim']}-[{encoder_describe(shape['encoder'])}]-{out}"
+                + (f" {shape['activation']}" if act else "") + describe_qat(shape.get("qat")))
     if shape.get("type") == "lstm":
         kind = "BLSTM" if shape["bidirectional"] else "LSTM"
         cells = shape["cells"]

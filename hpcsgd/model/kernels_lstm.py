@@ -157,15 +157,15 @@ def lstm_backward_step2(a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, 
                     hc)
 
 
-# a time step's product of at most SMALL_WORK / threads rows: small_matmul, not BLAS (one
-# thread: up to 12 rows, where it beats OpenBLAS; two: up to 6, where OpenBLAS's two threads
-# do not yet win it back; measured on a Zen 4, 256 x 1024 and 1024 x 256 weights)
-SMALL_WORK = 12
+# a time step's product of at most SMALL_ROWS rows: small_matmul, not BLAS (on one Zen 4
+# thread it wins up to about 12 rows, against OpenBLAS's two threads up to about 6; a fixed
+# bound, so that the bits do not depend on the threads: 8)
+SMALL_ROWS = 8
 
 
 @njit(cache=True)
 def small_matmul(a, b, out):
-    """out (M, N) = a (M, K) @ b (K, N) for a time step's few rows (SMALL_WORK): b's rows
+    """out (M, N) = a (M, K) @ b (K, N) for a time step's few rows (SMALL_ROWS): b's rows
     streamed once, four at a time, each output row updated from them in one pass over N
     (vectorized). OpenBLAS packs b on every call and its kernels want M >= 16: at M = 5,
     K = 256, N = 1024 (a BLSTM step of 5 sequences) this is 2.4x faster forwards and 3x on

@@ -37,7 +37,6 @@ class CpuOps:
         self.correct_part = np.empty(K.NCHUNK, np.int64)
         self.quant_part = np.empty((max_batch, 3), np.float64)   # grown for a taller weight
         self.quant_bits = np.empty(max_batch, np.uint64)
-        self.small_rows = small_rows()   # the threads are set before a model is built
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -94,9 +93,9 @@ class CpuOps:
 
     def step_product(self, a, w, out, trans_b=False, wt=None):
         """out = a @ w (a @ w^T with trans_b) for one time step's rows, the LSTM's recurrent
-        products: up to kernels_lstm.SMALL_WORK / threads rows by small_matmul (a @ w^T on
-        wt, the transposed copy transposed_copy made), else BLAS."""
-        step_product(a, w, out, trans_b, wt, self.small_rows)
+        products: up to kernels_lstm.SMALL_ROWS rows by small_matmul (a @ w^T on wt, the
+        transposed copy transposed_copy made), else BLAS."""
+        step_product(a, w, out, trans_b, wt)
 
     def transposed_copy(self, w, wt):
         """wt <- w^T, returned: what step_product's small rows read for a @ w^T (made once
@@ -353,7 +352,7 @@ class GemmOnly:
 
     def step_product(self, a, w, out, trans_b=False, wt=None):
         if isinstance(a, np.ndarray):
-            step_product(a, w, out, trans_b, wt, small_rows())
+            step_product(a, w, out, trans_b, wt)
         else:
             matmul(a, w, out, trans_b=trans_b)
 
@@ -550,20 +549,13 @@ class HalfOps:
     _after_step = _before_step   # the kernel's outputs: stored in the 16-bit format too
 
 
-def step_product(a, w, out, trans_b=False, wt=None, small_rows=KL.SMALL_WORK):
+def step_product(a, w, out, trans_b=False, wt=None):
     """A CPU time step's product (CpuOps.step_product): out = a @ w, or a @ w^T = a @ wt;
-    small_rows: the most rows small_matmul takes (kernels_lstm.SMALL_WORK / threads)."""
-    if len(a) <= small_rows:
+    at most kernels_lstm.SMALL_ROWS rows by small_matmul, else BLAS."""
+    if len(a) <= KL.SMALL_ROWS:
         KL.small_matmul(a, wt if trans_b else w, out)
     else:
         matmul(a, w, out, trans_b=trans_b)
-
-
-def small_rows():
-    """The most rows of a time step's product that small_matmul takes at this process's
-    threads (BLAS's threads win above it)."""
-    import numba
-    return KL.SMALL_WORK // max(numba.get_num_threads(), 1)
 
 
 def make_ops(device, max_batch, max_width, dtype):
