@@ -30,10 +30,12 @@ CUDA_ENV = {} if REAL_GPU else {"NUMBA_ENABLE_CUDASIM": "1"}
 # files by their number of tests, which left the 70 s README pipeline to the end: one worker
 # ran on 18 s after the other had finished), so the long ones start early and the short ones
 # fill the end
-LONGEST_FIRST = ("test_slurm.py", "test_exchange.py", "test_train.py", "test_bench_cli.py",
+LONGEST_FIRST = ("test_slurm.py", "test_ctc_train.py", "test_exchange.py", "test_train.py",
+                 "test_bench_cli.py",
                  "test_readme.py", "test_parallel.py", "test_codecs.py", "test_shutdown.py",
                  "test_precision.py", "test_gpu_ranks.py", "test_qat_train.py",
-                 "test_model_cuda.py", "test_lstm.py", "test_jit.py", "test_loader.py",
+                 "test_model_cuda.py", "test_ctc_model_cuda.py", "test_lstm.py", "test_jit.py",
+                 "test_loader.py", "test_ctc_cuda.py",
                  "test_lstm_train.py", "test_eval_cuda.py", "test_quantize.py",
                  "test_double_buffering.py",
                  "test_decode.py",
