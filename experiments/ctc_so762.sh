@@ -9,6 +9,7 @@
 # a word bigram too.
 #   bash experiments/ctc_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
 #   ONLY="f32" bash experiments/ctc_so762.sh  the runs whose name starts with ONLY
+#   STAGE=decode ONLY=f32 bash experiments/ctc_so762.sh   decode only (STAGE=train: train only)
 # Runs in runs/ctc/<name>/ (metrics.jsonl, decode/); experiments/summarize_ctc.py runs/ctc
 # prints the table. The PyTorch peer on the same recipe: experiments/pytorch_ctc.py.
 set -euo pipefail
@@ -21,14 +22,18 @@ run() {   # NAME CONFIG [key=value ...]
     train_run "$ROOT" "$@"
 }
 want() { case "$1" in "${ONLY:-}"*) return 0 ;; *) return 1 ;; esac; }
+STAGE=${STAGE:-all}
 # the cold start lasts through CTC's plateau (the float32 run leaves it in its 6th epoch, at
 # about 3M frames; with 200k frames of cold start 1-bit was still in it after 21 epochs)
 ONEBIT=(exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_frames=3300000)
-run f32 2 --config jobs/configs/so762_ctc.yaml
-run onebit 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}"
-run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
-run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
-run w2l 2 --config jobs/configs/so762_w2l.yaml
+if [ "$STAGE" != decode ]; then
+    run f32 2 --config jobs/configs/so762_ctc.yaml
+    run onebit 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}"
+    run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
+    run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
+    run w2l 2 --config jobs/configs/so762_w2l.yaml
+fi
+[ "$STAGE" = train ] && exit 0
 # the graphs, from the training speakers only: a phone bigram, a word bigram spelled in
 # characters
 [ -f "$ROOT/tlg_phones/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_phones" \

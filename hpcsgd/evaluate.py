@@ -123,6 +123,14 @@ def evaluate_ctc(model, params, archive_dir, data, rank=0, world=1, comm=None,
             "del": int(sums[5]), "sub": int(sums[6]), "skipped": int(sums[7])}
 
 
+def recognize_if_asked(args, model, params, meta, comm):
+    """--graph: the archive recognized through that graph (every rank takes part), else None."""
+    if not args.graph:
+        return None
+    return recognize.recognize_archive(model, params, meta, args.data, args.graph, args,
+                                       comm=comm)
+
+
 def run_ctc(args, comm, model, params, meta):
     """`hpcsgd eval` of a CTC model: its loss per token and greedy token error rate on the
     archive's transcripts (rank 0 prints; --json writes them), and with --graph the error
@@ -131,10 +139,7 @@ def run_ctc(args, comm, model, params, meta):
     kind = meta["tokens"]["kind"]
     result = evaluate_ctc(model, params, args.data, {**meta["data"], "tokens": kind}, rank,
                           world, comm)
-    decoded = None
-    if args.graph:
-        decoded = recognize.recognize_archive(model, params, meta, args.data, args.graph, args,
-                                              comm=comm)
+    decoded = recognize_if_asked(args, model, params, meta, comm)
     if rank != 0:
         return 0
     errors = result["ins"] + result["del"] + result["sub"]
@@ -180,10 +185,7 @@ def run(args):
     result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"],
                       rank=rank, world=world, comm=comm,
                       sequences=meta["data"] if "chunk" in meta["data"] else None)
-    decoded = None
-    if args.graph:
-        decoded = recognize.recognize_archive(model, params, meta, args.data, args.graph, args,
-                                              comm=comm)
+    decoded = recognize_if_asked(args, model, params, meta, comm)
     if rank != 0:
         return 0
     symbols = archive.read_inventory(os.path.join(args.data, archive.LABELS_NAME))
