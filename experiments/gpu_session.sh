@@ -14,8 +14,8 @@
 #   mixed     the demo on one GPU rank in float32, mixed (each scaler: static 256, backoff,
 #             logmax) and bf16
 #   ctc       issue 53: the CTC loss kernel beside PyTorch's CUDA ctc_loss (bench ctc), and
-#             so762_ctc.yaml's CTC model's step beside PyTorch's Conv1d/LSTM/CTCLoss on the
-#             card, float32 and mixed (bench train --model ctc)
+#             so762_ctc.yaml's CTC model's step (stacked frames, BLSTM) beside PyTorch's
+#             LSTM/CTCLoss on the card, float32 and mixed (bench train --model ctc)
 # ONLY="tests small" runs those parts only. The limits add up to more than one call's 600 s
 # and a session's 15 minutes of device time (a start costs 1-2 of them), so a session runs
 # ONLY="tests train46m small" first (limits 240 + 150 + 180 s; prep 120 s: give the call

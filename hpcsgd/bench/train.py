@@ -61,11 +61,11 @@ LSTM = dict(type="lstm", input_dim=40, cells=[320] * 3, num_labels=40, bidirecti
             bottleneck=[], steps=40)
 LSTM_SMALL = dict(LSTM, cells=[32, 32], steps=10)
 # --model ctc: jobs/configs/so762_ctc.yaml's DeepSpeech2-like encoder on 40 log-mel features
-# (two stride-2 convolutions, 3 BLSTM layers), CTC over 40 phone tokens; every utterance of
-# `steps` frames (so762's mean, 4.1 s) with a token per 20 frames; --small: a tiny one
-CTC = dict(type="ctc", input_dim=40, encoder=["conv 256 k5 s2", "conv 256 k5 s2", "blstm 256",
-                                              "blstm 256", "blstm 256"], num_tokens=40,
-           steps=400)
+# (frames stacked by 3, 3 BLSTM layers of 256), CTC over 40 phone tokens; every utterance of
+# `steps` frames (so762's mean, 4.1 s) with a token per 20 frames; --small: a tiny one with a
+# strided convolution
+CTC = dict(type="ctc", input_dim=40, encoder=["stack 3", "blstm 256", "blstm 256", "blstm 256"],
+           num_tokens=40, steps=400)
 CTC_SMALL = dict(CTC, encoder=["conv 16 k3 s2", "blstm 16"], steps=40)
 FRAMES_PER_TOKEN = 20
 USES_MPI = True
@@ -90,8 +90,8 @@ def add_arguments(parser):
     parser.add_argument("--model", default="dnn", choices=("dnn", "lstm", "ctc"),
                         help="dnn: the paper's 46M DNN (or --config's); lstm: a BLSTM, 3 x 320 "
                              "cells on 40 features, chunks of 40 frames, N = 2560 (64 chunks); "
-                             "ctc: so762_ctc.yaml's conv + BLSTM CTC model, utterances of 400 "
-                             "frames, N = 8000")
+                             "ctc: so762_ctc.yaml's CTC model (frames stacked by 3, BLSTM 256 x "
+                             "3) without its archive, utterances of 400 frames, N = 4000")
     parser.add_argument("--cells", default=None,
                         help="lstm: cells per direction of each layer, e.g. 512,512,512,512")
     parser.add_argument("--unidirectional", action="store_true", help="lstm: an LSTM, not a BLSTM")
@@ -177,7 +177,7 @@ def model_of(args):
             lstm_config = None
     if getattr(args, "model", "dnn") == "ctc" or ctc_config:
         shape = dict(CTC_SMALL if args.small else CTC)
-        n = 800 if args.small else 8000
+        n = 800 if args.small else 4000
         name = "small ctc" if args.small else "ctc"
         if ctc_config:   # the config's encoder; the token count from its archive
             from hpcsgd.data import archive
