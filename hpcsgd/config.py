@@ -15,6 +15,9 @@ from hpcsgd.errors import UserError
 # key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, a tuple
 # of allowed values, or (lo, hi, names): a number in range or one of the names. Types: int,
 # float, str, bool, list (of ints).
+# the model types trained on whole utterances against token sequences (UtteranceLoader)
+UTTERANCE_MODELS = ("ctc", "rnnt")
+
 DEFAULTS = {
     # --- data ---
     "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
@@ -47,11 +50,27 @@ DEFAULTS = {
     "data.specaug_time_ratio": (0.2, float, (0.0, 1.0),
                                 "specaugment: a time mask covers at most this share of the utterance"),
     # --- model ---
-    "model.type": ("dnn", str, ("dnn", "lstm", "tdnn", "ctc"),
+    "model.type": ("dnn", str, ("dnn", "lstm", "tdnn", "ctc", "rnnt"),
                    "dnn: spliced frames through Dense layers; lstm: (B)LSTM layers over chunks "
                    "(data.chunk, data.left_context, data.right_context); tdnn: model.encoder's "
                    "layers (time convolutions, LSTMs) over chunks; ctc: model.encoder over "
-                   "whole utterances, CTC over data.tokens (docs/ctc.md)"),
+                   "whole utterances, CTC over data.tokens (docs/ctc.md); rnnt: the same "
+                   "encoder, a prediction network and a joint, the RNN-T loss (docs/rnnt.md)"),
+    "model.predictor": (["lstm 256"], list, None,
+                        "rnnt: the prediction network's layers over the token embedding "
+                        "('lstm H' only: it is causal)"),
+    "model.embed": (64, int, (1, 1 << 16), "rnnt: the prediction network's token embedding size"),
+    "model.joint": (256, int, (1, 1 << 16),
+                    "rnnt: the joint network's width (both projections, before the tanh)"),
+    "model.joint_mode": ("add", str, ("add", "mul"),
+                         "rnnt: how the joint combines the encoder and prediction projections: "
+                         "add (Graves) or mul (IBM, Saon et al. 2021)"),
+    "rnnt.fastemit_lambda": (0.0, float, (0.0, 1.0),
+                             "rnnt: FastEmit's lambda (Yu et al. 2021; 0 = plain RNN-T): label "
+                             "emissions' gradients times 1 + lambda, for streaming models"),
+    "rnnt.joint_memory_mb": (256, int, (1, 1 << 20),
+                             "rnnt: the joint's hidden values and logits of a sub-batch of "
+                             "utterances stay under this many MiB (an utterance larger runs alone)"),
     "model.encoder": ([], list, None,
                       "tdnn/ctc: the encoder's layers, e.g. ['conv 256 k5 s2', 'blstm 320'] "
                       "(conv F kK [sS] [dD], stack K, blstm H, lstm H, dense F: "
@@ -233,7 +252,7 @@ DEFAULTS = {
 }
 
 
-STRING_LISTS = {"model.encoder"}   # lists of strings (the other lists hold integers)
+STRING_LISTS = {"model.encoder", "model.predictor"}   # lists of strings (the other lists hold integers)
 
 
 def _check(key, value):
@@ -356,7 +375,7 @@ def load(path=None, overrides=()):
         if config["train.minibatch"] < config["data.chunk"]:
             raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
                             f"less than one chunk (data.chunk={config['data.chunk']})")
-    if config["model.type"] in ("tdnn", "ctc"):
+    if config["model.type"] in ("tdnn",) + UTTERANCE_MODELS:
         from hpcsgd.model.encoder import parse_spec, time_stride
         if not config["model.encoder"]:
             raise UserError(f"config key model.encoder: model.type={config['model.type']} needs "
@@ -371,15 +390,17 @@ def load(path=None, overrides=()):
             raise UserError("config key model.encoder: a tdnn frame classifier keeps every "
                             "frame's label, so its layers need stride 1 (model.type=ctc "
                             "subsamples)")
-    if config["model.type"] == "ctc":
+    if config["model.type"] == "rnnt":
+        check_rnnt(config)
+    if config["model.type"] in UTTERANCE_MODELS:
         if config["model.parallel"] > 1:
-            raise UserError("config keys model.parallel and model.type=ctc: model parallelism "
+            raise UserError(f"config keys model.parallel and model.type={config['model.type']}: model parallelism "
                             "splits the DNN's layers by output columns over a group; a CTC "
                             "encoder's LSTMs would need an all-gather of the hidden state at "
                             "every time step and its convolutions a halo exchange, so it is not "
                             "split: train data-parallel (model.parallel=1)")
         if config["train.cuda_graphs"]:
-            raise UserError("config keys train.cuda_graphs and model.type=ctc: a batch of whole "
+            raise UserError(f"config keys train.cuda_graphs and model.type={config['model.type']}: a batch of whole "
                             "utterances has a new shape (utterances x longest) nearly every "
                             "step, and a CUDA Graph replays one shape; set "
                             "train.cuda_graphs=false")
@@ -407,6 +428,26 @@ def load(path=None, overrides=()):
             raise UserError(f"config keys qat.* and train.precision={config['train.precision']}"
                             f": quantization-aware training runs in float32")
     return config
+
+
+def check_rnnt(config):
+    """What an RNN-T model trains with so far, and its prediction network's layers."""
+    from hpcsgd.model.transducer import predictor_layers
+    try:
+        predictor_layers(0, 2, config["model.embed"], config["model.predictor"])
+    except ValueError as err:
+        raise UserError(f"config key model.predictor: {err}") from None
+    for key, want, why in (
+            ("train.device", "cpu", "the joint and the prediction network run on CPU ranks "
+             "only so far (the RNN-T loss's CUDA kernel exists: model/kernels_rnnt_cuda.py)"),
+            ("train.precision", "float32", "the transducer's 16-bit roundings are not placed "
+             "yet")):
+        if config[key] != want:
+            raise UserError(f"config keys model.type=rnnt and {key}={config[key]}: {why} "
+                            f"(issue 54); set {key}={want}")
+    if qat_of(config):
+        raise UserError("config keys model.type=rnnt and qat.*: INT4 QAT of the transducer "
+                        "(the paper's recipe) is not built yet (issue 54)")
 
 
 def qat_of(config):

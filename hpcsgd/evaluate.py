@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data import archive
 from hpcsgd.data import BLOCK_FRAMES
 from hpcsgd.data.loader import FrameLoader
@@ -80,47 +81,75 @@ def evaluate(model, params, archive_dir, context, cmvn, rank=0, world=1, comm=No
 
 def evaluate_ctc(model, params, archive_dir, data, rank=0, world=1, comm=None,
                  heartbeat=None):
-    """A CTC model on an archive: its CTC loss (from the log-posteriors, model.kernels_ctc)
-    and the greedy token error rate (hpcsgd.decode.ctc.greedy_search, edit distance to the
-    archive's tokens), summed over the ranks' disjoint utterances. data: the checkpoint's
-    data meta (tokens, cmvn). -> {"ctc_per_token", "ctc_per_frame", "token_error_rate",
-    "tokens", "frames", "utterances", "ins", "del", "sub", "skipped"}."""
+    """A CTC or RNN-T model on an archive: its loss (CTC: from the log-posteriors,
+    model.kernels_ctc; RNN-T: the transducer's loss) and the greedy token error rate
+    (hpcsgd.decode.ctc / decode.rnnt greedy_search, edit distance to the archive's tokens),
+    summed over the ranks' disjoint utterances. data: the checkpoint's data meta (tokens,
+    cmvn). -> {"per_token", "per_frame" (and for CTC "ctc_per_token", "ctc_per_frame"),
+    "token_error_rate", "tokens", "frames", "utterances", "ins", "del", "sub", "skipped"}."""
     from hpcsgd.data.utterances import UtteranceLoader
-    from hpcsgd.decode.ctc import greedy_search
     from hpcsgd.decode.score import counts
-    from hpcsgd.model import kernels_ctc as KCTC
     loader = UtteranceLoader(archive_dir, rank, world, tokens=data["tokens"],
                              cmvn=data["cmvn"], minibatch=model.max_batch, prefetch=False)
+    rnnt = model.describe.get("type") == "rnnt"
+    batch_loss = _rnnt_batch(model, params) if rnnt else _ctc_batch
     sums = np.zeros(9)   # loss, tokens, frames, utterances, ins, del, sub, skipped, ref
     for utts, x, targets in loader.eval_batches(model.max_batch):
         if heartbeat is not None:
             heartbeat()
         lengths = model.out_lengths(len(x), targets.frames)
-        logp = model.forward(params, x, len(x), lengths=targets.frames)
-        nb, frames = lengths.nb, lengths.lengths
-        ws = KCTC.workspace_offsets(frames, targets.offsets)
-        alpha = np.empty(int(ws[-1]), np.float32)
-        loss, feasible = np.empty(nb), np.empty(nb, np.uint8)
-        KCTC.ctc_loss_logprobs(logp, nb, frames, targets.ids, targets.offsets, ws, alpha,
-                               loss, feasible)
-        sums[0] += loss.sum()
+        out = model.forward(params, x, len(x), lengths=targets.frames)
+        loss, skipped, hyps = batch_loss(out, lengths, targets)
+        sums[0] += loss
         sums[1] += len(targets.ids)
         sums[2] += targets.frames.sum()
-        sums[3] += nb
-        sums[7] += nb - int(feasible.sum())
-        for b in range(nb):
-            rows = logp[np.arange(frames[b]) * nb + b]
+        sums[3] += lengths.nb
+        sums[7] += skipped
+        for b, hyp in enumerate(hyps):
             ref = targets.ids[targets.offsets[b]:targets.offsets[b + 1]].tolist()
-            sums[4:7] += counts(ref, greedy_search(rows).tolist())[:3]
+            sums[4:7] += counts(ref, hyp.tolist())[:3]
     loader.close()
     if comm is not None and world > 1:
         from mpi4py import MPI
         comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)   # cross-rank sync point
     tokens = max(sums[1], 1)
-    return {"ctc_per_token": sums[0] / tokens, "ctc_per_frame": sums[0] / max(sums[2], 1),
-            "token_error_rate": sums[4:7].sum() / tokens, "tokens": int(sums[1]),
-            "frames": int(sums[2]), "utterances": int(sums[3]), "ins": int(sums[4]),
-            "del": int(sums[5]), "sub": int(sums[6]), "skipped": int(sums[7])}
+    result = {"per_token": sums[0] / tokens, "per_frame": sums[0] / max(sums[2], 1),
+              "token_error_rate": sums[4:7].sum() / tokens, "tokens": int(sums[1]),
+              "frames": int(sums[2]), "utterances": int(sums[3]), "ins": int(sums[4]),
+              "del": int(sums[5]), "sub": int(sums[6]), "skipped": int(sums[7])}
+    if not rnnt:   # the names CTC's records and scripts have always read
+        result.update(ctc_per_token=result["per_token"], ctc_per_frame=result["per_frame"])
+    return result
+
+
+def _ctc_batch(logp, lengths, targets):
+    """A CTC batch's (loss sum, utterances without an alignment, greedy hypotheses)."""
+    from hpcsgd.decode.ctc import greedy_search
+    from hpcsgd.model import kernels_ctc as KCTC
+    nb, frames = lengths.nb, lengths.lengths
+    ws = KCTC.workspace_offsets(frames, targets.offsets)
+    alpha = np.empty(int(ws[-1]), np.float32)
+    loss, feasible = np.empty(nb), np.empty(nb, np.uint8)
+    KCTC.ctc_loss_logprobs(logp, nb, frames, targets.ids, targets.offsets, ws, alpha, loss,
+                           feasible)
+    hyps = [greedy_search(logp[np.arange(frames[b]) * nb + b]) for b in range(nb)]
+    return float(loss.sum()), nb - int(feasible.sum()), hyps
+
+
+def _rnnt_batch(model, params):
+    """An RNN-T batch's (loss sum, utterances skipped, greedy hypotheses): the transducer's
+    loss on the encoder's projection (its gradients go to a scratch buffer, unread)."""
+    from hpcsgd.decode.rnnt import greedy_search
+    layer, scratch = model.layers[-1], model.new_params()
+
+    def batch(enc, lengths, targets):
+        enc = np.array(enc)   # the loss overwrites it with its gradient
+        hyps = greedy_search(layer, params, enc, lengths)
+        before = layer.skipped
+        loss, _ = layer.loss(params, scratch, enc, targets, model.ops, 1.0, lengths)
+        skipped, layer.skipped = layer.skipped - before, before
+        return loss, skipped, hyps
+    return batch
 
 
 def recognize_if_asked(args, model, params, meta, comm):
@@ -132,7 +161,7 @@ def recognize_if_asked(args, model, params, meta, comm):
 
 
 def run_ctc(args, comm, model, params, meta):
-    """`hpcsgd eval` of a CTC model: its loss per token and greedy token error rate on the
+    """`hpcsgd eval` of a CTC (or RNN-T) model: its loss per token and greedy token error rate on the
     archive's transcripts (rank 0 prints; --json writes them), and with --graph the error
     rate through that graph."""
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -145,9 +174,10 @@ def run_ctc(args, comm, model, params, meta):
     errors = result["ins"] + result["del"] + result["sub"]
     print(f"{meta['path']} on {args.data}: {result['utterances']} utterances, "
           f"{result['frames']} frames, {result['tokens']} {kind} tokens")
-    print(f"CTC loss {result['ctc_per_token']:.4f} nats/token ({result['ctc_per_frame']:.4f} "
-          f"per frame)" + (f"; {result['skipped']} utterances have no alignment after the "
-                           f"subsampling (no loss)" if result["skipped"] else ""))
+    print(f"{meta['model']['type'].upper()} loss {result['per_token']:.4f} nats/token "
+          f"({result['per_frame']:.4f} per frame)"
+          + (f"; {result['skipped']} utterances have no alignment after the subsampling "
+             f"(no loss)" if result["skipped"] else ""))
     print(f"greedy token error rate {100 * result['token_error_rate']:.2f}% [ {errors} / "
           f"{result['tokens']}, {result['ins']} ins, {result['del']} del, {result['sub']} sub ]"
           f" (hpcsgd decode --greedy scores words too)")
@@ -180,7 +210,7 @@ def run(args):
     # every rank checks the same inputs before the first collective: a bad one stops them all
     model, params, meta = load_model(args.model, device=args.device, comm=comm)
     check_archive(args.data, meta)
-    if meta["model"].get("type") == "ctc":
+    if meta["model"].get("type") in UTTERANCE_MODELS:
         return run_ctc(args, comm, model, params, meta)
     result = evaluate(model, params, args.data, meta["data"]["context"], meta["data"]["cmvn"],
                       rank=rank, world=world, comm=comm,

@@ -41,6 +41,10 @@ def run(args):
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
                                      if whole else EVAL_BATCH, device=args.device)
     check_archive(args.data, meta)
+    if meta["model"].get("type") == "rnnt":
+        raise UserError(f"{meta['path']} is an RNN-T model: it has no per-frame posteriors to "
+                        f"write (its joint scores a frame only with a token history); "
+                        f"recognize with `hpcsgd decode --greedy`")
     priors = log_priors(meta["label_counts"])
     context, cmvn = meta["data"]["context"], meta["data"]["cmvn"]
     if meta["model"].get("type") == "ctc":   # whole utterances, over tokens and the blank

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from hpcsgd import checkpoint
+from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data import archive
 from hpcsgd.device import DEVICES, assign
 from hpcsgd.errors import UserError
@@ -88,7 +89,7 @@ def load_model(path, max_batch=EVAL_BATCH, device="cpu", comm=None):
     arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
     if "params" not in arrays:
         raise UserError(f"checkpoint {path}: no 'params' dataset")
-    if meta["model"].get("type") == "ctc":   # whole utterances in a pass
+    if meta["model"].get("type") in UTTERANCE_MODELS:   # whole utterances in a pass
         max_batch = max(max_batch, CTC_EVAL_ROWS)
     model = build(meta["model"], max_batch=max_batch, device=device)
     model.steps = sequence_steps(meta["data"])
@@ -150,7 +151,7 @@ def load_exported(path, max_batch, device="cpu"):
         with h5py.File(path, "r") as f:
             meta = json.loads(f.attrs["meta"])
             bits = int(f.attrs["bits"])
-            if meta["model"].get("type") == "ctc":   # whole utterances in a pass
+            if meta["model"].get("type") in UTTERANCE_MODELS:   # whole utterances in a pass
                 max_batch = max(max_batch, CTC_EVAL_ROWS)
             model = build(meta["model"], max_batch=max_batch, device=device)
             params = FlatParams(model.specs, model.dtype)   # on the host

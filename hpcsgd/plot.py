@@ -48,15 +48,17 @@ def run(args):
     frames = [r["frames"] for r in train]
 
     fig, (ax_ce, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    ctc = "ctc_per_token" in train[0]   # a CTC model: the loss per token, token errors
+    # a CTC or RNN-T model: the loss per token, token errors
+    ctc = next((k[:-len("_per_token")] for k in ("ctc_per_token", "rnnt_per_token")
+                if k in train[0]), None)
     if ctc:
-        ax_ce.plot(frames, [r["ctc_per_token"] for r in train], label="train (running)")
+        ax_ce.plot(frames, [r[f"{ctc}_per_token"] for r in train], label="train (running)")
     else:
         ax_ce.plot(frames, [r["ce"] for r in train], label="train (running)")
         ax_acc.plot(frames, [100 * r["frame_accuracy"] for r in train], label="train (running)")
     cv = [r for r in epochs if r.get("cv_ce") is not None]
     if cv and ctc:
-        ax_ce.plot([r["frames"] for r in cv], [r["cv_ctc_per_token"] for r in cv], "o-",
+        ax_ce.plot([r["frames"] for r in cv], [r[f"cv_{ctc}_per_token"] for r in cv], "o-",
                    label="cross-validation")
         ax_acc.plot([r["frames"] for r in cv], [100 * r["cv_token_error_rate"] for r in cv],
                     "o-", label="cross-validation (greedy)")
@@ -79,7 +81,8 @@ def run(args):
         ax_bits.set(ylabel="gradient bits per value", ylim=(1.5, 8.5))
         ax_bits.legend(loc="center right")
     if ctc:
-        ax_ce.set(xlabel="frames", ylabel="CTC loss (nats/token)", title="CTC loss")
+        name = ctc.upper()
+        ax_ce.set(xlabel="frames", ylabel=f"{name} loss (nats/token)", title=f"{name} loss")
         ax_acc.set(xlabel="frames", ylabel="token error rate (%)", title="token error rate")
     else:
         ax_ce.set(xlabel="frames", ylabel="cross-entropy (nats/frame)", title="cross-entropy")

@@ -32,6 +32,7 @@ DIR = "tensorboard"
 TAGS = {
     "train": (("ce", "train/ce"), ("frame_accuracy", "train/accuracy"), ("lr", "lr"),
               ("ctc_per_token", "train/ctc_per_token"),
+              ("rnnt_per_token", "train/rnnt_per_token"),
               ("skipped_utterances", "train/no_alignment_utterances"),
               ("frames_per_s", "throughput/frames_per_s"),
               ("comm_exposed_s", "comm/exposed_s"),   # per exchange
@@ -41,6 +42,7 @@ TAGS = {
     "epoch": (("cv_ce", "cv/ce"), ("cv_frame_accuracy", "cv/accuracy"),
               ("cv_majority", "cv/majority_accuracy"),
               ("cv_ctc_per_token", "cv/ctc_per_token"),
+              ("cv_rnnt_per_token", "cv/rnnt_per_token"),
               ("cv_token_error_rate", "cv/token_error_rate")),
     "bits": (("bits", "exchange/bits"),),   # each change of the adaptive width, where it is
     "probe": (("chosen", "probe/minibatch"), ("seconds", "probe/seconds"),

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hpcsgd import checkpoint, config, jit, loss_scale, optim, tensorboard, threads
+from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.bitwidth import BitWidth
 from hpcsgd.comm.exchange import adaptive_bits, cold_start, make_exchange, set_bits, set_cold_start
 from hpcsgd.comm.gpu import bind_gpu
@@ -286,7 +287,7 @@ def open_loader(cfg, grid):
     if probing and global_batch > cap:
         raise UserError(f"config key train.minibatch: {global_batch} is above "
                         f"train.probe_max_minibatch={cap} (automatic minibatch size)")
-    if cfg["model.type"] == "ctc":    # whole utterances with their token sequences
+    if cfg["model.type"] in UTTERANCE_MODELS:    # whole utterances with their token sequences
         spec = None
         if cfg["data.specaugment"]:
             spec = SpecAugment(cfg["data.specaug_freq_masks"], cfg["data.specaug_freq_width"],
@@ -323,7 +324,7 @@ def open_loader(cfg, grid):
                              buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
     if cfg["data.cv"]:
         cv_index = archive.read_index(cfg["data.cv"])
-        if cfg["model.type"] == "ctc":
+        if cfg["model.type"] in UTTERANCE_MODELS:
             kind = cfg["data.tokens"]
             archive.read_tokens(cfg["data.cv"], kind, cv_index)   # there, and consistent
             if cv_index["tokens"][kind]["inventory_hash"] != \
@@ -338,10 +339,10 @@ def open_loader(cfg, grid):
         if cv_index["feature_dim"] != loader.index["feature_dim"]:
             raise UserError(f"{cfg['data.cv']}: feature dim {cv_index['feature_dim']} differs "
                             f"from the training archive's {loader.index['feature_dim']}")
-    if not loader.index["frame_labels"] and cfg["model.type"] != "ctc":
+    if not loader.index["frame_labels"] and cfg["model.type"] not in UTTERANCE_MODELS:
         raise UserError(f"{cfg['data.train']}: an archive without frame labels (prepped "
                         f"without --alignments) trains sequence models only: "
-                        f"model.type=ctc with data.tokens={', '.join(loader.index['tokens']) or '?'}")
+                        f"model.type=ctc or rnnt with data.tokens={', '.join(loader.index['tokens']) or '?'}")
     return loader
 
 
@@ -357,12 +358,15 @@ def build_state(cfg, grid, loader, timeline):
         # model parallelism: every layer split over this rank's model group
         group = ModelGroup(grid.model, cfg["model.activation_codec"],
                            cfg["model.activation_block"]) if grid.model_size > 1 else None
-        model = build(shape, max_batch=max(loader.max_rows if cfg["model.type"] == "ctc"
+        model = build(shape, max_batch=max(loader.max_rows if cfg["model.type"] in UTTERANCE_MODELS
                                            else loader.max_batch, 1024), device=device,
                       precision=cfg["train.precision"], group=group)
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
+    if cfg["model.type"] == "rnnt":   # the transducer's training settings (not the model's)
+        model.layers[-1].fastemit_lambda = cfg["rnnt.fastemit_lambda"]
+        model.layers[-1].joint_budget = cfg["rnnt.joint_memory_mb"] << 20
     if cfg["train.cuda_graphs"]:   # before the first pass: its buffers' stream is set here
         model.use_cuda_graphs()
     params = model.new_params()
@@ -376,7 +380,7 @@ def build_state(cfg, grid, loader, timeline):
                 scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit,
                 halve=loader.halves)
     tokens = {}
-    if cfg["model.type"] == "ctc":   # what decode and eval check an archive or graph against
+    if cfg["model.type"] in UTTERANCE_MODELS:   # what decode and eval check an archive or graph against
         kind = cfg["data.tokens"]
         tokens = {"tokens": {"kind": kind, "symbols": loader.symbols,
                              "inventory_hash": loader.index["tokens"][kind]["inventory_hash"]}}
@@ -401,6 +405,11 @@ def model_shape(cfg, loader):
     if cfg["model.type"] == "ctc":
         return {"type": "ctc", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
                 "num_tokens": loader.num_labels, "activation": cfg["model.activation"], **qat}
+    if cfg["model.type"] == "rnnt":
+        return {"type": "rnnt", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
+                "num_tokens": loader.num_labels, "predictor": cfg["model.predictor"],
+                "embed": cfg["model.embed"], "joint": cfg["model.joint"],
+                "joint_mode": cfg["model.joint_mode"], "activation": cfg["model.activation"]}
     if cfg["model.type"] == "tdnn":
         return {"type": "tdnn", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
                 "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}
@@ -614,6 +623,11 @@ def finish(cfg, run, state, steps):
     if state.bitwidth:
         run.log.info(f"bit width: {state.bitwidth.bits} at the end; the controller took "
                      f"{state.bitwidth.seconds:.4f} s over {steps} steps")
+    if cfg["model.type"] == "rnnt":
+        joint = state.step.model.layers[-1]
+        run.log.info(f"rnnt: the joint's largest sub-batch held {joint.high_water / 2**20:.1f} "
+                     f"MiB of hidden values and logits (rnnt.joint_memory_mb="
+                     f"{cfg['rnnt.joint_memory_mb']})")
     run.log.info(f"training done: {state.progress['frames']:,} frames; checkpoints in "
                  f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the "
                  f"curves")
@@ -623,9 +637,11 @@ def finish(cfg, run, state, steps):
 def describe_model(shape):
     """One line: 440-512-512-40 sigmoid, 40-BLSTM 320x3-40, or
     40-[conv 256 k5 s2, blstm 320 x3]-CTC 41 relu."""
-    if shape.get("type") in ("ctc", "tdnn"):
+    if shape.get("type") in ("ctc", "rnnt", "tdnn"):
         out = (f"CTC {shape['num_tokens']}" if shape["type"] == "ctc"
-               else str(shape["num_labels"]))
+               else f"RNN-T[{encoder_describe(shape['predictor'])}, embed {shape['embed']}, "
+                    f"joint {shape['joint']} {shape['joint_mode']}] {shape['num_tokens']}"
+               if shape["type"] == "rnnt" else str(shape["num_labels"]))
         # the activation only where a convolution or a dense layer has one
         act = any(spec.split()[0] in ("conv", "dense") for spec in shape["encoder"])
         return (f"{shape['input_dim']}-[{encoder_describe(shape['encoder'])}]-{out}"
@@ -654,7 +670,7 @@ def describe_qat(qat):
 def sequence_meta(cfg):
     """lstm/tdnn: how the training sequences were cut (inference and CV use the same);
     ctc: whole utterances of which token kind."""
-    if cfg["model.type"] == "ctc":
+    if cfg["model.type"] in UTTERANCE_MODELS:
         return {"tokens": cfg["data.tokens"]}
     if cfg["model.type"] not in ("lstm", "tdnn"):
         return {}
@@ -664,7 +680,7 @@ def sequence_meta(cfg):
 
 def criterion(cfg):
     """What the training sums are: cross-entropy and correct frames, or CTC and tokens."""
-    return "ctc" if cfg["model.type"] == "ctc" else "ce"
+    return cfg["model.type"] if cfg["model.type"] in UTTERANCE_MODELS else "ce"
 
 
 def log_start(log, cfg, grid, loader, state, ex):
@@ -683,7 +699,7 @@ def log_start(log, cfg, grid, loader, state, ex):
                  f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "
                  f"{state.params.size:,} of the model's {parameters:,} parameters "
                  f"(model.parallel), activations {cfg['model.activation_codec']} between them")
-    share = ("whole utterances, balanced over the ranks" if cfg["model.type"] == "ctc" else
+    share = ("whole utterances, balanced over the ranks" if cfg["model.type"] in UTTERANCE_MODELS else
              f"{batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here")
     log.info(f"{grid.size} rank(s), minibatch {minibatch} ({share}, "
              f"pid {os.getpid()} on {socket.gethostname()}), model "
@@ -692,7 +708,7 @@ def log_start(log, cfg, grid, loader, state, ex):
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
-    if cfg["model.type"] == "ctc":
+    if cfg["model.type"] in UTTERANCE_MODELS:
         log_utterances(log, cfg, loader)
     if cfg["train.precision"] != "float32" or cfg["train.loss_scale"] != "none":
         scale = state.scaler.scale if state.scaler else None
@@ -717,12 +733,13 @@ def log_start(log, cfg, grid, loader, state, ex):
 
 
 def log_utterances(log, cfg, loader):
-    """ctc: the tokens trained, the utterances left out (data.max_frames) and those no CTC
-    alignment fits after the encoder's subsampling (they train with zero loss), by name."""
+    """ctc, rnnt: the tokens trained, the utterances left out (data.max_frames) and those no
+    CTC alignment fits after the encoder's subsampling (they train with zero loss), by name."""
     kind, stride = cfg["data.tokens"], time_stride(cfg["model.encoder"])
     tokens = loader.token_lengths()
     frames = loader.lengths[loader.kept]
-    log.info(f"ctc: {len(loader.kept):,} utterances of {kind} tokens ({loader.num_labels - 1} "
+    log.info(f"{cfg['model.type']}: {len(loader.kept):,} utterances of {kind} tokens "
+             f"({loader.num_labels - 1} "
              f"and the blank), {tokens.sum():,} tokens, {frames.sum() / max(tokens.sum(), 1):.1f} "
              f"frames per token before the encoder's {stride}x subsampling; length buckets "
              f"of {loader.bucket_frames:,} frames, at most {loader.max_rows:,} padded rows a "
@@ -732,7 +749,7 @@ def log_utterances(log, cfg, loader):
         log.info(f"left out {len(loader.dropped)} utterances longer than data.max_frames="
                  f"{cfg['data.max_frames']} frames: {names}"
                  + (" ..." if len(loader.dropped) > 5 else ""))
-    short = loader.too_short(stride)
+    short = loader.too_short(stride) if cfg["model.type"] == "ctc" else []
     if short:
         log.info(f"warning: {len(short)} utterances have fewer frames after the {stride}x "
                  f"subsampling than their {kind} tokens need (tokens + repeated neighbours): "
@@ -750,7 +767,7 @@ def cross_validate(cfg, model, params, grid, watchdog):
     most frequent label (the majority-class baseline); a CTC model's loss and greedy token
     error rate, its `frame_accuracy` (what the newbob schedule compares) 1 - that rate."""
     beat = lambda: watchdog.beat("cross-validation")   # noqa: E731
-    if cfg["model.type"] == "ctc":
+    if cfg["model.type"] in UTTERANCE_MODELS:
         cv = evaluate_ctc(model, params, cfg["data.cv"],
                           {"tokens": cfg["data.tokens"], "cmvn": cfg["data.cmvn"]},
                           grid.data_rank, grid.data_size, grid.data, heartbeat=beat)
@@ -775,19 +792,19 @@ def log_clipped(log, step):
 def log_epoch(log, epoch, progress, totals, seconds, lr, cv, criterion="ce"):
     record = {"epoch": epoch, "frames": progress["frames"],
               "train_ce": totals[0] / max(totals[2], 1), "seconds": seconds, "lr": lr}
-    if criterion == "ctc":   # per token (and per frame, as train_ce)
-        record["train_ctc_per_token"] = totals[0] / max(totals[1], 1)
-        line = (f"epoch {epoch} done in {seconds:.1f} s: train ctc "
-                f"{record['train_ctc_per_token']:.4f}/token")
+    if criterion != "ce":   # per token (and per frame, as train_ce): ctc or rnnt
+        record[f"train_{criterion}_per_token"] = totals[0] / max(totals[1], 1)
+        line = (f"epoch {epoch} done in {seconds:.1f} s: train {criterion} "
+                f"{record[f'train_{criterion}_per_token']:.4f}/token")
     else:
         record["train_frame_accuracy"] = totals[1] / max(totals[2], 1)
         line = (f"epoch {epoch} done in {seconds:.1f} s: train ce {record['train_ce']:.4f} acc "
                 f"{100 * record['train_frame_accuracy']:.2f}%")
-    if cv is not None and criterion == "ctc":
-        record.update(cv_ctc_per_token=cv["ctc_per_token"], cv_ce=cv["ctc_per_frame"],
+    if cv is not None and criterion != "ce":
+        record.update({f"cv_{criterion}_per_token": cv["per_token"]}, cv_ce=cv["per_frame"],
                       cv_token_error_rate=cv["token_error_rate"],
                       cv_skipped_utterances=cv["skipped"])
-        line += (f" | cv ctc {cv['ctc_per_token']:.4f}/token, greedy token error rate "
+        line += (f" | cv {criterion} {cv['per_token']:.4f}/token, greedy token error rate "
                  f"{100 * cv['token_error_rate']:.2f}% [{cv['ins']} ins, {cv['del']} del, "
                  f"{cv['sub']} sub / {cv['tokens']}]")
     elif cv is not None:
@@ -834,11 +851,12 @@ class Window:
             bits = {"bits": bitwidth.bits, "bits_controller_s": bitwidth.seconds}
         if scaler:     # the loss scale now, and the steps skipped on an overflow so far
             bits.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
-        if self.criterion == "ctc":   # loss per token, and per frame (the divergence check's)
-            measures = {"ce": ce, "ctc_per_token": totals[0] / max(totals[1], 1),
+        if self.criterion != "ce":   # loss per token, and per frame (the divergence check's)
+            name = self.criterion
+            measures = {"ce": ce, f"{name}_per_token": totals[0] / max(totals[1], 1),
                         "skipped_utterances": int(totals[3])}
-            shown = (f"ctc {measures['ctc_per_token']:.4f}/token ({ce:.4f}/frame)"
-                     + (f"  {int(totals[3])} without alignment" if totals[3] else ""))
+            shown = (f"{name} {measures[f'{name}_per_token']:.4f}/token ({ce:.4f}/frame)"
+                     + (f"  {int(totals[3])} skipped" if totals[3] else ""))
         else:
             measures = {"ce": ce, "frame_accuracy": acc}
             shown = f"ce {ce:.4f}  acc {100 * acc:.2f}%"
@@ -920,9 +938,9 @@ def check_divergence(cfg, totals, num_labels, where):
     ce, frames = totals[0] / max(totals[2], 1), int(totals[2])
     limit = factor * math.log(max(num_labels, 2))
     what, unit = "cross-entropy", "frame"
-    if cfg["model.type"] == "ctc":   # an untrained CTC model: about ln(V) per OUTPUT frame
+    if cfg["model.type"] in UTTERANCE_MODELS:   # untrained: about ln(V) per OUTPUT frame
         ce *= time_stride(cfg["model.encoder"])
-        what, unit = "the CTC loss", "output frame"
+        what, unit = f"the {cfg['model.type'].upper()} loss", "output frame"
     if factor and frames and ce > limit:
         raise UserError(f"{where}: training diverged: {what} is {ce:.4g} nats/{unit} over "
                         f"the last {frames:,} frames, above train.diverged_ce_factor {factor:g} x "

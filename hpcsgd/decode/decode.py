@@ -30,6 +30,7 @@ import numpy as np
 
 from hpcsgd.data import archive
 from hpcsgd.decode import recognize, score, search
+from hpcsgd.decode.rnnt import MAX_SYMBOLS
 from hpcsgd.errors import UserError
 from hpcsgd.model_io import add_device_argument
 
@@ -109,8 +110,13 @@ def decode(args, comm):
     whole = args.sequences == "whole"
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
                                      if whole else EVAL_BATCH, device=args.device, comm=comm)
-    ctc_model = recognize.is_ctc(meta)
+    ctc_model = recognize.is_ctc(meta)   # CTC or RNN-T: tokens, no priors
+    rnnt_model = meta["model"].get("type") == "rnnt"
     tokens = meta["tokens"] if ctc_model else None
+    if graph is not None and rnnt_model:
+        raise UserError(f"{meta['path']} is an RNN-T model: its prediction network is its "
+                        f"language model, searched by --greedy (a graph weighs per-frame "
+                        f"posteriors, which a transducer does not give)")
     if graph is not None:
         graph.check_model(meta)
         graph.check_archive(index, args.data)
@@ -133,7 +139,9 @@ def decode(args, comm):
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
     table = None
     if decoder is None:
-        hyps, search_s = recognize.greedy(logposts, tokens["symbols"], tokens["kind"])
+        hyps, search_s = (recognize.greedy_rnnt(model, params, logposts, tokens["symbols"],
+                                                tokens["kind"]) if rnnt_model else
+                          recognize.greedy(logposts, tokens["symbols"], tokens["kind"]))
         not_final = 0
     else:
         if args.tune:
@@ -159,8 +167,11 @@ def decode(args, comm):
         lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
         lines += recognize.tuning_lines(table, scales, name)
     if graph is None:
-        lines.append(f"{args.model} on {args.data} by CTC greedy search over {tokens['kind']} "
-                     f"tokens (the best token per frame, repeats merged, blanks dropped)")
+        lines.append(f"{args.model} on {args.data} by RNN-T greedy search over "
+                     f"{tokens['kind']} tokens (at most {MAX_SYMBOLS} per frame)" if rnnt_model
+                     else f"{args.model} on {args.data} by CTC greedy search over "
+                     f"{tokens['kind']} tokens (the best token per frame, repeats merged, "
+                     f"blanks dropped)")
     elif ctc_model:
         lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}, CTC over "
                      f"{tokens['kind']} tokens): acoustic scale {scales[0]:g}, beam "

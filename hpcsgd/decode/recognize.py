@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data import archive
 from hpcsgd.decode import ctc, mkgraph, score, search
 from hpcsgd.errors import UserError
@@ -51,7 +52,8 @@ def add_search_arguments(parser):
 
 
 def is_ctc(meta):
-    return meta["model"].get("type") == "ctc"
+    """A model over tokens of whole utterances (CTC, or RNN-T), not a hybrid's senones."""
+    return meta["model"].get("type") in UTTERANCE_MODELS
 
 
 def scales(graph, args):
@@ -176,6 +178,20 @@ def greedy(logposts, symbols, kind):
     t0 = time.thread_time()
     for utt, logpost in logposts:
         hyps[utt] = ctc.tokens_to_words(symbols[ctc.greedy_search(logpost)], kind)
+    return hyps, time.thread_time() - t0
+
+
+def greedy_rnnt(model, params, encs, symbols, kind):
+    """RNN-T greedy search (hpcsgd.decode.rnnt) of every utterance's encoder projection ->
+    ({utt: words, or phones}, search CPU seconds of this thread)."""
+    from hpcsgd.decode import rnnt
+    from hpcsgd.model.lengths import Lengths
+    symbols = np.asarray(symbols, dtype=object)
+    layer, hyps = model.layers[-1], {}
+    t0 = time.thread_time()
+    for utt, enc in encs:
+        best = rnnt.greedy_search(layer, params, enc, Lengths([len(enc)]))[0]
+        hyps[utt] = ctc.tokens_to_words(symbols[best], kind)
     return hyps, time.thread_time() - t0
 
 

@@ -1,6 +1,7 @@
 """Acoustic models: parameter specs and flat buffers (flat), layers (layers) over the
 element-wise ops of a device (ops, kernels, kernels_cuda), a model as a stack of layers
-(network), and the builders of the models the trainer knows (dnn, lstm, tdnn: encoder, ctc).
+(network), and the builders of the models the trainer knows (dnn, lstm, tdnn: encoder, ctc,
+rnnt: transducer).
 
     net = build({"type": "dnn", "input_dim": 440, "hidden": [512] * 3, "num_labels": 40,
                  "activation": "sigmoid"}, max_batch=1024)
@@ -17,7 +18,8 @@ def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.
     from hpcsgd.model.dnn import dnn
     from hpcsgd.model.encoder import tdnn
     from hpcsgd.model.lstm import lstm
-    builders = {"dnn": dnn, "lstm": lstm, "tdnn": tdnn, "ctc": ctc}
+    from hpcsgd.model.transducer import rnnt
+    builders = {"dnn": dnn, "lstm": lstm, "tdnn": tdnn, "ctc": ctc, "rnnt": rnnt}
     args = {k: v for k, v in describe.items() if k != "type"}
     kind = describe.get("type", "dnn")
     if kind not in builders:

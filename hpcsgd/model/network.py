@@ -97,7 +97,11 @@ class Network:
         self.quant = quantize.Quantizer(self.layers, qat, dtype, device) if qat else None
         self.specs = as_specs([s for layer in self.layers for s in layer.specs()]
                               + (self.quant.specs() if self.quant else []))
-        self.input_dim, self.num_labels = self.layers[0].n_in, self.layers[-1].n_out
+        # the criterion's labels: the output's width, but an RNN-T's output layer gives the
+        # encoder's joint projection and scores its tokens inside the loss
+        last = self.layers[-1]
+        self.input_dim = self.layers[0].n_in
+        self.num_labels = getattr(last, "num_tokens", last.n_out)
         self.max_batch, self.dtype, self.device = int(max_batch), np.dtype(dtype), device
         self.describe = describe or {}   # the builder's arguments (checkpoints, logs)
         if precision not in PRECISIONS:

@@ -1,0 +1,326 @@
+"""RNN-Transducer acoustic models (Graves 2012): the CTC models' encoder (model/encoder.py), a
+prediction network over the previous tokens and a joint network, trained with the RNN-T loss
+-- the model of IBM's INT4 paper (Saon et al.) and of today's streaming recognizers.
+
+    net = rnnt(40, ["stack 3", "blstm 256", "blstm 256"], num_tokens=40,
+               predictor=["lstm 256"], embed=64, joint=256, joint_mode="add")
+    loss, tokens = net.forward_backward(params, grads, x, targets, n)
+
+The whole transducer after the encoder is one output layer (Transducer), so the step, the
+exchange, the optimizer and the checkpoints see one Network with one flat parameter buffer,
+as for every model family:
+
+    enc  = x @ We + be                 the encoder's joint projection (the layer's forward;
+                                       T*nb rows, time-major: what model.forward returns)
+    pred = LSTM(E[y_{u-1}]) @ Wp + bp  the prediction network over [blank, y_1 .. y_U]
+                                       (blank as the start symbol, u = 0 .. U)
+    h    = tanh(enc_t + pred_u)        every lattice node (t, u) of every utterance, packed
+           tanh(enc_t * pred_u)        (joint_mode "mul": IBM's multiplicative joint)
+    z    = h @ Wo + bo                 logits over the tokens and the blank (id 0)
+
+and the fused RNN-T loss (model/kernels_rnnt.py) turns z into dLoss/dz in place. The lattice
+of utterance b is T'_b x (U_b + 1) rows, packed with no padding; the joint runs over groups of
+utterances whose h and z fit `joint_budget` bytes (an utterance larger than it runs alone), so
+the B*T*U*V logits are never all in memory at once. Backward runs group by group: z -> gWo,
+gbo, dh -> (model/kernels_joint.py) denc, dpred summed over the lattice; then the prediction
+network's backward once, and the encoder projection's as any layer's (Network's loop).
+
+The prediction network's sequences are its own time-major batch, sorted by length
+(model.lengths.Lengths needs that): `order` lists the utterances longest target first,
+pos[b] is utterance b's place in it.
+
+Buffers: the lattice and prediction sizes are not a function of the batch's rows (they grow
+with the targets), so this layer keeps its own scratch arrays, grown on demand (a handful of
+times in a run) -- the one layer that holds arrays.
+
+Utterances no transducer can score (no output frame, or no target: kernels_rnnt's rule) give
+loss 0 and gradient 0 and are counted (skipped), as CTC's infeasible ones. CPU ranks, float32
+only for now (the config refuses the rest with why).
+"""
+import numpy as np
+
+from hpcsgd.device import matmul
+from hpcsgd.model import kernels_joint as KJ
+from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.model import kernels_rnnt as KR
+from hpcsgd.model.encoder import encoder_layers, parse_spec
+from hpcsgd.model.flat import ParamSpec
+from hpcsgd.model.layers import glorot_uniform
+from hpcsgd.model.lengths import Lengths
+from hpcsgd.model.lstm import LSTM
+from hpcsgd.model.network import Network
+
+JOINT_MODES = tuple(KJ.MODES)
+DEFAULT_JOINT_BUDGET = 256 << 20   # bytes of h and z per joint group (rnnt.joint_memory_mb)
+
+
+def predictor_layers(index, num_tokens, embed, specs):
+    """The prediction network's LSTM layers over an embedding of `embed` values: forward
+    ("lstm H") layers only -- it runs over the tokens emitted so far, so it must be causal."""
+    layers, n_in = [], int(embed)
+    for k, text in enumerate(specs):
+        spec = parse_spec(text)
+        if spec["kind"] != "lstm":
+            raise ValueError(f"prediction network layer {text!r}: 'lstm H' layers only (it "
+                             f"reads the tokens emitted so far: causal, no convolution, no "
+                             f"backward direction)")
+        layers.append(LSTM(f"{index}p{k}", n_in, spec["units"], bidirectional=False))
+        n_in = layers[-1].n_out
+    return layers, n_in
+
+
+class Transducer:
+    """The output layer of an RNN-T model: the encoder's joint projection (its forward), the
+    prediction network and the joint (its loss). Parameters W{i}/b{i} (encoder projection),
+    E{i} (token embedding, row 0 the blank as the start symbol), the predictor's LSTM layers
+    W{i}p{l}..., W{i}p/b{i}p (its projection), W{i}o/b{i}o (the joint's output)."""
+    tokens = True   # its loss reads a batch's token targets at the output's Lengths
+
+    def __init__(self, index, n_in, num_tokens, predictor, embed, joint, joint_mode="add"):
+        if joint_mode not in KJ.MODES:
+            raise ValueError(f"joint mode {joint_mode!r}: expected one of {JOINT_MODES}")
+        self.W, self.b = f"W{index}", f"b{index}"
+        self.E = f"E{index}"
+        self.Wp, self.bp = f"W{index}p", f"b{index}p"
+        self.Wo, self.bo = f"W{index}o", f"b{index}o"
+        self.n_in, self.n_out = int(n_in), int(joint)   # the forward's output: enc
+        self.num_tokens, self.embed, self.joint = int(num_tokens), int(embed), int(joint)
+        self.mode_name, self.mode = joint_mode, KJ.MODES[joint_mode]
+        self.pred, self.pred_width = predictor_layers(index, num_tokens, embed, predictor)
+        self.gemm_macs = self.n_in * self.joint   # per encoder frame; the joint is per node
+        # the widest row its kernels sum columns of (ops.column_sums' scratch): the joint, the
+        # logits, the predictor's gate columns
+        self.width = max([self.joint, self.num_tokens] + [l.width for l in self.pred])
+        self.skipped = 0
+        self.fastemit_lambda = 0.0
+        self.joint_budget = DEFAULT_JOINT_BUDGET
+        self._buf = {}
+        self.dtype = np.dtype(np.float32)   # its scratch arrays' (the builder sets the model's)
+        self.high_water = 0   # the largest joint group's bytes of h and z (logged)
+
+    def specs(self):
+        v, j = self.num_tokens, self.joint
+        return ([ParamSpec(self.W, (self.n_in, j), "weight", "codec", "rows"),
+                 ParamSpec(self.b, (1, j), "bias", "codec", "rows"),
+                 ParamSpec(self.E, (v, self.embed), "weight", "codec", "rows")]
+                + [s for layer in self.pred for s in layer.specs()]
+                + [ParamSpec(self.Wp, (self.pred_width, j), "weight", "codec", "rows"),
+                   ParamSpec(self.bp, (1, j), "bias", "codec", "rows"),
+                   ParamSpec(self.Wo, (j, v), "weight", "codec", "rows"),
+                   ParamSpec(self.bo, (1, v), "bias", "codec", "rows")])
+
+    def init(self, views, rng):
+        """Glorot for the projections, N(0, 1) for the embedding (each token a unit-scale
+        vector, as nn.Embedding), the LSTMs' own; biases 0. Drawn in spec order."""
+        glorot_uniform(views[self.W], rng)
+        views[self.b][...] = 0
+        views[self.E][...] = rng.standard_normal(views[self.E].shape).astype(views[self.E].dtype)
+        for layer in self.pred:
+            layer.init(views, rng)
+        for w, b in ((self.Wp, self.bp), (self.Wo, self.bo)):
+            glorot_uniform(views[w], rng)
+            views[b][...] = 0
+
+    # ---- the encoder side: the layer's forward and backward ----------------------------------
+
+    def forward(self, p, x, z, ops, progress=None):
+        matmul(x, p[self.W], z)
+        if progress is not None:
+            progress()
+        z += p[self.b]
+
+    def posteriors(self, p, z, ops, log=True):
+        """Nothing: an RNN-T's model.forward gives the encoder's joint projection (enc);
+        decoding runs the prediction network and the joint over it (decode/rnnt.py)."""
+
+    def backward(self, p, g, x, z, dy, dx, ops, progress=None):
+        matmul(x, z, g[self.W], trans_a=True)   # z holds dLoss/denc (the loss wrote it)
+        if progress is not None:
+            progress()
+        if dx is not None:
+            matmul(z, p[self.W], dx, trans_b=True)
+            if progress is not None:
+                progress()
+
+    # ---- scratch --------------------------------------------------------------------------
+
+    def _get(self, name, rows, cols, dtype=None):
+        """A (rows, cols) view of the scratch array `name` (the model's dtype unless told),
+        grown (doubled) when too small."""
+        dtype = np.dtype(dtype or self.dtype)
+        have = self._buf.get(name)
+        if have is None or have.shape[0] < rows or have.shape[1] != cols \
+                or have.dtype != dtype:
+            grow = max(rows, 2 * have.shape[0] if have is not None else 0, 1)
+            have = self._buf[name] = np.empty((grow, cols), dtype)
+        return have[:rows]
+
+    def _pred_ws(self, rows):
+        """The predictor LSTMs' workspaces for a pass of `rows` rows (grown on demand)."""
+        have = self._buf.get("pred_ws")
+        if have is None or have[0] < rows:
+            grow = max(rows, 2 * have[0] if have is not None else 0)
+            self._buf["pred_ws"] = (grow, [
+                {k: np.zeros(s, self.dtype) for k, s in layer.workspace(grow).items()}
+                for layer in self.pred])
+        return self._buf["pred_ws"][1]
+
+    # ---- the prediction network -----------------------------------------------------------
+
+    def predictor_batch(self, ids, offsets):
+        """The predictor's batch of nb target sequences: (order, pos, Lengths of U_b + 1 in
+        that order, tok: the input token of each time-major row, -1 on the padding)."""
+        nb = len(offsets) - 1
+        u1 = np.diff(offsets) + 1
+        order = np.argsort(-u1, kind="stable")
+        pos = np.empty(nb, np.int64)
+        pos[order] = np.arange(nb)
+        lengths = Lengths(u1[order])
+        tok = np.full(lengths.rows, -1, np.int64)
+        for k, b in enumerate(order):   # per utterance: its inputs [blank, y_1 .. y_U]
+            rows = np.arange(u1[b]) * nb + k
+            tok[rows[0]] = 0
+            tok[rows[1:]] = ids[offsets[b]:offsets[b + 1]]
+        return order, pos, lengths, tok
+
+    def predict(self, p, tok, lengths, ops):
+        """pred (rows, joint) of the predictor over the input tokens `tok` (time-major; -1:
+        padding, a zero input and output row). Keeps each layer's output for backward."""
+        rows = len(tok)
+        valid = tok >= 0
+        x = self._get("pred_in", rows, self.embed)
+        x[...] = 0
+        x[valid] = p[self.E][tok[valid]]
+        ws = self._pred_ws(rows)
+        for k, layer in enumerate(self.pred):
+            y = self._get(f"pred_h{k}", rows, layer.n_out)
+            layer.forward(p, x, y, ops, None, ws=ws[k], lengths=lengths)
+            x = y
+        pred = self._get("pred", rows, self.joint)
+        matmul(x, p[self.Wp], pred)
+        pred += p[self.bp]
+        pred[~valid] = 0
+        return pred
+
+    def _predict_backward(self, p, g, tok, lengths, dpred, ops):
+        """From dpred = dLoss/dpred (zero on the padding): the predictor's gradients."""
+        rows = len(tok)
+        top = self._get(f"pred_h{len(self.pred) - 1}", rows, self.pred_width) if self.pred \
+            else self._get("pred_in", rows, self.embed)
+        matmul(top, dpred, g[self.Wp], trans_a=True)
+        ops.column_sums(dpred, g[self.bp])
+        dy = self._get("pred_dh", rows, self.pred_width)
+        matmul(dpred, p[self.Wp], dy, trans_b=True)
+        ws = self._pred_ws(rows)
+        for k in range(len(self.pred) - 1, -1, -1):
+            layer = self.pred[k]
+            x = self._get(f"pred_h{k - 1}", rows, layer.n_in) if k else \
+                self._get("pred_in", rows, self.embed)
+            y = self._get(f"pred_h{k}", rows, layer.n_out)
+            dx = self._get(f"pred_dx{k}", rows, layer.n_in)
+            layer.backward(p, g, x, y, dy, dx, ops, None, ws=ws[k], lengths=lengths)
+            dy = dx
+        gE = g[self.E]
+        gE[...] = 0
+        valid = tok >= 0
+        np.add.at(gE, tok[valid], dy[valid])   # the embedding's rows, scattered back
+
+    # ---- the joint and the loss -----------------------------------------------------------
+
+    def groups(self, frames, u1):
+        """Consecutive utterances [b0, b1) whose lattices' h and z fit the joint budget (an
+        utterance larger than it alone)."""
+        per_node = 4 * (self.joint + self.num_tokens)
+        nodes = frames * u1
+        out, b0, used = [], 0, 0
+        for b, n in enumerate(nodes):
+            if b > b0 and (used + n) * per_node > self.joint_budget:
+                out.append((b0, b))
+                b0, used = b, 0
+            used += n
+        if len(nodes):
+            out.append((b0, len(nodes)))
+        return out
+
+    def loss(self, p, g, z, targets, ops, scale=1.0, lengths=None):
+        """The RNN-T loss of enc = z against targets at the encoder's output lengths: z
+        becomes scale * dLoss/denc (zero on the padding), every other parameter of this layer
+        gets its gradient in g. Returns (loss summed over the utterances in nats, unscaled;
+        tokens in the targets)."""
+        nb, frames = lengths.nb, lengths.lengths
+        ids, offsets = targets.ids, targets.offsets
+        u1 = np.diff(offsets) + 1
+        order, pos, plen, tok = self.predictor_batch(ids, offsets)
+        pred = self.predict(p, tok, plen, ops)
+        denc = self._get("denc", len(z), self.joint)
+        dpred = self._get("dpred", len(tok), self.joint)
+        denc[...] = 0
+        dpred[...] = 0
+        gWo, gbo = g[self.Wo], g[self.bo]
+        gWo[...] = 0
+        gbo[...] = 0
+        gWo_part = self._get("gWo_part", self.joint, self.num_tokens)
+        gbo_part = self._get("gbo_part", 1, self.num_tokens)
+        total, feasible = 0.0, 0
+        for b0, b1 in self.groups(frames, u1):
+            rows = KR.lattice_offsets(frames[b0:b1], u1[b0:b1] - 1)
+            offs = np.zeros(nb + 1, np.int64)
+            offs[b0:b1 + 1] = rows   # the group's rows from 0 (kernels_joint's b0 base)
+            n = int(rows[-1])
+            self.high_water = max(self.high_water, 4 * n * (self.joint + self.num_tokens))
+            h = self._get("h", n, self.joint)
+            logits = self._get("logits", n, self.num_tokens)
+            KJ.joint_forward(z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode, h)
+            matmul(h, p[self.Wo], logits)
+            logits += p[self.bo]
+            alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
+            beta = self._get("beta", n, 1, np.float32)[:, 0]
+            loss = np.empty(b1 - b0)
+            ok = np.empty(b1 - b0, np.uint8)
+            KR.rnnt_loss_grad(logits, frames[b0:b1], ids, offsets[b0:b1 + 1], rows, scale,
+                              alpha, beta, loss, ok, self.fastemit_lambda)
+            total += float(loss.sum())
+            feasible += int(ok.sum())
+            matmul(h, logits, gWo_part, trans_a=True)
+            gWo += gWo_part
+            ops.column_sums(logits, gbo_part)
+            gbo += gbo_part
+            dh = self._get("dh", n, self.joint)
+            matmul(logits, p[self.Wo], dh, trans_b=True)
+            KJ.joint_backward(dh, h, z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode,
+                              denc, dpred)
+        self._predict_backward(p, g, tok, plen, dpred, ops)
+        z[...] = denc
+        ops.column_sums(z, g[self.b])
+        self.skipped += nb - feasible
+        return total, len(ids)
+
+
+def rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint, joint_mode,
+                activation="relu"):
+    layers, n_in = encoder_layers(input_dim, encoder, activation)
+    return layers + [Transducer(len(layers), n_in, num_tokens, predictor, embed, joint,
+                                joint_mode)]
+
+
+def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, joint=256,
+         joint_mode="add", activation="relu", max_batch=8192, dtype=np.float32, device="cpu",
+         precision="float32", qat=None):
+    """The RNN-T model input_dim-[encoder]-transducer(predictor, joint)-num_tokens as a
+    Network whose passes take whole utterances (their Lengths from the batch's targets)."""
+    if device != "cpu" or precision != "float32" or qat:
+        raise ValueError("RNN-T models train on CPU ranks in float32 for now (not cuda, "
+                         "mixed, bf16 or qat: issue 54's next blocks)")
+    describe = {"type": "rnnt", "input_dim": int(input_dim),
+                "encoder": [" ".join(str(e).split()) for e in encoder],
+                "num_tokens": int(num_tokens),
+                "predictor": [" ".join(str(e).split()) for e in predictor],
+                "embed": int(embed), "joint": int(joint), "joint_mode": joint_mode,
+                "activation": activation}
+    net = Network(rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint,
+                              joint_mode, activation), max_batch, dtype, device, describe,
+                  precision)
+    # float64 (the tests' reference trajectories): the loss kernel still computes its
+    # recursions in float32 (model/kernels_rnnt.py), the rest of the layer in float64
+    net.layers[-1].dtype = np.dtype(dtype)
+    return net
