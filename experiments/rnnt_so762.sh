@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 54 on so762 (112 training, 13 held-out speakers): the phone RNN-T of
 # jobs/configs/so762_rnnt.yaml (so762_ctc.yaml's encoder, an LSTM prediction network, an
-# additive joint; 20 epochs) on 2 ranks with float32 allreduce, then its greedy decode of the
-# held-out speakers (PER beside the CTC models': docs/results.md).
+# additive joint; 20 epochs) on 2 ranks with float32 allreduce, then its greedy and beam-4
+# decodes of the held-out speakers (PER beside the CTC models': docs/results.md).
 #   bash experiments/rnnt_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
 #   ONLY=f32 bash experiments/rnnt_so762.sh    the runs whose name starts with ONLY
 # Runs in runs/rnnt/<name>/ (metrics.jsonl, decode/).
@@ -21,5 +21,7 @@ for name in f32; do
     case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
     [ -d "$ROOT/$name" ] || continue
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy \
+        | grep -E "^%|interval|real-time"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --beam-size 4 \
         | grep -E "^%|interval|real-time"
 done

@@ -95,7 +95,8 @@ def test_trainer_features_run_on_rnnt(extra, arch, tmp_path):
 
 def test_eval_and_greedy_decode_agree(arch, tmp_path, tmp_path_factory):
     """eval's greedy token error rate (the trainer's CV measure) is decode --greedy's phone
-    error rate on the same archive; infer and a graph search are refused with the reason."""
+    error rate on the same archive; decode --beam-size runs the beam search; infer and a beam
+    of 0 are refused with the reason."""
     run = train(1, arch, tmp_path_factory)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     cli = [sys.executable, "-m", "hpcsgd.cli"]
@@ -114,6 +115,15 @@ def test_eval_and_greedy_decode_agree(arch, tmp_path, tmp_path_factory):
     assert "RNN-T greedy search" in dec.stdout
     decoded = json.load(open(tmp_path / "dec" / "result.json"))
     assert abs(decoded["error_rate"] - 100 * result["token_error_rate"]) < 1e-9
+    beam = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "4", "--out",
+                                 str(tmp_path / "beam")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert beam.returncode == 0, beam.stderr
+    assert "modified beam search (beam 4" in beam.stdout
+    assert json.load(open(tmp_path / "beam" / "result.json"))["search"] == "beam 4"
+    bad = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "0"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "K >= 1" in bad.stderr
     bad = subprocess.run(cli + ["infer", run, "--data", arch, "--out", str(tmp_path / "p")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "RNN-T model" in bad.stderr

@@ -2,13 +2,16 @@
 
     hpcsgd decode RUN_DIR|CHECKPOINT --data ARCHIVE --graph GRAPH_DIR [--text TEXT] [--tune]
     hpcsgd decode CTC_RUN_DIR --data ARCHIVE --greedy
+    hpcsgd decode RNNT_RUN_DIR --data ARCHIVE --greedy | --beam-size 4
     mpiexec -n 4 python -m mpi4py -m hpcsgd.cli decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR
 
 A hybrid model's log-posteriors, minus the scaled log-prior (the training archive's label
 frequencies, stored in the checkpoint), times the acoustic scale, go through Kaldi's
 FasterDecoder on HLG (hpcsgd/decode/search.py). A CTC model's token log-posteriors
 (hpcsgd.outputs.ctc_posteriors) go through a TLG graph (mkgraph --topology ctc) times the
-acoustic scale, no prior, or through greedy search without a graph (--greedy). The references
+acoustic scale, no prior, or through greedy search without a graph (--greedy). An RNN-T
+model's encoder output goes through its own prediction and joint networks: greedy search or
+modified beam search (hpcsgd/decode/rnnt.py). The references
 are the archive's own: its phone tokens or alignments for phone outputs (PER; silence is not a
 token), its transcripts for words (WER, and CER for CTC models over chars or bpe tokens;
 --text instead when given, else the file the graph was made with). Under mpiexec the ranks
@@ -16,7 +19,8 @@ decode disjoint utterances; the hypotheses do not depend on the number of ranks.
 decodes the archive at every scale of a grid and keeps the best: tune on held-out speakers
 (the CV archive), never on the training speakers.
 
-Writes OUT (default RUN_DIR/decode/<graph>_<archive>/, greedy_<archive>/ for --greedy):
+Writes OUT (default RUN_DIR/decode/<graph>_<archive>/, greedy_<archive>/ for --greedy,
+beam<K>_<archive>/ for an RNN-T's --beam-size K):
 hyp.txt and ref.txt (Kaldi `text`), per_utt.txt (ins del sub ref per utterance), scoring.txt
 (the lines printed) and result.json; all under temporary names, renamed.
 """
@@ -55,7 +59,11 @@ def add_arguments(parser):
                                      "model, TLG (--topology ctc) for a CTC model")
     how.add_argument("--greedy", action="store_true",
                      help="CTC models: greedy search, no graph (the best token per frame, "
-                          "repeats merged, blanks dropped)")
+                          "repeats merged, blanks dropped); RNN-T models: greedy search (at "
+                          f"most {MAX_SYMBOLS} symbols per frame)")
+    how.add_argument("--beam-size", type=int, metavar="K",
+                     help="RNN-T models: modified beam search with K hypotheses (at most one "
+                          "symbol per frame, equal prefixes merged; icefall's default is 4)")
     parser.add_argument("--out", help="output directory (default RUN_DIR/decode/GRAPH_ARCHIVE)")
     recognize.add_search_arguments(parser)
     parser.add_argument("--tune", action="store_true",
@@ -115,8 +123,11 @@ def decode(args, comm):
     tokens = meta["tokens"] if ctc_model else None
     if graph is not None and rnnt_model:
         raise UserError(f"{meta['path']} is an RNN-T model: its prediction network is its "
-                        f"language model, searched by --greedy (a graph weighs per-frame "
-                        f"posteriors, which a transducer does not give)")
+                        f"language model, searched by --greedy or --beam-size (a graph weighs "
+                        f"per-frame posteriors, which a transducer does not give)")
+    if args.beam_size is not None and (not rnnt_model or args.beam_size < 1):
+        raise UserError(f"--beam-size {args.beam_size}: the beam search of RNN-T models, "
+                        f"K >= 1 ({meta['path']} is a {meta['model'].get('type', 'dnn')} model)")
     if graph is not None:
         graph.check_model(meta)
         graph.check_archive(index, args.data)
@@ -139,8 +150,9 @@ def decode(args, comm):
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
     table = None
     if decoder is None:
-        hyps, search_s = (recognize.greedy_rnnt(model, params, logposts, tokens["symbols"],
-                                                tokens["kind"]) if rnnt_model else
+        hyps, search_s = (recognize.search_rnnt(model, params, logposts, tokens["symbols"],
+                                                tokens["kind"], args.beam_size)
+                          if rnnt_model else
                           recognize.greedy(logposts, tokens["symbols"], tokens["kind"]))
         not_final = 0
     else:
@@ -167,8 +179,11 @@ def decode(args, comm):
         lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
         lines += recognize.tuning_lines(table, scales, name)
     if graph is None:
-        lines.append(f"{args.model} on {args.data} by RNN-T greedy search over "
-                     f"{tokens['kind']} tokens (at most {MAX_SYMBOLS} per frame)" if rnnt_model
+        lines.append(f"{args.model} on {args.data} by RNN-T "
+                     + (f"modified beam search (beam {args.beam_size}, at most 1 symbol per "
+                        f"frame)" if args.beam_size else
+                        f"greedy search (at most {MAX_SYMBOLS} symbols per frame)")
+                     + f" over {tokens['kind']} tokens" if rnnt_model
                      else f"{args.model} on {args.data} by CTC greedy search over "
                      f"{tokens['kind']} tokens (the best token per frame, repeats merged, "
                      f"blanks dropped)")
@@ -213,7 +228,8 @@ def decode(args, comm):
     result = {"model": args.model, "archive": args.data, "graph": args.graph,
               "kind": graph.kind if graph is not None else None,
               "topology": graph.topology if graph is not None else "ctc",
-              "search": "graph" if graph is not None else "greedy",
+              "search": "graph" if graph is not None else (
+                  f"beam {args.beam_size}" if args.beam_size else "greedy"),
               "tokens": tokens["kind"] if tokens else None, **score.as_dict(name, total),
               "cer": cer, "references": ref_source,
               "acoustic_scale": scales[0] if scales else None,
@@ -228,7 +244,8 @@ def decode(args, comm):
               "tuning": None if table is None else
               [{"acoustic_scale": a, "prior_scale": b, "error_rate": score.error_rate(c)}
                for a, b, c in table]}
-    out = args.out or default_out(args.model, args.graph or "greedy", args.data)
+    out = args.out or default_out(args.model, args.graph or (
+        f"beam{args.beam_size}" if args.beam_size else "greedy"), args.data)
     os.makedirs(out, exist_ok=True)
     archive.atomic_write_text(os.path.join(out, "hyp.txt"), text_lines(hyps))
     archive.atomic_write_text(os.path.join(out, "ref.txt"), text_lines(

@@ -181,16 +181,19 @@ def greedy(logposts, symbols, kind):
     return hyps, time.thread_time() - t0
 
 
-def greedy_rnnt(model, params, encs, symbols, kind):
-    """RNN-T greedy search (hpcsgd.decode.rnnt) of every utterance's encoder projection ->
-    ({utt: words, or phones}, search CPU seconds of this thread)."""
+def search_rnnt(model, params, encs, symbols, kind, beam=None):
+    """RNN-T greedy search, or modified beam search with `beam` hypotheses (hpcsgd.decode.rnnt)
+    of every utterance's encoder projection -> ({utt: words, or phones}, search CPU seconds
+    of this thread)."""
     from hpcsgd.decode import rnnt
     from hpcsgd.model.lengths import Lengths
     symbols = np.asarray(symbols, dtype=object)
     layer, hyps = model.layers[-1], {}
     t0 = time.thread_time()
     for utt, enc in encs:
-        best = rnnt.greedy_search(layer, params, enc, Lengths([len(enc)]))[0]
+        lengths = Lengths([len(enc)])
+        best = (rnnt.beam_search(layer, params, enc, lengths, beam)[0] if beam else
+                rnnt.greedy_search(layer, params, enc, lengths))[0]
         hyps[utt] = ctc.tokens_to_words(symbols[best], kind)
     return hyps, time.thread_time() - t0
 

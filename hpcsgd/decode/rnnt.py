@@ -66,3 +66,59 @@ def greedy_search(layer, p, enc, lengths, max_symbols=MAX_SYMBOLS, blank=0):
             for (h, c), (h1, c1) in zip(state, new):
                 h[rows], c[rows] = h1, c1
     return [np.asarray(h, np.int64) for h in hyps]
+
+
+def _log_softmax(logits):
+    m = logits.max(axis=1, keepdims=True)
+    return logits - (m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True)))
+
+
+def beam_search(layer, p, enc, lengths, beam=4, blank=0):
+    """Modified beam search (icefall's modified_beam_search): at most one symbol per frame;
+    at each frame every hypothesis of an utterance is extended by the blank or by a token,
+    the `beam` best (hypothesis, token) pairs of the utterance kept, and equal token sequences
+    merged (their probabilities added). Batched: the hypotheses of all utterances at a frame
+    are the rows of one joint GEMM and one predictor step. -> (one int64 token array per
+    utterance, its log-probability summed over the merged alignments)."""
+    nb, frames = lengths.nb, lengths.lengths
+    pred0, state0 = start_state(layer, p, 1)
+    # per utterance: {tokens: [log-prob, pred (joint,), [(h, c) per LSTM layer]]}
+    hyps = [{(): [0.0, pred0[0], [(h[0], c[0]) for h, c in state0]]} for _ in range(nb)]
+    for t in range(int(frames.max()) if nb else 0):
+        live = [b for b in range(nb) if frames[b] > t]
+        keys = [(b, ys) for b in live for ys in hyps[b]]
+        preds = np.stack([hyps[b][ys][1] for b, ys in keys])
+        encs = np.stack([enc[t * nb + b] for b, _ in keys])
+        lp = _log_softmax(joint_logits(layer, p, encs, preds))
+        scores = lp + np.array([hyps[b][ys][0] for b, ys in keys])[:, None]
+        grow, first = [], 0   # (b, new tokens, row of its parent, score) of the kept pairs
+        new = {b: {} for b in live}
+        for b in live:
+            n = len(hyps[b])
+            block = scores[first:first + n].ravel()
+            top = np.argsort(-block, kind="stable")[:beam]
+            for flat in top:
+                row, k = first + flat // lp.shape[1], int(flat % lp.shape[1])
+                ys = keys[row][1] if k == blank else keys[row][1] + (k,)
+                if ys in new[b]:   # the same tokens by another alignment: add them up
+                    new[b][ys][0] = np.logaddexp(new[b][ys][0], block[flat])
+                elif k == blank:
+                    new[b][ys] = [block[flat], *hyps[b][keys[row][1]][1:]]
+                else:
+                    new[b][ys] = [block[flat], None, None]
+                    grow.append((b, ys, row, k))
+            first += n
+        if grow:   # the predictor advanced by each new token, one batched step
+            rows = [row for _, _, row, _ in grow]
+            state = [(np.stack([hyps[keys[r][0]][keys[r][1]][2][l][0] for r in rows]),
+                      np.stack([hyps[keys[r][0]][keys[r][1]][2][l][1] for r in rows]))
+                     for l in range(len(layer.pred))]
+            out, state = predictor_step(layer, p, np.array([k for *_, k in grow]), state)
+            for i, (b, ys, _, _) in enumerate(grow):
+                new[b][ys][1] = out[i]
+                new[b][ys][2] = [(h[i], c[i]) for h, c in state]
+        for b in live:
+            hyps[b] = new[b]
+    best = [max(h.items(), key=lambda item: item[1][0]) for h in hyps]
+    return ([np.asarray(ys, np.int64) for ys, _ in best],
+            np.array([float(v[0]) for _, v in best]))
