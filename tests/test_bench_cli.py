@@ -24,6 +24,7 @@ EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it
     "loader": ([], "raw HDF5 read (limit)"),
     "machine": ([], "bus bandwidth"),
     "plan": (["--plot", "{tmp}/plan.png"], "Validation"),
+    "rnnt": (["--repeats", "1"], "ta/ours"),
     "train": ([], "Table 4"),
 }
 
@@ -53,6 +54,16 @@ def check_ctc(res):
         assert r["ms"] > 0 and r["GBps"] > 0 and r["frac_triad"] > 0
         B, T, _, V = r["B"], r["T"], r["U"], r["V"]
         assert r["bytes"] == 8 * B * T * V + r["workspace_bytes"]
+
+
+def check_rnnt(res):
+    """Each shape's loss-and-gradient time, its bytes (logits read and written twice, alpha
+    and beta) and share of the triad, ours' exact memory (packed logits, alpha, beta)."""
+    assert len(res["rows"]) == 2
+    for r in res["rows"]:
+        assert r["ms"] > 0 and r["GBps"] > 0 and r["frac_triad"] > 0
+        assert r["bytes"] == (16 * r["V"] + 8) * r["nodes"]
+        assert r["memory_bytes"] == (4 * r["V"] + 8) * r["nodes"]
 
 
 def check_cuda(res):

@@ -352,3 +352,27 @@ def test_extreme_logits_give_finite_numbers():
     z = np.where(rng.random(z.shape) < 0.5, -80.0, 80.0).astype(np.float32)
     g, loss = check_against_reference(z, frames, ids, off, rows, lam=0.01)
     assert np.isfinite(g).all() and np.isfinite(loss).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark's smoke test
+
+
+def test_bench_rnnt_small_runs_without_torchaudio(capsys):
+    """`hpcsgd bench rnnt --small` without a torchaudio interpreter (it is never a
+    dependency): the table, the bandwidth figures, ours' exact memory, and a line saying the
+    torchaudio columns are skipped."""
+    import argparse
+
+    from hpcsgd.bench import report, rnnt
+    parser = argparse.ArgumentParser()
+    rnnt.add_arguments(parser)
+    res = rnnt.run(parser.parse_args(["--small", "--repeats", "1"]))
+    assert "torchaudio's columns are skipped" in capsys.readouterr().out
+    assert len(res["rows"]) == 2
+    for r in res["rows"]:
+        assert r["ms"] > 0 and r["GBps"] > 0 and r["frac_triad"] > 0
+        assert r["vs_torchaudio"] is None and r["bytes"] == (16 * r["V"] + 8) * r["nodes"]
+        assert r["memory_bytes"] == (4 * r["V"] + 8) * r["nodes"]
+    figs = report.headline(rnnt, report.clean(res))
+    assert figs and all(math.isfinite(x) for x in figs.values())

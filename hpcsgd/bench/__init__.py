@@ -23,6 +23,7 @@ benchmarks (hpcsgd bench NAME --help for each one's options):
   loader    spliced+CMVN frames/s vs raw HDF5 read rate
   machine   memory, GEMM and MPI collective limits of this machine
   plan      Eq. 4: K-hat, predicted speed-ups, check against bench train
+  rnnt      RNN-T loss + gradient kernel ms, GB/s and memory vs bandwidth and torchaudio
   train     frames/s at K ranks vs the GEMM roofline and no exchange"""
 EXAMPLES = """examples:
   hpcsgd bench train --config jobs/configs/so762.yaml --ranks 1,2     the model users train
@@ -39,6 +40,7 @@ BENCHES = {
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),
     "machine": ("hpcsgd.bench.machine", "memory, GEMM and MPI collective limits of this machine"),
     "plan": ("hpcsgd.bench.plan", "Eq. 4: K-hat, predicted speed-ups, check against bench train"),
+    "rnnt": ("hpcsgd.bench.rnnt", "RNN-T loss + gradient kernel ms, GB/s and memory vs bandwidth and torchaudio"),
     "train": ("hpcsgd.bench.train", "frames/s at K ranks vs the GEMM roofline and no exchange"),
 }
 

@@ -23,7 +23,8 @@ import subprocess
 import sys
 
 KERNEL_MODULES = ("hpcsgd.device", "hpcsgd.optim", "hpcsgd.model.kernels_cuda",
-                  "hpcsgd.model.kernels_ctc_cuda", "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit",
+                  "hpcsgd.model.kernels_ctc_cuda", "hpcsgd.model.kernels_rnnt_cuda",
+                  "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit",
                   "hpcsgd.codecs.dettmers", "hpcsgd.codecs.floats", "hpcsgd.half")
 USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--kernels NAMES] [--json FILE]"
 EXAMPLES = """examples:
@@ -187,6 +188,18 @@ def record(out_path):
              Optimizer(ctc_params.size, device="cuda"), exchanges[0], device="cuda",
              scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
     model_ctc.forward(ctc_params, x_seq, len(x_seq), lengths=frames)
+    # the RNN-T loss (no model runs it on GPU ranks yet): two lattices, 3 x 3 and 2 x 2
+    from hpcsgd.model import kernels_rnnt as KR
+    from hpcsgd.model import kernels_rnnt_cuda as KRC
+    from hpcsgd.lazy_cuda import cuda as cuda_rt
+    r_frames, r_off = np.array([3, 2], np.int64), np.array([0, 2, 3], np.int64)
+    r_rows = KR.lattice_offsets(r_frames, np.diff(r_off))
+    KRC.rnnt_loss_grad(*(cuda_rt.to_device(a) for a in (
+                           np.zeros((int(r_rows[-1]), 4), np.float32), r_frames,
+                           np.array([1, 2, 3], np.int32), r_off, r_rows)), 1.0,
+                       cuda_rt.device_array(int(r_rows[-1]), np.float32),
+                       cuda_rt.device_array(int(r_rows[-1]), np.float32),
+                       cuda_rt.device_array(2, np.float64), cuda_rt.device_array(2, np.uint8))
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")
