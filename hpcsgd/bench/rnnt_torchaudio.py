@@ -8,17 +8,17 @@ BATCH.npz: z (N, V) packed logits, frames, ids, tgt_offsets, row_offsets (kernel
 layout). The logits are padded to (B, T, Umax + 1, V) as torchaudio wants them,
 torchaudio.functional.rnnt_loss(reduction="none", fused_log_softmax=True, blank=0) + backward
 to the logits, torch.set_num_threads(THREADS). Writes the per-utterance losses, the best of
-REPEATS call times, and the peak RSS growth of the first call (ru_maxrss: the process's
-high-water mark, so the logits' and the gradient's allocations count, not freed ones).
+REPEATS call times, and the bytes torch's allocator handed out during one call (the profiler's
+self CPU memory of every op, positive ones summed: the gradient, the workspaces).
 """
 import json
-import resource
 import sys
 import time
 
 import numpy as np
 import torch
 import torchaudio
+from torch.profiler import ProfilerActivity, profile
 
 
 def main(batch, threads, repeats, out):
@@ -35,7 +35,6 @@ def main(batch, threads, repeats, out):
         f, u1 = int(frames[b]), int(lens[b]) + 1
         padded[b, :f, :u1] = z[rows[b]:rows[b + 1]].reshape(f, u1, v)
         targets[b, :lens[b]] = ids[tgt[b]:tgt[b + 1]]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     x = torch.from_numpy(padded).requires_grad_()
     y = torch.from_numpy(targets)
     fl = torch.from_numpy(frames.astype(np.int32))
@@ -49,14 +48,17 @@ def main(batch, threads, repeats, out):
         return loss
 
     losses = call().detach().numpy().astype(np.float64)
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    allocated = sum(e.self_cpu_memory_usage for e in prof.key_averages()
+                    if e.self_cpu_memory_usage > 0)
     best = float("inf")
     for _ in range(int(repeats)):
         t0 = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - t0)
     with open(out, "w") as f:
-        json.dump({"loss": losses.tolist(), "seconds": best, "peak_rss_growth": peak,
+        json.dump({"loss": losses.tolist(), "seconds": best, "allocated_bytes": allocated,
                    "padded_bytes": padded.nbytes, "torch": torch.__version__,
                    "torchaudio": torchaudio.__version__}, f)
 
