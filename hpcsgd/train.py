@@ -450,16 +450,31 @@ def init_from(model, params, path, static):
     """Fine-tuning's start: every weight and bias from the checkpoint (or run directory) at
     `path`, by name; the parameters it does not have (learned clip values) start from their
     init on the loaded weights. Its outputs must be this run's: the same label inventory (a
-    CTC model: token inventory). Returns the checkpoint's path."""
+    CTC model: token inventory). An RNN-T model may start from a CTC checkpoint instead: its
+    encoder's layers only (the same encoder on the same features; any token inventory), the
+    prediction and joint networks from their init. Returns the checkpoint's path (and what
+    was taken from it, when not everything)."""
     _, source, meta = load_model(path)
     tokens = static.get("tokens")
-    if tokens and (meta.get("tokens") or {}).get("inventory_hash") != tokens["inventory_hash"]:
+    ours, theirs_type = model.describe.get("type", "dnn"), meta["model"].get("type", "dnn")
+    encoder_only = ours == "rnnt" and theirs_type == "ctc"
+    if ours == "rnnt" and theirs_type not in ("ctc", "rnnt"):
+        raise UserError(f"train.init_from {meta['path']}: a {theirs_type} model; an RNN-T "
+                        f"starts from a CTC checkpoint's encoder or from an RNN-T checkpoint")
+    if encoder_only:
+        mine = {k: model.describe[k] for k in ("input_dim", "encoder")}
+        there = {k: meta["model"].get(k) for k in ("input_dim", "encoder")}
+        if mine != there:
+            raise UserError(f"train.init_from {meta['path']}: its CTC encoder {there} is not "
+                            f"this RNN-T's {mine}")
+        encoder = {s.name for layer in model.layers[:-1] for s in layer.specs()}
+    elif tokens and (meta.get("tokens") or {}).get("inventory_hash") != tokens["inventory_hash"]:
         theirs = meta.get("tokens") or {"kind": "frame labels", "inventory_hash": "-"}
         raise UserError(f"train.init_from {meta['path']}: its outputs are {theirs['kind']} "
                         f"({theirs['inventory_hash']}), this run's {tokens['kind']} tokens "
                         f"({tokens['inventory_hash']})")
-    if not tokens and (meta.get("tokens") or meta.get("label_inventory_hash")
-                       != static["label_inventory_hash"]):
+    if not tokens and not encoder_only and (meta.get("tokens") or meta.get(
+            "label_inventory_hash") != static["label_inventory_hash"]):
         raise UserError(f"train.init_from {meta['path']}: trained on another label inventory "
                         f"than data.train's")
     # a split model (model.parallel) takes its columns of the whole matrices
@@ -468,7 +483,7 @@ def init_from(model, params, path, static):
     if not split:
         host.flat[:] = to_host(params.flat)
     for spec in (whole_specs(model.layers) if split else model.specs):
-        if spec.role == "clip":
+        if spec.role == "clip" or (encoder_only and spec.name not in encoder):
             continue
         if spec.name not in source.views or source[spec.name].shape != spec.shape:
             found = source[spec.name].shape if spec.name in source.views else "none"
@@ -480,7 +495,8 @@ def init_from(model, params, path, static):
         model.quant.init(host.views)
     assign(params.flat, from_whole(model.layers, host.flat, np.empty(params.size, model.dtype))
            if split else host.flat)
-    return meta["path"]
+    return meta["path"] + (" (its encoder's layers; the prediction and joint networks from "
+                           "their init)" if encoder_only else "")
 
 
 def probe(cfg, run, state, rank_frames, lr):

@@ -184,3 +184,53 @@ def test_onebit_rnnt_learns_real_speech_on_two_ranks(demo_tokens, tmp_path):
     assert min(cv_loss[-8:]) < cv_loss[0] - 0.5, cv_loss
     errors = [e["cv_token_error_rate"] for e in epochs]
     assert min(errors[-4:]) < 0.97, errors
+
+
+def test_an_rnnt_starts_from_a_ctc_checkpoints_encoder(arch, tmp_path):
+    """train.init_from a CTC run with the same encoder: the RNN-T's encoder layers are the
+    CTC encoder's weights bit for bit, the prediction and joint networks keep their own init
+    (train.init_from in process), and a run says so; a hybrid (frame label) checkpoint, or a
+    CTC encoder of another shape, are refused by name."""
+    from hpcsgd.model import build
+    from hpcsgd.model_io import load_model
+    from hpcsgd.train import init_from
+    encoder = "model.encoder=[conv 6 k3 s2, blstm 5]"
+    ctc = str(tmp_path / "ctc")
+    proc = run_train(1, [f"data.train={arch}", "model.type=ctc", encoder, "train.epochs=1",
+                         "train.minibatch=900", f"train.run_dir={ctc}",
+                         "model.activation=relu"], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _, src, src_meta = load_model(ctc)
+    shape = {"type": "rnnt", "input_dim": src_meta["model"]["input_dim"],
+             "encoder": src_meta["model"]["encoder"], "num_tokens": 9, "predictor": ["lstm 4"],
+             "embed": 3, "joint": 5, "joint_mode": "add", "activation": "relu"}
+    model = build(shape)
+    params, fresh = model.new_params(), model.new_params()
+    model.init(fresh, np.random.default_rng(0))
+    params.flat[:] = fresh.flat
+    what = init_from(model, params, ctc, {"tokens": {"kind": "phones", "inventory_hash": "?"}})
+    assert "its encoder's layers" in what
+    encoder_names = {s.name for layer in model.layers[:-1] for s in layer.specs()}
+    assert encoder_names == {"W0", "b0", "W1", "U1f", "U1b", "b1"}   # conv; BLSTM
+    for spec in model.specs:
+        want = src[spec.name] if spec.name in encoder_names else fresh[spec.name]
+        np.testing.assert_array_equal(params[spec.name], want, err_msg=spec.name)
+    run = str(tmp_path / "rnnt")
+    proc = run_train(1, options(arch, f"train.run_dir={run}", f"train.init_from={ctc}"),
+                     timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "its encoder's layers" in open(os.path.join(run, "logs", "rank0000.log")).read()
+    other = str(tmp_path / "other")
+    proc = run_train(1, options(arch, f"train.run_dir={other}", f"train.init_from={ctc}",
+                                "model.encoder=[conv 6 k3 s2, blstm 4]"), timeout=180)
+    assert proc.returncode == 2 and "is not this RNN-T's" in proc.stderr, proc.stderr
+    dnn_arch = str(tmp_path / "frames")
+    make_archive(dnn_arch, num_shards=1, utts_per_shard=6, dim=4)
+    dnn = str(tmp_path / "dnn")
+    proc = run_train(1, [f"data.train={dnn_arch}", "model.hidden=[5]", "train.epochs=1",
+                         f"train.run_dir={dnn}"], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_train(1, options(arch, f"train.run_dir={other}", f"train.init_from={dnn}"),
+                     timeout=180)
+    assert proc.returncode == 2 and "a dnn model; an RNN-T starts from" in proc.stderr, \
+        proc.stderr
