@@ -439,9 +439,7 @@ def check_rnnt(config):
         raise UserError(f"config key model.predictor: {err}") from None
     for key, want, why in (
             ("train.device", "cpu", "the joint and the prediction network run on CPU ranks "
-             "only so far (the RNN-T loss's CUDA kernel exists: model/kernels_rnnt_cuda.py)"),
-            ("train.precision", "float32", "the transducer's 16-bit roundings are not placed "
-             "yet")):
+             "only so far (the RNN-T loss's CUDA kernel exists: model/kernels_rnnt_cuda.py)"),):
         if config[key] != want:
             raise UserError(f"config keys model.type=rnnt and {key}={config[key]}: {why} "
                             f"(issue 54); set {key}={want}")

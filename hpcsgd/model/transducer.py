@@ -34,8 +34,13 @@ with the targets), so this layer keeps its own scratch arrays, grown on demand (
 times in a run) -- the one layer that holds arrays.
 
 Utterances no transducer can score (no output frame, or no target: kernels_rnnt's rule) give
-loss 0 and gradient 0 and are counted (skipped), as CTC's infeasible ones. CPU ranks, float32
-only for now (the config refuses the rest with why).
+loss 0 and gradient 0 and are counted (skipped), as CTC's infeasible ones.
+
+Mixed precision and bf16 (CPU ranks: the emulation of model/network.py) round where a GPU
+would store in 16 bits: every GEMM's and kernel's output here (enc, pred, h, the logits, the
+loss's scaled gradient, dh, denc, dpred) and, through model.ops.HalfOps, the prediction
+network's LSTM kernels; the loss runs in float32 on the 16-bit logits, as CTC's. CPU ranks
+only, no QAT yet (the config refuses the rest with why).
 """
 import numpy as np
 
@@ -128,6 +133,7 @@ class Transducer:
         if progress is not None:
             progress()
         z += p[self.b]
+        _store(ops, z)
 
     def posteriors(self, p, z, ops, log=True):
         """Nothing: an RNN-T's model.forward gives the encoder's joint projection (enc);
@@ -200,6 +206,7 @@ class Transducer:
         matmul(x, p[self.Wp], pred)
         pred += p[self.bp]
         pred[~valid] = 0
+        _store(ops, pred)
         return pred
 
     def _predict_backward(self, p, g, tok, lengths, dpred, ops):
@@ -211,6 +218,7 @@ class Transducer:
         ops.column_sums(dpred, g[self.bp])
         dy = self._get("pred_dh", rows, self.pred_width)
         matmul(dpred, p[self.Wp], dy, trans_b=True)
+        _store(ops, dy)
         ws = self._pred_ws(rows)
         for k in range(len(self.pred) - 1, -1, -1):
             layer = self.pred[k]
@@ -271,8 +279,10 @@ class Transducer:
             h = self._get("h", n, self.joint)
             logits = self._get("logits", n, self.num_tokens)
             KJ.joint_forward(z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode, h)
+            _store(ops, h)
             matmul(h, p[self.Wo], logits)
             logits += p[self.bo]
+            _store(ops, logits)   # 16-bit logits in, the loss in float32
             alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
             beta = self._get("beta", n, 1, np.float32)[:, 0]
             loss = np.empty(b1 - b0)
@@ -281,19 +291,31 @@ class Transducer:
                               alpha, beta, loss, ok, self.fastemit_lambda)
             total += float(loss.sum())
             feasible += int(ok.sum())
+            _store(ops, logits)   # the scaled gradient, rounded once
             matmul(h, logits, gWo_part, trans_a=True)
             gWo += gWo_part
             ops.column_sums(logits, gbo_part)
             gbo += gbo_part
             dh = self._get("dh", n, self.joint)
             matmul(logits, p[self.Wo], dh, trans_b=True)
+            _store(ops, dh)
             KJ.joint_backward(dh, h, z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode,
                               denc, dpred)
+        _store(ops, dpred)
         self._predict_backward(p, g, tok, plen, dpred, ops)
         z[...] = denc
+        _store(ops, z)
         ops.column_sums(z, g[self.b])
         self.skipped += nb - feasible
         return total, len(ids)
+
+
+def _store(ops, x):
+    """Mixed precision and bf16 (model.ops.HalfOps): x as stored in the 16-bit format (a GEMM's
+    or a kernel's output, rounded in place); float32 ops have no store: nothing."""
+    store = getattr(ops, "store", None)
+    if store is not None:
+        store(x)
 
 
 def rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint, joint_mode,
@@ -308,9 +330,9 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
          precision="float32", qat=None):
     """The RNN-T model input_dim-[encoder]-transducer(predictor, joint)-num_tokens as a
     Network whose passes take whole utterances (their Lengths from the batch's targets)."""
-    if device != "cpu" or precision != "float32" or qat:
-        raise ValueError("RNN-T models train on CPU ranks in float32 for now (not cuda, "
-                         "mixed, bf16 or qat: issue 54's next blocks)")
+    if device != "cpu" or qat:
+        raise ValueError("RNN-T models train on CPU ranks without qat for now (issue 54's "
+                         "next blocks)")
     describe = {"type": "rnnt", "input_dim": int(input_dim),
                 "encoder": [" ".join(str(e).split()) for e in encoder],
                 "num_tokens": int(num_tokens),
