@@ -30,7 +30,8 @@ CUDA_ENV = {} if REAL_GPU else {"NUMBA_ENABLE_CUDASIM": "1"}
 # files by their number of tests, which left the 70 s README pipeline to the end: one worker
 # ran on 18 s after the other had finished), so the long ones start early and the short ones
 # fill the end
-LONGEST_FIRST = ("test_slurm.py", "test_ctc_train.py", "test_exchange.py", "test_train.py",
+LONGEST_FIRST = ("test_slurm.py", "test_ctc_train.py", "test_rnnt_train.py", "test_exchange.py",
+                 "test_train.py",
                  "test_bench_cli.py",
                  "test_readme.py", "test_parallel.py", "test_codecs.py", "test_shutdown.py",
                  "test_precision.py", "test_gpu_ranks.py", "test_qat_train.py",
