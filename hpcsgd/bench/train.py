@@ -171,7 +171,7 @@ def model_of(args):
     if args.config:
         from hpcsgd import config
         lstm_config = config.load(args.config, [])
-        if lstm_config["model.type"] == "ctc":
+        if lstm_config["model.type"] in ("ctc", "rnnt"):   # whole utterances, tokens
             ctc_config = lstm_config
         if lstm_config["model.type"] != "lstm":
             lstm_config = None
@@ -184,6 +184,10 @@ def model_of(args):
             index = archive.read_index(ctc_config["data.train"])
             shape.update(input_dim=index["feature_dim"], encoder=ctc_config["model.encoder"],
                          num_tokens=index["tokens"][ctc_config["data.tokens"]]["num_tokens"])
+            if ctc_config["model.type"] == "rnnt":   # the transducer after the same encoder
+                shape.update(type="rnnt", predictor=ctc_config["model.predictor"],
+                             embed=ctc_config["model.embed"], joint=ctc_config["model.joint"],
+                             joint_mode=ctc_config["model.joint_mode"])
             n, name = ctc_config["train.minibatch"], os.path.basename(args.config)
         if args.chunk:
             shape["steps"] = args.chunk
@@ -237,9 +241,12 @@ def _settings(args):
 
 def describe(shape):
     """The benchmarked model in one line."""
-    if shape.get("type") == "ctc":
+    if shape.get("type") in ("ctc", "rnnt"):
         from hpcsgd.model.encoder import describe as encoder
-        return (f"{shape['input_dim']}-[{encoder(shape['encoder'])}]-CTC {shape['num_tokens']}, "
+        out = (f"CTC {shape['num_tokens']}" if shape["type"] == "ctc" else
+               f"RNN-T[{encoder(shape['predictor'])}, embed {shape['embed']}, joint "
+               f"{shape['joint']} {shape['joint_mode']}] {shape['num_tokens']}")
+        return (f"{shape['input_dim']}-[{encoder(shape['encoder'])}]-{out}, "
                 f"utterances of {shape['steps']} frames")
     if shape.get("type") == "lstm":
         kind = "BLSTM" if shape["bidirectional"] else "LSTM"
@@ -253,13 +260,14 @@ def unit_of(shape):
     """Frames of the indivisible part of a minibatch: one chunk for an LSTM (whole sequences
     on every rank, hpcsgd.data.loader.batch_split), one utterance for a CTC model, one frame
     for a DNN."""
-    return shape.get("steps", 1) if shape.get("type") in ("lstm", "ctc") else 1
+    return shape.get("steps", 1) if shape.get("type") in ("lstm", "ctc", "rnnt") else 1
 
 
 def builder_shape(shape):
     """The builder's description of the benchmarked model (without the bench's own keys: a
     CTC model's utterance length)."""
-    return {k: v for k, v in shape.items() if not (shape.get("type") == "ctc" and k == "steps")}
+    return {k: v for k, v in shape.items()
+            if not (shape.get("type") in ("ctc", "rnnt") and k == "steps")}
 
 
 def utterance_targets(shape, n, rng):
@@ -275,6 +283,10 @@ def utterance_targets(shape, n, rng):
 def run(args):
     ranks, ns, modes = _settings(args)
     name, shape, activation, _ = model_of(args)
+    if args.pytorch and shape.get("type") == "rnnt":
+        raise SystemExit("hpcsgd bench train --pytorch: no PyTorch transducer peer yet "
+                         "(hpcsgd/bench/pytorch.py has the DNN, the (B)LSTM and the CTC "
+                         "model); run without --pytorch")
     print(f"hpcsgd bench train: {name} model {describe(shape)}, "
           f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
           f"{'/'.join(_db_name(*m) for m in modes)}; {launch.cores()} cores, load average "
@@ -603,7 +615,7 @@ class Rank:
         self.model, self.params, self.grads = self.models[precisions[0]]
         rng = np.random.default_rng(1 + self.rank)
         self.x = rng.standard_normal((max_local, shape["input_dim"]), dtype=np.float32)
-        self.ctc = shape.get("type") == "ctc"
+        self.ctc = shape.get("type") in ("ctc", "rnnt")   # token targets of utterances
         if self.ctc:   # whole utterances: n frames are n / steps of them, time-major
             self.shape, self.rng = shape, rng
             self.targets = {}

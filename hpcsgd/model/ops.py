@@ -349,6 +349,7 @@ class CudaOps:
 class GemmOnly:
     """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers (the
     recurrent products included, as the device's ops compute them)."""
+    gemm_only = True   # a layer that calls kernels itself (the RNN-T's joint) skips them too
 
     def step_product(self, a, w, out, trans_b=False, wt=None):
         if isinstance(a, np.ndarray):

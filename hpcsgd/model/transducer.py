@@ -270,6 +270,7 @@ class Transducer:
         gWo_part = self._get("gWo_part", self.joint, self.num_tokens)
         gbo_part = self._get("gbo_part", 1, self.num_tokens)
         total, feasible = 0.0, 0
+        gemm_only = getattr(ops, "gemm_only", False)   # bench train's roofline: GEMMs alone
         for b0, b1 in self.groups(frames, u1):
             rows = KR.lattice_offsets(frames[b0:b1], u1[b0:b1] - 1)
             offs = np.zeros(nb + 1, np.int64)
@@ -278,19 +279,21 @@ class Transducer:
             self.high_water = max(self.high_water, 4 * n * (self.joint + self.num_tokens))
             h = self._get("h", n, self.joint)
             logits = self._get("logits", n, self.num_tokens)
-            KJ.joint_forward(z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode, h)
+            if not gemm_only:
+                KJ.joint_forward(z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode, h)
             _store(ops, h)
             matmul(h, p[self.Wo], logits)
-            logits += p[self.bo]
-            _store(ops, logits)   # 16-bit logits in, the loss in float32
-            alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
-            beta = self._get("beta", n, 1, np.float32)[:, 0]
-            loss = np.empty(b1 - b0)
-            ok = np.empty(b1 - b0, np.uint8)
-            KR.rnnt_loss_grad(logits, frames[b0:b1], ids, offsets[b0:b1 + 1], rows, scale,
-                              alpha, beta, loss, ok, self.fastemit_lambda)
-            total += float(loss.sum())
-            feasible += int(ok.sum())
+            if not gemm_only:
+                logits += p[self.bo]
+                _store(ops, logits)   # 16-bit logits in, the loss in float32
+                alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
+                beta = self._get("beta", n, 1, np.float32)[:, 0]
+                loss = np.empty(b1 - b0)
+                ok = np.empty(b1 - b0, np.uint8)
+                KR.rnnt_loss_grad(logits, frames[b0:b1], ids, offsets[b0:b1 + 1], rows, scale,
+                                  alpha, beta, loss, ok, self.fastemit_lambda)
+                total += float(loss.sum())
+                feasible += int(ok.sum())
             _store(ops, logits)   # the scaled gradient, rounded once
             matmul(h, logits, gWo_part, trans_a=True)
             gWo += gWo_part
@@ -299,14 +302,15 @@ class Transducer:
             dh = self._get("dh", n, self.joint)
             matmul(logits, p[self.Wo], dh, trans_b=True)
             _store(ops, dh)
-            KJ.joint_backward(dh, h, z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode,
-                              denc, dpred)
+            if not gemm_only:
+                KJ.joint_backward(dh, h, z, pred, nb, pos, frames, u1, offs, b0, b1,
+                                  self.mode, denc, dpred)
         _store(ops, dpred)
         self._predict_backward(p, g, tok, plen, dpred, ops)
         z[...] = denc
         _store(ops, z)
         ops.column_sums(z, g[self.b])
-        self.skipped += nb - feasible
+        self.skipped += 0 if gemm_only else nb - feasible
         return total, len(ids)
 
 
