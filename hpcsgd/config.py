@@ -100,6 +100,10 @@ DEFAULTS = {
     "qat.weights": ("none", str, ("none", "max", "sawb", "pact"),
                     "fake-quantize every weight matrix: clip at max |W|, SAWB's alpha, or a learned alpha"),
     "qat.weight_bits": (8, int, (2, 8), "weights: 2^b - 1 symmetric levels (+-7 at 4 bits)"),
+    "qat.first_layer": ("auto", str, ("auto", "float", "quantized"),
+                        "the first layer's weights and input: float (the INT4 paper's RNN-T "
+                        "recipe) or quantized like the rest; auto: float for model.type=rnnt, "
+                        "quantized for the others"),
     "qat.weight_scale": ("tensor", str, ("tensor", "channel"),
                          "weights max/sawb: one clip value per matrix, or per output unit "
                          "(a column of W)"),
@@ -443,9 +447,6 @@ def check_rnnt(config):
         if config[key] != want:
             raise UserError(f"config keys model.type=rnnt and {key}={config[key]}: {why} "
                             f"(issue 54); set {key}={want}")
-    if qat_of(config):
-        raise UserError("config keys model.type=rnnt and qat.*: INT4 QAT of the transducer "
-                        "(the paper's recipe) is not built yet (issue 54)")
 
 
 def qat_of(config):
@@ -457,7 +458,14 @@ def qat_of(config):
             "activation_bits": config["qat.activation_bits"],
             "pact_init": config["qat.pact_init"], "clip_decay": config["qat.clip_decay"],
             # only when not the default: checkpoints from before the key describe the same model
-            **({"weight_scale": "channel"} if config["qat.weight_scale"] == "channel" else {})}
+            **({"weight_scale": "channel"} if config["qat.weight_scale"] == "channel" else {}),
+            **({"first_layer": "float"} if first_layer_float(config) else {})}
+
+
+def first_layer_float(config):
+    """qat.first_layer resolved: auto is float for an RNN-T (the paper), quantized else."""
+    choice = config["qat.first_layer"]
+    return choice == "float" or (choice == "auto" and config["model.type"] == "rnnt")
 
 
 def dump(config):

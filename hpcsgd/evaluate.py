@@ -144,9 +144,10 @@ def _rnnt_batch(model, params):
 
     def batch(enc, lengths, targets):
         enc = np.array(enc)   # the loss overwrites it with its gradient
-        hyps = greedy_search(layer, params, enc, lengths)
+        weights = model.pass_weights(params)   # fake-quantized under QAT
+        hyps = greedy_search(layer, weights, enc, lengths)
         before = layer.skipped
-        loss, _ = layer.loss(params, scratch, enc, targets, model.ops, 1.0, lengths)
+        loss, _ = layer.loss(weights, scratch, enc, targets, model.ops, 1.0, lengths)
         skipped, layer.skipped = layer.skipped - before, before
         return loss, skipped, hyps
     return batch

@@ -409,7 +409,8 @@ def model_shape(cfg, loader):
         return {"type": "rnnt", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
                 "num_tokens": loader.num_labels, "predictor": cfg["model.predictor"],
                 "embed": cfg["model.embed"], "joint": cfg["model.joint"],
-                "joint_mode": cfg["model.joint_mode"], "activation": cfg["model.activation"]}
+                "joint_mode": cfg["model.joint_mode"], "activation": cfg["model.activation"],
+                **qat}
     if cfg["model.type"] == "tdnn":
         return {"type": "tdnn", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
                 "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}

@@ -153,8 +153,7 @@ def test_config_refuses_what_rnnt_cannot_do_yet(arch):
     base = [f"data.train={arch}", "model.type=rnnt", "model.encoder=[conv 6 k3 s2]"]
     for extra, words in ((["model.parallel=2"], "model parallelism splits"),
                          (["model.predictor=[blstm 4]"], "causal"),
-                         (["train.device=cuda"], "CPU ranks only"),
-                         (["qat.weights=sawb"], "INT4 QAT")):
+                         (["train.device=cuda"], "CPU ranks only")):
         with pytest.raises(UserError, match=words):
             config.load(None, base + extra)
 
@@ -253,3 +252,52 @@ def test_an_rnnt_starts_from_a_ctc_checkpoints_encoder(arch, tmp_path):
                      timeout=180)
     assert proc.returncode == 2 and "a dnn model; an RNN-T starts from" in proc.stderr, \
         proc.stderr
+
+
+def test_int4_qat_keeps_the_joint_float_and_its_export_decodes_the_same(arch, tmp_path):
+    """The INT4 paper's recipe on 2 ranks (SAWB weights, BAC activations at 4 bits): the first
+    encoder layer and the joint (encoder and predictor projections, the output layer) stay
+    float, the other encoder layers and the prediction network (embedding, LSTM) are
+    quantized, the predictor's hidden state on its fixed grid; the run trains to a finite
+    loss, `hpcsgd export --int4` writes the integer model and decoding it gives the
+    checkpoint's hypotheses, greedy and beam. The naive recipe (MAX everywhere, the first
+    layer quantized too) trains as well."""
+    from hpcsgd.model import build
+    run = str(tmp_path / "qat")
+    qat = ("qat.weights=sawb", "qat.weight_bits=4", "qat.activations=bac",
+           "qat.activation_bits=4")
+    proc = run_train(2, options(arch, f"train.run_dir={run}", "train.epochs=2", *qat),
+                     timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    meta = checkpoint.read_meta(checkpoint.latest(run))
+    assert meta["model"]["qat"]["first_layer"] == "float"
+    model = build(meta["model"])
+    assert sorted(model.quant.weights) == ["E2", "U1b", "U1f", "U2p0f", "W1", "W2p0"]
+    assert model.quant.rules[0] == "none" and model.quant.rules[2] == "none"
+    assert model.layers[-1].pred[0].hidden_grid is not None
+    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
+              if json.loads(line)["kind"] == "epoch"]
+    assert all(np.isfinite(e["train_rnnt_per_token"]) for e in epochs)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    cli = [sys.executable, "-m", "hpcsgd.cli"]
+    out = str(tmp_path / "int4.h5")
+    ex = subprocess.run(cli + ["export", run, "--int4", "--out", out], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert ex.returncode == 0, ex.stderr
+    for search in (["--greedy"], ["--beam-size", "3"]):
+        hyps = []
+        for source in (run, out):
+            dec = str(tmp_path / f"dec{len(hyps)}{search[0]}")
+            proc = subprocess.run(cli + ["decode", source, "--data", arch, *search, "--out",
+                                         dec], capture_output=True, text=True, env=env,
+                                  timeout=120)
+            assert proc.returncode == 0, proc.stderr
+            hyps.append(open(os.path.join(dec, "hyp.txt")).read())
+        assert hyps[0] == hyps[1] and hyps[0].strip()
+    naive = str(tmp_path / "naive")
+    proc = run_train(2, options(arch, f"train.run_dir={naive}", "qat.weights=max",
+                                "qat.weight_bits=4", "qat.activations=max",
+                                "qat.activation_bits=4", "qat.first_layer=quantized"),
+                     timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "W0" in build(checkpoint.read_meta(checkpoint.latest(naive))["model"]).quant.weights

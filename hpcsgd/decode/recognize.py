@@ -189,6 +189,7 @@ def search_rnnt(model, params, encs, symbols, kind, beam=None):
     from hpcsgd.model.lengths import Lengths
     symbols = np.asarray(symbols, dtype=object)
     layer, hyps = model.layers[-1], {}
+    params = model.pass_weights(params)   # fake-quantized under QAT
     t0 = time.thread_time()
     for utt, enc in encs:
         lengths = Lengths([len(enc)])

@@ -15,20 +15,34 @@ import numpy as np
 
 from hpcsgd.model.kernels_joint import ADD
 from hpcsgd.model.kernels_lstm import ref_forward_step
+from hpcsgd.model.kernels_quant import ref_fake_quant
+from hpcsgd.model.quantize import symmetric_grid
 
 MAX_SYMBOLS = 3   # symbols one frame may emit (icefall's default max_sym_per_frame is 1-3)
 
 
 def predictor_step(layer, p, tokens, state):
     """The predictor advanced by one token per row: tokens (n,) int; state: per LSTM layer
-    (h, c) arrays (n, cells). -> (pred (n, joint) float64, the new state)."""
+    (h, c) arrays (n, cells). -> (pred (n, joint) float64, the new state). p: the weights
+    passes run on (Network.pass_weights); under quantization-aware training the LSTMs' inputs
+    above the first and their hidden state go through the fixed grids training used."""
     x = np.asarray(p[layer.E], np.float64)[tokens]
     new = []
-    for lstm, (h, c) in zip(layer.pred, state):
-        _, c, h = ref_forward_step(x @ p[lstm.W], h @ p[lstm.U[0]], p[lstm.b], c)
+    for k, (lstm, (h, c)) in enumerate(zip(layer.pred, state)):
+        if k and layer.input_bits:
+            x = _on_grid(x, symmetric_grid(1.0, layer.input_bits))
+        h_in = h if lstm.hidden_grid is None else _on_grid(h, lstm.hidden_grid)
+        _, c, h = ref_forward_step(x @ p[lstm.W], h_in @ p[lstm.U[0]], p[lstm.b], c)
         new.append((h, c))
         x = h
     return x @ p[layer.Wp] + p[layer.bp], new
+
+
+def _on_grid(x, grid):
+    """x fake-quantized on a grid (kernels_quant's reference arithmetic, in float32 as the
+    training kernels compute it)."""
+    return ref_fake_quant(np.asarray(x, np.float32), grid.step, grid.inv, grid.klo,
+                          grid.khi).astype(np.float64)
 
 
 def start_state(layer, p, n):

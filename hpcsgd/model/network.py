@@ -302,6 +302,11 @@ class Network:
             a = out[:rows]
         return a
 
+    def pass_weights(self, params):
+        """The weights a pass runs on (what a search outside the Network, the RNN-T's, must
+        use): params, or under quantization-aware training their fake-quantized copy."""
+        return self._quantized(params, self.ops)
+
     def _quantized(self, params, ops):
         """The weights a pass runs on: the master's, or their fake-quantized copy."""
         if not self.quant:

@@ -26,6 +26,11 @@ What is quantized (docs/qat.md):
   LSTM state   the hidden state h_{t-1} fed to the recurrent GEMM, at every step, on the
                fixed symmetric grid [-1, 1] (the paper's alpha_h = 1; |h| < 1, so its
                straight-through gradient is the identity); the cell state stays float.
+  float parts  qat first_layer "float": the first layer's weights and input (the RNN-T
+               recipe); a layer's float_weights and an input it marks unquantized (the
+               transducer's joint: its encoder projection, predictor projection and output)
+  inside       a layer's own sublayers (the RNN-T's prediction network) get the LSTM state's
+               grid; a layer with input_bits quantizes its own GEMM inputs (model/transducer.py)
 
 Learned clip values are parameters: role "clip", exchange "float" (summed in float32 by every
 exchange, never through a gradient codec), trained by the optimizer, checkpointed.
@@ -155,8 +160,18 @@ class Quantizer:
         self.bounds = [(None, None)] + [getattr(layer, "output_range", (None, None))
                                         for layer in layers[:-1]]
         self.rules = [input_rule(self.a_rule, i, b) for i, b in enumerate(self.bounds)]
-        self.weights = [s.name for layer in layers for s in layer.specs() if s.role == "weight"]
-        self.others = [s.name for layer in layers for s in layer.specs() if s.role != "weight"]
+        # float layers: the first one where qat says so (the INT4 RNN-T recipe), and what a
+        # layer keeps float itself (the transducer's joint: its input and projections)
+        first_float = qat.get("first_layer") == "float"
+        floats = {s.name for s in layers[0].specs()} if first_float else set()
+        for i, layer in enumerate(layers):
+            floats |= set(getattr(layer, "float_weights", ()))
+            if (i == 0 and first_float) or not getattr(layer, "quantized_input", True):
+                self.rules[i] = "none"
+        self.weights = [s.name for layer in layers for s in layer.specs()
+                        if s.role == "weight" and s.name not in floats]
+        self.others = [s.name for layer in layers for s in layer.specs()
+                       if s.role != "weight" or s.name in floats]
         self.others += [s.name for s in self.specs()]   # the learned clips
         self.grids = [None] * len(layers)   # the grid of each input in the last forward
         self.w_grids = {}
@@ -165,9 +180,13 @@ class Quantizer:
                           for lo, hi in self.bounds]
         # the LSTM's hidden state: the fixed grid [-1, 1]
         hidden = symmetric_grid(1.0, self.a_bits, dtype) if self.a_rule != "none" else None
-        for layer in layers:
+        for layer in layers + [sub for layer in layers for sub in getattr(layer, "sublayers",
+                                                                         ())]:
             if getattr(layer, "recurrent", False):
                 layer.hidden_grid = hidden
+        for layer in layers:   # a layer that quantizes inputs inside it (the predictor's)
+            if hasattr(layer, "input_bits"):
+                layer.input_bits = self.a_bits if self.a_rule != "none" else None
 
     # ---- the clip parameters ---------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from hpcsgd.model.layers import glorot_uniform
 from hpcsgd.model.lengths import Lengths
 from hpcsgd.model.lstm import LSTM
 from hpcsgd.model.network import Network
+from hpcsgd.model.quantize import symmetric_grid
 
 JOINT_MODES = tuple(KJ.MODES)
 DEFAULT_JOINT_BUDGET = 256 << 20   # bytes of h and z per joint group (rnnt.joint_memory_mb)
@@ -80,6 +81,14 @@ class Transducer:
     E{i} (token embedding, row 0 the blank as the start symbol), the predictor's LSTM layers
     W{i}p{l}..., W{i}p/b{i}p (its projection), W{i}o/b{i}o (the joint's output)."""
     tokens = True   # its loss reads a batch's token targets at the output's Lengths
+    # quantization-aware training (model/quantize.py; the INT4 paper's RNN-T recipe): the
+    # joint stays float -- its input (the encoder's output), the encoder and predictor
+    # projections and the output layer -- while the prediction network is quantized: its
+    # embedding and LSTM weights, its LSTMs' hidden state, and (input_bits, set by the
+    # quantizer) the input of each LSTM layer above the first on the fixed grid of [-1, 1]
+    # (the first one's input is a row of the quantized embedding: on the weights' grid)
+    quantized_input = False
+    input_bits = None
 
     def __init__(self, index, n_in, num_tokens, predictor, embed, joint, joint_mode="add"):
         if joint_mode not in KJ.MODES:
@@ -92,6 +101,8 @@ class Transducer:
         self.num_tokens, self.embed, self.joint = int(num_tokens), int(embed), int(joint)
         self.mode_name, self.mode = joint_mode, KJ.MODES[joint_mode]
         self.pred, self.pred_width = predictor_layers(index, num_tokens, embed, predictor)
+        self.sublayers = self.pred
+        self.float_weights = (self.W, self.Wp, self.Wo)
         self.gemm_macs = self.n_in * self.joint   # per encoder frame; the joint is per node
         # the widest row its kernels sum columns of (ops.column_sums' scratch): the joint, the
         # logits, the predictor's gate columns
@@ -199,6 +210,7 @@ class Transducer:
         x[valid] = p[self.E][tok[valid]]
         ws = self._pred_ws(rows)
         for k, layer in enumerate(self.pred):
+            x = self._quantized_input(k, x, ops)
             y = self._get(f"pred_h{k}", rows, layer.n_out)
             layer.forward(p, x, y, ops, None, ws=ws[k], lengths=lengths)
             x = y
@@ -222,8 +234,8 @@ class Transducer:
         ws = self._pred_ws(rows)
         for k in range(len(self.pred) - 1, -1, -1):
             layer = self.pred[k]
-            x = self._get(f"pred_h{k - 1}", rows, layer.n_in) if k else \
-                self._get("pred_in", rows, self.embed)
+            x = self._get(f"pred_q{k}" if self.input_bits else f"pred_h{k - 1}", rows,
+                          layer.n_in) if k else self._get("pred_in", rows, self.embed)
             y = self._get(f"pred_h{k}", rows, layer.n_out)
             dx = self._get(f"pred_dx{k}", rows, layer.n_in)
             layer.backward(p, g, x, y, dy, dx, ops, None, ws=ws[k], lengths=lengths)
@@ -232,6 +244,16 @@ class Transducer:
         gE[...] = 0
         valid = tok >= 0
         np.add.at(gE, tok[valid], dy[valid])   # the embedding's rows, scattered back
+
+    def _quantized_input(self, k, x, ops):
+        """Predictor layer k's input as its GEMM reads it: above the first layer, under QAT,
+        the LSTM output below on the fixed grid of [-1, 1] (kept for backward; |h| < 1: the
+        straight-through gradient is the identity)."""
+        if not k or not self.input_bits:
+            return x
+        out = self._get(f"pred_q{k}", len(x), x.shape[1])
+        ops.fake_quant(x, out, symmetric_grid(1.0, self.input_bits, x.dtype))
+        return out
 
     # ---- the joint and the loss -----------------------------------------------------------
 
@@ -334,18 +356,17 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
          precision="float32", qat=None):
     """The RNN-T model input_dim-[encoder]-transducer(predictor, joint)-num_tokens as a
     Network whose passes take whole utterances (their Lengths from the batch's targets)."""
-    if device != "cpu" or qat:
-        raise ValueError("RNN-T models train on CPU ranks without qat for now (issue 54's "
-                         "next blocks)")
+    if device != "cpu":
+        raise ValueError("RNN-T models train on CPU ranks for now (issue 54's next block)")
     describe = {"type": "rnnt", "input_dim": int(input_dim),
                 "encoder": [" ".join(str(e).split()) for e in encoder],
                 "num_tokens": int(num_tokens),
                 "predictor": [" ".join(str(e).split()) for e in predictor],
                 "embed": int(embed), "joint": int(joint), "joint_mode": joint_mode,
-                "activation": activation}
+                "activation": activation, **({"qat": dict(qat)} if qat else {})}
     net = Network(rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint,
                               joint_mode, activation), max_batch, dtype, device, describe,
-                  precision)
+                  precision, qat=qat)
     # float64 (the tests' reference trajectories): the loss kernel still computes its
     # recursions in float32 (model/kernels_rnnt.py), the rest of the layer in float64
     net.layers[-1].dtype = np.dtype(dtype)
