@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 54 on so762 (112 training, 13 held-out speakers): the phone RNN-T of
 # jobs/configs/so762_rnnt.yaml (so762_ctc.yaml's encoder, an LSTM prediction network, an
-# additive joint; 20 epochs) on 2 ranks with float32 allreduce, then its greedy and beam-4
-# decodes of the held-out speakers (PER beside the CTC models': docs/results.md).
+# additive joint; 20 epochs) on 2 ranks with float32 allreduce; INT4 QAT fine-tunes of it (the
+# paper's recipe and the naive one); then greedy and beam-4 decodes of the held-out speakers
+# (PER beside the CTC models': docs/results.md).
 #   bash experiments/rnnt_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
 #   ONLY=f32 bash experiments/rnnt_so762.sh    the runs whose name starts with ONLY
 # Runs in runs/rnnt/<name>/ (metrics.jsonl, decode/).
@@ -13,11 +14,20 @@ source experiments/train_run.sh
 ROOT=runs/rnnt
 A=runs/so762/archive_ctc
 STAGE=${STAGE:-all}
+# INT4 as the paper does it (SAWB weights, BAC activations, the first encoder layer and the
+# joint float, the prediction network quantized), fine-tuned from f32 for 4 epochs at half
+# the rate, decaying; and the naive INT4 it is compared with (MAX everywhere, first layer too)
+INT4=(train.init_from=runs/rnnt/f32 train.epochs=4 optim.lr=2.5e-7 qat.weight_bits=4
+      qat.activation_bits=4)
 if [ "$STAGE" != decode ]; then
     train_run "$ROOT" f32 2 --config jobs/configs/so762_rnnt.yaml
+    train_run "$ROOT" int4 2 --config jobs/configs/so762_rnnt.yaml "${INT4[@]}" \
+        qat.weights=sawb qat.activations=bac
+    train_run "$ROOT" naive4 2 --config jobs/configs/so762_rnnt.yaml "${INT4[@]}" \
+        qat.weights=max qat.activations=max qat.first_layer=quantized
 fi
 [ "$STAGE" = train ] && exit 0
-for name in f32; do
+for name in f32 int4 naive4; do
     case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
     [ -d "$ROOT/$name" ] || continue
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy \
