@@ -168,14 +168,8 @@ def bench_shape(name, shape, repeats, rng, triad, threads, device="cpu"):
 
 
 def run(args):
-    threads = membw.set_threads(args.threads)
-    small = args.small
-    repeats = args.repeats or (2 if small else 10)
-    table = SMALL if small else SHAPES
-    names = args.shapes.split(",") if args.shapes else list(table)
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise SystemExit(f"hpcsgd bench ctc: unknown shapes {unknown}; known: {list(table)}")
+    threads, repeats, table = membw.loss_bench_settings(args, SHAPES, SMALL, "ctc")
+    small, names = args.small, list(table)
     try:
         import torch
         torch_version = torch.__version__

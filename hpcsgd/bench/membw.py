@@ -49,6 +49,19 @@ def copy_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
     return 8 * n / best_time(lambda: _copy(a, b), repeats) / 1e9
 
 
+def loss_bench_settings(args, shapes, small_shapes, name):
+    """A loss kernel benchmark's (threads, repeats, {name: shape}) from --threads, --small,
+    --repeats and --shapes (bench ctc, bench rnnt); an unknown shape stops it, naming them."""
+    threads = set_threads(args.threads)
+    repeats = args.repeats or (2 if args.small else 10)
+    table = small_shapes if args.small else shapes
+    names = args.shapes.split(",") if args.shapes else list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"hpcsgd bench {name}: unknown shapes {unknown}; known: {list(table)}")
+    return threads, repeats, {n: table[n] for n in names}
+
+
 def triad_timer(nbytes=200 << 20):
     """(run, bytes): one fused triad over preallocated arrays, to interleave with other timings."""
     n = nbytes // 4

@@ -121,14 +121,8 @@ def bench_shape(name, shape, repeats, rng, triad, threads, peer_python):
 
 
 def run(args):
-    threads = membw.set_threads(args.threads)
-    small = args.small
-    repeats = args.repeats or (2 if small else 10)
-    table = SMALL if small else SHAPES
-    names = args.shapes.split(",") if args.shapes else list(table)
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise SystemExit(f"hpcsgd bench rnnt: unknown shapes {unknown}; known: {list(table)}")
+    threads, repeats, table = membw.loss_bench_settings(args, SHAPES, SMALL, "rnnt")
+    small, names = args.small, list(table)
     print(f"hpcsgd bench rnnt: cpu, {threads} threads, {'small' if small else 'training'} "
           f"shapes, best of {repeats}, in alternation with the triad"
           + (f"; torchaudio by {args.torchaudio_python}" if args.torchaudio_python else ""))
