@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 54 on so762 (112 training, 13 held-out speakers): the phone RNN-T of
 # jobs/configs/so762_rnnt.yaml (so762_ctc.yaml's encoder, an LSTM prediction network, an
-# additive joint; 20 epochs) on 2 ranks with float32 allreduce; INT4 QAT fine-tunes of it (the
-# paper's recipe and the naive one); then greedy and beam-4 decodes of the held-out speakers
+# additive joint) on 2 ranks with float32 allreduce and with the striped 1-bit exchange (a
+# cold start of one epoch); INT4 QAT fine-tunes of the float32 one (the paper's recipe and the
+# naive one); then greedy and beam-4 decodes of the held-out speakers
 # (PER beside the CTC models': docs/results.md).
 #   bash experiments/rnnt_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
 #   ONLY=f32 bash experiments/rnnt_so762.sh    the runs whose name starts with ONLY
@@ -27,13 +28,16 @@ if [ "$STAGE" != decode ]; then
     train_run "$ROOT" scratch 2 --config jobs/configs/so762_rnnt.yaml
     train_run "$ROOT" f32 2 --config jobs/configs/so762_rnnt.yaml train.init_from=runs/ctc/f32 \
         train.epochs=10 optim.lr=2.5e-7
+    train_run "$ROOT" onebit 2 --config jobs/configs/so762_rnnt.yaml \
+        train.init_from=runs/ctc/f32 train.epochs=10 optim.lr=2.5e-7 \
+        exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_frames=548000
     train_run "$ROOT" int4 2 --config jobs/configs/so762_rnnt.yaml "${INT4[@]}" \
         qat.weights=sawb qat.activations=bac
     train_run "$ROOT" naive4 2 --config jobs/configs/so762_rnnt.yaml "${INT4[@]}" \
         qat.weights=max qat.activations=max qat.first_layer=quantized
 fi
 [ "$STAGE" = train ] && exit 0
-for name in scratch f32 int4 naive4; do
+for name in scratch f32 onebit int4 naive4; do
     case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
     [ -d "$ROOT/$name" ] || continue
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy \
