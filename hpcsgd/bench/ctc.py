@@ -42,11 +42,7 @@ SMALL = {"so762": (4, 30, 5, 41), "bpe": (4, 20, 4, 500)}
 
 
 def add_arguments(parser):
-    parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
-    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
-    parser.add_argument("--shapes", default=None,
-                        help=f"comma-separated subset of {','.join(SHAPES)}")
+    membw.add_loss_bench_arguments(parser, SHAPES)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the CUDA kernel and PyTorch's CUDA ctc_loss, against the "
                              "device's copy bandwidth")

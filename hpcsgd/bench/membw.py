@@ -49,6 +49,15 @@ def copy_bandwidth(nbytes=200 << 20, threads=None, repeats=5):
     return 8 * n / best_time(lambda: _copy(a, b), repeats) / 1e9
 
 
+def add_loss_bench_arguments(parser, shapes):
+    """The options every loss kernel benchmark takes (bench ctc, bench rnnt)."""
+    parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
+    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma-separated subset of {','.join(shapes)}")
+
+
 def loss_bench_settings(args, shapes, small_shapes, name):
     """A loss kernel benchmark's (threads, repeats, {name: shape}) from --threads, --small,
     --repeats and --shapes (bench ctc, bench rnnt); an unknown shape stops it, naming them."""

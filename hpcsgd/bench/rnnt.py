@@ -44,11 +44,7 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rnnt_torchaudio
 
 
 def add_arguments(parser):
-    parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
-    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
-    parser.add_argument("--shapes", default=None,
-                        help=f"comma-separated subset of {','.join(SHAPES)}")
+    membw.add_loss_bench_arguments(parser, SHAPES)
     parser.add_argument("--torchaudio-python", default=None,
                         help="a Python that imports torchaudio (torch 2.9.1 + torchaudio 2.9): "
                              "its rnnt_loss beside ours")
