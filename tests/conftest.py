@@ -249,6 +249,31 @@ def ensure_openmpi():
     return None
 
 
+def ptx_compiler(monkeypatch):
+    """(numba.cuda, numba.types, hpcsgd.bench.cuda) set up to compile kernels to PTX for a
+    named target without a GPU (bench cuda's _Target as the current device); the test is
+    skipped in a simulator process (which compiles nothing) or without the NVVM/nvJitLink
+    wheels of numba-cuda[cu13] (CI has them)."""
+    import numba
+    if numba.config.ENABLE_CUDASIM:
+        pytest.skip("this process runs the CUDA simulator, which compiles nothing")
+    try:
+        from cuda.bindings import nvjitlink  # noqa: F401
+        from numba.cuda.cudadrv import nvvm
+        nvvm.NVVM()
+    except Exception as err:   # the wheels of numba-cuda[cu13] absent
+        pytest.skip(f"NVVM/nvJitLink not available ({type(err).__name__}: {err}): "
+                    f"pip install 'numba-cuda[cu13]'")
+    from numba import cuda, types
+    from numba.cuda import dispatcher
+
+    from hpcsgd.bench import cuda as bench_cuda
+    from hpcsgd.lazy_cuda import load
+    load()
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: bench_cuda._Target)
+    return cuda, types, bench_cuda
+
+
 def run_cuda_tests_in_child(test_file):
     """Run test_file's CUDA tests in a fresh pytest process: NUMBA_ENABLE_CUDASIM must be set
     before numba is first imported, which other test modules do earlier in this process

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_cuda_tests_in_child
+from conftest import ptx_compiler, run_cuda_tests_in_child
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 
@@ -32,24 +32,8 @@ if not CHILD:
         register spills, and few enough registers for a block of MAX_THREADS. (Device
         functions compiled for sm_80 are reused for sm_90 in this process: bench cuda forks
         per target for exact cubin sizes; spills and registers are ptxas's per target.)"""
-        import numba
-        if numba.config.ENABLE_CUDASIM:
-            pytest.skip("this process runs the CUDA simulator, which compiles nothing")
-        try:
-            from cuda.bindings import nvjitlink  # noqa: F401
-            from numba.cuda.cudadrv import nvvm
-            nvvm.NVVM()
-        except Exception as err:   # the wheels of numba-cuda[cu13] absent
-            pytest.skip(f"NVVM/nvJitLink not available ({type(err).__name__}: {err}): "
-                        f"pip install 'numba-cuda[cu13]'")
-        from numba import cuda, types
-        from numba.cuda import dispatcher
-
-        from hpcsgd.bench import cuda as bench_cuda
-        from hpcsgd.lazy_cuda import load
+        cuda, types, bench_cuda = ptx_compiler(monkeypatch)
         from hpcsgd.model import kernels_ctc_cuda as KCC
-        load()
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: bench_cuda._Target)
 
         def arr(dtype, ndim=1):
             return types.Array(dtype, ndim, "C")

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_cuda_tests_in_child
+from conftest import ptx_compiler, run_cuda_tests_in_child
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 
@@ -24,24 +24,8 @@ if not CHILD:
         """NVVM compiles the kernel with the argument types the wrapper launches it with;
         ptxas (through nvJitLink, hpcsgd/bench/cuda.py) reports no register spills, and few
         enough registers for a block of MAX_THREADS."""
-        import numba
-        if numba.config.ENABLE_CUDASIM:
-            pytest.skip("this process runs the CUDA simulator, which compiles nothing")
-        try:
-            from cuda.bindings import nvjitlink  # noqa: F401
-            from numba.cuda.cudadrv import nvvm
-            nvvm.NVVM()
-        except Exception as err:   # the wheels of numba-cuda[cu13] absent
-            pytest.skip(f"NVVM/nvJitLink not available ({type(err).__name__}: {err}): "
-                        f"pip install 'numba-cuda[cu13]'")
-        from numba import cuda, types
-        from numba.cuda import dispatcher
-
-        from hpcsgd.bench import cuda as bench_cuda
-        from hpcsgd.lazy_cuda import load
+        cuda, types, bench_cuda = ptx_compiler(monkeypatch)
         from hpcsgd.model import kernels_rnnt_cuda as KRC
-        load()
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: bench_cuda._Target)
 
         def arr(dtype, ndim=1):
             return types.Array(dtype, ndim, "C")
