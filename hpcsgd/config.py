@@ -124,6 +124,10 @@ DEFAULTS = {
     "optim.adam_beta1": (0.9, float, (0.0, 0.999999), "adam: first-moment decay per step"),
     "optim.adam_beta2": (0.999, float, (0.0, 0.999999), "adam: second-moment decay per step"),
     "optim.adam_eps": (1e-8, float, (0.0, 1.0), "adam: added to the RMS (per-sample units)"),
+    "optim.adam_freeze_variance": (False, bool, None,
+                                   "adam + exchange.cold_start_frames: the second moment stops "
+                                   "at the cold start's end (1-bit Adam's rule: the codec's "
+                                   "error would enter it; docs/exchange.md)"),
     "optim.momentum_tc": (1024.0, float, (0.0, 1e9), "momentum time constant in samples (CNTK); 0 = none"),
     "optim.adagrad": ("off", str, ("off", "local", "aggregate", "after_momentum"),
                       "AdaGrad placement (paper Table 3)"),
@@ -375,6 +379,11 @@ def load(path=None, overrides=()):
         raise UserError(f"config keys optim.type=adam and optim.adagrad="
                         f"{config['optim.adagrad']}: Adam normalises by its own second moment; "
                         f"set optim.adagrad=off")
+    if config["optim.adam_freeze_variance"] and (config["optim.type"] != "adam"
+                                                 or not config["exchange.cold_start_frames"]):
+        raise UserError("config key optim.adam_freeze_variance: freezes Adam's second moment "
+                        "when the compressed exchange starts; it needs optim.type=adam and "
+                        "exchange.cold_start_frames > 0 (the float32 warm-up it is learned in)")
     if config["model.type"] in ("lstm", "tdnn"):
         if config["train.minibatch"] < config["data.chunk"]:
             raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "

@@ -282,6 +282,7 @@ class Optimizer:
         self.kind, self.beta1, self.beta2, self.adam_eps = kind, float(beta1), float(beta2), \
             float(adam_eps)
         self.adam_p = 0.0   # Adam: 1 - beta1^t (its first moment's total weight)
+        self.variance_frozen = False   # Adam: freeze_variance() was called
         if adagrad not in ADAGRAD_PLACES:
             raise ValueError(f"adagrad={adagrad!r}: expected one of {ADAGRAD_PLACES}")
         if momentum_time_constant < 0 or adagrad_time_constant <= 0 or adagrad_eps < 0 \
@@ -309,7 +310,11 @@ class Optimizer:
         n: frames of the whole minibatch (all ranks); n_local: this rank's (for "local")."""
         n_ada = (n if n_local is None else n_local) if self.adagrad == "local" else n
         adam_k = 0.0
-        if self.kind == "adam":   # the moments' total weights: the bias corrections
+        if self.kind == "adam" and self.variance_frozen:   # s and its weight stay as they are
+            rho, c = 1.0, 0.0
+            self.adam_p = self.beta1 * self.adam_p + (1.0 - self.beta1)
+            adam_k = n / self.adam_p
+        elif self.kind == "adam":   # the moments' total weights: the bias corrections
             rho, c = self.beta2, 1.0 - self.beta2
             self.sqr_weight = rho * self.sqr_weight + c
             self.adam_p = self.beta1 * self.adam_p + (1.0 - self.beta1)
@@ -331,6 +336,16 @@ class Optimizer:
             m=self.beta1 if self.kind == "adam"
             else momentum_per_minibatch(self.momentum_time_constant, n), adam_k=adam_k)
         return self._k
+
+    def freeze_variance(self):
+        """Adam: from the next step on, the second moment (and its bias correction) stays as
+        it is -- 1-bit Adam's rule (Tang et al. 2021, DeepSpeed): once the exchange is lossy,
+        the decoded gradient's squares are the codec's (a 1-bit column's two values, whatever
+        each element's own magnitude), and a variance learned from them would turn Adam's
+        per-element scaling into a per-column one. The first moment keeps learning."""
+        if self.kind != "adam":
+            raise ValueError("freeze_variance: Adam's second moment only (optim.type=adam)")
+        self.variance_frozen = True
 
     def pre_exchange(self, grad, lo=0, hi=None):
         """AdaGrad "local": normalise this rank's raw gradient grad[lo:hi] in place. No-op

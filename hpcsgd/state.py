@@ -40,6 +40,7 @@ import copy
 import numpy as np
 
 from hpcsgd import checkpoint
+from hpcsgd.comm.exchange import cold_start
 from hpcsgd.comm.stripes import fold_residuals, folded_from, restripe
 from hpcsgd.device import assign, host_copy, to_host
 from hpcsgd.errors import UserError
@@ -233,6 +234,11 @@ class TrainState:
                          f"{old_scaler.get('name', 'none')})")
         if cfg["train.probe_every_frames"] and "next_probe" in saved:   # a probed size
             self.decisions.update(minibatch=saved["minibatch"], next_probe=saved["next_probe"])
+        # Adam's second moment frozen at the cold start's end (the crossing step drains its
+        # exchange, so a step in flight here began on the same side of it as the progress)
+        cold = cold_start(cfg)
+        if cfg["optim.adam_freeze_variance"] and cold and self.progress["frames"] >= cold:
+            self.opt.freeze_variance()
         pending = saved.get("pending")   # double buffering: an exchange was in flight
         if pending:
             # into buffer 0 (the next half computes into buffer 1), with its per-step scalars

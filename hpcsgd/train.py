@@ -444,7 +444,9 @@ def resume_or_start(cfg, run, state):
     if cold and state.progress["frames"] < cold:
         set_cold_start(ex, cfg, True)
         log.info(f"cold start: the float32 exchange until frame {cold:,}, then "
-                 f"{cfg['exchange.codec']} (exchange.cold_start_frames)")
+                 f"{cfg['exchange.codec']} (exchange.cold_start_frames)"
+                 + (", Adam's second moment frozen there (optim.adam_freeze_variance)"
+                    if cfg["optim.adam_freeze_variance"] else ""))
 
 
 def init_from(model, params, path, static):
@@ -521,8 +523,11 @@ def end_cold_start(cfg, log, state):
     progress = state.progress
     state.step.drain()   # the float32 exchange in flight completes first
     set_cold_start(state.ex, cfg, False)
+    if cfg["optim.adam_freeze_variance"]:
+        state.opt.freeze_variance()
     log.info(f"cold start over at frame {progress['frames']:,}: "
-             f"{cfg['exchange.codec']} from here on, residuals zeroed")
+             f"{cfg['exchange.codec']} from here on, residuals zeroed"
+             + ("; Adam's second moment frozen" if cfg["optim.adam_freeze_variance"] else ""))
     log.record("cold_start_end", epoch=progress["epoch"], frames=progress["frames"],
                codec=cfg["exchange.codec"])
 

@@ -43,3 +43,15 @@ def test_dump_round_trips_and_describe_lists_every_key(tmp_path):
 def test_an_unknown_key_suggests_the_one_meant(wrong, meant):
     with pytest.raises(UserError, match=rf"unknown config key {wrong} \(did you mean {meant}\?\)"):
         config.load(None, ["data.train=x", f"{wrong}=1"])
+
+
+def test_adam_freeze_variance_needs_adam_and_a_cold_start():
+    for extra in (["optim.type=sgd", "exchange.cold_start_frames=1000"],
+                  ["optim.type=adam", "optim.momentum_tc=0"]):
+        with pytest.raises(UserError, match="adam_freeze_variance.*optim.type=adam and "
+                                            "exchange.cold_start_frames > 0"):
+            config.load(None, ["data.train=x", "optim.adam_freeze_variance=true", *extra])
+    cfg = config.load(None, ["data.train=x", "optim.type=adam", "optim.momentum_tc=0",
+                             "optim.adam_freeze_variance=true",
+                             "exchange.cold_start_frames=1000"])
+    assert cfg["optim.adam_freeze_variance"] is True

@@ -343,3 +343,37 @@ def test_one_bit_adam_at_the_owner_resumes_bit_exactly(arch, tmp_path, tmp_path_
     for name in full:
         np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
     assert full["opt/adam_p"] > 0
+
+
+@pytest.mark.parametrize("double_buffering", ["false", "true"])
+def test_adams_second_moment_frozen_at_the_cold_starts_end(double_buffering, arch, tmp_path,
+                                                           tmp_path_factory):
+    """optim.adam_freeze_variance (1-bit Adam's rule): the float32 warm-up learns Adam's
+    second moment, the 1-bit phase leaves it as it was at the cold start's end (each owner's
+    stripe of it), while the first moment and the weights go on; a run resumed in the 1-bit
+    phase is bit exact."""
+    F = cold_frames(arch)
+    extra = (*ADAM, "exchange.aggregation=striped", "exchange.codec=onebit",
+             f"exchange.cold_start_frames={F}", f"exchange.double_buffering={double_buffering}",
+             "train.epochs=2")
+    freeze = (*extra, "optim.adam_freeze_variance=true")
+    at_end = arrays(train(2, arch, tmp_path_factory, *freeze, f"train.stop_after_frames={F}"))
+    full_run = train(2, arch, tmp_path_factory, *freeze)
+    full, moving = arrays(full_run), arrays(train(2, arch, tmp_path_factory, *extra))
+    for r in range(2):
+        sqr = f"rank{r:04d}/opt/sqr"
+        np.testing.assert_array_equal(full[sqr], at_end[sqr], err_msg=sqr)
+        assert not np.array_equal(moving[sqr], at_end[sqr])
+        assert not np.array_equal(full[f"rank{r:04d}/opt/velocity"],
+                                  at_end[f"rank{r:04d}/opt/velocity"])
+    assert full["opt/sqr_weight"] == at_end["opt/sqr_weight"] < moving["opt/sqr_weight"]
+    assert not np.array_equal(full["params"], moving["params"])
+    assert "Adam's second moment frozen" in open(
+        os.path.join(full_run, "logs", "rank0000.log")).read()
+    cut = str(tmp_path / "cut")
+    for last in (f"train.stop_after_frames={F + F // 2}", "train.stop_after_frames=0"):
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *freeze, last), timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = arrays(cut)
+    for name in full:
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)

@@ -245,16 +245,18 @@ def test_local_adagrad_on_a_rank_without_frames_keeps_its_state():
 
 # --- Adam (optim.type=adam, issue 18) ------------------------------------------------------------
 
-def adam_reference(w, grads, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0):
+def adam_reference(w, grads, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, freeze=None):
     """Adam in float64 with the per-sample conventions: y = (g + wd n w) / n (the per-sample
-    mean), m and v its bias-corrected moments, W -= lr * n * m_hat / (sqrt(v_hat) + eps)."""
+    mean), m and v its bias-corrected moments, W -= lr * n * m_hat / (sqrt(v_hat) + eps);
+    from step `freeze` on (1-based) v_hat stays as it was after the step before."""
     w = w.astype(np.float64).copy()
     m, v = np.zeros_like(w), np.zeros_like(w)
     for t, (g, n) in enumerate(grads, start=1):
         y = (g + wd * n * w) / n
         m = beta1 * m + (1 - beta1) * y
-        v = beta2 * v + (1 - beta2) * y * y
-        w -= lr * n * (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps)
+        if freeze is None or t < freeze:
+            v_hat = (v := beta2 * v + (1 - beta2) * y * y) / (1 - beta2 ** t)
+        w -= lr * n * (m / (1 - beta1 ** t)) / (np.sqrt(v_hat) + eps)
     return w
 
 
@@ -301,3 +303,35 @@ def test_adam_refuses_adagrad_and_momentum_and_its_state_round_trips():
         opt.begin_step(64, 64)
         opt.post_exchange(g, w)
     np.testing.assert_array_equal(g1, g2)
+
+
+@pytest.mark.parametrize("wd", [0.0, 1e-3])
+def test_adam_with_its_second_moment_frozen_equals_its_definition(wd):
+    """freeze_variance (optim.adam_freeze_variance, 1-bit Adam's rule): from the next step on
+    the second moment and its bias correction stay; the first moment goes on. Fused and
+    striped steps alike, to float64 rounding."""
+    rng = np.random.default_rng(12)
+    size = 600
+    w0 = rng.standard_normal(size)
+    grads = [(rng.standard_normal(size) * n * 0.01, n) for n in (256, 512, 128, 256, 64, 300)]
+    want = adam_reference(w0, grads, 1e-4, wd=wd, freeze=4)
+    assert not np.allclose(want, adam_reference(w0, grads, 1e-4, wd=wd), rtol=1e-6)
+    for fused in (False, True):
+        opt = Optimizer(size, kind="adam", weight_decay=wd, dtype=np.float64)
+        w = w0.copy()
+        for t, (g, n) in enumerate(grads, start=1):
+            if t == 4:
+                opt.freeze_variance()
+                sqr, weight = opt.sqr.copy(), opt.sqr_weight
+            if fused:
+                opt.step(w, g.copy(), 1e-4, n)
+            else:
+                g = g.copy()
+                opt.begin_step(n, n)
+                for lo, hi in [(0, 250), (250, size)]:
+                    opt.post_exchange(g, w, lo, hi)
+                opt.apply(w, g, 1e-4)
+        np.testing.assert_allclose(w, want, rtol=1e-12, atol=1e-14)
+        assert np.array_equal(opt.sqr, sqr) and opt.sqr_weight == weight
+    with pytest.raises(ValueError, match="Adam's second moment only"):
+        Optimizer(10).freeze_variance()
