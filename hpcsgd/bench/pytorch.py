@@ -62,13 +62,14 @@ def SequenceModel(torch, shape, act):
     return Net()
 
 
-def CTCModel(torch, shape, act):
+def CTCModel(torch, shape, act, out=None):
     """A CTC encoder as PyTorch users write it, layer for layer the spec's
     (hpcsgd/model/encoder.py): frame stacking as a reshape, nn.Conv1d with centred padding
     (on (B, C, T), the padding past each utterance zeroed), nn.LSTM on packed sequences
     (bidirectional for blstm), nn.Linear; a Linear to the tokens. forward(x (T, B, D)
     time-major, lengths (B,) longest first) -> ((T', B, V) log-probabilities for nn.CTCLoss,
-    the output lengths). Also experiments/pytorch_ctc.py's model."""
+    the output lengths). Also experiments/pytorch_ctc.py's model. With `out` = the joint's
+    width: a transducer's encoder, (T', B, out) of its joint projection (no log-softmax)."""
     from hpcsgd.model.encoder import parse_spec
 
     class Net(torch.nn.Module):
@@ -93,7 +94,8 @@ def CTCModel(torch, shape, act):
                 self.layers.append(layer)
                 n_in = width
             self.act = act()
-            self.out = torch.nn.Linear(n_in, shape["num_tokens"])
+            self.logits = out is None
+            self.out = torch.nn.Linear(n_in, shape["num_tokens"] if out is None else out)
 
         def forward(self, x, lengths):
             for spec, layer in zip(self.specs, self.layers):
@@ -115,7 +117,46 @@ def CTCModel(torch, shape, act):
                                                                   total_length=x.shape[0])
                 else:
                     x = self.act(layer(x))
-            return torch.nn.functional.log_softmax(self.out(x), dim=-1), lengths
+            x = self.out(x)
+            return (torch.nn.functional.log_softmax(x, dim=-1) if self.logits else x), lengths
+    return Net()
+
+
+def TransducerModel(torch, shape, act):
+    """An RNN-T as torchaudio's recipes write it (torchaudio.models.RNNT: transcriber,
+    predictor, joiner), layer for layer hpcsgd's (model/transducer.py): CTCModel's encoder
+    ending in the joint projection; nn.Embedding over the tokens (the blank, id 0, as the start
+    symbol), nn.LSTM layers, a Linear to the joint; tanh(enc + pred) (or enc * pred) over the
+    padded (B, T', U+1, J) lattice and a Linear to the tokens: the (B, T', U+1, V) logits
+    torchaudio.functional.rnnt_loss takes. forward(x, lengths, targets (B, U) padded with 0)
+    -> (logits, output lengths)."""
+    from hpcsgd.model.encoder import parse_spec
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            j, v = shape["joint"], shape["num_tokens"]
+            self.encoder = CTCModel(torch, shape, act, out=j)
+            self.embed = torch.nn.Embedding(v, shape["embed"])
+            self.lstms, n_in = torch.nn.ModuleList(), shape["embed"]
+            for text in shape["predictor"]:
+                width = parse_spec(text)["units"]
+                self.lstms.append(torch.nn.LSTM(n_in, width))
+                n_in = width
+            self.pred_out = torch.nn.Linear(n_in, j)
+            self.joint_out = torch.nn.Linear(j, v)
+            self.mul = shape["joint_mode"] == "mul"
+
+        def forward(self, x, lengths, targets):
+            enc, lengths = self.encoder(x, lengths)            # (T', B, J)
+            y = torch.nn.functional.pad(targets, (1, 0)).t()   # (U+1, B): blank first
+            p = self.embed(y)
+            for lstm in self.lstms:
+                p, _ = lstm(p)
+            p = self.pred_out(p)                               # (U+1, B, J)
+            e, p = enc.permute(1, 0, 2)[:, :, None], p.permute(1, 0, 2)[:, None]
+            h = torch.tanh(e * p if self.mul else e + p)       # (B, T', U+1, J)
+            return self.joint_out(h), lengths
     return Net()
 
 
@@ -162,8 +203,20 @@ class TorchRank:
             backend = "nccl" if self.world > 1 and not shared_gpus(comm) else "gloo"
         self.cuda = self.dev.type == "cuda"
         act = torch.nn.Sigmoid if activation == "sigmoid" else torch.nn.ReLU
-        self.shape, self.ctc = shape, shape.get("type") == "ctc"
-        self.steps = shape["steps"] if shape.get("type") in ("lstm", "ctc") else None
+        self.shape, self.rnnt = shape, shape.get("type") == "rnnt"
+        self.ctc = shape.get("type") in ("ctc", "rnnt")   # utterances with token targets
+        self.steps = shape["steps"] if shape.get("type") in ("lstm", "ctc", "rnnt") else None
+        if self.rnnt:
+            try:
+                import warnings
+
+                import torchaudio.functional
+                warnings.filterwarnings("ignore", message=".*_rnnt_loss has been deprecated")
+            except ImportError:
+                raise SystemExit("bench train --pytorch: the transducer peer needs torchaudio's "
+                                 "rnnt_loss (torch 2.9.1 + torchaudio 2.9 in the Python that "
+                                 "runs hpcsgd: docs/benchmarks.md)") from None
+            self.rnnt_loss = torchaudio.functional.rnnt_loss
         if self.world > 1:
             import torch.distributed as dist
             port = None
@@ -199,6 +252,8 @@ class TorchRank:
                                                    max_local)).to(self.dev)
 
     def _model(self, torch, shape, act):
+        if self.rnnt:
+            return TransducerModel(torch, shape, act)
         if self.ctc:
             return CTCModel(torch, shape, act)
         if self.steps:   # nn.LSTM on time-major (T, B, D) input, the usual recipe
@@ -222,9 +277,12 @@ class TorchRank:
         model, opt, amp, scaler = self.runs[variant]
         n = int(take[self.rank])
         x = self.x[:n] if not self.steps else self.x[:n].view(self.steps, -1, self.x.shape[1])
-        loss_of = (lambda out: self.loss(out, y)) if not self.ctc else self._ctc_loss(n)
+        loss_of = ((lambda out: self.loss(out, y)) if not self.ctc else
+                   self._rnnt_loss(n) if self.rnnt else self._ctc_loss(n))
         inputs = (x,) if not self.ctc else (x, torch.full((x.shape[1],), x.shape[0],
                                                           dtype=torch.long))
+        if self.rnnt:   # the predictor reads the targets
+            inputs += (self._targets(n)[0],)
         y = self.y[:n] if not self.ctc else None
         marks = []
         self._sync()
@@ -251,15 +309,27 @@ class TorchRank:
         return times, {"compute": float(times.mean()), "encode": 0.0, "communicate": 0.0,
                        "update": 0.0}, {}
 
-    def _ctc_loss(self, n):
-        """nn.CTCLoss of n frames' utterances (the targets hpcsgd's step of n frames has:
-        hpcsgd/bench/train.py, utterance_targets), the output lengths after the strides."""
+    def _targets(self, n):
+        """The targets hpcsgd's step of n frames has (hpcsgd/bench/train.py,
+        utterance_targets; all of one length): ((B, U) int64 tensor, (B,) lengths)."""
         torch = self.torch
         t = self.targets(n)
         per = int(t.offsets[1]) if len(t.frames) else 0
         targets = torch.from_numpy(t.ids.astype(np.int64)).view(len(t.frames), per).to(self.dev)
-        target_lengths = torch.full((len(t.frames),), per, dtype=torch.long)
+        return targets, torch.full((len(t.frames),), per, dtype=torch.long)
+
+    def _ctc_loss(self, n):
+        """nn.CTCLoss of n frames' utterances, the output lengths after the strides."""
+        targets, target_lengths = self._targets(n)
         return lambda out: self.loss(out[0].float(), targets, out[1], target_lengths)
+
+    def _rnnt_loss(self, n):
+        """torchaudio's RNN-T loss (its fused log-softmax), summed over the utterances as
+        hpcsgd's."""
+        targets, target_lengths = self._targets(n)
+        targets, target_lengths = targets.int(), target_lengths.int().to(self.dev)
+        return lambda out: self.rnnt_loss(out[0].float(), targets, out[1].int().to(self.dev),
+                                          target_lengths, blank=0, reduction="sum")
 
     def bytes_on_wire(self, size):
         """A ring allreduce of the float32 gradient: 2 (K-1)/K of it per rank."""

@@ -283,10 +283,6 @@ def utterance_targets(shape, n, rng):
 def run(args):
     ranks, ns, modes = _settings(args)
     name, shape, activation, _ = model_of(args)
-    if args.pytorch and shape.get("type") == "rnnt":
-        raise SystemExit("hpcsgd bench train --pytorch: no PyTorch transducer peer yet "
-                         "(hpcsgd/bench/pytorch.py has the DNN, the (B)LSTM and the CTC "
-                         "model); run without --pytorch")
     print(f"hpcsgd bench train: {name} model {describe(shape)}, "
           f"N = {','.join(map(str, ns))}, exchanges {args.exchange}, double buffering "
           f"{'/'.join(_db_name(*m) for m in modes)}; {launch.cores()} cores, load average "
