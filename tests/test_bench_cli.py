@@ -20,6 +20,7 @@ EXTRA = {   # per subcommand: what keeps its --small run to seconds, and what it
     "decode": ([], "search RTF <= 0.02 per core"),
     "exchange": (["--ranks", "2", "--codecs", "onebit,onebit_unfused,float32", "--repeats", "1"],
                  "x = / float32 in-place Allreduce"),
+    "int4": ([], "one utterance-second of the model's LSTM products"),
     "kernels": (["--repeats", "1", "--codecs", "onebit,kbit4,dettmers,float16"], "triad"),
     "loader": ([], "raw HDF5 read (limit)"),
     "machine": ([], "bus bandwidth"),
@@ -64,6 +65,22 @@ def check_rnnt(res):
         assert r["ms"] > 0 and r["GBps"] > 0 and r["frac_triad"] > 0
         assert r["bytes"] == (16 * r["V"] + 8) * r["nodes"]
         assert r["memory_bytes"] == (4 * r["V"] + 8) * r["nodes"]
+
+
+def check_int4(res):
+    """Each LSTM product of the small RNN-T (two BLSTM layers' input and step products, the
+    prediction network's beam step) timed in float32 against the GEMM rate of the same run;
+    the integer columns where PyTorch is installed (a benchmark peer), null otherwise."""
+    assert [r["product"] for r in res["rows"]] == ["enc0 input", "enc0 step", "enc1 input",
+                                                   "enc1 step", "pred0 step"]
+    first = res["rows"][0]
+    assert (first["m"], first["k"], first["n"]) == (2 * 10, 3 * 40, 2 * 4 * 16)  # 0.3 s / 3
+    assert res["f32_peak_gflops"] > 0 and all(r["f32_ms"] > 0 for r in res["rows"])
+    with_int = res["torch"] is not None
+    assert all((r["int8_ms"] is not None) == with_int for r in res["rows"])
+    assert (res["model"]["int4_ms"] is not None) == with_int
+    want = sum(r["f32_ms"] * r["calls_per_second"] for r in res["rows"])
+    assert abs(res["model"]["f32_ms"] - want) <= 1e-9 * want
 
 
 def check_cuda(res):

@@ -19,6 +19,7 @@ benchmarks (hpcsgd bench NAME --help for each one's options):
   cuda      every CUDA kernel compiled for sm_80/sm_90 (no GPU needed): registers, spills
   decode    beam search real-time factor per core beside the acoustic model's
   exchange  exchange time per phase vs float32 in-place Allreduce
+  int4      an INT4 model's LSTM products, float32 beside int8 (VNNI) GEMMs, vs the GEMM rates
   kernels   codec encode/decode-accumulate GB/s vs memory bandwidth
   loader    spliced+CMVN frames/s vs raw HDF5 read rate
   machine   memory, GEMM and MPI collective limits of this machine
@@ -36,6 +37,7 @@ BENCHES = {
     "cuda": ("hpcsgd.bench.cuda", "every CUDA kernel compiled for sm_80/sm_90: registers, spills"),
     "decode": ("hpcsgd.bench.decode", "beam search real-time factor per core vs the acoustic model's"),
     "exchange": ("hpcsgd.bench.exchange", "exchange time per phase vs float32 in-place Allreduce"),
+    "int4": ("hpcsgd.bench.int4", "an INT4 model's LSTM products, float32 beside int8 (VNNI) GEMMs, vs the GEMM rates"),
     "kernels": ("hpcsgd.bench.kernels", "codec encode/decode-accumulate GB/s vs memory bandwidth"),
     "loader": ("hpcsgd.bench.loader", "spliced+CMVN frames/s vs raw HDF5 read rate"),
     "machine": ("hpcsgd.bench.machine", "memory, GEMM and MPI collective limits of this machine"),
