@@ -153,7 +153,8 @@ def test_config_refuses_what_rnnt_cannot_do_yet(arch):
     base = [f"data.train={arch}", "model.type=rnnt", "model.encoder=[conv 6 k3 s2]"]
     for extra, words in ((["model.parallel=2"], "model parallelism splits"),
                          (["model.predictor=[blstm 4]"], "causal"),
-                         (["train.device=cuda"], "CPU ranks only")):
+                         (["train.device=cuda", "train.precision=mixed"],
+                          "GPU ranks train the transducer in float32")):
         with pytest.raises(UserError, match=words):
             config.load(None, base + extra)
 

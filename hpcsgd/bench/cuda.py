@@ -24,6 +24,7 @@ import sys
 
 KERNEL_MODULES = ("hpcsgd.device", "hpcsgd.optim", "hpcsgd.model.kernels_cuda",
                   "hpcsgd.model.kernels_ctc_cuda", "hpcsgd.model.kernels_rnnt_cuda",
+                  "hpcsgd.model.kernels_joint_cuda",
                   "hpcsgd.codecs.onebit", "hpcsgd.codecs.kbit",
                   "hpcsgd.codecs.dettmers", "hpcsgd.codecs.floats", "hpcsgd.half")
 USAGE = __doc__.split("\n\n")[0] + "\n\n    hpcsgd bench cuda [--cc 80,90] [--kernels NAMES] [--json FILE]"
@@ -188,18 +189,18 @@ def record(out_path):
              Optimizer(ctc_params.size, device="cuda"), exchanges[0], device="cuda",
              scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
     model_ctc.forward(ctc_params, x_seq, len(x_seq), lengths=frames)
-    # the RNN-T loss (no model runs it on GPU ranks yet): two lattices, 3 x 3 and 2 x 2
-    from hpcsgd.model import kernels_rnnt as KR
-    from hpcsgd.model import kernels_rnnt_cuda as KRC
-    from hpcsgd.lazy_cuda import cuda as cuda_rt
-    r_frames, r_off = np.array([3, 2], np.int64), np.array([0, 2, 3], np.int64)
-    r_rows = KR.lattice_offsets(r_frames, np.diff(r_off))
-    KRC.rnnt_loss_grad(*(cuda_rt.to_device(a) for a in (
-                           np.zeros((int(r_rows[-1]), 4), np.float32), r_frames,
-                           np.array([1, 2, 3], np.int32), r_off, r_rows)), 1.0,
-                       cuda_rt.device_array(int(r_rows[-1]), np.float32),
-                       cuda_rt.device_array(int(r_rows[-1]), np.float32),
-                       cuda_rt.device_array(2, np.float64), cuda_rt.device_array(2, np.uint8))
+    # an RNN-T model's step (float32: what GPU ranks train it in), the joint in sub-batches
+    # of one utterance (the output layer's gradient summed over them), then its forward
+    from hpcsgd.model.transducer import rnnt
+    model_rnnt = rnnt(6, ["conv 3 k3 s2", "blstm 2"], 4, predictor=["lstm 2"], embed=2,
+                      joint=3, max_batch=n + 2, device="cuda")
+    model_rnnt.layers[-1].joint_budget = 1
+    rnnt_params = model_rnnt.new_params()
+    model_rnnt.init(rnnt_params, np.random.default_rng(1))
+    Step(model_rnnt, rnnt_params, gradient_buffers(model_rnnt, False),
+         Optimizer(rnnt_params.size, device="cuda"), exchanges[0],
+         device="cuda").run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
+    model_rnnt.forward(rnnt_params, x_seq, len(x_seq), lengths=frames)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")

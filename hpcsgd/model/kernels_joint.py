@@ -74,6 +74,39 @@ def joint_backward(dh, h, enc, pred, nb, pos, frames, u1s, row_offsets, b0, b1, 
                         dp[j] += d[j] * e[j]
 
 
+# the prediction network's embedding and the projections' biases (NumPy; their CUDA
+# counterparts in kernels_joint_cuda.py, the same results in the same summation order)
+
+
+def embed(table, tok, out):
+    """out[i] = table[tok[i]] where tok[i] >= 0 (an input token), else 0 (the padding)."""
+    valid = tok >= 0
+    out[~valid] = 0
+    out[valid] = table[tok[valid]]
+
+
+def embed_backward(dy, tok, g):
+    """g = the rows of dy summed by token, in row order (every row of g written)."""
+    g[...] = 0
+    valid = tok >= 0
+    np.add.at(g, tok[valid], dy[valid])
+
+
+def zero_padding(x, tok):
+    """x[i] = 0 where tok[i] < 0."""
+    x[tok < 0] = 0
+
+
+def add_bias(x, b):
+    """x (rows, m) += b (1, m)."""
+    x += b
+
+
+def add_into(x, y):
+    """x += y (same shape)."""
+    x += y
+
+
 # ---------------------------------------------------------------------------------------------
 # NumPy reference (float64; clarity first)
 

@@ -147,7 +147,8 @@ class Network:
         if device == "cuda":
             self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
             self.y_in = zeros(self.max_batch, np.int32, "cuda")
-            self.out_host = np.empty((self.max_batch, self.num_labels), self.dtype)
+            # forward's host copy: the output layer's width (an RNN-T's: the joint's)
+            self.out_host = np.empty((self.max_batch, last.n_out), self.dtype)
 
     def _pass_buffers(self, dtype):
         """Each layer's output (acts) and, for a recurrent or model-parallel layer, its

@@ -44,10 +44,12 @@ only, no QAT yet (the config refuses the rest with why).
 """
 import numpy as np
 
-from hpcsgd.device import matmul
+from hpcsgd.device import assign, matmul, zero, zeros
+from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import kernels_joint as KJ
 from hpcsgd.model import kernels_lstm as KL
 from hpcsgd.model import kernels_rnnt as KR
+from hpcsgd.model import kernels_rnnt_cuda as KRC
 from hpcsgd.model.encoder import encoder_layers, parse_spec
 from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.layers import glorot_uniform
@@ -112,6 +114,7 @@ class Transducer:
         self.joint_budget = DEFAULT_JOINT_BUDGET
         self._buf = {}
         self.dtype = np.dtype(np.float32)   # its scratch arrays' (the builder sets the model's)
+        self.device = "cpu"                 # where they live (the builder sets the model's)
         self.high_water = 0   # the largest joint group's bytes of h and z (logged)
 
     def specs(self):
@@ -143,7 +146,7 @@ class Transducer:
         matmul(x, p[self.W], z)
         if progress is not None:
             progress()
-        z += p[self.b]
+        self._k().add_bias(z, p[self.b])
         _store(ops, z)
 
     def posteriors(self, p, z, ops, log=True):
@@ -159,18 +162,40 @@ class Transducer:
             if progress is not None:
                 progress()
 
-    # ---- scratch --------------------------------------------------------------------------
+    # ---- scratch and the device ------------------------------------------------------------
+
+    def _k(self):
+        """The joint's and embedding's kernels where the layer's arrays live."""
+        if self.device == "cuda":
+            from hpcsgd.model import kernels_joint_cuda as KJC
+            return KJC
+        return KJ
 
     def _get(self, name, rows, cols, dtype=None):
         """A (rows, cols) view of the scratch array `name` (the model's dtype unless told),
-        grown (doubled) when too small."""
+        grown (doubled) when too small; on the model's device."""
         dtype = np.dtype(dtype or self.dtype)
         have = self._buf.get(name)
         if have is None or have.shape[0] < rows or have.shape[1] != cols \
                 or have.dtype != dtype:
             grow = max(rows, 2 * have.shape[0] if have is not None else 0, 1)
-            have = self._buf[name] = np.empty((grow, cols), dtype)
+            have = self._buf[name] = (np.empty((grow, cols), dtype) if self.device == "cpu"
+                                      else cuda.device_array((grow, cols), dtype))
         return have[:rows]
+
+    def _ints(self, name, values):
+        """A batch's index array as the kernels take it: the host array itself, or (a GPU
+        rank) its copy in a device buffer grown on demand (a small host-to-device copy)."""
+        values = np.ascontiguousarray(values)
+        if self.device == "cpu":
+            return values
+        return self._to_device(name, values)
+
+    def _to_device(self, name, values):
+        buf = self._get(name, max(len(values), 1), 1, values.dtype)[:len(values), 0]
+        if len(values):
+            buf.copy_to_device(values)
+        return buf
 
     def _pred_ws(self, rows):
         """The predictor LSTMs' workspaces for a pass of `rows` rows (grown on demand)."""
@@ -178,7 +203,7 @@ class Transducer:
         if have is None or have[0] < rows:
             grow = max(rows, 2 * have[0] if have is not None else 0)
             self._buf["pred_ws"] = (grow, [
-                {k: np.zeros(s, self.dtype) for k, s in layer.workspace(grow).items()}
+                {k: zeros(s, self.dtype, self.device) for k, s in layer.workspace(grow).items()}
                 for layer in self.pred])
         return self._buf["pred_ws"][1]
 
@@ -203,11 +228,10 @@ class Transducer:
     def predict(self, p, tok, lengths, ops):
         """pred (rows, joint) of the predictor over the input tokens `tok` (time-major; -1:
         padding, a zero input and output row). Keeps each layer's output for backward."""
-        rows = len(tok)
-        valid = tok >= 0
+        rows, k_ = len(tok), self._k()
+        tok_at = self._ints("tok", tok)
         x = self._get("pred_in", rows, self.embed)
-        x[...] = 0
-        x[valid] = p[self.E][tok[valid]]
+        k_.embed(p[self.E], tok_at, x)
         ws = self._pred_ws(rows)
         for k, layer in enumerate(self.pred):
             x = self._quantized_input(k, x, ops)
@@ -216,8 +240,8 @@ class Transducer:
             x = y
         pred = self._get("pred", rows, self.joint)
         matmul(x, p[self.Wp], pred)
-        pred += p[self.bp]
-        pred[~valid] = 0
+        k_.add_bias(pred, p[self.bp])
+        k_.zero_padding(pred, tok_at)
         _store(ops, pred)
         return pred
 
@@ -240,10 +264,9 @@ class Transducer:
             dx = self._get(f"pred_dx{k}", rows, layer.n_in)
             layer.backward(p, g, x, y, dy, dx, ops, None, ws=ws[k], lengths=lengths)
             dy = dx
-        gE = g[self.E]
-        gE[...] = 0
-        valid = tok >= 0
-        np.add.at(gE, tok[valid], dy[valid])   # the embedding's rows, scattered back
+        # the embedding's rows, scattered back (tok's copy on the device: predict's)
+        self._k().embed_backward(dy, self._buf["tok"][:rows, 0] if self.device == "cuda"
+                                 else tok, g[self.E])
 
     def _quantized_input(self, k, x, ops):
         """Predictor layer k's input as its GEMM reads it: above the first layer, under QAT,
@@ -282,18 +305,23 @@ class Transducer:
         u1 = np.diff(offsets) + 1
         order, pos, plen, tok = self.predictor_batch(ids, offsets)
         pred = self.predict(p, tok, plen, ops)
+        k_, cuda_ = self._k(), self.device == "cuda"
         denc = self._get("denc", len(z), self.joint)
         dpred = self._get("dpred", len(tok), self.joint)
-        denc[...] = 0
-        dpred[...] = 0
+        for a in (denc, dpred, g[self.Wo], g[self.bo]):
+            zero(a)
         gWo, gbo = g[self.Wo], g[self.bo]
-        gWo[...] = 0
-        gbo[...] = 0
         gWo_part = self._get("gWo_part", self.joint, self.num_tokens)
         gbo_part = self._get("gbo_part", 1, self.num_tokens)
+        # the index arrays the kernels read, on the device of a GPU rank (one copy per batch)
+        frames_at, pos_at, u1_at = (self._ints(n, v.astype(np.int64)) for n, v in
+                                    (("frames", frames), ("pos", pos), ("u1", u1)))
+        ids_at = self._ints("ids", ids.astype(np.int32))
+        offsets_at = self._ints("offsets", offsets.astype(np.int64))
         total, feasible = 0.0, 0
         gemm_only = getattr(ops, "gemm_only", False)   # bench train's roofline: GEMMs alone
-        for b0, b1 in self.groups(frames, u1):
+        groups = self.groups(frames, u1)
+        for b0, b1 in groups:
             rows = KR.lattice_offsets(frames[b0:b1], u1[b0:b1] - 1)
             offs = np.zeros(nb + 1, np.int64)
             offs[b0:b1 + 1] = rows   # the group's rows from 0 (kernels_joint's b0 base)
@@ -301,35 +329,49 @@ class Transducer:
             self.high_water = max(self.high_water, 4 * n * (self.joint + self.num_tokens))
             h = self._get("h", n, self.joint)
             logits = self._get("logits", n, self.num_tokens)
+            offs_at = self._ints("offs", offs)
+            shape = (nb, pos_at, frames_at, u1_at, offs_at, b0, b1, self.mode)
             if not gemm_only:
-                KJ.joint_forward(z, pred, nb, pos, frames, u1, offs, b0, b1, self.mode, h)
+                if cuda_:
+                    k_.joint_forward(z, pred, *shape, h, int(np.max(np.diff(rows))))
+                else:
+                    k_.joint_forward(z, pred, *shape, h)
             _store(ops, h)
             matmul(h, p[self.Wo], logits)
             if not gemm_only:
-                logits += p[self.bo]
+                k_.add_bias(logits, p[self.bo])
                 _store(ops, logits)   # 16-bit logits in, the loss in float32
                 alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
                 beta = self._get("beta", n, 1, np.float32)[:, 0]
-                loss = np.empty(b1 - b0)
-                ok = np.empty(b1 - b0, np.uint8)
-                KR.rnnt_loss_grad(logits, frames[b0:b1], ids, offsets[b0:b1 + 1], rows, scale,
-                                  alpha, beta, loss, ok, self.fastemit_lambda)
-                total += float(loss.sum())
-                feasible += int(ok.sum())
+                loss = self._get("loss", b1 - b0, 1, np.float64)[:, 0]
+                ok = self._get("ok", b1 - b0, 1, np.uint8)[:, 0]
+                loss_kernel = KRC.rnnt_loss_grad if cuda_ else KR.rnnt_loss_grad
+                loss_kernel(logits, frames_at[b0:b1], ids_at, offsets_at[b0:b1 + 1],
+                            self._ints("rows", rows), scale, alpha, beta, loss, ok,
+                            self.fastemit_lambda)
+                # a GPU rank: one device -> host copy each (a sync point, as CTC's loss read)
+                total += float(np.sum(loss.copy_to_host() if cuda_ else loss))
+                feasible += int(np.sum(ok.copy_to_host() if cuda_ else ok))
             _store(ops, logits)   # the scaled gradient, rounded once
-            matmul(h, logits, gWo_part, trans_a=True)
-            gWo += gWo_part
-            ops.column_sums(logits, gbo_part)
-            gbo += gbo_part
+            # one group (the usual case): the output layer's gradients written in place
+            one = len(groups) == 1
+            matmul(h, logits, gWo if one else gWo_part, trans_a=True)
+            ops.column_sums(logits, gbo if one else gbo_part)
+            if not one:
+                k_.add_into(gWo, gWo_part)
+                k_.add_into(gbo, gbo_part)
             dh = self._get("dh", n, self.joint)
             matmul(logits, p[self.Wo], dh, trans_b=True)
             _store(ops, dh)
             if not gemm_only:
-                KJ.joint_backward(dh, h, z, pred, nb, pos, frames, u1, offs, b0, b1,
-                                  self.mode, denc, dpred)
+                if cuda_:
+                    k_.joint_backward(dh, h, n, z, pred, *shape, denc, dpred,
+                                      int(frames[b0:b1].max()), int(u1[b0:b1].max()))
+                else:
+                    k_.joint_backward(dh, h, z, pred, *shape, denc, dpred)
         _store(ops, dpred)
         self._predict_backward(p, g, tok, plen, dpred, ops)
-        z[...] = denc
+        assign(z, denc)
         _store(ops, z)
         ops.column_sums(z, g[self.b])
         self.skipped += 0 if gemm_only else nb - feasible
@@ -356,8 +398,9 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
          precision="float32", qat=None):
     """The RNN-T model input_dim-[encoder]-transducer(predictor, joint)-num_tokens as a
     Network whose passes take whole utterances (their Lengths from the batch's targets)."""
-    if device != "cpu":
-        raise ValueError("RNN-T models train on CPU ranks for now (issue 54's next block)")
+    if device != "cpu" and precision != "float32":
+        raise ValueError("RNN-T models on GPU ranks: float32 for now (the joint's and the "
+                         "prediction network's buffers are float32 device arrays)")
     describe = {"type": "rnnt", "input_dim": int(input_dim),
                 "encoder": [" ".join(str(e).split()) for e in encoder],
                 "num_tokens": int(num_tokens),
@@ -369,5 +412,5 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
                   precision, qat=qat)
     # float64 (the tests' reference trajectories): the loss kernel still computes its
     # recursions in float32 (model/kernels_rnnt.py), the rest of the layer in float64
-    net.layers[-1].dtype = np.dtype(dtype)
+    net.layers[-1].dtype, net.layers[-1].device = np.dtype(dtype), device
     return net
