@@ -23,7 +23,7 @@ INT4=(train.init_from=runs/rnnt/f32 train.epochs=4 optim.lr=2.5e-7 qat.weight_bi
 # from scratch the transducer overfits so762 within a few epochs (its prediction network
 # learns the training sentences: docs/results.md), so the float32 run starts from the CTC
 # model's encoder (experiments/ctc_so762.sh's f32) and trains 10 epochs at half the rate;
-# ONLY=scratch: the run from scratch
+# ONLY=scratch: the run from scratch; chars: the character transducer
 if [ "$STAGE" != decode ]; then
     train_run "$ROOT" scratch 2 --config jobs/configs/so762_rnnt.yaml
     train_run "$ROOT" f32 2 --config jobs/configs/so762_rnnt.yaml train.init_from=runs/ctc/f32 \
@@ -31,13 +31,17 @@ if [ "$STAGE" != decode ]; then
     train_run "$ROOT" onebit 2 --config jobs/configs/so762_rnnt.yaml \
         train.init_from=runs/ctc/f32 train.epochs=10 optim.lr=2.5e-7 \
         exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_frames=548000
+    # characters (CER/WER, words split at the space token), from the character CTC model's
+    # encoder (experiments/ctc_so762.sh's chars) as f32 is from the phone one
+    train_run "$ROOT" chars 2 --config jobs/configs/so762_rnnt.yaml data.tokens=chars \
+        train.init_from=runs/ctc/chars train.epochs=10 optim.lr=2.5e-7
     train_run "$ROOT" int4 2 --config jobs/configs/so762_rnnt.yaml "${INT4[@]}" \
         qat.weights=sawb qat.activations=bac
     train_run "$ROOT" naive4 2 --config jobs/configs/so762_rnnt.yaml "${INT4[@]}" \
         qat.weights=max qat.activations=max qat.first_layer=quantized
 fi
 [ "$STAGE" = train ] && exit 0
-for name in scratch f32 onebit int4 naive4; do
+for name in scratch f32 onebit chars int4 naive4; do
     case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
     [ -d "$ROOT/$name" ] || continue
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy \
