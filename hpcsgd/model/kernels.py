@@ -239,14 +239,22 @@ def softmax_xent_backward(z, b, y, gb, partial, lanes, ce_part, correct_part):
 
 @njit(inline="always")
 def log_softmax_row(row, b, m, lane):
-    """row <- (row + b) - logsumexp(row + b), in place: max-subtracted, the sum of exps in
-    LANES interleaved partial sums (lane: LANES scratch). The rows of log_softmax_forward,
-    and of the CTC loss (model.kernels_ctc), so both give a logit row the same bits."""
-    mx = row[0] + b[0, 0]
+    """row <- (row + b) - logsumexp(row + b), in place (lane: LANES scratch). The rows of
+    log_softmax_forward, and of the CTC loss (model.kernels_ctc), so both give a logit row the
+    same bits."""
     for j in range(m):
-        v = row[j] + b[0, j]
-        row[j] = v
-        mx = max(mx, v)
+        row[j] = row[j] + b[0, j]
+    log_softmax_inplace(row, m, lane)
+
+
+@njit(inline="always")
+def log_softmax_inplace(row, m, lane):
+    """row <- row - logsumexp(row), in place: max-subtracted, the sum of exps in LANES
+    interleaved partial sums (lane: LANES scratch). log_softmax_row's arithmetic after its
+    bias, and the RNN-T loss's rows (model.kernels_rnnt: the joint's logits carry theirs)."""
+    mx = row[0]
+    for j in range(m):
+        mx = max(mx, row[j])
     s = row.dtype.type(0)
     for k in range(LANES):
         lane[k] = 0

@@ -72,7 +72,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.model.kernels import LANES, fexp
+from hpcsgd.model.kernels import fexp, log_softmax_inplace
 from hpcsgd.model.kernels_ctc import BLANK, _lse3_call, _scratch, ref_log_softmax
 
 _f = np.float32
@@ -97,30 +97,6 @@ def feasible_rule(u, f):
 
 
 _feasible = njit(inline="always")(feasible_rule)
-
-
-@njit(inline="always")
-def _log_softmax_row(row, v, lane):
-    """row <- row - logsumexp(row), in place: kernels.log_softmax_row's arithmetic without its
-    bias (max-subtracted, the exps summed in LANES interleaved partial sums; lane: LANES
-    scratch), so the row gets the bits the model's log_softmax_forward gives it."""
-    mx = row[0]
-    for j in range(v):
-        mx = max(mx, row[j])
-    for k in range(LANES):
-        lane[k] = 0
-    v_l = v - v % LANES
-    for j0 in range(0, v_l, LANES):
-        for k in range(LANES):
-            lane[k] += fexp(row[j0 + k] - mx)
-    s = _ZERO
-    for k in range(LANES):
-        s += lane[k]
-    for j in range(v_l, v):
-        s += fexp(row[j] - mx)
-    lse = mx + math.log(s)
-    for j in range(v):
-        row[j] = row[j] - lse
 
 
 @njit(inline="always")
@@ -170,7 +146,7 @@ def rnnt_loss_grad(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta,
         for t in range(f):
             for u in range(u1):
                 r = r0 + t * u1 + u
-                _log_softmax_row(z[r], v, lane)
+                log_softmax_inplace(z[r], v, lane)
                 if t == 0 and u == 0:
                     alpha[r] = _ZERO
                     continue
