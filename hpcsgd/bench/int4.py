@@ -1,7 +1,7 @@
 """`hpcsgd bench int4`: an INT4 model's matrix products on this CPU, float32 beside integer --
 what the INT4 paper's deployment buys on the machine at hand.
 
-    hpcsgd bench int4 [--config jobs/configs/so762_rnnt.yaml] [--utterances 8]
+    hpcsgd bench int4 [--config jobs/configs/so762_rnnt.yaml | --ibm] [--utterances 8]
                       [--seconds 10] [--beam 4] [--threads 1] [--repeats 20] [--json FILE]
 
 An INT4 export (hpcsgd export --int4) holds each weight matrix as 4-bit codes k and a step s;
@@ -18,7 +18,8 @@ prediction network) in the shapes inference gives it:
   input   all frames of a batch at once: (utterances x T' frames) x n_in @ n_in x 4H per
           direction (both directions side by side, as hpcsgd's BLSTM runs them)
   step    one recurrent step: utterances x H @ H x 4H, T' times per direction
-  pred    a prediction-network step of beam search: (utterances x beam) x H_p @ H_p x 4H_p
+  pred    a prediction-network step of beam search: (utterances x beam) x (E + H_p) @
+          (E + H_p) x 4H_p, once per encoder frame (the bound: every hypothesis grew)
 timed three ways: float32 (NumPy's BLAS, what hpcsgd's layers run), int8 GEMM alone, and the
 integer layer's whole product (quantize the float input to int8 on its grid, GEMM, scale the
 int32 sums back to float32). Each against this machine's limits measured in the same run: the
@@ -38,6 +39,7 @@ SQUARE, SQUARE_SMALL = 1536, 256   # the limits' square products
 FRAME_RATE = 100                   # feature frames per second (10 ms shift)
 EXAMPLES = """examples:
   hpcsgd bench int4 --config jobs/configs/so762_rnnt.yaml --json docs/bench/int4.json
+  hpcsgd bench int4 --ibm --beam 16                             the paper's model
   hpcsgd bench int4 --small                                     seconds"""
 
 
@@ -45,6 +47,9 @@ def add_arguments(parser):
     parser.add_argument("--small", action="store_true", help="tiny shapes, for a CI smoke test")
     parser.add_argument("--config", default="jobs/configs/so762_rnnt.yaml",
                         help="the model whose LSTM products are timed (CTC or RNN-T config)")
+    parser.add_argument("--ibm", action="store_true",
+                        help="the INT4 paper's Switchboard RNN-T instead (6 BLSTM x 640, "
+                             "a 768 prediction network, 152-frame utterances)")
     parser.add_argument("--utterances", type=int, default=8, help="utterances decoded together")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each utterance")
     parser.add_argument("--beam", type=int, default=4, help="beam of the prediction network")
@@ -66,6 +71,13 @@ def cpu_int8_features():
 # --small: a tiny RNN-T (no archive needed)
 SMALL = {"model.type": "rnnt", "model.encoder": ["stack 3", "blstm 16", "blstm 16"],
          "model.predictor": ["lstm 16"], "model.embed": 8, "input_dim": 40}
+# --ibm: the INT4 paper's Switchboard RNN-T (seeds/004: 6 BLSTM layers of 640 per direction
+# over 240 features + a 100-dim i-vector, frames at 20 ms: 152 on average; a prediction
+# network of one LSTM of 768; its embedding size is not given: 256 here)
+IBM = {"model.type": "rnnt", "model.encoder": ["blstm 640"] * 6,
+       "model.predictor": ["lstm 768"], "model.embed": 256, "input_dim": 340,
+       "frame_rate": 50}
+IBM_SECONDS = 152 / 50   # its mean utterance: 152 frames of 20 ms
 
 
 def model_of(path):
@@ -85,7 +97,8 @@ def model_of(path):
 def products(cfg, utterances, seconds, beam):
     """[(label, layer, m, k, n, calls per utterance-second)] of the model's LSTM products."""
     from hpcsgd.model.encoder import parse_spec
-    t = max(1, int(FRAME_RATE * seconds))
+    rate = cfg.get("frame_rate", FRAME_RATE)   # the input's frames per second
+    t = max(1, int(round(rate * seconds)))
     out, n_in, lstm = [], cfg["input_dim"], 0
     for text in cfg["model.encoder"]:
         spec = parse_spec(text)
@@ -107,12 +120,13 @@ def products(cfg, utterances, seconds, beam):
                     t * dirs * per_second / utterances))
         n_in, lstm = units * dirs, lstm + 1
     if cfg["model.type"] == "rnnt":
-        # about one prediction step per emitted token: a token per 10 frames of phones
+        # beam search: at most one prediction step per encoder frame for the beam's grown
+        # hypotheses (decode/rnnt.py), timed at its bound, every hypothesis grown
         p_in = cfg["model.embed"]
         for k, text in enumerate(cfg["model.predictor"]):
             units = parse_spec(text)["units"]
             out.append((f"pred{k} step", lstm + k, utterances * beam, p_in + units, 4 * units,
-                        FRAME_RATE / 10 / utterances))
+                        t / seconds / utterances))
             p_in = units
     return out
 
@@ -172,11 +186,12 @@ def run(args):
     if torch is not None:
         torch.set_num_threads(n_threads)
     repeats = args.repeats or (2 if args.small else 20)
-    cfg = SMALL if args.small else model_of(args.config)
-    utt, secs = (2, 0.3) if args.small else (args.utterances, args.seconds)
+    cfg = SMALL if args.small else IBM if args.ibm else model_of(args.config)
+    utt, secs = ((2, 0.3) if args.small else (args.utterances, IBM_SECONDS) if args.ibm
+                 else (args.utterances, args.seconds))
     shapes = products(cfg, utt, secs, args.beam)
     features = cpu_int8_features()
-    name = "small" if args.small else args.config
+    name = "small" if args.small else "the INT4 paper's RNN-T" if args.ibm else args.config
     print(f"hpcsgd bench int4: {name} ({cfg['model.type']}), {utt} utterances of "
           f"{secs:g} s, beam {args.beam}, {n_threads} thread(s); best of {repeats}; int8 "
           f"instructions of this CPU: {', '.join(features) or 'none'}; integer GEMMs by "
