@@ -16,6 +16,9 @@
 #   ctc       issue 53: the CTC loss kernel beside PyTorch's CUDA ctc_loss (bench ctc), and
 #             so762_ctc.yaml's CTC model's step (stacked frames, BLSTM) beside PyTorch's
 #             LSTM/CTCLoss on the card, float32 and mixed (bench train --model ctc)
+#   rnnt      issue 54: so762_rnnt.yaml's transducer step on the card (on the demo archive),
+#             then beside PyTorch + torchaudio's rnnt_loss (a part of its own: it stops where
+#             torchaudio is missing)
 # ONLY="tests small" runs those parts only. The limits add up to more than one call's 600 s
 # and a session's 15 minutes of device time (a start costs 1-2 of them), so a session runs
 # ONLY="tests train46m small" first (limits 240 + 150 + 180 s; prep 120 s: give the call
@@ -28,7 +31,7 @@ OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT" runs/gpu_session
 LOG="$OUT/session.log"
 J=runs/gpu_session
-ONLY=${ONLY:-"tests train46m small exchange mixed small2 demo ctc"}
+ONLY=${ONLY:-"tests train46m small exchange mixed small2 demo ctc rnnt"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 part() {   # part NAME SECONDS CMD...: one part, its time and exit status in the log
     local name=$1 limit=$2; shift 2
@@ -54,20 +57,22 @@ pack() {
 } > "$LOG" 2>&1
 
 # the demo archive (bundled data): the small models' input and label sizes, and the demo runs
-if want small || want small2 || want demo || want mixed; then
+if want small || want small2 || want demo || want mixed || want rnnt; then
     part prep 120 hpcsgd prep data_prep/demo/so762 runs/demo/archive \
         --alignments data_prep/demo/so762/phones.ctm --labels data_prep/demo/so762/labels.txt \
         --cv-speakers 8 --num-shards 2
 fi
 # the so762 configs on the demo archive (the same 40 log-mel features and 40 labels)
-for c in so762 so762_blstm; do
-    sed -e 's#runs/so762/archive/#runs/demo/archive/#' "jobs/configs/$c.yaml" > "$J/$c.yaml"
+for c in so762 so762_blstm so762_rnnt; do
+    sed -e 's#runs/so762/archive/#runs/demo/archive/#' \
+        -e 's#runs/so762/archive_ctc/#runs/demo/archive/#' "jobs/configs/$c.yaml" > "$J/$c.yaml"
 done
 
 GPU_TESTS="tests/test_codecs_cuda.py tests/test_model_cuda.py tests/test_lstm_cuda.py
            tests/test_quantize_cuda.py tests/test_gpu_ranks.py tests/test_eval_cuda.py
            tests/test_graphs.py tests/test_mixed_cuda.py tests/test_bf16_cuda.py
-           tests/test_ctc_cuda.py tests/test_ctc_model_cuda.py"
+           tests/test_ctc_cuda.py tests/test_ctc_model_cuda.py tests/test_rnnt_cuda.py
+           tests/test_rnnt_model_cuda.py"
 part tests 240 env HPCSGD_TEST_GPU=1 python -m pytest -q -rf -p no:cacheprovider $GPU_TESTS
 
 STEPS=(--steps 20 --warmup 5 --rounds 3)
@@ -110,6 +115,11 @@ part ctc 90 hpcsgd bench ctc --device cuda --json "$J/ctc_loss.json"
 part ctc 150 hpcsgd bench train --device cuda --model ctc --ranks 1 --exchange allreduce \
     --double-buffering off --precision float32,mixed --pytorch "${STEPS[@]}" \
     --json "$J/train_ctc.json"
+part rnnt 120 hpcsgd bench train --device cuda --config "$J/so762_rnnt.yaml" --ranks 1 \
+    --exchange allreduce --double-buffering off "${STEPS[@]}" --json "$J/train_rnnt.json"
+part rnnt 150 hpcsgd bench train --device cuda --config "$J/so762_rnnt.yaml" --ranks 1 \
+    --exchange allreduce --double-buffering off --pytorch "${STEPS[@]}" \
+    --json "$J/train_rnnt_pytorch.json"
 grep -h "NumbaPerformanceWarning" "$J"/demo_k*/logs/*.log >> "$LOG" 2>/dev/null \
     && echo "(the lines above: NumbaPerformanceWarning in a training log)" >> "$LOG"
 pack
