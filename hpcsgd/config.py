@@ -450,12 +450,6 @@ def check_rnnt(config):
         predictor_layers(0, 2, config["model.embed"], config["model.predictor"])
     except ValueError as err:
         raise UserError(f"config key model.predictor: {err}") from None
-    if config["train.device"] == "cuda" and config["train.precision"] != "float32":
-        raise UserError(f"config keys model.type=rnnt, train.device=cuda and train.precision="
-                        f"{config['train.precision']}: GPU ranks train the transducer in "
-                        f"float32 so far (its joint's and prediction network's device buffers "
-                        f"are float32; CPU ranks emulate mixed and bf16); set "
-                        f"train.precision=float32 or train.device=cpu")
 
 
 def qat_of(config):

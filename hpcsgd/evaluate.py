@@ -149,7 +149,7 @@ def _rnnt_batch(model, params):
     scratch, host = FlatParams(model.specs, model.dtype), FlatParams(model.specs, model.dtype)
     if model.device != "cpu":   # GPU ranks: the search and the loss on the host, on a twin
         layer = copy.copy(layer)   # of the output layer with host buffers, and host weights
-        layer.device, layer._buf = "cpu", {}
+        layer.device, layer.storage, layer._buf = "cpu", layer.dtype, {}
         ops = make_ops("cpu", model.max_batch, layer.width, model.dtype)
 
     def batch(enc, lengths, targets):

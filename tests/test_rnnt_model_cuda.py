@@ -128,15 +128,22 @@ else:
         offsets = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
         return x.reshape(-1, dim), Targets(np.array(lens, np.int64), ids, offsets)
 
-    @pytest.mark.parametrize("budget", [None, 1])
-    def test_an_rnnt_model_on_the_gpu_equals_the_cpu_model(budget):
+    @pytest.mark.parametrize("precision, budget", [("float32", None), ("float32", 1),
+                                                   ("mixed", 1), ("bf16", None)])
+    def test_an_rnnt_model_on_the_gpu_equals_the_cpu_model(precision, budget):
         """The same weights and batch on both, the joint whole and (budget 1 byte) one
-        utterance per sub-batch: loss and every gradient within 1e-4 of their scale; the
-        encoder's output (forward) within 1e-4."""
+        utterance per sub-batch. float32: loss and every gradient within 1e-4 of their
+        scale, the encoder's output (forward) within 1e-4. mixed and bf16 (the GPU's 16-bit
+        storage against the CPU's emulation in float32 buffers, a static scale of 256): each
+        gradient within 2^-7 (float16), 2^-5 (bfloat16) of its norm -- the same roundings at
+        the same places but a few: the GPU rounds a GEMM's output before the bias is added
+        and the tanh's gradient before the joint's sums (test_ctc_model_cuda's bounds)."""
         rng = np.random.default_rng(8)
         args = (3, ["conv 6 k3 s2", "blstm 4"], 6)
-        kw = dict(predictor=["lstm 3"], embed=2, joint=5, max_batch=64)
+        kw = dict(predictor=["lstm 3"], embed=2, joint=5, max_batch=64, precision=precision)
         cpu, gpu = rnnt(*args, **kw), rnnt(*args, **kw, device="cuda")
+        if precision != "float32":
+            assert gpu.layers[-1].storage.itemsize == 2 and cpu.layers[-1].storage == np.float32
         if budget:
             cpu.layers[-1].joint_budget = gpu.layers[-1].joint_budget = budget
         params = cpu.new_params()
@@ -144,17 +151,24 @@ else:
         d_params = gpu.new_params()
         d_params.flat.copy_to_device(params.flat)
         x, targets = _batch(rng, [16, 13, 9], 3)
+        scale = 256.0 if precision != "float32" else 1.0
         g_cpu, g_gpu = cpu.new_params(), gpu.new_params()
-        loss_cpu, tok = cpu.forward_backward(params, g_cpu, x, targets, len(x))
-        loss_gpu, tok_gpu = gpu.forward_backward(d_params, g_gpu, x, targets, len(x))
+        loss_cpu, tok = cpu.forward_backward(params, g_cpu, x, targets, len(x), loss_scale=scale)
+        loss_gpu, tok_gpu = gpu.forward_backward(d_params, g_gpu, x, targets, len(x),
+                                                 loss_scale=scale)
         assert tok == tok_gpu == len(targets.ids)
-        assert abs(loss_cpu - loss_gpu) <= 1e-4 * abs(loss_cpu)
+        tol = {"float32": 1e-4, "mixed": 2.0 ** -7, "bf16": 2.0 ** -5}[precision]
+        assert abs(loss_cpu - loss_gpu) <= tol * abs(loss_cpu)
+        if precision != "float32":
+            cpu.unscale(g_cpu, scale)
+            gpu.unscale(g_gpu, scale)
         got = g_gpu.flat.copy_to_host()
         for m in g_cpu.matrices:
             want = g_cpu.flat[m.offset:m.offset + m.size]
             have = got[m.offset:m.offset + m.size]
-            assert np.linalg.norm(have - want) <= 1e-4 * np.linalg.norm(want) + 1e-7, m.name
-        out_cpu = cpu.forward(params, x, len(x), lengths=targets.frames).copy()
-        out_gpu = gpu.forward(d_params, x, len(x), lengths=targets.frames)
-        assert out_gpu.shape == out_cpu.shape == (8 * 3, 5)
-        np.testing.assert_allclose(out_gpu, out_cpu, rtol=1e-4, atol=1e-5)
+            assert np.linalg.norm(have - want) <= tol * np.linalg.norm(want) + 1e-7, m.name
+        if precision == "float32":
+            out_cpu = cpu.forward(params, x, len(x), lengths=targets.frames).copy()
+            out_gpu = gpu.forward(d_params, x, len(x), lengths=targets.frames)
+            assert out_gpu.shape == out_cpu.shape == (8 * 3, 5)
+            np.testing.assert_allclose(out_gpu, out_cpu, rtol=1e-4, atol=1e-5)

@@ -189,17 +189,19 @@ def record(out_path):
              Optimizer(ctc_params.size, device="cuda"), exchanges[0], device="cuda",
              scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
     model_ctc.forward(ctc_params, x_seq, len(x_seq), lengths=frames)
-    # an RNN-T model's step (float32: what GPU ranks train it in), the joint in sub-batches
-    # of one utterance (the output layer's gradient summed over them), then its forward
+    # an RNN-T model's step in float32, mixed and bf16 (the joint's kernels on float16 and
+    # bfloat16 storage), the joint in sub-batches of one utterance (the output layer's
+    # gradient summed over them), then its forward
     from hpcsgd.model.transducer import rnnt
-    model_rnnt = rnnt(6, ["conv 3 k3 s2", "blstm 2"], 4, predictor=["lstm 2"], embed=2,
-                      joint=3, max_batch=n + 2, device="cuda")
-    model_rnnt.layers[-1].joint_budget = 1
-    rnnt_params = model_rnnt.new_params()
-    model_rnnt.init(rnnt_params, np.random.default_rng(1))
-    Step(model_rnnt, rnnt_params, gradient_buffers(model_rnnt, False),
-         Optimizer(rnnt_params.size, device="cuda"), exchanges[0],
-         device="cuda").run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
+    for precision, scaler in (("float32", None), ("mixed", Static(2.0 ** 10)), ("bf16", None)):
+        model_rnnt = rnnt(6, ["conv 3 k3 s2", "blstm 2"], 4, predictor=["lstm 2"], embed=2,
+                          joint=3, max_batch=n + 2, device="cuda", precision=precision)
+        model_rnnt.layers[-1].joint_budget = 1
+        rnnt_params = model_rnnt.new_params()
+        model_rnnt.init(rnnt_params, np.random.default_rng(1))
+        Step(model_rnnt, rnnt_params, gradient_buffers(model_rnnt, False),
+             Optimizer(rnnt_params.size, device="cuda"), exchanges[0], device="cuda",
+             scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
     model_rnnt.forward(rnnt_params, x_seq, len(x_seq), lengths=frames)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",

@@ -20,12 +20,20 @@ without synchronizing.
 - add_bias: x += b row-wise (the projections' biases; the loss kernel takes no bias);
   add_into: x += y (the output layer's gradient over the joint's sub-batches).
 Every result is bit-reproducible on the GPU: no atomics, fixed summation orders.
+
+16-bit storage (GPU ranks with train.precision mixed or bf16: float16 arrays, or uint16 ones
+holding bfloat16 bits): enc, pred, h, dh, the embedding table and its rows, the biases may be
+16-bit; every load is widened to float32 (F) and every store rounds once (S), as
+kernels_cuda's. denc, dpred and the embedding's gradient stay float32 (sums over a lattice's
+rows and columns, over the joint's sub-batches).
 """
 import math
 
 import numpy as np
 
 from hpcsgd.device import as_device, on_stream
+from hpcsgd.half import stored as S
+from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels_joint import ADD, MODES  # noqa: F401  (MODES: re-exported)
 
@@ -51,8 +59,8 @@ def _joint_forward_kernel(enc, pred, nb, pos, frames, u1s, row_offsets, b0, mode
     for i in range(i0, nodes, yblocks * cuda.blockDim.y):
         t, u = i // u1, i % u1
         for j in range(j0, width, cuda.gridDim.x * cuda.blockDim.x):
-            e, p = enc[t * nb + b, j], pred[u * nb + pos[b], j]
-            h[r0 + i, j] = math.tanh(e + p if mode == ADD else e * p)
+            e, p = F(enc[t * nb + b, j]), F(pred[u * nb + pos[b], j])
+            h[r0 + i, j] = S(h, math.tanh(e + p if mode == ADD else e * p))
 
 
 @cuda.jit
@@ -62,8 +70,8 @@ def _tanh_grad_kernel(dh, h, n):
     one = np.float32(1)
     for i in range(i0, n, si):
         for j in range(j0, dh.shape[1], sj):
-            y = h[i, j]
-            dh[i, j] = dh[i, j] * (one - y * y)
+            y = F(h[i, j])
+            dh[i, j] = S(dh, F(dh[i, j]) * (one - y * y))
 
 
 @cuda.jit
@@ -79,8 +87,8 @@ def _denc_kernel(da, enc, pred, nb, pos, frames, u1s, row_offsets, b0, mode, den
         for j in range(j0, width, cuda.gridDim.x * cuda.blockDim.x):
             acc = denc[t * nb + b, j]
             for u in range(u1):
-                d = da[r0 + t * u1 + u, j]
-                acc += d if mode == ADD else d * pred[u * nb + pos[b], j]
+                d = F(da[r0 + t * u1 + u, j])
+                acc += d if mode == ADD else d * F(pred[u * nb + pos[b], j])
             denc[t * nb + b, j] = acc
 
 
@@ -97,8 +105,8 @@ def _dpred_kernel(da, enc, pred, nb, pos, frames, u1s, row_offsets, b0, mode, dp
         for j in range(j0, width, cuda.gridDim.x * cuda.blockDim.x):
             acc = dpred[u * nb + pos[b], j]
             for t in range(frames[b]):
-                d = da[r0 + t * u1 + u, j]
-                acc += d if mode == ADD else d * enc[t * nb + b, j]
+                d = F(da[r0 + t * u1 + u, j])
+                acc += d if mode == ADD else d * F(enc[t * nb + b, j])
             dpred[u * nb + pos[b], j] = acc
 
 
@@ -109,7 +117,7 @@ def _embed_kernel(table, tok, out):
     for i in range(i0, tok.shape[0], si):
         k = tok[i]
         for j in range(j0, out.shape[1], sj):
-            out[i, j] = table[k, j] if k >= 0 else np.float32(0)
+            out[i, j] = table[k, j] if k >= 0 else S(out, np.float32(0))
 
 
 @cuda.jit
@@ -122,7 +130,7 @@ def _embed_backward_kernel(dy, tok, g):
             acc = np.float32(0)
             for i in range(tok.shape[0]):
                 if tok[i] == v:
-                    acc += dy[i, j]
+                    acc += F(dy[i, j])
             g[v, j] = acc
 
 
@@ -133,7 +141,7 @@ def _zero_padding_kernel(x, tok):
     for i in range(i0, tok.shape[0], si):
         if tok[i] < 0:
             for j in range(j0, x.shape[1], sj):
-                x[i, j] = np.float32(0)
+                x[i, j] = S(x, np.float32(0))
 
 
 @cuda.jit
@@ -142,7 +150,7 @@ def _add_into_kernel(x, y):
     sj, si = cuda.gridsize(2)
     for i in range(i0, x.shape[0], si):
         for j in range(j0, x.shape[1], sj):
-            x[i, j] = x[i, j] + y[i, j]
+            x[i, j] = S(x, F(x[i, j]) + F(y[i, j]))
 
 
 @cuda.jit
@@ -151,7 +159,7 @@ def _add_bias_kernel(x, b):
     sj, si = cuda.gridsize(2)
     for i in range(i0, x.shape[0], si):
         for j in range(j0, x.shape[1], sj):
-            x[i, j] = x[i, j] + b[0, j]
+            x[i, j] = S(x, F(x[i, j]) + F(b[0, j]))
 
 
 # ---------------------------------------------------------------------------------------------

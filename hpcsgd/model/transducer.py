@@ -115,6 +115,10 @@ class Transducer:
         self._buf = {}
         self.dtype = np.dtype(np.float32)   # its scratch arrays' (the builder sets the model's)
         self.device = "cpu"                 # where they live (the builder sets the model's)
+        # the dtype of the values a GPU would store in 16 bits (GPU ranks under mixed or
+        # bf16: float16, or uint16 holding bfloat16 bits; else the model's dtype): the
+        # prediction network's, the joint's h, the gradients flowing back through them
+        self.storage = self.dtype
         self.high_water = 0   # the largest joint group's bytes of h and z (logged)
 
     def specs(self):
@@ -203,7 +207,8 @@ class Transducer:
         if have is None or have[0] < rows:
             grow = max(rows, 2 * have[0] if have is not None else 0)
             self._buf["pred_ws"] = (grow, [
-                {k: zeros(s, self.dtype, self.device) for k, s in layer.workspace(grow).items()}
+                {k: zeros(s, self.storage, self.device)
+                 for k, s in layer.workspace(grow).items()}
                 for layer in self.pred])
         return self._buf["pred_ws"][1]
 
@@ -230,15 +235,15 @@ class Transducer:
         padding, a zero input and output row). Keeps each layer's output for backward."""
         rows, k_ = len(tok), self._k()
         tok_at = self._ints("tok", tok)
-        x = self._get("pred_in", rows, self.embed)
+        x = self._get("pred_in", rows, self.embed, self.storage)
         k_.embed(p[self.E], tok_at, x)
         ws = self._pred_ws(rows)
         for k, layer in enumerate(self.pred):
             x = self._quantized_input(k, x, ops)
-            y = self._get(f"pred_h{k}", rows, layer.n_out)
+            y = self._get(f"pred_h{k}", rows, layer.n_out, self.storage)
             layer.forward(p, x, y, ops, None, ws=ws[k], lengths=lengths)
             x = y
-        pred = self._get("pred", rows, self.joint)
+        pred = self._get("pred", rows, self.joint, self.storage)
         matmul(x, p[self.Wp], pred)
         k_.add_bias(pred, p[self.bp])
         k_.zero_padding(pred, tok_at)
@@ -248,20 +253,21 @@ class Transducer:
     def _predict_backward(self, p, g, tok, lengths, dpred, ops):
         """From dpred = dLoss/dpred (zero on the padding): the predictor's gradients."""
         rows = len(tok)
-        top = self._get(f"pred_h{len(self.pred) - 1}", rows, self.pred_width) if self.pred \
-            else self._get("pred_in", rows, self.embed)
+        top = self._get(f"pred_h{len(self.pred) - 1}", rows, self.pred_width, self.storage) \
+            if self.pred else self._get("pred_in", rows, self.embed, self.storage)
         matmul(top, dpred, g[self.Wp], trans_a=True)
         ops.column_sums(dpred, g[self.bp])
-        dy = self._get("pred_dh", rows, self.pred_width)
+        dy = self._get("pred_dh", rows, self.pred_width, self.storage)
         matmul(dpred, p[self.Wp], dy, trans_b=True)
         _store(ops, dy)
         ws = self._pred_ws(rows)
         for k in range(len(self.pred) - 1, -1, -1):
             layer = self.pred[k]
             x = self._get(f"pred_q{k}" if self.input_bits else f"pred_h{k - 1}", rows,
-                          layer.n_in) if k else self._get("pred_in", rows, self.embed)
-            y = self._get(f"pred_h{k}", rows, layer.n_out)
-            dx = self._get(f"pred_dx{k}", rows, layer.n_in)
+                          layer.n_in, self.storage) if k \
+                else self._get("pred_in", rows, self.embed, self.storage)
+            y = self._get(f"pred_h{k}", rows, layer.n_out, self.storage)
+            dx = self._get(f"pred_dx{k}", rows, layer.n_in, self.storage)
             layer.backward(p, g, x, y, dy, dx, ops, None, ws=ws[k], lengths=lengths)
             dy = dx
         # the embedding's rows, scattered back (tok's copy on the device: predict's)
@@ -274,7 +280,7 @@ class Transducer:
         straight-through gradient is the identity)."""
         if not k or not self.input_bits:
             return x
-        out = self._get(f"pred_q{k}", len(x), x.shape[1])
+        out = self._get(f"pred_q{k}", len(x), x.shape[1], self.storage)
         ops.fake_quant(x, out, symmetric_grid(1.0, self.input_bits, x.dtype))
         return out
 
@@ -321,13 +327,18 @@ class Transducer:
         total, feasible = 0.0, 0
         gemm_only = getattr(ops, "gemm_only", False)   # bench train's roofline: GEMMs alone
         groups = self.groups(frames, u1)
+        half = self.storage != self.dtype   # GPU ranks' 16-bit storage: copies rounded into it
         for b0, b1 in groups:
             rows = KR.lattice_offsets(frames[b0:b1], u1[b0:b1] - 1)
             offs = np.zeros(nb + 1, np.int64)
             offs[b0:b1 + 1] = rows   # the group's rows from 0 (kernels_joint's b0 base)
             n = int(rows[-1])
-            self.high_water = max(self.high_water, 4 * n * (self.joint + self.num_tokens))
-            h = self._get("h", n, self.joint)
+            # h and dh at the storage's width; the logits float32 (the loss's), and under
+            # 16-bit storage their gradient again at its width (the GEMMs' operand)
+            self.high_water = max(self.high_water, n * (
+                self.storage.itemsize * (self.joint + self.num_tokens * half)
+                + 4 * self.num_tokens))
+            h = self._get("h", n, self.joint, self.storage)
             logits = self._get("logits", n, self.num_tokens)
             offs_at = self._ints("offs", offs)
             shape = (nb, pos_at, frames_at, u1_at, offs_at, b0, b1, self.mode)
@@ -353,15 +364,20 @@ class Transducer:
                 total += float(np.sum(loss.copy_to_host() if cuda_ else loss))
                 feasible += int(np.sum(ok.copy_to_host() if cuda_ else ok))
             _store(ops, logits)   # the scaled gradient, rounded once
+            dz = logits
+            if half:   # the same values, at the storage's width (exact)
+                dz = self._get("dz", n, self.num_tokens, self.storage)
+                if not gemm_only:
+                    ops.round(logits, dz)
             # one group (the usual case): the output layer's gradients written in place
             one = len(groups) == 1
-            matmul(h, logits, gWo if one else gWo_part, trans_a=True)
-            ops.column_sums(logits, gbo if one else gbo_part)
+            matmul(h, dz, gWo if one else gWo_part, trans_a=True)
+            ops.column_sums(dz, gbo if one else gbo_part)
             if not one:
                 k_.add_into(gWo, gWo_part)
                 k_.add_into(gbo, gbo_part)
-            dh = self._get("dh", n, self.joint)
-            matmul(logits, p[self.Wo], dh, trans_b=True)
+            dh = self._get("dh", n, self.joint, self.storage)
+            matmul(dz, p[self.Wo], dh, trans_b=True)
             _store(ops, dh)
             if not gemm_only:
                 if cuda_:
@@ -370,8 +386,15 @@ class Transducer:
                 else:
                     k_.joint_backward(dh, h, z, pred, *shape, denc, dpred)
         _store(ops, dpred)
+        if half:   # the float32 sums rounded once into the 16-bit arrays the GEMMs read
+            dpred16 = self._get("dpred16", len(tok), self.joint, self.storage)
+            if not gemm_only:
+                ops.round(dpred, dpred16)
+                ops.round(denc, z)
+            dpred = dpred16
+        else:
+            assign(z, denc)
         self._predict_backward(p, g, tok, plen, dpred, ops)
-        assign(z, denc)
         _store(ops, z)
         ops.column_sums(z, g[self.b])
         self.skipped += 0 if gemm_only else nb - feasible
@@ -398,9 +421,6 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
          precision="float32", qat=None):
     """The RNN-T model input_dim-[encoder]-transducer(predictor, joint)-num_tokens as a
     Network whose passes take whole utterances (their Lengths from the batch's targets)."""
-    if device != "cpu" and precision != "float32":
-        raise ValueError("RNN-T models on GPU ranks: float32 for now (the joint's and the "
-                         "prediction network's buffers are float32 device arrays)")
     describe = {"type": "rnnt", "input_dim": int(input_dim),
                 "encoder": [" ".join(str(e).split()) for e in encoder],
                 "num_tokens": int(num_tokens),
@@ -412,5 +432,6 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
                   precision, qat=qat)
     # float64 (the tests' reference trajectories): the loss kernel still computes its
     # recursions in float32 (model/kernels_rnnt.py), the rest of the layer in float64
-    net.layers[-1].dtype, net.layers[-1].device = np.dtype(dtype), device
+    out = net.layers[-1]
+    out.dtype, out.device, out.storage = np.dtype(dtype), device, np.dtype(net.storage)
     return net
