@@ -29,6 +29,10 @@ ONEBIT=(exchange.aggregation=striped exchange.codec=onebit exchange.cold_start_f
 if [ "$STAGE" != decode ]; then
     run f32 2 --config jobs/configs/so762_ctc.yaml
     run onebit 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}"
+    # the same with Adam's second moment frozen at the cold start's end (1-bit Adam's rule:
+    # in the 1-bit phase the decoded squares are the codec's, not each weight's)
+    run onebit_freeze 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
+        optim.adam_freeze_variance=true
     run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
     run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
     run w2l 2 --config jobs/configs/so762_w2l.yaml
@@ -40,7 +44,7 @@ fi
     --kind phones --topology ctc --tokens phones > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
-for name in f32 onebit mixed w2l chars; do
+for name in f32 onebit onebit_freeze mixed w2l chars; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
