@@ -139,25 +139,14 @@ def _ctc_batch(logp, lengths, targets):
 def _rnnt_batch(model, params):
     """An RNN-T batch's (loss sum, utterances skipped, greedy hypotheses): the transducer's
     loss on the encoder's projection (its gradients go to a scratch buffer, unread)."""
-    import copy
-
     from hpcsgd.decode.rnnt import greedy_search
-    from hpcsgd.device import assign
     from hpcsgd.model.flat import FlatParams
-    from hpcsgd.model.ops import make_ops
-    layer, ops = model.layers[-1], model.ops
-    scratch, host = FlatParams(model.specs, model.dtype), FlatParams(model.specs, model.dtype)
-    if model.device != "cpu":   # GPU ranks: the search and the loss on the host, on a twin
-        layer = copy.copy(layer)   # of the output layer with host buffers, and host weights
-        layer.device, layer.storage, layer._buf = "cpu", layer.dtype, {}
-        ops = make_ops("cpu", model.max_batch, layer.width, model.dtype)
+    from hpcsgd.model.transducer import on_host
+    layer, weights, ops = on_host(model, params)   # GPU ranks: on the host, weights copied
+    scratch = FlatParams(model.specs, model.dtype)
 
     def batch(enc, lengths, targets):
         enc = np.array(enc)   # the loss overwrites it with its gradient
-        weights = model.pass_weights(params)   # fake-quantized under QAT
-        if model.device != "cpu":
-            assign(host.flat, weights.flat)   # a device -> host copy
-            weights = host
         hyps = greedy_search(layer, weights, enc, lengths)
         before = layer.skipped
         loss, _ = layer.loss(weights, scratch, enc, targets, ops, 1.0, lengths)

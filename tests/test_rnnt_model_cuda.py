@@ -59,7 +59,8 @@ else:
     from hpcsgd.model import kernels_joint as KJ
     from hpcsgd.model import kernels_joint_cuda as KJC
     from hpcsgd.model.kernels_rnnt import lattice_offsets
-    from hpcsgd.model.transducer import rnnt
+    from hpcsgd.decode.rnnt import greedy_search
+    from hpcsgd.model.transducer import on_host, rnnt
 
     @pytest.mark.parametrize("mode", ["add", "mul"])
     def test_joint_and_embedding_kernels_equal_the_cpu_kernels(mode):
@@ -172,3 +173,10 @@ else:
             out_gpu = gpu.forward(d_params, x, len(x), lengths=targets.frames)
             assert out_gpu.shape == out_cpu.shape == (8 * 3, 5)
             np.testing.assert_allclose(out_gpu, out_cpu, rtol=1e-4, atol=1e-5)
+            # a search of the GPU model (decode, eval, CV) runs on its host twin
+            layer, weights, _ = on_host(gpu, d_params)
+            assert layer.device == "cpu" and gpu.layers[-1].device == "cuda"
+            lengths = cpu.out_lengths(len(x), targets.frames)
+            want = greedy_search(cpu.layers[-1], params, out_cpu, lengths)
+            got = greedy_search(layer, weights, np.array(out_gpu), lengths)
+            assert [list(h) for h in got] == [list(h) for h in want]

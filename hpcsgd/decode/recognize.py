@@ -187,9 +187,10 @@ def search_rnnt(model, params, encs, symbols, kind, beam=None):
     of this thread)."""
     from hpcsgd.decode import rnnt
     from hpcsgd.model.lengths import Lengths
+    from hpcsgd.model.transducer import on_host
     symbols = np.asarray(symbols, dtype=object)
-    layer, hyps = model.layers[-1], {}
-    params = model.pass_weights(params)   # fake-quantized under QAT
+    hyps = {}
+    layer, params, _ = on_host(model, params)   # fake-quantized under QAT; GPU: on the host
     t0 = time.thread_time()
     for utt, enc in encs:
         lengths = Lengths([len(enc)])

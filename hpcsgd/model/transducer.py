@@ -401,6 +401,25 @@ class Transducer:
         return total, len(ids)
 
 
+def on_host(model, params):
+    """(output layer, weights, ops) that a search or a held-out loss of an RNN-T model runs
+    on, on the host: the model's own on CPU ranks; for a GPU model, a twin of its transducer
+    with host float32 buffers, its pass weights (fake-quantized under QAT) copied back once
+    (a device -> host copy) and host ops."""
+    import copy
+
+    from hpcsgd.model.flat import FlatParams
+    from hpcsgd.model.ops import make_ops
+    layer, weights = model.layers[-1], model.pass_weights(params)
+    if model.device == "cpu":
+        return layer, weights, model.ops
+    twin = copy.copy(layer)
+    twin.device, twin.storage, twin._buf = "cpu", twin.dtype, {}
+    host = FlatParams(model.specs, model.dtype)
+    assign(host.flat, weights.flat)
+    return twin, host, make_ops("cpu", model.max_batch, twin.width, model.dtype)
+
+
 def _store(ops, x):
     """Mixed precision and bf16 (model.ops.HalfOps): x as stored in the 16-bit format (a GEMM's
     or a kernel's output, rounded in place); float32 ops have no store: nothing."""
