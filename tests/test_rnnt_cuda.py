@@ -21,7 +21,8 @@ if not CHILD:
         run_cuda_tests_in_child(__file__)
 
     def test_rnnt_kernel_compiles_for_sm80_and_sm90_without_spills(monkeypatch):
-        """NVVM compiles the kernel with the argument types the wrapper launches it with;
+        """NVVM compiles the kernel with the argument types the wrapper launches it with (the
+        logits in float32, float16 and bfloat16 bits);
         ptxas (through nvJitLink, hpcsgd/bench/cuda.py) reports no register spills, and few
         enough registers for a block of MAX_THREADS."""
         cuda, types, bench_cuda = ptx_compiler(monkeypatch)
@@ -29,10 +30,11 @@ if not CHILD:
 
         def arr(dtype, ndim=1):
             return types.Array(dtype, ndim, "C")
-        sig = (arr(types.float32, 2), arr(types.int64), arr(types.int32), arr(types.int64),
-               arr(types.int64), types.float32, arr(types.float32), arr(types.float32),
-               arr(types.float64), arr(types.uint8), types.float32)
-        for cc in (80, 90):
+        for z, cc in ((z, cc) for z in (types.float32, types.float16, types.uint16)
+                      for cc in (80, 90)):   # float32 logits, float16 and bfloat16 storage
+            sig = (arr(z, 2), arr(types.int64), arr(types.int32), arr(types.int64),
+                   arr(types.int64), types.float32, arr(types.float32), arr(types.float32),
+                   arr(types.float32), arr(types.float64), arr(types.uint8), types.float32)
             monkeypatch.setattr(bench_cuda._Target, "compute_capability", divmod(cc, 10))
             ptx, _ = cuda.compile_ptx(KRC._rnnt_grad_kernel.py_func, sig, cc=divmod(cc, 10))
             rep = bench_cuda.ptxas_report(ptx, cc)
@@ -93,3 +95,24 @@ else:
             assert abs(loss[b] - loss_cpu[b]) <= 2 * tl
             assert np.abs(mine - scale * ref_grad[rows[b]:rows[b + 1]]).max() <= tg
             assert np.abs(mine - g_cpu[rows[b]:rows[b + 1]]).max() <= 2 * tg
+
+    @pytest.mark.parametrize("storage", [np.float16, np.uint16])
+    def test_16_bit_logits_give_the_float32_loss_of_their_values(storage):
+        """GPU ranks' mixed precision and bf16: a 16-bit z (float16, or uint16 bfloat16 bits)
+        is read widened and gets its gradient rounded once. Its losses equal the float32
+        kernel's on the same 16-bit values held in float32 (the same float32 arithmetic), and
+        its gradient is that kernel's gradient rounded to the format, bit for bit (the same
+        float32 value, rounded once by the same rule)."""
+        from hpcsgd import bfloat16, half
+        z, frames, ids, off, rows = longer_batch()
+        rounded = z.copy()
+        half.round_to("float16" if storage == np.float16 else "bfloat16")(rounded, rounded)
+        z16 = rounded.astype(np.float16) if storage == np.float16 else bfloat16.bits(rounded)
+        g32, loss32, feasible32 = run_cuda(rounded, frames, ids, off, rows, 64.0, 0.1)
+        g16, loss16, feasible16 = run_cuda(z16, frames, ids, off, rows, 64.0, 0.1)
+        np.testing.assert_array_equal(feasible16, feasible32)
+        np.testing.assert_array_equal(loss16, loss32)
+        want = g32.copy()
+        half.round_to("float16" if storage == np.float16 else "bfloat16")(want, want)
+        got = g16.astype(np.float32) if storage == np.float16 else bfloat16.values(g16)
+        np.testing.assert_array_equal(got, want)

@@ -8,9 +8,11 @@ stream without synchronizing; loss and feasible stay on the device until the cal
 
 One block per utterance, NT threads (a power of two, `threads`, default RNNT_THREADS), four
 phases separated by barriers:
-1. each row's log-softmax, rows one after another: thread j takes columns j, j + NT, ...; the
+1. each row's log-sum-exp, rows one after another: thread j takes columns j, j + NT, ...; the
    row's max and sum of exps are kernels_ctc_cuda's block reductions (trees in shared memory,
-   halving in a fixed order); the log-probabilities replace the logits;
+   halving in a fixed order), kept in the lse workspace; a log-probability is then the logit
+   less it, formed where it is read (the same float32 rounding as the CPU kernel's in-place
+   log-softmax, which a 16-bit z could not hold);
 2. alpha, the anti-diagonal wavefront: the nodes with t + u = d depend only on diagonal d - 1,
    so thread j takes u = lo + j, lo + j + NT, ... of diagonal d; a barrier per diagonal;
 3. beta, the same from the last diagonal back;
@@ -24,9 +26,10 @@ independent; a warp per row with shuffle reductions would drop its barriers, the
 to try once a GPU times this). z is read and written twice, as on the CPU. Blocks fill a GPU
 only at B >= its SM count (an H100: 132). Not yet timed on a GPU.
 
-Float32 z only (the in-place log-probabilities would not survive a 16-bit z; a 16-bit variant
-would keep each row's log-sum-exp in a third f*U1 workspace instead, as kernels_ctc_cuda
-recomputes its rows').
+z may be 16-bit (GPU ranks' mixed precision and bf16): every read widened to float32 (F),
+the loss and recursions in float32, the gradient rounded once into z (S) -- the CPU
+emulation's float32 loss on 16-bit logits, with the logits' memory halved. The workspaces stay
+float32: alpha, beta and lse, 12 bytes a lattice node.
 
 Against the CPU kernel: the same recursion and edge posteriors, the same log-sum-exp formula
 (kernels_ctc_cuda's, with a -inf third term), but CUDA's expf and logf (libdevice: within 2 and
@@ -40,6 +43,8 @@ import math
 import numpy as np
 
 from hpcsgd.device import as_device, on_stream
+from hpcsgd.half import stored as S
+from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import kernels_ctc_cuda as KCC
 from hpcsgd.model import kernels_rnnt as KR
@@ -54,20 +59,25 @@ _feasible = cuda.jit(device=True)(KR.feasible_rule)
 
 
 @cuda.jit(device=True)
-def _log_softmax_row(z, r, smax, ssum):
-    """z[r] <- z[r] - logsumexp(z[r]), float32, max-subtracted. Thread j reads and writes only
-    its own columns; the reductions' barriers order this row's reads before the next row's."""
+def _row_lse(z, r, smax, ssum):
+    """logsumexp(z[r]) in float32, max-subtracted (every thread gets it). Thread j reads its
+    own columns; the reductions' barriers order this row's reads before the next row's."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     mx = NEG_INF
     for j in range(t, z.shape[1], nt):
-        mx = max(mx, z[r, j])
+        mx = max(mx, F(z[r, j]))
     mx = KCC._block_max(smax, mx)
     s = ZERO
     for j in range(t, z.shape[1], nt):
-        s += math.exp(z[r, j] - mx)
-    lse = mx + math.log(KCC._block_sum(ssum, s))
-    for j in range(t, z.shape[1], nt):
-        z[r, j] = z[r, j] - lse
+        s += math.exp(F(z[r, j]) - mx)
+    return mx + math.log(KCC._block_sum(ssum, s))
+
+
+@cuda.jit(device=True)
+def _lp(z, r, k, lse):
+    """log p(k | row r): the logit less its row's log-sum-exp, in float32 -- the value the
+    in-place log-softmax of the CPU kernel stores (the same single rounding)."""
+    return F(z[r, k]) - lse[r]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +85,7 @@ def _log_softmax_row(z, r, smax, ssum):
 
 
 @cuda.jit
-def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss,
+def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, lse, loss,
                       feasible, lam1):
     b = cuda.blockIdx.x
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
@@ -91,13 +101,15 @@ def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, be
     if not _feasible(nu, f):                    # uniform per block
         for r in range(r0, r1):
             for k in range(tid, v, nt):
-                z[r, k] = 0
+                z[r, k] = S(z, ZERO)
         if tid == 0:
             loss[b] = 0.0
             feasible[b] = 0
         return
-    for r in range(r0, r1):                     # 1. log-softmax
-        _log_softmax_row(z, r, smax, ssum)
+    for r in range(r0, r1):                     # 1. each row's log-sum-exp
+        row_lse = _row_lse(z, r, smax, ssum)
+        if tid == 0:
+            lse[r] = row_lse
     cuda.syncthreads()
     for d in range(f + nu):                     # 2. alpha, diagonal d = t + u
         for u in range(max(0, d - f + 1) + tid, min(nu, d) + 1, nt):
@@ -106,12 +118,13 @@ def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, be
             if d == 0:
                 alpha[r] = ZERO
             else:
-                stay = alpha[r - u1] + z[r - u1, 0] if t > 0 else NEG_INF
-                emit = alpha[r - 1] + z[r - 1, ids[off + u - 1]] if u > 0 else NEG_INF
+                stay = alpha[r - u1] + _lp(z, r - u1, 0, lse) if t > 0 else NEG_INF
+                emit = alpha[r - 1] + _lp(z, r - 1, ids[off + u - 1], lse) if u > 0 \
+                    else NEG_INF
                 alpha[r] = KCC._lse3(stay, emit, NEG_INF)
         cuda.syncthreads()
     last = r1 - 1
-    logp = alpha[last] + z[last, 0]
+    logp = alpha[last] + _lp(z, last, 0, lse)
     for d in range(f + nu - 1, -1, -1):         # 3. beta
         for u in range(max(0, d - f + 1) + tid, min(nu, d) + 1, nt):
             t = d - u
@@ -122,14 +135,14 @@ def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, be
                 b_next = ZERO if u == nu else NEG_INF
             emit = NEG_INF
             if u < nu:
-                emit = z[r, ids[off + u]] + beta[r + 1]
-            beta[r] = KCC._lse3(z[r, 0] + b_next, emit, NEG_INF)
+                emit = _lp(z, r, ids[off + u], lse) + beta[r + 1]
+            beta[r] = KCC._lse3(_lp(z, r, 0, lse) + b_next, emit, NEG_INF)
         cuda.syncthreads()
     for r in range(r0, r1):                     # 4. gradient
         t = (r - r0) // u1
         u = (r - r0) - t * u1
         a = alpha[r]
-        lp0 = z[r, 0]
+        lp0 = _lp(z, r, 0, lse)
         e0 = ZERO
         if t < f - 1 or u == nu:
             b_next = beta[r + u1] if t < f - 1 else ZERO
@@ -139,17 +152,17 @@ def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, be
         ey = ZERO
         if u < nu:
             y = ids[off + u]
-            lpy = z[r, y]
+            lpy = _lp(z, r, y, lse)
             ey = math.exp(((a + lpy) + beta[r + 1]) - logp)
         c = e0 + lam1 * ey
         cuda.syncthreads()                      # every thread has read z[r, 0] and z[r, y]
         for k in range(tid, v, nt):
-            g = math.exp(z[r, k]) * c           # z[r, 0] is lp0, z[r, y] lpy: unchanged
+            g = math.exp(_lp(z, r, k, lse)) * c   # _lp(.., 0, ..) is lp0, (.., y, ..) lpy
             if k == 0:
                 g -= e0
             elif k == y:
                 g -= lam1 * ey
-            z[r, k] = g * scale
+            z[r, k] = S(z, g * scale)
     if tid == 0:
         loss[b] = -logp
         feasible[b] = 1
@@ -160,17 +173,21 @@ def _rnnt_grad_kernel(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, be
 
 
 def rnnt_loss_grad(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss,
-                   feasible, fastemit_lambda=0.0, threads=RNNT_THREADS):
-    """kernels_rnnt.rnnt_loss_grad on the device: z (N, V) float32, the joint's logits in,
-    scale * dLoss/dz out; frames int64, ids int32, tgt_offsets and row_offsets
-    (kernels_rnnt.lattice_offsets) int64; alpha, beta float32 workspaces of N values; loss
-    float64 and feasible uint8 (B,) out. One block of `threads` per utterance; no sync."""
+                   feasible, fastemit_lambda=0.0, threads=RNNT_THREADS, lse=None):
+    """kernels_rnnt.rnnt_loss_grad on the device: z (N, V) the joint's logits in (float32, or
+    16-bit storage: float16, uint16 bfloat16 bits), scale * dLoss/dz out (rounded once to z's
+    dtype); frames int64, ids int32, tgt_offsets and row_offsets (kernels_rnnt.lattice_offsets)
+    int64; alpha, beta and lse float32 workspaces of N values (lse None: made here, for a
+    one-off call); loss float64 and feasible uint8 (B,) out. One block of `threads` per
+    utterance; no sync."""
     KCC._check_threads(threads)
-    z, frames, ids, tgt_offsets, row_offsets, alpha, beta, loss, feasible = (
-        as_device(a) for a in (z, frames, ids, tgt_offsets, row_offsets, alpha, beta, loss,
-                               feasible))
+    if lse is None:
+        lse = cuda.device_array(alpha.shape[0], np.float32)
+    z, frames, ids, tgt_offsets, row_offsets, alpha, beta, lse, loss, feasible = (
+        as_device(a) for a in (z, frames, ids, tgt_offsets, row_offsets, alpha, beta, lse,
+                               loss, feasible))
     nb = frames.shape[0]
     if nb:
         _rnnt_grad_kernel[on_stream((nb, threads))](
-            z, frames, ids, tgt_offsets, row_offsets, np.float32(scale), alpha, beta, loss,
-            feasible, np.float32(1.0 + fastemit_lambda))
+            z, frames, ids, tgt_offsets, row_offsets, np.float32(scale), alpha, beta, lse,
+            loss, feasible, np.float32(1.0 + fastemit_lambda))

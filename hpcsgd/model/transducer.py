@@ -333,13 +333,12 @@ class Transducer:
             offs = np.zeros(nb + 1, np.int64)
             offs[b0:b1 + 1] = rows   # the group's rows from 0 (kernels_joint's b0 base)
             n = int(rows[-1])
-            # h and dh at the storage's width; the logits float32 (the loss's), and under
-            # 16-bit storage their gradient again at its width (the GEMMs' operand)
-            self.high_water = max(self.high_water, n * (
-                self.storage.itemsize * (self.joint + self.num_tokens * half)
-                + 4 * self.num_tokens))
+            # h and the logits at the storage's width (16 bits under mixed or bf16 on GPU
+            # ranks: the loss reads them widened, writes their gradient rounded)
+            self.high_water = max(self.high_water,
+                                  n * self.storage.itemsize * (self.joint + self.num_tokens))
             h = self._get("h", n, self.joint, self.storage)
-            logits = self._get("logits", n, self.num_tokens)
+            logits = self._get("logits", n, self.num_tokens, self.storage)
             offs_at = self._ints("offs", offs)
             shape = (nb, pos_at, frames_at, u1_at, offs_at, b0, b1, self.mode)
             if not gemm_only:
@@ -356,19 +355,19 @@ class Transducer:
                 beta = self._get("beta", n, 1, np.float32)[:, 0]
                 loss = self._get("loss", b1 - b0, 1, np.float64)[:, 0]
                 ok = self._get("ok", b1 - b0, 1, np.uint8)[:, 0]
-                loss_kernel = KRC.rnnt_loss_grad if cuda_ else KR.rnnt_loss_grad
-                loss_kernel(logits, frames_at[b0:b1], ids_at, offsets_at[b0:b1 + 1],
-                            self._ints("rows", rows), scale, alpha, beta, loss, ok,
-                            self.fastemit_lambda)
+                loss_args = (logits, frames_at[b0:b1], ids_at, offsets_at[b0:b1 + 1],
+                             self._ints("rows", rows), scale, alpha, beta, loss, ok,
+                             self.fastemit_lambda)
+                if cuda_:   # each row's log-sum-exp kept apart: z may be 16-bit
+                    KRC.rnnt_loss_grad(*loss_args,
+                                       lse=self._get("lse", n, 1, np.float32)[:, 0])
+                else:
+                    KR.rnnt_loss_grad(*loss_args)
                 # a GPU rank: one device -> host copy each (a sync point, as CTC's loss read)
                 total += float(np.sum(loss.copy_to_host() if cuda_ else loss))
                 feasible += int(np.sum(ok.copy_to_host() if cuda_ else ok))
             _store(ops, logits)   # the scaled gradient, rounded once
             dz = logits
-            if half:   # the same values, at the storage's width (exact)
-                dz = self._get("dz", n, self.num_tokens, self.storage)
-                if not gemm_only:
-                    ops.round(logits, dz)
             # one group (the usual case): the output layer's gradients written in place
             one = len(groups) == 1
             matmul(h, dz, gWo if one else gWo_part, trans_a=True)
