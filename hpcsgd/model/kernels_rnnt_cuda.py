@@ -1,8 +1,9 @@
 """CUDA counterpart of hpcsgd.model.kernels_rnnt: the RNN-T loss and its gradient for GPU ranks.
 
 Shape key as there: B utterances, V labels (blank 0), f = frames[b], U targets, U1 = U + 1;
-z (N, V) float32 holds every utterance's lattice rows, node (t, u) of utterance b at row
-row_offsets[b] + t*U1 + u; alpha and beta (N,) float32 are indexed like the rows. The wrapper
+z (N, V) (float32, or 16-bit: below) holds every utterance's lattice rows, node (t, u) of
+utterance b at row row_offsets[b] + t*U1 + u; alpha, beta and lse (N,) float32 are indexed
+like the rows. The wrapper
 takes Numba device arrays (or any __cuda_array_interface__ array) and launches on the compute
 stream without synchronizing; loss and feasible stay on the device until the caller reads them.
 
@@ -23,7 +24,8 @@ No atomics: every result is bit-reproducible for a given NT; another NT adds the
 in another order. Barriers per utterance: f*U1 (2 log2 NT + 2) for the softmax, 2 (f + U) for
 the wavefronts, f*U1 for the gradient: the row-by-row softmax dominates (its rows are
 independent; a warp per row with shuffle reductions would drop its barriers, the first thing
-to try once a GPU times this). z is read and written twice, as on the CPU. Blocks fill a GPU
+to try once a GPU times this). z is read three times (twice for the log-sum-exps, once for
+the gradient) and written once; the wavefronts read two entries a node. Blocks fill a GPU
 only at B >= its SM count (an H100: 132). Not yet timed on a GPU.
 
 z may be 16-bit (GPU ranks' mixed precision and bf16): every read widened to float32 (F),
