@@ -180,29 +180,27 @@ def record(out_path):
     frames = np.array([5, 3], np.int64)   # two utterances, time-major (5 steps x 2)
     targets = Targets(frames, np.array([1, 2, 2], np.int32), np.array([0, 2, 3], np.int64))
     x_seq = x[:5].repeat(2, axis=0)
-    for precision, scaler in (("float32", None), ("mixed", Static(2.0 ** 10)), ("bf16", None)):
-        model_ctc = ctc(6, ["conv 3 k3 s2", "conv 3 k3", "blstm 2"], 3, max_batch=n + 2,
-                        device="cuda", precision=precision)
-        ctc_params = model_ctc.new_params()
-        model_ctc.init(ctc_params, np.random.default_rng(1))
-        Step(model_ctc, ctc_params, gradient_buffers(model_ctc, False),
-             Optimizer(ctc_params.size, device="cuda"), exchanges[0], device="cuda",
-             scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
-    model_ctc.forward(ctc_params, x_seq, len(x_seq), lengths=frames)
-    # an RNN-T model's step in float32, mixed and bf16 (the joint's kernels on float16 and
-    # bfloat16 storage), the joint in sub-batches of one utterance (the output layer's
-    # gradient summed over them), then its forward
+    # an RNN-T model the same way (the joint's kernels and the loss on float16 and bfloat16
+    # storage), its joint in sub-batches of one utterance (the output layer's gradient summed
+    # over them)
     from hpcsgd.model.transducer import rnnt
-    for precision, scaler in (("float32", None), ("mixed", Static(2.0 ** 10)), ("bf16", None)):
-        model_rnnt = rnnt(6, ["conv 3 k3 s2", "blstm 2"], 4, predictor=["lstm 2"], embed=2,
-                          joint=3, max_batch=n + 2, device="cuda", precision=precision)
-        model_rnnt.layers[-1].joint_budget = 1
-        rnnt_params = model_rnnt.new_params()
-        model_rnnt.init(rnnt_params, np.random.default_rng(1))
-        Step(model_rnnt, rnnt_params, gradient_buffers(model_rnnt, False),
-             Optimizer(rnnt_params.size, device="cuda"), exchanges[0], device="cuda",
-             scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
-    model_rnnt.forward(rnnt_params, x_seq, len(x_seq), lengths=frames)
+
+    def rnnt_one_utterance_a_joint(**kw):
+        model = rnnt(6, ["conv 3 k3 s2", "blstm 2"], 4, predictor=["lstm 2"], embed=2, joint=3,
+                     **kw)
+        model.layers[-1].joint_budget = 1
+        return model
+    for build_seq in (lambda **kw: ctc(6, ["conv 3 k3 s2", "conv 3 k3", "blstm 2"], 3, **kw),
+                      rnnt_one_utterance_a_joint):
+        for precision, scaler in (("float32", None), ("mixed", Static(2.0 ** 10)),
+                                  ("bf16", None)):
+            model_seq = build_seq(max_batch=n + 2, device="cuda", precision=precision)
+            seq_params = model_seq.new_params()
+            model_seq.init(seq_params, np.random.default_rng(1))
+            Step(model_seq, seq_params, gradient_buffers(model_seq, False),
+                 Optimizer(seq_params.size, device="cuda"), exchanges[0], device="cuda",
+                 scaler=scaler).run(lambda k: (x_seq, targets), np.array([8]), 0, 1e-3)
+        model_seq.forward(seq_params, x_seq, len(x_seq), lengths=frames)
     for ex in exchanges[1:]:
         opt = Optimizer(params.size, momentum_time_constant=100.0, adagrad="aggregate",
                         weight_decay=1e-4, post_size=ex.state_size, device="cuda")

@@ -35,7 +35,7 @@ from hpcsgd.device import as_device, on_stream
 from hpcsgd.half import stored as S
 from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
-from hpcsgd.model.kernels_joint import ADD, MODES  # noqa: F401  (MODES: re-exported)
+from hpcsgd.model.kernels_joint import ADD
 
 BLOCK = (32, 8)   # 32 values of a row x 8 rows
 MAX_GRID_X = 1024

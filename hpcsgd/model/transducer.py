@@ -47,7 +47,6 @@ import numpy as np
 from hpcsgd.device import assign, matmul, zero, zeros
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import kernels_joint as KJ
-from hpcsgd.model import kernels_lstm as KL
 from hpcsgd.model import kernels_rnnt as KR
 from hpcsgd.model import kernels_rnnt_cuda as KRC
 from hpcsgd.model.encoder import encoder_layers, parse_spec
