@@ -288,7 +288,7 @@ class Transducer:
     def groups(self, frames, u1):
         """Consecutive utterances [b0, b1) whose lattices' h and z fit the joint budget (an
         utterance larger than it alone)."""
-        per_node = 4 * (self.joint + self.num_tokens)
+        per_node = self.storage.itemsize * (self.joint + self.num_tokens)   # h and z
         nodes = frames * u1
         out, b0, used = [], 0, 0
         for b, n in enumerate(nodes):
