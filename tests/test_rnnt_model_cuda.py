@@ -158,6 +158,10 @@ else:
         loss_gpu, tok_gpu = gpu.forward_backward(d_params, g_gpu, x, targets, len(x),
                                                  loss_scale=scale)
         assert tok == tok_gpu == len(targets.ids)
+        # the joint's high-water mark (h and the logits of its largest sub-batch): halved by
+        # 16-bit storage, where the CPU's emulation holds float32 buffers
+        width = 2 if precision != "float32" else 4
+        assert gpu.layers[-1].high_water * 4 == cpu.layers[-1].high_water * width > 0
         tol = {"float32": 1e-4, "mixed": 2.0 ** -7, "bf16": 2.0 ** -5}[precision]
         assert abs(loss_cpu - loss_gpu) <= tol * abs(loss_cpu)
         if precision != "float32":
