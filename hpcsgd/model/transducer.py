@@ -39,8 +39,14 @@ loss 0 and gradient 0 and are counted (skipped), as CTC's infeasible ones.
 Mixed precision and bf16 (CPU ranks: the emulation of model/network.py) round where a GPU
 would store in 16 bits: every GEMM's and kernel's output here (enc, pred, h, the logits, the
 loss's scaled gradient, dh, denc, dpred) and, through model.ops.HalfOps, the prediction
-network's LSTM kernels; the loss runs in float32 on the 16-bit logits, as CTC's. CPU ranks
-only, no QAT yet (the config refuses the rest with why).
+network's LSTM kernels; the loss runs in float32 on the 16-bit logits, as CTC's.
+
+GPU ranks (device "cuda"): every buffer on the device, the element-wise kernels
+kernels_joint_cuda's, the loss kernels_rnnt_cuda's; a batch's index arrays copied once per
+(sub-)batch, the losses read back once per sub-batch. Under mixed or bf16 the values above
+are stored in 16 bits (`storage`: h and the logits too -- the joint's memory halved), while
+denc and dpred are float32 sums rounded once into 16-bit storage at the end. Searches of a
+GPU model run on the host (on_host).
 """
 import numpy as np
 
@@ -326,7 +332,7 @@ class Transducer:
         total, feasible = 0.0, 0
         gemm_only = getattr(ops, "gemm_only", False)   # bench train's roofline: GEMMs alone
         groups = self.groups(frames, u1)
-        half = self.storage != self.dtype   # GPU ranks' 16-bit storage: copies rounded into it
+        half = self.storage != self.dtype   # GPU ranks' 16-bit storage
         for b0, b1 in groups:
             rows = KR.lattice_offsets(frames[b0:b1], u1[b0:b1] - 1)
             offs = np.zeros(nb + 1, np.int64)
@@ -366,16 +372,15 @@ class Transducer:
                 total += float(np.sum(loss.copy_to_host() if cuda_ else loss))
                 feasible += int(np.sum(ok.copy_to_host() if cuda_ else ok))
             _store(ops, logits)   # the scaled gradient, rounded once
-            dz = logits
             # one group (the usual case): the output layer's gradients written in place
             one = len(groups) == 1
-            matmul(h, dz, gWo if one else gWo_part, trans_a=True)
-            ops.column_sums(dz, gbo if one else gbo_part)
+            matmul(h, logits, gWo if one else gWo_part, trans_a=True)
+            ops.column_sums(logits, gbo if one else gbo_part)
             if not one:
                 k_.add_into(gWo, gWo_part)
                 k_.add_into(gbo, gbo_part)
             dh = self._get("dh", n, self.joint, self.storage)
-            matmul(dz, p[self.Wo], dh, trans_b=True)
+            matmul(logits, p[self.Wo], dh, trans_b=True)
             _store(ops, dh)
             if not gemm_only:
                 if cuda_:
