@@ -236,8 +236,8 @@ class TrainState:
             self.decisions.update(minibatch=saved["minibatch"], next_probe=saved["next_probe"])
         # Adam's second moment frozen at the cold start's end (the crossing step drains its
         # exchange, so a step in flight here began on the same side of it as the progress)
-        cold = cold_start(cfg)
-        if cfg["optim.adam_freeze_variance"] and cold and self.progress["frames"] >= cold:
+        if cfg.get("optim.adam_freeze_variance") and \
+                0 < cold_start(cfg) <= self.progress["frames"]:
             self.opt.freeze_variance()
         pending = saved.get("pending")   # double buffering: an exchange was in flight
         if pending:
