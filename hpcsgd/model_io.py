@@ -51,12 +51,22 @@ def bind_device(device, comm=None):
     from numba import cuda
 
     from hpcsgd.comm.gpu import bind_gpu
+    why = None
     if not cuda.is_available():   # the simulator (NUMBA_ENABLE_CUDASIM=1) says it is
         try:
             len(cuda.gpus)
             why = "numba.cuda finds no usable GPU"
         except Exception as err:   # CudaSupportError: no driver, no device
             why = " ".join(str(err).split()).rstrip(" :")
+    # a job's ranks agree first, so that each names the failure before the first one's exit
+    # aborts the job (and a rank with a GPU says which ranks have none)
+    if comm is not None and comm.Get_size() > 1:
+        whys = comm.allgather(why)   # lowercase: one small object per rank, once
+        lacking = [r for r, w in enumerate(whys) if w is not None]
+        if lacking and why is None:
+            raise UserError(f"--device cuda: rank(s) {lacking} of the job have no CUDA GPU "
+                            f"({whys[lacking[0]]}); run with --device cpu")
+    if why is not None:
         raise UserError(f"--device cuda: no CUDA GPU is available to this process ({why}); "
                         f"run with --device cpu")
     node_rank = 0
