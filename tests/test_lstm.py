@@ -96,6 +96,28 @@ def test_both_directions_in_one_launch_are_the_two_launches():
     assert np.array_equal(gates, g1) and np.array_equal(dc0, e0) and np.array_equal(dc1, e1)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_matmul_is_within_the_dot_product_bound(dtype):
+    """small_matmul_nt (a time step's recurrent product, <= SMALL_ROWS rows) against float64
+    for every row count its blocks split into (4, 2, 1 rows) and a column count that is not
+    a multiple of 4. Any order of a K-term dot product's sums errs by at most
+    gamma_K * sum |a_k b_k|, gamma_K = K u / (1 - K u) (Higham, Theorem 3.1): the bound holds
+    whatever order the vector lanes give on this CPU; the float64 reference's own error (the
+    same bound at u = 2^-53) is added."""
+    rng = np.random.default_rng(11)
+    u = np.finfo(dtype).eps / 2
+    for k_all, n in ((256, 1024), (37, 30)):
+        bt = rng.standard_normal((n, k_all)).astype(dtype)
+        for m in range(1, KL.SMALL_ROWS + 1):
+            a = rng.standard_normal((m, k_all)).astype(dtype)
+            out = np.full((m, n), np.nan, dtype)
+            KL.small_matmul_nt(a, bt, out)
+            a64, b64 = a.astype(np.float64), bt.astype(np.float64)
+            gamma = sum(k_all * e / (1 - k_all * e) for e in (u, 2.0 ** -53))
+            bound = gamma * (np.abs(a64) @ np.abs(b64).T)
+            assert np.all(np.abs(out - a64 @ b64.T) <= bound), (k_all, n, m)
+
+
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_forward_equals_the_sequence_definition(bidirectional):
     net, params, x, y = _net(bidirectional)

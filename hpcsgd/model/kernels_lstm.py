@@ -17,7 +17,7 @@ launch.
                    (the next step's cell gradient): a <- dLoss/d(preactivations), dc <- dc * f
 
 As in hpcsgd.model.kernels: dtype-generic (float32 training, float64 gradient checks), no
-fastmath, float32 exp and tanh from the vectorizable Cephes exp (`fexp`); column sums in
+fastmath (but in the recurrent product's dot products, `small_matmul_nt`), float32 exp and tanh from the vectorizable Cephes exp (`fexp`); column sums in
 NCHUNK fixed row chunks so the bits do not depend on the number of threads.
 """
 import math
@@ -157,42 +157,114 @@ def lstm_backward_step2(a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, 
                     hc)
 
 
-# a time step's product of at most SMALL_ROWS rows: small_matmul, not BLAS (on one Zen 4
-# thread it wins up to about 12 rows, against OpenBLAS's two threads up to about 6; a fixed
-# bound, so that the bits do not depend on the threads: 8)
+# a time step's product of at most SMALL_ROWS rows: small_matmul_nt, not BLAS (a fixed bound,
+# so that the bits do not depend on the threads; above it OpenBLAS's two threads win)
 SMALL_ROWS = 8
+# the dot products' sums may be reordered (vector lanes, then a tree): what lets LLVM keep 16
+# sums in vector registers. The order is fixed by the compiled code, so a machine's bits are
+# the same run to run; they differ between AVX2 and AVX-512 (8 or 16 lanes), within the
+# float32 dot product's bound (tests/test_lstm.py)
+_DOT = {"reassoc", "contract", "nsz"}
+
+
+@njit(fastmath=_DOT, cache=True)
+def _rows4(a, bt, out, i, j, k_all):
+    """out[i:i+4, j:j+4] = a[i:i+4] . bt[j:j+4]: 16 sums in registers, 8 loads a k."""
+    s00 = s01 = s02 = s03 = out.dtype.type(0)
+    s10 = s11 = s12 = s13 = out.dtype.type(0)
+    s20 = s21 = s22 = s23 = out.dtype.type(0)
+    s30 = s31 = s32 = s33 = out.dtype.type(0)
+    for k in range(k_all):
+        a0, a1, a2, a3 = a[i, k], a[i + 1, k], a[i + 2, k], a[i + 3, k]
+        b0, b1, b2, b3 = bt[j, k], bt[j + 1, k], bt[j + 2, k], bt[j + 3, k]
+        s00 += a0 * b0
+        s01 += a0 * b1
+        s02 += a0 * b2
+        s03 += a0 * b3
+        s10 += a1 * b0
+        s11 += a1 * b1
+        s12 += a1 * b2
+        s13 += a1 * b3
+        s20 += a2 * b0
+        s21 += a2 * b1
+        s22 += a2 * b2
+        s23 += a2 * b3
+        s30 += a3 * b0
+        s31 += a3 * b1
+        s32 += a3 * b2
+        s33 += a3 * b3
+    out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = s00, s01, s02, s03
+    out[i + 1, j], out[i + 1, j + 1], out[i + 1, j + 2], out[i + 1, j + 3] = s10, s11, s12, s13
+    out[i + 2, j], out[i + 2, j + 1], out[i + 2, j + 2], out[i + 2, j + 3] = s20, s21, s22, s23
+    out[i + 3, j], out[i + 3, j + 1], out[i + 3, j + 2], out[i + 3, j + 3] = s30, s31, s32, s33
+
+
+@njit(fastmath=_DOT, cache=True)
+def _rows2(a, bt, out, i, j, k_all):
+    """out[i:i+2, j:j+4]: 8 sums."""
+    s00 = s01 = s02 = s03 = out.dtype.type(0)
+    s10 = s11 = s12 = s13 = out.dtype.type(0)
+    for k in range(k_all):
+        a0, a1 = a[i, k], a[i + 1, k]
+        b0, b1, b2, b3 = bt[j, k], bt[j + 1, k], bt[j + 2, k], bt[j + 3, k]
+        s00 += a0 * b0
+        s01 += a0 * b1
+        s02 += a0 * b2
+        s03 += a0 * b3
+        s10 += a1 * b0
+        s11 += a1 * b1
+        s12 += a1 * b2
+        s13 += a1 * b3
+    out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = s00, s01, s02, s03
+    out[i + 1, j], out[i + 1, j + 1], out[i + 1, j + 2], out[i + 1, j + 3] = s10, s11, s12, s13
+
+
+@njit(fastmath=_DOT, cache=True)
+def _rows1(a, bt, out, i, j, k_all):
+    """out[i, j:j+4]: 4 sums."""
+    s0 = s1 = s2 = s3 = out.dtype.type(0)
+    for k in range(k_all):
+        a0 = a[i, k]
+        s0 += a0 * bt[j, k]
+        s1 += a0 * bt[j + 1, k]
+        s2 += a0 * bt[j + 2, k]
+        s3 += a0 * bt[j + 3, k]
+    out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = s0, s1, s2, s3
+
+
+@njit(fastmath=_DOT, cache=True)
+def _dot(a, bt, out, i, j, k_all):
+    s = out.dtype.type(0)
+    for k in range(k_all):
+        s += a[i, k] * bt[j, k]
+    out[i, j] = s
 
 
 @njit(cache=True)
-def small_matmul(a, b, out):
-    """out (M, N) = a (M, K) @ b (K, N) for a time step's few rows (SMALL_ROWS): b's rows
-    streamed once, four at a time, each output row updated from them in one pass over N
-    (vectorized). OpenBLAS packs b on every call and its kernels want M >= 16: at M = 5,
-    K = 256, N = 1024 (a BLSTM step of 5 sequences) this is 2.4x faster forwards and 3x on
-    b's transposed copy backwards (55 against 135 and 63 against 200 us, one Zen 4 core;
-    splitting N over two threads gained nothing: the wake-up costs what it saves). The sums
-    run over k in order, on one thread."""
+def small_matmul_nt(a, bt, out):
+    """out (M, N) = a (M, K) @ bt (N, K)^T for a time step's few rows (SMALL_ROWS): dot
+    products along K, both operands contiguous in it, in register blocks of 4 rows x 4
+    columns (then 2 and 1 rows); the block's 4 rows of bt (4K values) stay in L1 while every
+    row of a passes, so bt streams from memory once. OpenBLAS packs bt on every call and its
+    kernels want M >= 16; at M = 5, K = 256, N = 1024 (a BLSTM step of 5 sequences) this is
+    about 1.6x the axpy-form kernel it replaced and 3-4x OpenBLAS (docs/benchmarks.md). The
+    LSTM's forward passes U^T (a copy a pass), its backward U itself."""
     m, k_all = a.shape
-    n = b.shape[1]
-    for i in range(m):
-        o = out[i]
-        for j in range(n):
-            o[j] = 0
-    k4 = k_all - k_all % 4
-    for k in range(0, k4, 4):
-        b0, b1, b2, b3 = b[k], b[k + 1], b[k + 2], b[k + 3]
+    n = bt.shape[0]
+    n4 = n - n % 4
+    for j in range(0, n4, 4):
+        i = 0
+        while i + 4 <= m:
+            _rows4(a, bt, out, i, j, k_all)
+            i += 4
+        if i + 2 <= m:
+            _rows2(a, bt, out, i, j, k_all)
+            i += 2
+        if i < m:
+            _rows1(a, bt, out, i, j, k_all)
+    for j in range(n4, n):
         for i in range(m):
-            a0, a1, a2, a3 = a[i, k], a[i, k + 1], a[i, k + 2], a[i, k + 3]
-            o = out[i]
-            for j in range(n):
-                o[j] += a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j]
-    for k in range(k4, k_all):
-        bk = b[k]
-        for i in range(m):
-            ak = a[i, k]
-            o = out[i]
-            for j in range(n):
-                o[j] += ak * bk[j]
+            _dot(a, bt, out, i, j, k_all)
 
 
 @njit(parallel=True, cache=True)

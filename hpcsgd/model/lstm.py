@@ -101,6 +101,8 @@ class LSTM:
             for a in (gates, y, cells) + ((h,) if grid is not None else ()):
                 ops.mask_rows(a, lengths)
         zeros, recs = ws["zeros"], (ws["rec"], ws["rec2"])
+        # U^T of each direction, once per pass, for the steps' small products (CPU ranks)
+        uts = [ops.transposed_copy(p[self.U[d]], ws["ut"][d]) for d in range(self.dirs)]
         # step s: time s forwards and, for a BLSTM, time T-1-s backwards, in one kernel launch
         # (a launch wakes the threads: one per step instead of one per direction and step)
         prev = [None] * self.dirs   # the previous step's first row, per direction
@@ -116,7 +118,8 @@ class LSTM:
                     # the sequences valid now were valid at the previous step forwards; a
                     # backward-direction sequence that starts here reads the zero padding
                     before = slice(prev[d], prev[d] + m)
-                    ops.step_product(h[before, d * hc:(d + 1) * hc], p[self.U[d]], recs[d][:m])
+                    ops.step_product(h[before, d * hc:(d + 1) * hc], p[self.U[d]], recs[d][:m],
+                                     wt=uts[d])
                     args.append((gates[now], recs[d][:m], cells[before], cells[now], y[now]))
                 prev[d] = t * nb
                 rows.append(now)
@@ -141,8 +144,6 @@ class LSTM:
         dh_recs, dcs = (ws["dh_rec"], ws["dh_rec2"]), (ws["dc"], ws["dc2"])
         h = y if self.hidden_grid is None else ws["hq"][:n]   # what the recurrent GEMM read
         m_rows = (steps - 1) * nb   # rows of the steps that have a previous one
-        # U^T of each direction, once per pass, for the steps' small products (CPU ranks)
-        uts = [ops.transposed_copy(p[self.U[d]], ws["ut"][d]) for d in range(self.dirs)]
         for d in range(self.dirs):
             zero(dcs[d][:nb])
         # step s: each direction's steps in reverse (time T-1-s for the forward direction,
@@ -165,7 +166,7 @@ class LSTM:
                     dr = zeros[:m]
                 else:
                     ops.step_product(gates[later[d]:later[d] + m, cols], p[self.U[d]],
-                                     dh_recs[d][:m], trans_b=True, wt=uts[d])
+                                     dh_recs[d][:m], trans_b=True)
                     dr = dh_recs[d][:m]
                 args.append((gates[now], zeros[:m] if first else cells[earlier], cells[now],
                              dy[now], dr, dcs[d][:m]))

@@ -93,13 +93,13 @@ class CpuOps:
 
     def step_product(self, a, w, out, trans_b=False, wt=None):
         """out = a @ w (a @ w^T with trans_b) for one time step's rows, the LSTM's recurrent
-        products: up to kernels_lstm.SMALL_ROWS rows by small_matmul (a @ w^T on wt, the
-        transposed copy transposed_copy made), else BLAS."""
+        products: up to kernels_lstm.SMALL_ROWS rows by small_matmul_nt (a @ w on wt = w^T,
+        the transposed copy transposed_copy made), else BLAS."""
         step_product(a, w, out, trans_b, wt)
 
     def transposed_copy(self, w, wt):
-        """wt <- w^T, returned: what step_product's small rows read for a @ w^T (made once
-        per backward pass, not per step)."""
+        """wt <- w^T, returned: what step_product's small rows read for a @ w (made once
+        per forward pass, not per step)."""
         np.copyto(wt, w.T)
         return wt
 
@@ -551,10 +551,10 @@ class HalfOps:
 
 
 def step_product(a, w, out, trans_b=False, wt=None):
-    """A CPU time step's product (CpuOps.step_product): out = a @ w, or a @ w^T = a @ wt;
-    at most kernels_lstm.SMALL_ROWS rows by small_matmul, else BLAS."""
+    """A CPU time step's product (CpuOps.step_product): out = a @ w = a @ wt^T, or a @ w^T;
+    at most kernels_lstm.SMALL_ROWS rows by small_matmul_nt, else BLAS."""
     if len(a) <= KL.SMALL_ROWS:
-        KL.small_matmul(a, wt if trans_b else w, out)
+        KL.small_matmul_nt(a, w if trans_b else wt, out)
     else:
         matmul(a, w, out, trans_b=trans_b)
 
