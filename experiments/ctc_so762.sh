@@ -33,6 +33,12 @@ if [ "$STAGE" != decode ]; then
     # in the 1-bit phase the decoded squares are the codec's, not each weight's)
     run onebit_freeze 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
         optim.adam_freeze_variance=true
+    # a cold start past the plateau's exit: 10 epochs (5.5M frames; float32's token error
+    # rate is 61% there and falling slowly), with v moving and with v frozen at the switch
+    run onebit_cold10 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
+        exchange.cold_start_frames=5500000
+    run onebit_cold10_freeze 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
+        exchange.cold_start_frames=5500000 optim.adam_freeze_variance=true
     run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
     run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
     run w2l 2 --config jobs/configs/so762_w2l.yaml
@@ -44,7 +50,7 @@ fi
     --kind phones --topology ctc --tokens phones > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
-for name in f32 onebit onebit_freeze mixed w2l chars; do
+for name in f32 onebit onebit_freeze onebit_cold10 onebit_cold10_freeze mixed w2l chars; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
