@@ -157,9 +157,10 @@ def lstm_backward_step2(a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, 
                     hc)
 
 
-# a time step's product of at most SMALL_ROWS rows: small_matmul_nt, not BLAS (a fixed bound,
-# so that the bits do not depend on the threads; above it OpenBLAS's two threads win)
-SMALL_ROWS = 8
+# a time step's product of at most SMALL_ROWS rows: small_matmul_nt on one thread, not BLAS
+# (a fixed bound, so that the bits do not depend on the threads; on one Zen 4 core it beats
+# OpenBLAS's two threads up to about 16 rows: experiments/small_matmul_ab.py)
+SMALL_ROWS = 16
 # the dot products' sums may be reordered (vector lanes, then a tree): what lets LLVM keep 16
 # sums in vector registers. The order is fixed by the compiled code, so a machine's bits are
 # the same run to run; they differ between AVX2 and AVX-512 (8 or 16 lanes), within the
@@ -248,9 +249,13 @@ def small_matmul_nt(a, bt, out):
     row of a passes, so bt streams from memory once. OpenBLAS packs bt on every call and its
     kernels want M >= 16; at M = 5, K = 256, N = 1024 (a BLSTM step of 5 sequences) this is
     about 1.6x the axpy-form kernel it replaced and 3-4x OpenBLAS (docs/benchmarks.md). The
-    LSTM's forward passes U^T (a copy a pass), its backward U itself."""
+    LSTM's forward passes U^T (a copy a pass), its backward U itself. a is copied into a
+    C-contiguous buffer first (a few KB): the LSTM's rows are column slices of a wider
+    buffer, and on a strided a LLVM does not vectorize the sums (4-5x slower, measured); bt
+    and out must be C-contiguous to be fast."""
     m, k_all = a.shape
     n = bt.shape[0]
+    a = np.ascontiguousarray(a)
     n4 = n - n % 4
     for j in range(0, n4, 4):
         i = 0
