@@ -260,10 +260,12 @@ class Allreduce(_Collective):
         self.h_send = np.empty(size if mpi16 else 0, np.uint16)
         self.h_gather = np.empty(size if mpi16 else 0, np.uint16)
         self.h_parts = np.empty((k, int(self.counts[rank]) if mpi16 else 0), np.uint16)
-        # one rank, float32: nothing to sum, so the update is the optimizer's one fused pass
-        # over the gradient (Optimizer.fused_update: the same bits as post_exchange + apply,
-        # one pass over memory instead of two)
-        self.fuses_owner = self.fuses_apply = k == 1 and dtype == "float32"
+        # float32 with the sum in grad itself (one rank: nothing to sum; CPU ranks: MPI sums
+        # in place): the update is the optimizer's one fused pass over the gradient
+        # (Optimizer.fused_update: the same bits as post_exchange + apply, one pass over
+        # memory instead of two)
+        self.solo = k == 1 and dtype == "float32"
+        self.fuses_owner = self.fuses_apply = dtype == "float32" and (k == 1 or device == "cpu")
         self._opt = None
         self._scales = (1.0, 1.0)   # the float16 path's (a, c) of the exchange in flight
         self._gathered = False      # ... and whether its sum has been gathered
@@ -291,7 +293,7 @@ class Allreduce(_Collective):
         not be touched until the update is applied; one exchange in flight at a time."""
         grad = grad[:self.size]
         self._grad, self._req, self._reduced = grad, None, False
-        if self.fuses_apply:          # one rank: the sum is grad itself, where it lies
+        if self.solo:                 # one rank: the sum is grad itself, where it lies
             self._buf, self._reduced = None, True
             return
         if self.nccl is not None:     # GPU ranks with NCCL (K > 1): all on the device
@@ -398,11 +400,13 @@ class Allreduce(_Collective):
         pass
 
     def owner_pass(self, params, opt):
-        """One rank (fuses_owner): post-processing waits for decode_apply's fused pass."""
+        """float32 in place (fuses_owner): post-processing waits for decode_apply's fused
+        pass."""
         self._opt = opt
 
     def decode_apply(self, params, lr):
-        """One rank (fuses_apply): W -= lr * update in the optimizer's fused pass."""
+        """float32 in place (fuses_apply): W -= lr * update in the optimizer's fused pass on
+        the sum, where MPI left it."""
         self._opt.fused_update(params[:self.size], self._grad, lr)
         self._grad = None
 
