@@ -17,8 +17,9 @@ launch.
                    (the next step's cell gradient): a <- dLoss/d(preactivations), dc <- dc * f
 
 As in hpcsgd.model.kernels: dtype-generic (float32 training, float64 gradient checks), no
-fastmath (but in the recurrent product's dot products, `small_matmul_nt`), float32 exp and tanh from the vectorizable Cephes exp (`fexp`); column sums in
-NCHUNK fixed row chunks so the bits do not depend on the number of threads.
+fastmath (but in the recurrent product's dot products, `small_matmul_nt`), float32 exp and
+tanh from the vectorizable Cephes exp (`fexp`); column sums in NCHUNK fixed row chunks so the
+bits do not depend on the number of threads.
 """
 import math
 
