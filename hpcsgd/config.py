@@ -189,6 +189,13 @@ DEFAULTS = {
     "exchange.progress": ("test", str, ("none", "test", "thread"),
                           "double buffering: MPI_Test the exchange in flight after each GEMM, "
                           "or from a thread every ms (MPI progresses it only inside MPI calls)"),
+    "exchange.overlap": ("auto", str, ("auto", "true", "false"),
+                         "allreduce, CPU ranks: sum each layer's gradient while the layers below "
+                         "it run their backward (MPI_Test after each GEMM; auto = where it "
+                         "applies: docs/exchange.md, 'Overlapped allreduce')"),
+    "exchange.bucket_mb": (1.0, float, (0.0, 1e6),
+                           "overlap: the smallest bucket; a layer's gradient below it waits for "
+                           "the next layer's (0 = a bucket per layer; PyTorch DDP's first: 1)"),
     "exchange.mpi_cuda_aware": ("auto", str, ("auto", "true", "false"),
                                 "GPU ranks: hand device buffers to MPI (auto = ask the library; "
                                 "else staged through pinned host memory)"),
@@ -436,11 +443,45 @@ def load(path=None, overrides=()):
                         "inside the pass, which a graph cannot hold)")
     if config["train.loss_scale_min"] > config["train.loss_scale_max"]:
         raise UserError("config keys train.loss_scale_min > train.loss_scale_max")
+    if config["exchange.overlap"] == "true" and overlap_blocker(config):
+        raise UserError(f"config key exchange.overlap=true: {overlap_blocker(config)}; set "
+                        f"exchange.overlap=auto (off where it does not apply) or false")
     if qat_of(config):   # the rules' combinations: hpcsgd.model.quantize.check, at the build
         if config["train.precision"] != "float32":
             raise UserError(f"config keys qat.* and train.precision={config['train.precision']}"
                             f": quantization-aware training runs in float32")
     return config
+
+
+def overlap_blocker(config):
+    """Why the overlapped allreduce (exchange.overlap) cannot run with this config, or None.
+    It sends each layer's gradient as the backward pass finishes it, so nothing may change
+    the gradient after the backward pass, and the model must say when a layer is done."""
+    reasons = (
+        (config["exchange.aggregation"] != "allreduce",
+         "the striped exchange encodes the whole gradient with its codec after the backward "
+         "pass (exchange.aggregation=allreduce)"),
+        (config["exchange.allreduce_dtype"] != "float32",
+         "the float16 allreduce rounds the whole gradient first (exchange.allreduce_dtype=float32)"),
+        (config["train.device"] != "cpu", "GPU ranks sum on NCCL's stream after the backward "
+         "pass (train.device=cpu)"),
+        (config["exchange.double_buffering"], "double buffering already overlaps each half's "
+         "exchange with the next half's compute"),
+        (config["train.precision"] != "float32" or config["train.loss_scale"] != "none",
+         "mixed precision rounds and unscales the whole gradient after the backward pass, and "
+         "the overflow vote decides whether it is sent (train.precision=float32, "
+         "train.loss_scale=none)"),
+        (config["train.clip_gradient_norm"] > 0, "gradient clipping needs the whole local "
+         "gradient's norm before the exchange (train.clip_gradient_norm=0)"),
+        (config["optim.adagrad"] == "local", "AdaGrad 'local' rescales the local gradient "
+         "before the exchange"),
+        (qat_of(config) is not None, "quantization-aware training finishes the weight "
+         "gradients after the backward pass (qat.*)"),
+        (config["model.parallel"] > 1, "a split model's layers exchange inside the pass "
+         "(model.parallel=1)"),
+        (config["model.type"] == "rnnt", "the transducer's backward pass does not report its "
+         "layers as it finishes them"))
+    return next((why for blocked, why in reasons if blocked), None)
 
 
 def check_rnnt(config):

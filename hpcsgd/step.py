@@ -25,6 +25,12 @@ update: weights, optimizer state, both residuals and codec state untouched -- an
 backs off; its frames count as trained. Without a scaler a non-finite gradient reaches the
 exchange, which refuses it (an error), as before.
 
+Overlapped allreduce (exchange.overlap; float32 allreduce on CPU ranks, PyTorch DDP's
+buckets): before the pass the exchange is given the gradient buffer (ex.begin), the model
+calls ex.ready(i) after layer i's backward, which posts the buckets that layer finishes as
+Iallreduces, and ex.test (MPI_Test) after every GEMM drives them while the layers below
+compute; send() posts the rest and waits. A rank without frames posts every bucket in send().
+
 Double buffering (exchange.double_buffering, the paper's Sec. 2.2; equations in
 docs/exchange.md): each rank's share is split in two halves, (take + 1) // 2 frames then the
 rest (a pure function of take, so every rank knows every rank's halves). A half's exchange is
@@ -250,6 +256,16 @@ class Step:
         # units, or the loader's (whole utterances: hpcsgd/data/utterances.py)
         self.halve = halve or (lambda take: halves(take, self.unit))
         self.test_between_gemms = self.double_buffering and progress == "test"
+        # exchange.overlap: each layer's gradient summed while the layers below compute,
+        # where nothing changes the gradient after the pass (config.overlap_blocker; here
+        # again for the steps the trainer's config does not build: bench train's)
+        self.overlap = (bool(getattr(ex, "overlap", False)) and not self.double_buffering
+                        and scaler is None and not getattr(model, "half", False)
+                        and not getattr(model, "quant", None) and not clip
+                        and getattr(opt, "adagrad", "off") != "local"
+                        and hasattr(model, "ready_offsets"))
+        if self.overlap:
+            ex.set_buckets(model.ready_offsets())
         self.timeline, self.check_finite = timeline, check_finite
         self.device = device
         # gradient-norm clipping per frame; gradients clipped of those seen
@@ -293,8 +309,12 @@ class Step:
             # MPI progresses the exchange in flight only inside MPI calls: an MPI_Test after
             # each GEMM lets a link transfer run during this compute
             poke = self.ex.test if self.pending and self.test_between_gemms else None
+            overlap = {}
+            if self.overlap:   # buckets posted as layers finish; MPI_Test drives them
+                self.ex.begin(grads.flat)
+                poke, overlap = self.ex.test, {"ready": self.ex.ready}
             ce, correct = self.model.forward_backward(self.params, grads, x, y, n, poke,
-                                                      loss_scale=scale)
+                                                      loss_scale=scale, **overlap)
             if self.check_finite and not np.isfinite(ce):
                 what = "cross-entropy" if self.model.frame_labels else "the CTC loss"
                 raise UserError(f"{where}: {what} is {ce} on rank {rank}; lower "
@@ -304,6 +324,8 @@ class Step:
         else:
             ce, correct = 0.0, 0
             zero(grads.flat)
+            if self.overlap:   # every bucket posted in send(), in the others' order
+                self.ex.begin(grads.flat)
         t2 = time.perf_counter()
         self.compute_s += t2 - t1
         if timeline:

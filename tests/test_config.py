@@ -55,3 +55,24 @@ def test_adam_freeze_variance_needs_adam_and_a_cold_start():
                              "optim.adam_freeze_variance=true",
                              "exchange.cold_start_frames=1000"])
     assert cfg["optim.adam_freeze_variance"] is True
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["exchange.aggregation=striped"], "striped exchange encodes the whole gradient"),
+    (["exchange.allreduce_dtype=float16"], "float16 allreduce rounds the whole gradient"),
+    (["train.device=cuda"], "GPU ranks sum on NCCL's stream"),
+    (["exchange.double_buffering=true"], "double buffering already overlaps"),
+    (["train.precision=mixed", "train.loss_scale=backoff"], "mixed precision rounds and unscales"),
+    (["train.clip_gradient_norm=1"], "clipping needs the whole local gradient's norm"),
+    (["optim.adagrad=local"], "AdaGrad 'local' rescales"),
+    (["qat.weights=max"], "quantization-aware training finishes the weight gradients"),
+    (["model.parallel=2"], "split model's layers exchange inside the pass"),
+    (["model.type=rnnt", "model.encoder=['blstm 8']"], "transducer's backward pass")])
+def test_the_overlapped_allreduce_is_refused_where_the_gradient_changes_after_the_pass(
+        extra, why):
+    """exchange.overlap=true names what stops it; auto (the default) turns it off there."""
+    with pytest.raises(UserError, match=rf"exchange\.overlap=true: .*{why}"):
+        config.load(None, ["data.train=x", "exchange.overlap=true", *extra])
+    cfg = config.load(None, ["data.train=x", *extra])
+    assert cfg["exchange.overlap"] == "auto" and config.overlap_blocker(cfg)
+    assert config.overlap_blocker(config.load(None, ["data.train=x"])) is None

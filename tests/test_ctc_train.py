@@ -59,6 +59,28 @@ def test_allreduce_equals_one_process_on_the_same_global_batches(K, arch, tmp_pa
                                              "train.stop_after_frames=500")["params"])
 
 
+@pytest.mark.parametrize("K", [2, 3])
+def test_the_overlapped_allreduce_trains_what_one_buffer_does(K, arch, tmp_path,
+                                                              tmp_path_factory):
+    """exchange.overlap with a bucket per layer (the output's, the BLSTM's, the convolution's,
+    each posted as the backward pass finishes it, a rank without utterances posting all three
+    after) against one Allreduce of the whole buffer: 2 ranks bit for bit (one sum, a + b,
+    whatever MPI's algorithm), 3 within float32 rounding of the float64 trajectory; the
+    replicas checked every step."""
+    serial = arrays(train(K, arch, tmp_path_factory, "exchange.overlap=false"))["params"]
+    run = train(K, arch, tmp_path_factory, "exchange.overlap=true", "exchange.bucket_mb=0")
+    got = arrays(run)["params"]
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert "overlapped allreduce: 3 bucket(s)" in log
+    if K == 2:
+        np.testing.assert_array_equal(got, serial)
+    else:
+        assert_float32_close(got, reference(K, "float", arch, tmp_path)["params"],
+                             reference(K, "float", arch, tmp_path, float64=True)["params"])
+    assert "overlapped" not in open(os.path.join(
+        train(K, arch, tmp_path_factory, "exchange.overlap=false"), "logs", "rank0000.log")).read()
+
+
 def test_striped_onebit_on_one_rank_equals_the_two_residual_loop(arch, tmp_path,
                                                                  tmp_path_factory):
     extra = ("exchange.aggregation=striped", "exchange.codec=onebit")

@@ -6,6 +6,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcsgd.codecs import make_codec
+from hpcsgd.model import build
 from hpcsgd.comm.exchange import Allreduce, Striped
 from hpcsgd.model.dnn import dnn
 from hpcsgd.optim import Optimizer
@@ -15,12 +16,13 @@ LR, N = 0.01, 24
 
 
 def setup(exchange="allreduce", fuse_owner=True, double_buffering=False, precision="float32",
-          scaler=None):
+          scaler=None, overlap=False):
     model = dnn(6, [5, 4], 3, max_batch=N, precision=precision)
     params = model.new_params()
     model.init(params, np.random.default_rng(0))
     if exchange == "allreduce":
         ex = Allreduce(MPI.COMM_SELF, params.size)
+        ex.overlap, ex.bucket_bytes = overlap, 0   # overlap: a bucket per layer
     else:
         ex = Striped(MPI.COMM_SELF, params.matrices, make_codec(exchange, "cpu"),
                      fuse_owner=fuse_owner)
@@ -112,3 +114,58 @@ def test_a_non_finite_loss_says_where_and_stops():
     params.flat[:] = np.nan
     with pytest.raises(Exception, match=r"step 7 \(epoch 0\): cross-entropy is nan on rank 0"):
         step.run(batches(), np.array([N]), 0, LR, "step 7 (epoch 0)")
+
+
+@pytest.mark.parametrize("encoder", [["stack 2", "conv 8 k3 s2", "blstm 4"], ["conv 6 k3", "dense 5", "blstm 3"]])
+def test_ready_offsets_start_where_the_finished_layers_gradients_do(encoder):
+    """After layer i's backward, flat[offsets[i]:] holds exactly the gradients of layers >= i
+    (a parameterless layer, frame stacking, finishes nothing new)."""
+    kind = "ctc" if encoder[0] == "stack 2" else "tdnn"
+    shape = {"type": kind, "input_dim": 4, "encoder": encoder, "activation": "relu",
+             **({"num_tokens": 5} if kind == "ctc" else {"num_labels": 5})}
+    model = build(shape, max_batch=16)
+    offsets = model.ready_offsets()
+    params = model.new_params()
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(offsets) == len(model.layers)
+    ends = offsets[1:] + [params.size]
+    for layer, lo, hi in zip(model.layers, offsets, ends):
+        own = [m for m in params.matrices if m.name in {s.name for s in layer.specs()}]
+        assert sum(m.size for m in own) == hi - lo
+        assert all(lo <= m.offset and m.offset + m.size <= hi for m in own)
+    if kind == "ctc":
+        assert offsets[0] == offsets[1]   # the stack has no parameters
+
+
+def test_the_overlapped_allreduce_posts_each_layers_gradient_once_its_backward_is_done():
+    """exchange.overlap: ready(i) posts flat[offsets[i]:offsets[i + 1]] as layer i's backward
+    ends, top layer first; what was posted is the final gradient (nothing writes it later),
+    and the step's bits are the one-buffer step's."""
+    model, params, opt, ex, step = setup(overlap=True)
+    _, ref_params, _, _, ref_step = setup()
+    assert step.overlap and not ref_step.overlap
+    offsets = model.ready_offsets()
+    assert ex.buckets == [(lo, hi) for lo, hi in zip(offsets, offsets[1:] + [params.size])][::-1]
+    grads = model.new_params()
+    posted, calls = [], []
+    ready = ex.ready
+
+    def spy(layer):   # what each call posts, copied when it is posted
+        before = ex._posted
+        ready(layer)
+        calls.append(layer)
+        posted.extend((lo, hi, step.grads[0].flat[lo:hi].copy())
+                      for lo, hi in ex.buckets[before:ex._posted])
+    ex.ready = spy
+    batch = batches()
+    for s in range(3):
+        take = np.array([N - s])
+        x, y = batch(int(take[0]))
+        model.forward_backward(params, grads, x, y, len(y))   # the gradient at this step
+        posted.clear()
+        step.run(batch, take, 0, LR)
+        ref_step.run(batch, take, 0, LR)
+        assert calls[-len(model.layers):] == list(range(len(model.layers)))[::-1]
+        assert [(lo, hi) for lo, hi, _ in posted] == ex.buckets   # all during the pass
+        for lo, hi, sent in posted:
+            np.testing.assert_array_equal(sent, grads.flat[lo:hi])
+        np.testing.assert_array_equal(params.flat, ref_params.flat)

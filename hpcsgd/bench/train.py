@@ -13,8 +13,10 @@ make_exchange builds from the config, with or without double buffering, the exch
 flight driven as exchange.progress says (--progress: test = MPI_Test after each GEMM of the
 next half; thread = a thread calling MPI_Test every ms; none). Frames are random (the
 loader's limit is `bench loader`); the model is the paper's 46M DNN (440-7x2048-9304, sigmoid)
-or, with --small, a 0.4M one. Exchanges: allreduce (float32 in place), allreduce16, or a
-striped codec (onebit, kbit2/4/8, dettmers, float16, float32).
+or, with --small, a 0.4M one. Exchanges: allreduce (float32 in place, each layer's gradient
+summed while the layers below run their backward: exchange.overlap), allreduce_serial (one
+Allreduce after the backward pass), allreduce16, or a striped codec (onebit, kbit2/4/8,
+dettmers, float16, float32).
 
 Per (K, N, exchange, double buffering):
   frames/s       N / step time; a step's time is the slowest rank's, the median over
@@ -104,7 +106,9 @@ def add_arguments(parser):
                         help="global minibatch sizes N, comma-separated (default 1024; "
                              "--small 256)")
     parser.add_argument("--exchange", default="allreduce,onebit",
-                        help="allreduce, allreduce16, or striped codecs onebit,kbit4,float32,...")
+                        help="allreduce (overlapped with the backward pass where it applies), "
+                             "allreduce_serial (after it), allreduce16, or striped codecs "
+                             "onebit,kbit4,float32,...")
     parser.add_argument("--double-buffering", default=None, choices=["off", "on", "both"],
                         help="half-batch double buffering (default off; --small both)")
     parser.add_argument("--progress", default="test",
@@ -534,8 +538,10 @@ def print_table4(res):
 def exchange_config(name, device="cpu"):
     """The trainer's config for an exchange name (make_exchange builds the object from it)."""
     from hpcsgd import config
-    if name == "allreduce":
+    if name == "allreduce":       # the trainer's default: overlapped where it applies
         over = ["exchange.aggregation=allreduce"]
+    elif name == "allreduce_serial":   # one Allreduce after the backward pass
+        over = ["exchange.aggregation=allreduce", "exchange.overlap=false"]
     elif name == "allreduce16":
         over = ["exchange.aggregation=allreduce", "exchange.allreduce_dtype=float16"]
     elif name.startswith("kbit"):

@@ -69,6 +69,7 @@ import numpy as np
 
 from hpcsgd import half
 from hpcsgd.codecs import make_codec
+from hpcsgd.config import overlap_blocker
 from hpcsgd.comm.gpu import (ENV_CUDA_AWARE, Nccl, Staging, mpi_cuda_aware, nccl_available,
                              shared_gpus)
 from hpcsgd.comm.progress import Poller
@@ -166,6 +167,11 @@ def make_exchange(cfg, comm, mats, group=None):
         ex = Allreduce(comm, sum(m.size for m in exchanged(mats)),
                        cfg["exchange.allreduce_dtype"], device=device, cuda_aware=aware,
                        nccl=nccl)
+        # exchange.overlap (config.overlap_blocker says where it cannot run): the step
+        # hands it the model's buckets (Allreduce.set_buckets)
+        ex.overlap = (cfg["exchange.overlap"] != "false" and comm.Get_size() > 1
+                      and overlap_blocker(cfg) is None)
+        ex.bucket_bytes = int(cfg["exchange.bucket_mb"] * (1 << 20))
     else:
         widest = None
         codec = configured_codec(cfg)
@@ -236,6 +242,18 @@ class Allreduce(_Collective):
 
     `size` is the exchanged prefix of the flat gradient (parameters with exchange "none"
     follow it and are left alone).
+
+    Overlapped (`overlap`, exchange.overlap; float32 on CPU ranks, the gradient finished by
+    nothing after the backward pass: config.overlap_blocker): the buffer is summed in buckets,
+    a layer's gradient (with the layers above it, at least `bucket_bytes`:
+    exchange.bucket_mb) posted as an
+    Iallreduce as soon as the backward pass has finished it (ready(i) after layer i), while
+    the layers below compute; the step calls test() (MPI_Test) after every GEMM, since MPI
+    progresses a nonblocking collective only inside MPI calls. send() posts what is left and
+    waits for all. The buckets are a function of the model's layout alone, and a rank posts
+    every one in the same order (one without frames posts them all in send()), so the
+    collectives match on every rank. Every element is summed once, by the same Allreduce
+    arithmetic as one buffer (up to MPI's choice of algorithm per message size).
     """
     PHASE = {"encode": "encode", "send": "allreduce", "owner": None, "reduce": "decode",
              "post_process": "post_process", "reencode": None, "gather": None,
@@ -274,6 +292,11 @@ class Allreduce(_Collective):
         # the exchange in flight: gradient, MPI buffer, request, and whether the sum is back
         # in the gradient's buffer
         self._grad, self._buf, self._req, self._reduced = None, None, None, False
+        # overlap: the buckets [lo, hi) in posting order, how many may be posted once layer
+        # i's backward is done, and this step's gradient, buckets posted and their requests
+        self.overlap, self.bucket_bytes = False, 1 << 20
+        self.buckets, self._postable = [(0, size)], {}   # one bucket until set_buckets
+        self._flat, self._posted, self._reqs = None, 0, []
 
     def describe_transport(self, why):
         if self.nccl is not None:
@@ -316,10 +339,49 @@ class Allreduce(_Collective):
                                  f"float32, a smaller minibatch, or train.loss_scale")
             self._buf = self.h_send
 
+    def set_buckets(self, ready_offsets):
+        """Overlap: the buckets from the model's ready_offsets() (offsets[i]: where the
+        finished gradient begins once layer i's backward is done), top layer first; a bucket
+        smaller than bucket_bytes waits for the next layer's gradient (each collective costs
+        a latency)."""
+        self.buckets, self._postable, hi = [], {}, self.size
+        for i in reversed(range(len(ready_offsets))):
+            lo = min(int(ready_offsets[i]), hi)
+            if hi > lo and (hi - lo) * 4 >= self.bucket_bytes:
+                self.buckets.append((lo, hi))
+                hi = lo
+            self._postable[i] = len(self.buckets)
+        if hi > 0:
+            self.buckets.append((0, hi))
+
+    def begin(self, grad):
+        """Overlap: the gradient buffer this step's backward pass writes (before it); the
+        next send() posts the buckets ready() has not."""
+        self._flat, self._posted, self._reqs = grad[:self.size], 0, []
+
+    def ready(self, layer):
+        """Overlap: layer `layer`'s backward is done: post the buckets it completes."""
+        self._post(self._postable.get(layer, 0))
+
+    def _post(self, upto):
+        from mpi4py import MPI
+        while self._posted < upto:
+            lo, hi = self.buckets[self._posted]
+            self._reqs.append(self.comm.Iallreduce(MPI.IN_PLACE, self._flat[lo:hi], op=MPI.SUM))
+            self._posted += 1
+
     def send(self, blocking=False):
         """Allreduce in place (Iallreduce unless `blocking`; NCCL on its stream on GPU
-        ranks). A cross-rank sync point when blocking."""
+        ranks; overlapped: the buckets not yet posted). A cross-rank sync point when
+        blocking."""
         from mpi4py import MPI
+        if self._flat is not None:    # overlapped: begin() was called for this gradient
+            self._post(len(self.buckets))
+            self._flat = None
+            if blocking:
+                MPI.Request.Waitall(self._reqs)
+                self._reqs = []
+            return
         if self.nccl is not None:
             self.nccl.start_sum(self._buf)   # queued behind the gradient's kernels
             self._req = "nccl"
@@ -341,10 +403,17 @@ class Allreduce(_Collective):
         inside MPI calls unless async progress is on). NCCL needs no help."""
         if self._req is not None and self._req != "nccl":
             self._req.Test()
+        elif self._reqs:
+            from mpi4py import MPI
+            MPI.Request.Testall(self._reqs)
 
     def wait(self):
         """Complete the communication of the exchange in flight."""
         self._stop_polling()
+        if self._reqs:
+            from mpi4py import MPI
+            MPI.Request.Waitall(self._reqs)
+            self._reqs = []
         if self._req == "nccl":
             self.nccl.wait_sum()   # host waits for the NCCL stream: sync point
         elif self._req is not None:

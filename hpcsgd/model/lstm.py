@@ -175,6 +175,8 @@ class LSTM:
                 ops.lstm_step_backward2(args[0], args[1], hc)
             else:
                 ops.lstm_step_backward(*args[0], 0, 0, hc)
+            if progress is not None and s % 8 == 7:   # the layers above: their buckets in flight
+                progress()
         for d in range(self.dirs):
             # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
             cols, gh = slice(d * GATES * hc, (d + 1) * GATES * hc), d * hc

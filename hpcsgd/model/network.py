@@ -46,7 +46,7 @@ import numpy as np
 from hpcsgd import half
 from hpcsgd.device import assign, is_device, zeros
 from hpcsgd.model import quantize
-from hpcsgd.model.flat import FlatParams, as_specs
+from hpcsgd.model.flat import FlatParams, as_specs, matrices
 from hpcsgd.model.lengths import Lengths
 from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 
@@ -187,6 +187,26 @@ class Network:
         model's device."""
         return FlatParams(self.specs, self.dtype, self.device)
 
+    def ready_offsets(self):
+        """Where the backward pass leaves finished gradients: offsets[i] is the lowest flat
+        offset from which every exchanged gradient is final once layers i.. have run their
+        backward (the exchanged matrices from there on all belong to them), the exchanged
+        prefix's end when none is. An overlapped exchange (exchange.overlap) sums
+        flat[offsets[i]:] while layers below i still compute."""
+        placed = sorted((m for m in matrices(self.specs) if m.exchange != "none"),
+                        key=lambda m: m.offset)
+        end = sum(m.size for m in placed)
+        offsets, done = [], set()
+        for layer in reversed(self.layers):
+            done.update(s.name for s in as_specs(layer.specs()))
+            lo = end
+            for m in reversed(placed):
+                if m.name not in done:
+                    break
+                lo = m.offset
+            offsets.append(lo)
+        return offsets[::-1]
+
     def init(self, params, rng):
         """Every layer's init, in layer order, from the numpy Generator `rng`. On a GPU: drawn
         on the host, then copied (the same weights as a CPU run with the same seed)."""
@@ -316,7 +336,7 @@ class Network:
         return self.wq
 
     def forward_backward(self, params, grads, x, y, n, progress=None, ops=None,
-                         loss_scale=1.0, steps=None, lengths=None):
+                         loss_scale=1.0, steps=None, lengths=None, ready=None):
         """One minibatch: x[:n] (n, input_dim) frames, y[:n] (n,) integer labels in
         [0, num_labels) (host arrays; a GPU model copies them to the device). Overwrites every
         view of `grads` with the gradient of the cross-entropy SUMMED over the n frames.
@@ -330,7 +350,8 @@ class Network:
         `lengths`: whole sequences of these frames (non-increasing), padded to the longest.
         A model with token targets (CTC) takes y = hpcsgd.data.utterances.Targets (the
         sequences' frames, token ids, offsets) and returns (loss summed over the sequences,
-        tokens in the targets)."""
+        tokens in the targets). `ready`, if given, is called with i after layer i's backward
+        (its gradients and those of the layers above it are final: ready_offsets())."""
         ops = ops or self.ops
         self._check(x, n)
         geo = self._geometry(n, steps, lengths if self.frame_labels else y.frames)
@@ -346,14 +367,15 @@ class Network:
         x, y = self._to_device(x, y, n)
         # an overflow (float16, or a scaled gradient) is detected by unscale(), not warned of
         with np.errstate(over="ignore", invalid="ignore"):
-            if self.graphs is not None and ops is self.ops and progress is None:
+            if self.graphs is not None and ops is self.ops and progress is None \
+                    and ready is None:
                 # one CUDA Graph per shape, buffers and scale: the same pass, one launch
                 steps = geo[0].steps if geo else None
                 key = (n, float(loss_scale), steps, id(params), id(grads), id(x), id(y))
                 return self.graphs.run(key, lambda: self._forward_backward(
                     params, grads, x, y, n, None, ops, loss_scale, geo), n)
             return self._forward_backward(params, grads, x, y, n, progress, ops, loss_scale,
-                                          geo)
+                                          geo, ready)
 
     def frames_in_loss(self, y, n):
         """Input frames a pass of n rows trains on (the per-sample learning rate's count):
@@ -374,7 +396,8 @@ class Network:
                              "model.parallel (their passes read back to the host)")
         self.graphs = Graphs(self.ops)
 
-    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, geo):
+    def _forward_backward(self, params, grads, x, y, n, progress, ops, loss_scale, geo,
+                          ready=None):
         if self.half:   # the 16-bit copy of the weights and input; 16-bit stores
             self.round(params.flat, self.w16.flat)
             self.round(x[:n], self.x16[:n])
@@ -408,6 +431,8 @@ class Network:
                 self._mask(dx, geo[i], ops)
             if quant:   # straight through to the float input (before the layer below reuses it)
                 quant.input_backward(i, inp, dx, master, grads, ops, n * loss_scale)
+            if ready is not None:
+                ready(i)
             dy = dx
         if quant:
             quant.weights_backward(master, grads, ops, n * loss_scale)
