@@ -41,6 +41,20 @@ if [ "$STAGE" != decode ]; then
     run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
     run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
     run w2l 2 --config jobs/configs/so762_w2l.yaml
+    # the noise of one run: float32 and mixed precision again from seed 1 (the weights'
+    # initialisation, the buckets' order, SpecAugment's draws)
+    run seed1_f32 2 --config jobs/configs/so762_ctc.yaml train.seed=1
+    run seed1_mixed 2 --config jobs/configs/so762_ctc.yaml train.seed=1 train.precision=mixed \
+        train.loss_scale=backoff
+    # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
+    # frames of the 30-epoch runs; its archive (the same CV speakers):
+    #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
+    #     ../shared/data/so762_dev/phones.ctm --labels ../shared/data/so762_dev/labels.txt \
+    #     --cv-speakers 13 --num-shards 4 --tokens phones,chars --speed-perturb 0.9,1.0,1.1
+    if [ -d runs/so762/archive_ctc_sp ]; then
+        run sp 2 --config jobs/configs/so762_ctc.yaml \
+            data.train=runs/so762/archive_ctc_sp/train train.epochs=12
+    fi
 fi
 [ "$STAGE" = train ] && exit 0
 # the graphs, from the training speakers only: a phone bigram, a word bigram spelled in
@@ -49,7 +63,7 @@ fi
     --kind phones --topology ctc --tokens phones > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
-for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l chars; do
+for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l chars seed1_f32 seed1_mixed sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
