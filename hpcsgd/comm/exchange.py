@@ -245,11 +245,10 @@ class Allreduce(_Collective):
 
     Overlapped (`overlap`, exchange.overlap; float32 on CPU ranks, the gradient finished by
     nothing after the backward pass: config.overlap_blocker): the buffer is summed in buckets,
-    a layer's gradient (with the layers above it, at least `bucket_bytes`:
-    exchange.bucket_mb) posted as an
-    Iallreduce as soon as the backward pass has finished it (ready(i) after layer i), while
-    the layers below compute; the step calls test() (MPI_Test) after every GEMM, since MPI
-    progresses a nonblocking collective only inside MPI calls. send() posts what is left and
+    a layer's gradient (with the layers above it, at least `bucket_bytes`: exchange.bucket_mb)
+    posted as an Iallreduce as soon as the backward pass has finished it (ready(i) after
+    layer i), while the layers below compute; the step calls test() (MPI_Test) after every
+    GEMM, since MPI progresses a nonblocking collective only inside MPI calls. send() posts what is left and
     waits for all. The buckets are a function of the model's layout alone, and a rank posts
     every one in the same order (one without frames posts them all in send()), so the
     collectives match on every rank. Every element is summed once, by the same Allreduce
