@@ -49,6 +49,18 @@ def test_allreduce_equals_one_rank_on_the_same_global_minibatches(K, arch, tmp_p
                                              "train.stop_after_frames=200")["params"])
 
 
+def test_the_overlapped_allreduce_on_4_ranks_is_the_one_process_sum(arch, tmp_path,
+                                                                    tmp_path_factory):
+    """exchange.overlap with a bucket per layer (3 Iallreduces in flight at once on 4 ranks,
+    posted as the backward pass finishes each layer): the same trajectory within float32
+    rounding, replicas checked every step."""
+    run = train(4, arch, tmp_path_factory, "exchange.overlap=true", "exchange.bucket_mb=0")
+    assert "overlapped allreduce: 3 bucket(s)" in open(
+        os.path.join(run, "logs", "rank0000.log")).read()
+    assert_float32_close(arrays(run)["params"], reference(4, "float", arch, tmp_path)["params"],
+                         reference(4, "float", arch, tmp_path, float64=True)["params"])
+
+
 MIXED = ("train.precision=mixed", "train.loss_scale=static", "train.loss_scale_init=1024")
 
 
