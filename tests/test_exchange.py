@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import (TRAIN, TrainerRuns, assert_float32_close, latest_arrays, make_archive,
-                      run_mpi, run_train)
+from conftest import (REPO, TRAIN, TrainerRuns, assert_float32_close, latest_arrays,
+                      make_archive, run_mpi, run_train)
 from hpcsgd import checkpoint
 
 
@@ -59,6 +59,16 @@ def test_the_overlapped_allreduce_on_4_ranks_is_the_one_process_sum(arch, tmp_pa
         os.path.join(run, "logs", "rank0000.log")).read()
     assert_float32_close(arrays(run)["params"], reference(4, "float", arch, tmp_path)["params"],
                          reference(4, "float", arch, tmp_path, float64=True)["params"])
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_ranks_without_frames_post_the_overlapped_buckets_in_step(K):
+    """A rank whose share of a step is empty posts every bucket after the backward pass the
+    others overlapped them with: the collectives match (no hang, no truncation) and the
+    weights are the one-buffer Allreduce's bit for bit (tests/mpi/overlap_ranks.py)."""
+    proc = run_mpi(K, [os.path.join(REPO, "tests", "mpi", "overlap_ranks.py")], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("overlap ok") == K, proc.stdout
 
 
 MIXED = ("train.precision=mixed", "train.loss_scale=static", "train.loss_scale_init=1024")
