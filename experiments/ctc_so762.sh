@@ -46,6 +46,8 @@ if [ "$STAGE" != decode ]; then
     run seed1_f32 2 --config jobs/configs/so762_ctc.yaml train.seed=1
     run seed1_mixed 2 --config jobs/configs/so762_ctc.yaml train.seed=1 train.precision=mixed \
         train.loss_scale=backoff
+    run seed1_onebit_cold10 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
+        exchange.cold_start_frames=5500000 train.seed=1
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
     # frames of the 30-epoch runs; its archive (the same CV speakers):
     #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
@@ -63,7 +65,8 @@ fi
     --kind phones --topology ctc --tokens phones > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
-for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l chars seed1_f32 seed1_mixed sp; do
+for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l chars seed1_f32 seed1_mixed \
+        seed1_onebit_cold10 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
