@@ -194,8 +194,8 @@ DEFAULTS = {
                          "it run their backward (MPI_Test after each GEMM; auto = where it "
                          "applies: docs/exchange.md, 'Overlapped allreduce')"),
     "exchange.bucket_mb": (1.0, float, (0.0, 1e6),
-                           "overlap: the smallest bucket; a layer's gradient below it waits for "
-                           "the next layer's (0 = a bucket per layer; PyTorch DDP's first: 1)"),
+                           "overlap: the smallest bucket in MiB; a layer's gradient below it waits "
+                           "for the next layer's (0 = a bucket per layer; PyTorch DDP's first: 1)"),
     "exchange.mpi_cuda_aware": ("auto", str, ("auto", "true", "false"),
                                 "GPU ranks: hand device buffers to MPI (auto = ask the library; "
                                 "else staged through pinned host memory)"),

@@ -734,7 +734,7 @@ def log_start(log, cfg, grid, loader, state, ex):
         log_utterances(log, cfg, loader)
     if getattr(ex, "overlap", False):
         mb = ", ".join(f"{(hi - lo) * 4 / 2**20:.3g}" for lo, hi in ex.buckets)
-        log.info(f"overlapped allreduce: {len(ex.buckets)} bucket(s) of {mb} MB, top layer "
+        log.info(f"overlapped allreduce: {len(ex.buckets)} bucket(s) of {mb} MiB, top layer "
                  f"first, each summed as soon as the backward pass finishes it "
                  f"(exchange.overlap, exchange.bucket_mb)")
     if cfg["train.precision"] != "float32" or cfg["train.loss_scale"] != "none":
