@@ -53,8 +53,10 @@ class TrainState:
         self.loader = loader    # its block plans: where every rank is in the epoch
         self.static = static    # model, data, label_inventory_hash, label_counts, config, ...
         # deal: None, or the epoch re-dealt over these ranks (data/loader.py: redeal)
+        # epoch_sums: the epoch's training sums over every data rank up to the last
+        # checkpoint (the spine fills it in before saving; a resumed epoch adds its own)
         self.progress = {"epoch": 0, "frames": 0, "offsets": [0] * grid.data_size,
-                         "cv_history": [], "deal": None}
+                         "cv_history": [], "deal": None, "epoch_sums": [0.0, 0.0, 0.0]}
         self.decisions = {"minibatch": static["config"]["train.minibatch"], "next_probe": 0}
         self.bitwidth = None    # the adaptive bit width's decision (bitwidth.BitWidth), if on
         self.scaler = step.scaler   # the loss scaler (loss_scale.py), if on
@@ -75,6 +77,7 @@ class TrainState:
         self.progress["epoch"] += 1
         self.progress["offsets"] = [0] * self.grid.data_size
         self.progress["deal"] = None
+        self.progress["epoch_sums"] = [0.0, 0.0, 0.0]
 
     # ---- in memory -------------------------------------------------------------------------
 
@@ -208,6 +211,8 @@ class TrainState:
                                      if k.startswith(prefix)})
         for key in ("epoch", "frames", "cv_history"):
             self.progress[key] = saved[key]
+        # checkpoints before 2026-11-27 kept no epoch sums: the resumed epoch reports its own
+        self.progress["epoch_sums"] = saved.get("epoch_sums") or [0.0, 0.0, 0.0]
         self.progress["offsets"], self.progress["deal"] = saved["offsets"], saved.get("deal")
         if old_world != world:   # the rest of the epoch dealt to the new ranks
             self.progress["deal"], self.progress["offsets"] = self.loader.redeal(

@@ -170,6 +170,12 @@ def train(cfg, comm, stop):
         rank_frames = loader.epoch_frames(epoch, progress["deal"])
         loader.resume(epoch, progress["offsets"], progress["deal"])
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
+        # the epoch's training sums (CE or loss, correct or tokens, frames) over every data
+        # rank: those of the steps before a resume come from the checkpoint
+        carried = np.array(progress.get("epoch_sums") or [0.0, 0.0, 0.0], np.float64)
+
+        def epoch_totals():   # collective
+            return carried + reduce_sum(grid.data, epoch_sums)
         while (rank_frames - progress["offsets"]).sum() > 0:
             where = f"step {window.steps} (epoch {epoch}, frame {progress['frames']})"
             watchdog.beat(where)
@@ -204,10 +210,11 @@ def train(cfg, comm, stop):
             if log_due or crossed(before, frames, cfg["train.log_every_frames"]):
                 log_window(cfg, state, window, rank_frames, lr)
             log.progress(int(sum(progress["offsets"])), int(rank_frames.sum()), f"epoch {epoch}")
-            code = checkpoint_or_stop(cfg, run, state, window.steps, stop, stop_code, before)
+            code = checkpoint_or_stop(cfg, run, state, window.steps, stop, stop_code, before,
+                                      epoch_totals)
             if code is not None:
                 return run.close(code, loader)
-        end_of_epoch(cfg, run, state, window.steps, epoch_sums, t_epoch, run_frames)
+        end_of_epoch(cfg, run, state, window.steps, epoch_totals, t_epoch, run_frames)
     return finish(cfg, run, state, window.steps)
 
 
@@ -586,21 +593,26 @@ def log_window(cfg, state, window, rank_frames, lr):
                 step.phases.pop_sent())
 
 
-def checkpoint_or_stop(cfg, run, state, steps, stop, stop_code, before):
+def checkpoint_or_stop(cfg, run, state, steps, stop, stop_code, before, epoch_totals):
     """After a step of `before` -> progress frames: a checkpoint every
     train.checkpoint_every_frames; the exit code if the run stops here (train.stop_after_frames,
     or a stop signal on any rank: Slurm's time-limit warning, preemption, Ctrl-C; all ranks
-    checkpoint at this same step and the batch script requeues the job), else None."""
+    checkpoint at this same step and the batch script requeues the job), else None.
+    epoch_totals(): the epoch's training sums so far (collective), kept in the checkpoint so
+    that a resumed epoch reports all of its steps."""
     frames = state.progress["frames"]
-    saved = (save_checkpoint(cfg, run, state)
-             if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None)
+
+    def save():
+        state.progress["epoch_sums"] = epoch_totals().tolist()
+        return save_checkpoint(cfg, run, state)
+    saved = save() if crossed(before, frames, cfg["train.checkpoint_every_frames"]) else None
     if cfg["train.stop_after_frames"] and frames >= cfg["train.stop_after_frames"]:
-        saved = saved or save_checkpoint(cfg, run, state)
+        saved = saved or save()
         log_clipped(run.log, state.step)
         run.log.info(f"stopping after {frames} frames (train.stop_after_frames)")
         return 0
     if stop_code:
-        saved = saved or save_checkpoint(cfg, run, state)
+        saved = saved or save()
         code = stop.exit_code(stop_code)
         run.log.info(f"stopping on {stop.received or 'a signal to another rank'} at step "
                      f"{steps}, frame {frames:,}: checkpoint {saved}; exit {code} "
@@ -619,14 +631,14 @@ def save_checkpoint(cfg, run, state):
     return saved
 
 
-def end_of_epoch(cfg, run, state, steps, epoch_sums, t_epoch, run_frames):
+def end_of_epoch(cfg, run, state, steps, epoch_totals, t_epoch, run_frames):
     """Replicas agree, the epoch's training criterion, cross-validation, the schedule's
     history, a checkpoint."""
     progress, step, grid = state.progress, state.step, state.grid
     epoch = progress["epoch"]
     step.drain()   # double buffering: apply the last half's update before CV
     check_replicas(grid.data, state.params.flat, steps)
-    totals = reduce_sum(grid.data, epoch_sums)
+    totals = epoch_totals()
     check_divergence(cfg, totals, state.loader.num_labels, f"epoch {epoch} end (step {steps})")
     t0 = time.perf_counter()
     cv = (cross_validate(cfg, step.model, state.params, grid, run.watchdog) if cfg["data.cv"]

@@ -153,6 +153,19 @@ def test_killed_and_resumed_run_ends_bit_identical(synth, tmp_path, adagrad):
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert not np.array_equal(stopped["params"], a["params"])
+    # the resumed epoch reports all its steps, those before the stop too (the checkpoint
+    # keeps the epoch's sums): the same frame accuracy (integer counts), the same CE up to
+    # regrouping a float64 sum of a few dozen steps (relative error below 1e-14)
+    want, got = epoch_records(full), epoch_records(cut)
+    assert len(got) == len(want) == 2
+    for w, g in zip(want, got):
+        assert g["train_frame_accuracy"] == w["train_frame_accuracy"]
+        np.testing.assert_allclose(g["train_ce"], w["train_ce"], rtol=1e-12)
+
+
+def epoch_records(run):
+    return [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+            if r["kind"] == "epoch"]
 
 
 def test_resume_under_two_ranks_is_bit_identical(synth, tmp_path):
@@ -166,6 +179,9 @@ def test_resume_under_two_ranks_is_bit_identical(synth, tmp_path):
     proc = run_train(2, train_args(synth, cut)[1:], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     np.testing.assert_array_equal(final_params(full)[0]["params"], final_params(cut)[0]["params"])
+    for w, g in zip(epoch_records(full), epoch_records(cut)):   # the sums of both ranks kept
+        assert g["train_frame_accuracy"] == w["train_frame_accuracy"]
+        np.testing.assert_allclose(g["train_ce"], w["train_ce"], rtol=1e-12)
     assert "2 rank(s)" in open(os.path.join(full, "logs", "rank0001.log")).read()
 
 
