@@ -48,9 +48,6 @@ if [ "$STAGE" != decode ]; then
         train.loss_scale=backoff
     run seed1_onebit_cold10 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
         exchange.cold_start_frames=5500000 train.seed=1
-    # the same with 2 bits a value (the kbit codec) instead of 1
-    run seed1_kbit2_cold10 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
-        exchange.codec=kbit exchange.bits=2 exchange.cold_start_frames=5500000 train.seed=1
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
     # frames of the 30-epoch runs; its archive (the same CV speakers):
     #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
@@ -69,7 +66,7 @@ fi
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l chars seed1_f32 seed1_mixed \
-        seed1_onebit_cold10 seed1_kbit2_cold10 sp; do
+        seed1_onebit_cold10 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
