@@ -172,7 +172,7 @@ def train(cfg, comm, stop):
         t_epoch, epoch_sums = time.perf_counter(), np.zeros(3)
         # the epoch's training sums (CE or loss, correct or tokens, frames) over every data
         # rank: those of the steps before a resume come from the checkpoint
-        carried = np.array(progress.get("epoch_sums") or [0.0, 0.0, 0.0], np.float64)
+        carried = np.array(progress["epoch_sums"], np.float64)
 
         def epoch_totals():   # collective
             return carried + reduce_sum(grid.data, epoch_sums)
