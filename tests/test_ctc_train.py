@@ -59,6 +59,25 @@ def test_allreduce_equals_one_process_on_the_same_global_batches(K, arch, tmp_pa
                                              "train.stop_after_frames=500")["params"])
 
 
+LN_ENCODER = "model.encoder=[conv 6 k3 s2 ln, conv 5 k5 d2 ln]"
+
+
+def test_a_layer_normalized_convolution_model_trains_as_one_process(arch, tmp_path,
+                                                                    tmp_path_factory):
+    """The all-convolutional encoder with layer norms (W2L-like): 2 ranks within float32
+    rounding of one process on the same global batches (the norm's gain and shift exchanged
+    with the rest), and mixed precision on one rank bit for bit its reference (the same
+    float16 stores around the norm's kernels)."""
+    got = arrays(train(2, arch, tmp_path_factory, LN_ENCODER))["params"]
+    assert_float32_close(got, reference(2, "float", arch, tmp_path, LN_ENCODER)["params"],
+                         reference(2, "float", arch, tmp_path, LN_ENCODER,
+                                   float64=True)["params"])
+    mixed = (LN_ENCODER, "train.precision=mixed", "train.loss_scale=static",
+             "train.loss_scale_init=256")
+    np.testing.assert_array_equal(arrays(train(1, arch, tmp_path_factory, *mixed))["params"],
+                                  reference(1, "float", arch, tmp_path, *mixed)["params"])
+
+
 @pytest.mark.parametrize("K", [2, 3])
 def test_the_overlapped_allreduce_trains_what_one_buffer_does(K, arch, tmp_path,
                                                               tmp_path_factory):
@@ -163,7 +182,9 @@ def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     ("exchange.aggregation=striped", "exchange.codec=dettmers"),
     ("qat.weights=sawb", "qat.weight_bits=4", "qat.activations=bac", "qat.activation_bits=4"),
     ("train.precision=mixed", "train.loss_scale=backoff", "train.loss_scale_init=65536"),
-], ids=["probe", "mqgrad", "cold_start", "dettmers", "qat", "backoff"])
+    (LN_ENCODER, "exchange.aggregation=striped", "exchange.codec=onebit",
+     "qat.weights=sawb", "qat.weight_bits=4", "qat.activations=bac", "qat.activation_bits=4"),
+], ids=["probe", "mqgrad", "cold_start", "dettmers", "qat", "backoff", "ln_onebit_qat"])
 def test_trainer_features_run_on_ctc(extra, arch, tmp_path):
     """The automatic minibatch size (in frames of whole utterances), the adaptive bit width,
     the cold start, Dettmers' codec, quantization-aware training and a backoff loss scaler

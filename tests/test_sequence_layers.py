@@ -65,9 +65,11 @@ def test_mask_rows_zeroes_exactly_the_padding():
 
 def test_encoder_specs():
     assert parse_spec("conv 256  k11 s2 d2") == {"kind": "conv", "units": 256, "kernel": 11,
-                                                  "stride": 2, "dilation": 2}
+                                                  "stride": 2, "dilation": 2, "norm": False}
+    assert parse_spec("conv 256 k11 ln")["norm"] and parse_spec("conv 8 k3 s2 ln")["stride"] == 2
     assert parse_spec("blstm 320") == {"kind": "blstm", "units": 320}
-    for bad in ("conv 256", "conv k3 256", "gru 128", "blstm", "conv 0 k3"):
+    for bad in ("conv 256", "conv k3 256", "gru 128", "blstm", "conv 0 k3", "conv 8 k3 ln s2",
+                "blstm 8 ln"):
         with pytest.raises(ValueError, match="encoder layer"):
             parse_spec(bad)
     with pytest.raises(ValueError, match="first layer only"):
@@ -88,13 +90,15 @@ def _init(net, seed=0):
     return params
 
 
-def test_tdnn_gradient_by_finite_differences():
+@pytest.mark.parametrize("norm", ["", " ln"])
+def test_tdnn_gradient_by_finite_differences(norm):
     """float64: a convolution (dilated) + a BLSTM + the softmax on full chunks; every
-    parameter of the convolutions and the output checked at sampled coordinates against a
-    central difference (step 1e-6: error ~1e-9 relative)."""
+    parameter of the convolutions (with " ln": their layer norms' gains and shifts too) and
+    the output checked at sampled coordinates against a central difference (step 1e-6:
+    error ~1e-9 relative)."""
     steps, nb, D, V = 6, 2, 3, 4
-    net = tdnn(D, ["conv 5 k3", "conv 4 k3 d2", "blstm 3"], V, "sigmoid", steps=steps,
-               max_batch=64, dtype=np.float64)
+    net = tdnn(D, ["conv 5 k3" + norm, "conv 4 k3 d2" + norm, "blstm 3"], V, "sigmoid",
+               steps=steps, max_batch=64, dtype=np.float64)
     params = _init(net)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((steps * nb, D))
@@ -107,7 +111,9 @@ def test_tdnn_gradient_by_finite_differences():
         g = net.new_params()
         return net.forward_backward(params, g, x, y, len(y))[0]
 
-    for name in ("W0", "b0", "W1", "b1", "W3"):
+    names = ("W0", "b0", "W1", "b1", "W3") + (("g0", "g1") if norm else ())
+    assert set(names) <= {spec.name for spec in net.specs}
+    for name in names:
         view, flat = params[name], params[name].reshape(-1)
         for k in rng.choice(view.size, size=min(6, view.size), replace=False):
             old = flat[k]
@@ -136,7 +142,8 @@ def _sequence_net(encoder, D, V):
 
 
 @pytest.mark.parametrize("encoder", [["conv 5 k3", "blstm 3", "dense 4"],
-                                     ["conv 4 k3 d2", "lstm 3", "conv 5 k5"]])
+                                     ["conv 4 k3 d2", "lstm 3", "conv 5 k5"],
+                                     ["conv 5 k3 ln", "conv 4 k5 d2 ln", "lstm 3"]])
 def test_padded_batch_is_its_sequences_alone(encoder):
     """Three sequences of 7, 5 and 2 steps in one padded batch (labels -1 on the padding):
     the same outputs on every valid step, the same summed loss and the same gradient as the

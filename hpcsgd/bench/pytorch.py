@@ -65,7 +65,8 @@ def SequenceModel(torch, shape, act):
 def CTCModel(torch, shape, act, out=None):
     """A CTC encoder as PyTorch users write it, layer for layer the spec's
     (hpcsgd/model/encoder.py): frame stacking as a reshape, nn.Conv1d with centred padding
-    (on (B, C, T), the padding past each utterance zeroed), nn.LSTM on packed sequences
+    (on (B, C, T), the padding past each utterance zeroed; "ln": nn.LayerNorm over the
+    channels before the activation, the convolution without bias), nn.LSTM on packed sequences
     (bidirectional for blstm), nn.Linear; a Linear to the tokens. forward(x (T, B, D)
     time-major, lengths (B,) longest first) -> ((T', B, V) log-probabilities for nn.CTCLoss,
     the output lengths). Also experiments/pytorch_ctc.py's model. With `out` = the joint's
@@ -85,7 +86,11 @@ def CTCModel(torch, shape, act, out=None):
                 elif kind == "conv":
                     k, d = spec["kernel"], spec["dilation"]
                     layer = torch.nn.Conv1d(n_in, width, k, stride=spec["stride"],
-                                            dilation=d, padding=(k - 1) * d // 2)
+                                            dilation=d, padding=(k - 1) * d // 2,
+                                            bias=not spec["norm"])
+                    if spec["norm"]:
+                        layer = torch.nn.ModuleDict({"conv": layer,
+                                                     "norm": torch.nn.LayerNorm(width)})
                 elif kind in ("blstm", "lstm"):
                     layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
                     width *= 2 if kind == "blstm" else 1
@@ -106,7 +111,11 @@ def CTCModel(torch, shape, act, out=None):
                     x = x.view(-1, k, b, d).permute(0, 2, 1, 3).reshape(-1, b, k * d)
                     lengths = (lengths + k - 1) // k
                 elif kind == "conv":
-                    x = self.act(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
+                    if spec["norm"]:
+                        x = layer["conv"](x.permute(1, 2, 0)).permute(2, 0, 1)
+                        x = self.act(layer["norm"](x))
+                    else:
+                        x = self.act(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
                     lengths = (lengths + spec["stride"] - 1) // spec["stride"]
                     valid = torch.arange(x.shape[0], device=x.device)[:, None] < \
                         lengths.to(x.device)[None, :]

@@ -11,6 +11,12 @@ backward's dW = cols^T @ dz, whose buffer then takes dcols = dz @ W^T, folded in
 per output row: 2 k C F FLOP forward, as much for dW and for dX; the workspace is k times
 the input.
 
+Conv1d(..., norm=True) (spec "conv F kK ... ln"): y = f(LayerNorm(cols @ W)), each output row
+normalized over its F channels (model.kernels_norm), then scaled and shifted by g{index} and
+b{index} (1, F) (the norm's gamma and beta; no bias before it: the norm's beta is the shift).
+The GEMM's output z is kept in a workspace for the backward (rows x F more), which recomputes
+the rows' statistics from it; the norm's backward writes dz over y, then the GEMMs as above.
+
 StackFrames(index, C, k): row t' = [x_{t'k}, ..., x_{t'k+k-1}] (zeros past the end): a
 subsampling by k without parameters, the input of the next layer k*C wide.
 
@@ -30,13 +36,15 @@ class Conv1d:
     """A 1-D convolution over time with an activation (ReLU or sigmoid)."""
     sequence = True   # Network passes its input's Lengths and its workspace
 
-    def __init__(self, index, n_in, n_out, kernel, stride=1, dilation=1, activation="relu"):
+    def __init__(self, index, n_in, n_out, kernel, stride=1, dilation=1, activation="relu",
+                 norm=False):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
         if min(kernel, stride, dilation) < 1:
             raise ValueError(f"convolution: kernel {kernel}, stride {stride}, dilation "
                              f"{dilation} must all be >= 1")
         self.W, self.b = f"W{index}", f"b{index}"
+        self.g = f"g{index}" if norm else None   # the layer norm's gain (gamma)
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.kernel, self.stride, self.dilation = int(kernel), int(stride), int(dilation)
         self.left = (self.kernel - 1) * self.dilation // 2
@@ -45,17 +53,24 @@ class Conv1d:
         self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)
 
     def specs(self):
+        gain = [ParamSpec(self.g, (1, self.n_out), "bias", "codec", "rows")] if self.g else []
         return [ParamSpec(self.W, (self.kernel * self.n_in, self.n_out), "weight", "codec",
-                          "rows"),
-                ParamSpec(self.b, (1, self.n_out), "bias", "codec", "rows")]
+                          "rows")] + gain + [ParamSpec(self.b, (1, self.n_out), "bias", "codec",
+                                                       "rows")]
 
     def workspace(self, max_rows):
-        return {"cols": (max_rows, self.kernel * self.n_in)}
+        out = {"cols": (max_rows, self.kernel * self.n_in)}
+        if self.g:
+            out["z"] = (max_rows, self.n_out)   # the GEMM's output, before the norm
+        return out
 
     def init(self, views, rng):
-        """Glorot over the k*C inputs, times 4 for sigmoid and sqrt(2) for ReLU (as Dense)."""
+        """Glorot over the k*C inputs, times 4 for sigmoid and sqrt(2) for ReLU (as Dense);
+        the norm's gain 1 and every shift 0."""
         glorot_uniform(views[self.W], rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
         views[self.b][...] = 0
+        if self.g:
+            views[self.g][...] = 1
 
     def out_lengths(self, lengths):
         return lengths.strided(self.stride)
@@ -69,15 +84,23 @@ class Conv1d:
         shape, rows = self._shape(lengths)
         cols = ws["cols"][:rows]
         ops.unfold(x, cols, *shape)
-        matmul(cols, p[self.W], y)                       # 2 rows k C F FLOP
+        z = ws["z"][:rows] if self.g else y
+        matmul(cols, p[self.W], z)                       # 2 rows k C F FLOP
         if progress is not None:
             progress()
-        ops.bias_act(y, p[self.b], self.kind)
+        if self.g:
+            ops.layer_norm(z, p[self.g], p[self.b], y, self.kind)
+        else:
+            ops.bias_act(y, p[self.b], self.kind)
 
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
         shape, rows = self._shape(lengths)
         cols = ws["cols"][:rows]                         # the forward's unfolded input
-        ops.act_backward(y, dy, y, g[self.b], self.kind)  # dz over y
+        if self.g:                                       # dz over y
+            ops.layer_norm_backward(ws["z"][:rows], y, dy, p[self.g], y, g[self.g],
+                                    g[self.b], self.kind)
+        else:
+            ops.act_backward(y, dy, y, g[self.b], self.kind)
         matmul(cols, y, g[self.W], trans_a=True)
         if progress is not None:
             progress()

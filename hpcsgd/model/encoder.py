@@ -3,8 +3,11 @@
 
 A spec is a short string (the config key model.encoder is a list of them):
 
-    conv F kK [sS] [dD]   a 1-D convolution of F channels, kernel K, stride S, dilation D
-                          (model/conv.py: Conv1d; S and D default to 1), with model.activation
+    conv F kK [sS] [dD] [ln]
+                          a 1-D convolution of F channels, kernel K, stride S, dilation D
+                          (model/conv.py: Conv1d; S and D default to 1), with model.activation;
+                          `ln`: each output frame layer-normalized over its channels before the
+                          activation (the all-convolutional recipe's normalization)
     stack K               frame stacking: K consecutive frames as one (subsampling by K; the
                           first layer only)
     blstm H               a bidirectional LSTM layer, H cells per direction (model/lstm.py)
@@ -12,8 +15,8 @@ A spec is a short string (the config key model.encoder is a list of them):
     dense F               a fully connected layer of F units with model.activation
 
     DeepSpeech2-like:  ["conv 256 k5 s2", "blstm 320", "blstm 320", "blstm 320"]
-    Wav2Letter-like:   ["conv 256 k11 s2", "conv 256 k11", "conv 256 k13", "conv 512 k17 d2",
-                        "conv 512 k1"]
+    Wav2Letter-like:   ["conv 256 k11 s2 ln", "conv 256 k11 ln", "conv 256 k13 ln",
+                        "conv 512 k17 d2 ln", "conv 512 k1 ln"]
 
 The output layer (softmax over labels, or CTC over tokens and the blank) is the builder's:
 model/ctc.py for CTC, tdnn() below for a hybrid frame classifier over chunks.
@@ -28,7 +31,7 @@ from hpcsgd.model.lstm import LSTM
 from hpcsgd.model.network import Network
 
 KINDS = ("conv", "stack", "blstm", "lstm", "dense")
-_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)$")
+_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)( ln)?$")
 
 
 def parse_spec(text):
@@ -38,7 +41,8 @@ def parse_spec(text):
     if conv:
         opts = dict((o[0], int(o[1:])) for o in conv.group(3).split())
         spec = {"kind": "conv", "units": int(conv.group(1)), "kernel": int(conv.group(2)),
-                "stride": opts.get("s", 1), "dilation": opts.get("d", 1)}
+                "stride": opts.get("s", 1), "dilation": opts.get("d", 1),
+                "norm": conv.group(4) is not None}
         if min(spec["units"], spec["kernel"], spec["stride"], spec["dilation"]) < 1:
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
         return spec
@@ -46,7 +50,7 @@ def parse_spec(text):
     if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
             and parts[1].isdigit() and int(parts[1]) >= 1:
         return {"kind": parts[0], "units": int(parts[1])}
-    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD]', 'stack K', "
+    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ln]', 'stack K', "
                      f"'blstm H', 'lstm H' or 'dense F' (model/encoder.py)")
 
 
@@ -65,7 +69,7 @@ def encoder_layers(input_dim, specs, activation="relu", first_index=0):
             layers.append(StackFrames(index, n_in, spec["units"]))
         elif kind == "conv":
             layers.append(Conv1d(index, n_in, spec["units"], spec["kernel"], spec["stride"],
-                                 spec["dilation"], activation))
+                                 spec["dilation"], activation, spec["norm"]))
         elif kind in ("blstm", "lstm"):
             layers.append(LSTM(index, n_in, spec["units"], bidirectional=kind == "blstm"))
         else:

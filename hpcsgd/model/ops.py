@@ -20,6 +20,8 @@ from hpcsgd.device import matmul, zeros
 from hpcsgd.lazy_cuda import cuda as cuda_module
 from hpcsgd.model import kernels as K
 from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.model import kernels_norm as KN
+from hpcsgd.model import kernels_norm_cuda as KNC
 from hpcsgd.model import kernels_parallel as KP
 from hpcsgd.model import kernels_quant as KQ
 from hpcsgd.model import kernels_seq as KS
@@ -37,6 +39,7 @@ class CpuOps:
         self.correct_part = np.empty(K.NCHUNK, np.int64)
         self.quant_part = np.empty((max_batch, 3), np.float64)   # grown for a taller weight
         self.quant_bits = np.empty(max_batch, np.uint64)
+        self.norm_part = np.empty((2, K.NCHUNK, max_width), np.float64)
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -116,6 +119,16 @@ class CpuOps:
     def mask_rows(self, x, lengths):
         """Zero the padding rows of a time-major batch of the given Lengths."""
         KS.mask_rows(x, lengths.batch_sizes, lengths.nb)
+
+    def layer_norm(self, z, gamma, beta, y, kind):
+        """y <- f(gamma * (z - mean) / std + beta), each row over its channels
+        (model.kernels_norm)."""
+        KN.layer_norm_forward(z, gamma, beta, y, kind)
+
+    def layer_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind):
+        """dz (may be y) <- dLoss/dz from the forward's z and y and dy; ggamma, gbeta <- the
+        column sums of dh * xh and dh (model.kernels_norm)."""
+        KN.layer_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, self.norm_part, kind)
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """The CTC loss of z (logits without bias, time-major, `lengths` the utterances'
@@ -284,6 +297,14 @@ class CudaOps:
             lengths.device_batch_sizes = cuda_module.to_device(lengths.batch_sizes)
         KC.mask_rows(x, lengths.device_batch_sizes, lengths.nb)
 
+    def layer_norm(self, z, gamma, beta, y, kind):
+        KNC.layer_norm_forward(z, gamma, beta, y, kind)
+
+    def layer_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind):
+        """Every row's statistics go to row_stats (free here: the softmax's 16-bit path uses
+        it only inside the loss, on the same stream)."""
+        KNC.layer_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, self.row_stats, kind)
+
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """One block per utterance (model.kernels_ctc_cuda). The targets and the workspace
         offsets go to the device (small copies); the losses and feasibility come back in
@@ -385,6 +406,12 @@ class GemmOnly:
         pass
 
     def mask_rows(self, x, lengths):
+        pass
+
+    def layer_norm(self, z, gamma, beta, y, kind):
+        pass
+
+    def layer_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind):
         pass
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
@@ -533,6 +560,17 @@ class HalfOps:
 
     def mask_rows(self, x, lengths):
         self.ops.mask_rows(x, lengths)     # zeros: exact in any format
+
+    def layer_norm(self, z, gamma, beta, y, kind):
+        self.store(z)                      # x @ W: a GEMM's 16-bit output
+        self.ops.layer_norm(z, gamma, beta, y, kind)
+        self.store(y)
+
+    def layer_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind):
+        """As act_backward: dz rounded once; the parameters' gradients float32 sums."""
+        self.store(dy)
+        self.ops.layer_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, kind)
+        self.store(dz)
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """As softmax_xent: the 16-bit logits in, the scaled gradient rounded once after;
