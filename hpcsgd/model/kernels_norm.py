@@ -16,7 +16,8 @@ rounded once to the array's dtype; the element-wise steps run in the dtype. The 
 recomputes the statistics from z (the GEMM's output, kept by the layer) with the same code as
 the forward, so it sees the same bits, and nothing per row is stored between the passes. The
 column sums split the rows into C fixed chunks of float64 partials added in order: the same
-bits whatever the number of threads. A row of zeros (padding) normalizes to zeros.
+bits whatever the number of threads. A constant row (padding: zeros) has variance 0: xh = 0,
+y = f(beta), and 1/std = 1/sqrt(EPS) keeps its gradient finite.
 """
 import math
 
