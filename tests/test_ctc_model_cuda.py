@@ -88,12 +88,14 @@ else:
     @pytest.mark.parametrize("precision,encoder", [
         ("float32", ["conv 6 k3 s2", "blstm 4"]), ("mixed", ["conv 6 k3 s2", "blstm 4"]),
         ("float32", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"]),
-        ("mixed", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"])])
+        ("mixed", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"]),
+        ("float32", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"]),
+        ("mixed", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"])])
     def test_a_ctc_model_on_the_gpu_equals_the_cpu_model(precision, encoder):
         """The same weights and batch on both: float32 within 1e-4 of the gradient's scale;
         mixed (float16 storage on the GPU, the float32-buffer emulation on the CPU) within
         2^-7 of each matrix's gradient norm, at a static scale of 256. The all-convolutional
-        encoder with layer norms (kernels_norm_cuda) as well as the DS2-like one."""
+        encoder with layer or instance norms (kernels_norm_cuda) as well as the DS2-like one."""
         rng = np.random.default_rng(7)
         cpu = ctc(3, encoder, 6, max_batch=64, precision=precision)
         gpu = ctc(3, encoder, 6, max_batch=64, device="cuda", precision=precision)

@@ -60,19 +60,22 @@ def test_allreduce_equals_one_process_on_the_same_global_batches(K, arch, tmp_pa
 
 
 LN_ENCODER = "model.encoder=[conv 6 k3 s2 ln, conv 5 k5 d2 ln]"
+IN_ENCODER = "model.encoder=[conv 6 k3 s2 in, conv 5 k5 d2 in]"
 
 
-def test_a_layer_normalized_convolution_model_trains_as_one_process(arch, tmp_path,
-                                                                    tmp_path_factory):
-    """The all-convolutional encoder with layer norms (W2L-like): 2 ranks within float32
-    rounding of one process on the same global batches (the norm's gain and shift exchanged
-    with the rest), and mixed precision on one rank bit for bit its reference (the same
-    float16 stores around the norm's kernels)."""
-    got = arrays(train(2, arch, tmp_path_factory, LN_ENCODER))["params"]
-    assert_float32_close(got, reference(2, "float", arch, tmp_path, LN_ENCODER)["params"],
-                         reference(2, "float", arch, tmp_path, LN_ENCODER,
+@pytest.mark.parametrize("encoder", [LN_ENCODER, IN_ENCODER], ids=["ln", "in"])
+def test_a_normalized_convolution_model_trains_as_one_process(encoder, arch, tmp_path,
+                                                              tmp_path_factory):
+    """The all-convolutional encoder with layer or instance norms (W2L-like): 2 ranks within
+    float32 rounding of one process on the same global batches (the norm's gain and shift
+    exchanged with the rest; instance norm's statistics each utterance's, wherever it is
+    dealt), and mixed precision on one rank bit for bit its reference (the same float16
+    stores around the norm's kernels)."""
+    got = arrays(train(2, arch, tmp_path_factory, encoder))["params"]
+    assert_float32_close(got, reference(2, "float", arch, tmp_path, encoder)["params"],
+                         reference(2, "float", arch, tmp_path, encoder,
                                    float64=True)["params"])
-    mixed = (LN_ENCODER, "train.precision=mixed", "train.loss_scale=static",
+    mixed = (encoder, "train.precision=mixed", "train.loss_scale=static",
              "train.loss_scale_init=256")
     np.testing.assert_array_equal(arrays(train(1, arch, tmp_path_factory, *mixed))["params"],
                                   reference(1, "float", arch, tmp_path, *mixed)["params"])
@@ -184,7 +187,10 @@ def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     ("train.precision=mixed", "train.loss_scale=backoff", "train.loss_scale_init=65536"),
     (LN_ENCODER, "exchange.aggregation=striped", "exchange.codec=onebit",
      "qat.weights=sawb", "qat.weight_bits=4", "qat.activations=bac", "qat.activation_bits=4"),
-], ids=["probe", "mqgrad", "cold_start", "dettmers", "qat", "backoff", "ln_onebit_qat"])
+    (IN_ENCODER, "exchange.aggregation=striped", "exchange.codec=onebit",
+     "exchange.double_buffering=true", "train.precision=bf16", "train.loss_scale=none"),
+], ids=["probe", "mqgrad", "cold_start", "dettmers", "qat", "backoff", "ln_onebit_qat",
+        "in_onebit_db_bf16"])
 def test_trainer_features_run_on_ctc(extra, arch, tmp_path):
     """The automatic minibatch size (in frames of whole utterances), the adaptive bit width,
     the cold start, Dettmers' codec, quantization-aware training and a backoff loss scaler

@@ -1,5 +1,5 @@
-"""Layer normalization (hpcsgd.model.kernels_norm and its CUDA twin kernels_norm_cuda) against
-the float64 NumPy reference; the CUDA kernels under Numba's simulator in a child process (as
+"""Layer and instance normalization (hpcsgd.model.kernels_norm and its CUDA twin
+kernels_norm_cuda) against the float64 NumPy reference; the CUDA kernels under Numba's simulator in a child process (as
 tests/test_ctc_cuda.py; on a real GPU with HPCSGD_TEST_GPU=1) and compiled for sm_80 and
 sm_90 by NVVM.
 
@@ -13,7 +13,9 @@ once; its row means m1, m2 are float64 sums of float32 terms rounded once; dz = 
 xh m2) adds four roundings: |dz - exact| <= 16u r (|g| + mean|g| + (|xh| + a) mean(|g|(|xh| +
 a))) with a = |mean| r (xh's absolute error term). The parameter sums: each term dh xh within
 8u |dh| (|xh| + a), float64 sums, one final rounding. CPU and CUDA are each within these of
-the exact value, so within twice of each other.
+the exact value, so within twice of each other. Instance norm is the same algebra over a
+sequence's steps instead of a row's channels: its bounds are the same formulas applied to
+each sequence's valid rows transposed (in_tols).
 """
 import os
 
@@ -87,7 +89,93 @@ def cpu(z, gamma, beta, dy, kind):
     return y, dz, gg, gb
 
 
+LENGTHS = np.array([9, 9, 6, 1, 0])   # equal, shorter, a single step (variance 0), empty
+
+
+def seq_case(seed, m=23, lengths=LENGTHS, dtype=np.float32):
+    """A time-major batch of len(lengths) sequences, garbage (not zeros) in the padding."""
+    z, gamma, beta, dy = case(seed, n=int(lengths[0]) * len(lengths), m=m, dtype=dtype)
+    return z, gamma, beta, dy, len(lengths), lengths
+
+
+def rows_of(nb, lengths):
+    return [np.arange(int(n)) * nb + b for b, n in enumerate(lengths)]
+
+
+def in_tols(z, gamma, beta, y, dy, kind, nb, lengths):
+    """(y, dz, dgamma, dbeta) tolerances of instance norm: the layer norm bounds of each
+    sequence's rows transposed (its channels as rows); the parameter sums' terms added."""
+    t_y, t_dz = np.zeros(z.shape), np.zeros(z.shape)
+    t_dg, t_db = np.zeros(gamma.shape), np.zeros(gamma.shape)
+    for rows in rows_of(nb, lengths):
+        if len(rows):
+            zs, ys, dys = z[rows].T, y[rows].T, dy[rows].T
+            t_y[rows] = forward_tol(zs, gamma.T, beta.T, kind).T
+            mean, r, xh = stats64(zs)
+            dh = dys * (ys > 0) if kind == RELU else dys.astype(np.float64) * ys * (1 - ys)
+            g = np.abs(gamma.T * dh)
+            a = np.abs(mean) * r
+            t_dz[rows] = (16 * U * r * (g + g.mean(1, keepdims=True) + (np.abs(xh) + a) * (
+                g * (np.abs(xh) + a)).mean(1, keepdims=True))).T
+            t_dg += 8 * U * (np.abs(dh) * (np.abs(xh) + a)).sum(1)[None]
+            t_db += 4 * U * np.abs(dh).sum(1)[None]
+    ref = KN.ref_instance_norm_backward(z, gamma, beta, dy, kind, nb, lengths, y=y)
+    return t_y, t_dz, t_dg + U * np.abs(ref[1]), t_db + U * np.abs(ref[2])
+
+
+def cpu_in(z, gamma, beta, dy, kind, nb, lengths):
+    y = np.full_like(z, np.nan)
+    scratch = np.empty((nb, 6, z.shape[1]))
+    KN.instance_norm_forward(z, gamma, beta, y, kind, nb, lengths, scratch)
+    dz = y.copy()
+    gg, gb = np.empty_like(gamma), np.empty_like(beta)
+    KN.instance_norm_backward(z, dz, dy, gamma, dz, gg, gb, kind, nb, lengths, scratch)
+    return y, dz, gg, gb
+
+
+def check_in(got, z, gamma, beta, dy, kind, nb, lengths, factor=1):
+    """got = (y, dz, dgamma, dbeta) within factor x the bounds of the reference; the padding
+    rows exactly 0."""
+    y, dz, gg, gb = got
+    tols = in_tols(z, gamma, beta, y, dy, kind, nb, lengths)
+    want = (KN.ref_instance_norm(z, gamma, beta, kind, nb, lengths),
+            *KN.ref_instance_norm_backward(z, gamma, beta, dy, kind, nb, lengths, y=y))
+    for a, b, tol in zip((y, dz, gg, gb), want, tols):
+        assert (np.abs(a - b) <= factor * tol).all()
+    pad = np.ones(len(z), bool)
+    pad[np.concatenate(rows_of(nb, lengths))] = False
+    assert not y[pad].any() and not dz[pad].any() and np.abs(dz[~pad]).sum() > 0
+
+
 if not CHILD:
+    @pytest.mark.parametrize("kind", [RELU, SIGMOID])
+    def test_instance_norm_cpu_matches_reference_within_bound(kind):
+        z, gamma, beta, dy, nb, lengths = seq_case(6)
+        check_in(cpu_in(z, gamma, beta, dy, kind, nb, lengths), z, gamma, beta, dy, kind, nb,
+                 lengths)
+
+    def test_instance_norm_float64_and_threads():
+        """float64: the reference's values (1e-12); float32: the same bits for 1 thread or
+        all of them (a sequence per thread, the parameter sums in sequence order)."""
+        import numba
+        z, gamma, beta, dy, nb, lengths = seq_case(7, dtype=np.float64)
+        y, dz, gg, gb = cpu_in(z, gamma, beta, dy, SIGMOID, nb, lengths)
+        np.testing.assert_allclose(y, KN.ref_instance_norm(z, gamma, beta, SIGMOID, nb,
+                                                           lengths), rtol=1e-12, atol=1e-15)
+        for a, b in zip((dz, gg, gb), KN.ref_instance_norm_backward(z, gamma, beta, dy,
+                                                                    SIGMOID, nb, lengths)):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+        z, gamma, beta, dy, nb, lengths = seq_case(8, m=64)
+        out = []
+        for threads in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(threads)
+            try:
+                out.append(cpu_in(z, gamma, beta, dy, RELU, nb, lengths))
+            finally:
+                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        for a, b in zip(*out):
+            np.testing.assert_array_equal(a, b)
+
     @pytest.mark.parametrize("kind", [RELU, SIGMOID])
     def test_cpu_kernels_match_float64_reference_within_bound(kind):
         z, gamma, beta, dy = case(0)
@@ -133,21 +221,30 @@ if not CHILD:
         run_cuda_tests_in_child(__file__)
 
     def test_norm_kernels_compile_for_sm80_and_sm90(monkeypatch):
-        """NVVM compiles the four kernels with float32, float16 and bfloat16 (uint16) arrays;
-        ptxas reports no spills."""
+        """NVVM compiles every kernel (layer norm's four, instance norm's five) with float32,
+        float16 and bfloat16 (uint16) arrays; ptxas reports no spills."""
         cuda, types, bench_cuda = ptx_compiler(monkeypatch)
         from hpcsgd.model import kernels_norm_cuda as KNC
 
         def a2(dt):
             return types.Array(dt, 2, "C")
         f32 = a2(types.float32)
+        i64 = types.Array(types.int64, 1, "C")
+        st = types.Array(types.float64, 3, "C")
         sigs = []
         for dt in (types.float32, types.float16, types.uint16):
             x = a2(dt)
             sigs += [(KNC._forward_kernel, (x, x, x, x, types.int64)),
                      (KNC._stats_kernel, (x, f32)),
                      (KNC._param_sums_kernel, (x, x, x, f32, f32, f32, types.int64)),
-                     (KNC._backward_kernel, (x, x, x, x, f32, x, types.int64))]
+                     (KNC._backward_kernel, (x, x, x, x, f32, x, types.int64)),
+                     (KNC._in_forward_kernel, (x, x, x, x, types.int64, i64, st, types.int64)),
+                     (KNC._in_sums_kernel, (x, x, x, x, types.int64, i64, st, types.int64)),
+                     (KNC._in_backward_kernel, (x, x, x, x, types.int64, i64, st, x,
+                                                types.int64))]
+        sigs += [(KNC._in_stats_kernel, (a2(dt), types.int64, i64, st))
+                 for dt in (types.float32, types.float16, types.uint16)]
+        sigs.append((KNC._in_param_sums_kernel, (st, types.int64, f32, f32)))
         for cc in (80, 90):
             monkeypatch.setattr(bench_cuda._Target, "compute_capability", divmod(cc, 10))
             for kernel, sig in sigs:
@@ -212,4 +309,40 @@ else:
         np.testing.assert_array_equal(y16, rnd(y32))
         np.testing.assert_array_equal(dz16, rnd(dz32))
         np.testing.assert_array_equal(gg16, gg32)   # float32 sums of the same values
+        np.testing.assert_array_equal(gb16, gb32)
+
+    def run_cuda_in(z, gamma, beta, dy, kind, nb, lengths):
+        dev = [cuda.to_device(a) for a in (z, gamma, beta, dy)]
+        lens = cuda.to_device(np.asarray(lengths, np.int64))
+        st = cuda.to_device(np.full((nb, 6, z.shape[1]), np.nan))
+        y = cuda.to_device(np.full(z.shape, np.nan, z.dtype))
+        KNC.instance_norm_forward(dev[0], dev[1], dev[2], y, kind, nb, lens, st)
+        y_host = y.copy_to_host()
+        gg = cuda.to_device(np.full(gamma.shape, np.nan, np.float32))
+        gb = cuda.to_device(np.full(beta.shape, np.nan, np.float32))
+        KNC.instance_norm_backward(dev[0], y, dev[3], dev[1], y, gg, gb, kind, nb, lens, st)
+        return y_host, y.copy_to_host(), gg.copy_to_host(), gb.copy_to_host()
+
+    @pytest.mark.parametrize("kind,m", [(RELU, 23), (SIGMOID, 40)])
+    def test_instance_norm_matches_reference_and_cpu(kind, m):
+        """m = 40: more channels than a column tile of 32."""
+        z, gamma, beta, dy, nb, lengths = seq_case(9, m=m)
+        got = run_cuda_in(z, gamma, beta, dy, kind, nb, lengths)
+        check_in(got, z, gamma, beta, dy, kind, nb, lengths)
+        cpu_out = cpu_in(z, gamma, beta, dy, kind, nb, lengths)
+        tols = in_tols(z, gamma, beta, got[0], dy, kind, nb, lengths)
+        assert (np.abs(got[0] - cpu_out[0]) <= 2 * tols[0]).all()
+        if (got[0] > 0).tolist() == (cpu_out[0] > 0).tolist():
+            for a, b, tol in zip(got[1:], cpu_out[1:], tols[1:]):
+                assert (np.abs(a - b) <= 2 * tol).all()
+
+    def test_instance_norm_16bit_storage_is_the_float32_result_rounded_once():
+        z, gamma, beta, dy, nb, lengths = seq_case(10, m=16)
+        args16 = [a.astype(np.float16) for a in (z, gamma, beta, dy)]
+        y16, dz16, gg16, gb16 = run_cuda_in(*args16, RELU, nb, lengths)
+        y32, dz32, gg32, gb32 = run_cuda_in(*[a.astype(np.float32) for a in args16], RELU, nb,
+                                            lengths)
+        np.testing.assert_array_equal(y16, y32.astype(np.float16))
+        np.testing.assert_array_equal(dz16, dz32.astype(np.float16))
+        np.testing.assert_array_equal(gg16, gg32)
         np.testing.assert_array_equal(gb16, gb32)

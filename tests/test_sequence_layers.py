@@ -65,11 +65,12 @@ def test_mask_rows_zeroes_exactly_the_padding():
 
 def test_encoder_specs():
     assert parse_spec("conv 256  k11 s2 d2") == {"kind": "conv", "units": 256, "kernel": 11,
-                                                  "stride": 2, "dilation": 2, "norm": False}
-    assert parse_spec("conv 256 k11 ln")["norm"] and parse_spec("conv 8 k3 s2 ln")["stride"] == 2
+                                                  "stride": 2, "dilation": 2, "norm": None}
+    assert parse_spec("conv 256 k11 ln")["norm"] == "ln" and parse_spec("conv 8 k3 s2 in") == {
+        "kind": "conv", "units": 8, "kernel": 3, "stride": 2, "dilation": 1, "norm": "in"}
     assert parse_spec("blstm 320") == {"kind": "blstm", "units": 320}
     for bad in ("conv 256", "conv k3 256", "gru 128", "blstm", "conv 0 k3", "conv 8 k3 ln s2",
-                "blstm 8 ln"):
+                "blstm 8 ln", "conv 8 k3 ln in", "conv 8 k3 bn"):
         with pytest.raises(ValueError, match="encoder layer"):
             parse_spec(bad)
     with pytest.raises(ValueError, match="first layer only"):
@@ -90,7 +91,7 @@ def _init(net, seed=0):
     return params
 
 
-@pytest.mark.parametrize("norm", ["", " ln"])
+@pytest.mark.parametrize("norm", ["", " ln", " in"])
 def test_tdnn_gradient_by_finite_differences(norm):
     """float64: a convolution (dilated) + a BLSTM + the softmax on full chunks; every
     parameter of the convolutions (with " ln": their layer norms' gains and shifts too) and
@@ -143,7 +144,8 @@ def _sequence_net(encoder, D, V):
 
 @pytest.mark.parametrize("encoder", [["conv 5 k3", "blstm 3", "dense 4"],
                                      ["conv 4 k3 d2", "lstm 3", "conv 5 k5"],
-                                     ["conv 5 k3 ln", "conv 4 k5 d2 ln", "lstm 3"]])
+                                     ["conv 5 k3 ln", "conv 4 k5 d2 ln", "lstm 3"],
+                                     ["conv 5 k3 in", "conv 4 k5 d2 in", "blstm 3"]])
 def test_padded_batch_is_its_sequences_alone(encoder):
     """Three sequences of 7, 5 and 2 steps in one padded batch (labels -1 on the padding):
     the same outputs on every valid step, the same summed loss and the same gradient as the

@@ -66,12 +66,30 @@ def CTCModel(torch, shape, act, out=None):
     """A CTC encoder as PyTorch users write it, layer for layer the spec's
     (hpcsgd/model/encoder.py): frame stacking as a reshape, nn.Conv1d with centred padding
     (on (B, C, T), the padding past each utterance zeroed; "ln": nn.LayerNorm over the
-    channels before the activation, the convolution without bias), nn.LSTM on packed sequences
+    channels before the activation, "in": each channel normalized over the utterance's valid
+    steps (masked means: nn.InstanceNorm1d would count the padding), either with the
+    convolution without bias), nn.LSTM on packed sequences
     (bidirectional for blstm), nn.Linear; a Linear to the tokens. forward(x (T, B, D)
     time-major, lengths (B,) longest first) -> ((T', B, V) log-probabilities for nn.CTCLoss,
     the output lengths). Also experiments/pytorch_ctc.py's model. With `out` = the joint's
     width: a transducer's encoder, (T', B, out) of its joint projection (no log-softmax)."""
     from hpcsgd.model.encoder import parse_spec
+    from hpcsgd.model.kernels_norm import EPS
+
+    class InstanceNorm(torch.nn.Module):
+        """x (T, B, C): each (sequence, channel) over the sequence's valid steps."""
+        def __init__(self, width):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(width))
+            self.bias = torch.nn.Parameter(torch.zeros(width))
+
+        def forward(self, x, lengths):
+            valid = (torch.arange(x.shape[0], device=x.device)[:, None]
+                     < lengths.to(x.device)[None, :]).to(x.dtype)[..., None]
+            count = valid.sum(0, keepdim=True).clamp(min=1)
+            mean = (x * valid).sum(0, keepdim=True) / count
+            var = ((x - mean) ** 2 * valid).sum(0, keepdim=True) / count
+            return (x - mean) / torch.sqrt(var + EPS) * self.weight + self.bias
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -89,8 +107,9 @@ def CTCModel(torch, shape, act, out=None):
                                             dilation=d, padding=(k - 1) * d // 2,
                                             bias=not spec["norm"])
                     if spec["norm"]:
-                        layer = torch.nn.ModuleDict({"conv": layer,
-                                                     "norm": torch.nn.LayerNorm(width)})
+                        norm = torch.nn.LayerNorm(width, eps=EPS) if spec["norm"] == "ln" \
+                            else InstanceNorm(width)
+                        layer = torch.nn.ModuleDict({"conv": layer, "norm": norm})
                 elif kind in ("blstm", "lstm"):
                     layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
                     width *= 2 if kind == "blstm" else 1
@@ -111,12 +130,15 @@ def CTCModel(torch, shape, act, out=None):
                     x = x.view(-1, k, b, d).permute(0, 2, 1, 3).reshape(-1, b, k * d)
                     lengths = (lengths + k - 1) // k
                 elif kind == "conv":
-                    if spec["norm"]:
+                    lengths = (lengths + spec["stride"] - 1) // spec["stride"]
+                    if spec["norm"] == "ln":
                         x = layer["conv"](x.permute(1, 2, 0)).permute(2, 0, 1)
                         x = self.act(layer["norm"](x))
+                    elif spec["norm"] == "in":
+                        x = layer["conv"](x.permute(1, 2, 0)).permute(2, 0, 1)
+                        x = self.act(layer["norm"](x, lengths))
                     else:
                         x = self.act(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
-                    lengths = (lengths + spec["stride"] - 1) // spec["stride"]
                     valid = torch.arange(x.shape[0], device=x.device)[:, None] < \
                         lengths.to(x.device)[None, :]
                     x = x * valid[..., None]

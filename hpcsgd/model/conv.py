@@ -11,11 +11,13 @@ backward's dW = cols^T @ dz, whose buffer then takes dcols = dz @ W^T, folded in
 per output row: 2 k C F FLOP forward, as much for dW and for dX; the workspace is k times
 the input.
 
-Conv1d(..., norm=True) (spec "conv F kK ... ln"): y = f(LayerNorm(cols @ W)), each output row
+Conv1d(..., norm="ln") (spec "conv F kK ... ln"): y = f(LayerNorm(cols @ W)), each output row
 normalized over its F channels (model.kernels_norm), then scaled and shifted by g{index} and
 b{index} (1, F) (the norm's gamma and beta; no bias before it: the norm's beta is the shift).
-The GEMM's output z is kept in a workspace for the backward (rows x F more), which recomputes
-the rows' statistics from it; the norm's backward writes dz over y, then the GEMMs as above.
+norm="in" ("conv F kK ... in"): each channel of each sequence normalized over the sequence's
+output steps instead (instance norm: batch norm's statistics over one utterance). The GEMM's
+output z is kept in a workspace for the backward (rows x F more), which recomputes the
+statistics from it; the norm's backward writes dz over y, then the GEMMs as above.
 
 StackFrames(index, C, k): row t' = [x_{t'k}, ..., x_{t'k+k-1}] (zeros past the end): a
 subsampling by k without parameters, the input of the next layer k*C wide.
@@ -31,20 +33,25 @@ from hpcsgd.model import kernels as K
 from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.layers import ACTIVATIONS, glorot_uniform
 
+NORMS = (None, "ln", "in")   # none, layer norm (over channels), instance norm (over steps)
+
 
 class Conv1d:
     """A 1-D convolution over time with an activation (ReLU or sigmoid)."""
     sequence = True   # Network passes its input's Lengths and its workspace
 
     def __init__(self, index, n_in, n_out, kernel, stride=1, dilation=1, activation="relu",
-                 norm=False):
+                 norm=None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
         if min(kernel, stride, dilation) < 1:
             raise ValueError(f"convolution: kernel {kernel}, stride {stride}, dilation "
                              f"{dilation} must all be >= 1")
         self.W, self.b = f"W{index}", f"b{index}"
-        self.g = f"g{index}" if norm else None   # the layer norm's gain (gamma)
+        if norm not in NORMS:
+            raise ValueError(f"convolution norm {norm!r}: expected one of {NORMS}")
+        self.norm = norm
+        self.g = f"g{index}" if norm else None   # the norm's gain (gamma)
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.kernel, self.stride, self.dilation = int(kernel), int(stride), int(dilation)
         self.left = (self.kernel - 1) * self.dilation // 2
@@ -80,6 +87,13 @@ class Conv1d:
         return (lengths.nb, lengths.steps, out.steps, self.kernel, self.stride, self.dilation,
                 self.left), out.rows
 
+    def _normalize(self, p, z, y, ops, lengths):
+        if self.norm == "ln":
+            ops.layer_norm(z, p[self.g], p[self.b], y, self.kind)
+        else:
+            ops.instance_norm(z, p[self.g], p[self.b], y, self.kind,
+                              lengths.strided(self.stride))
+
     def forward(self, p, x, y, ops, progress=None, ws=None, lengths=None):
         shape, rows = self._shape(lengths)
         cols = ws["cols"][:rows]
@@ -89,16 +103,19 @@ class Conv1d:
         if progress is not None:
             progress()
         if self.g:
-            ops.layer_norm(z, p[self.g], p[self.b], y, self.kind)
+            self._normalize(p, z, y, ops, lengths)
         else:
             ops.bias_act(y, p[self.b], self.kind)
 
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
         shape, rows = self._shape(lengths)
         cols = ws["cols"][:rows]                         # the forward's unfolded input
-        if self.g:                                       # dz over y
+        if self.norm == "ln":                            # dz over y
             ops.layer_norm_backward(ws["z"][:rows], y, dy, p[self.g], y, g[self.g],
                                     g[self.b], self.kind)
+        elif self.norm == "in":
+            ops.instance_norm_backward(ws["z"][:rows], y, dy, p[self.g], y, g[self.g],
+                                       g[self.b], self.kind, lengths.strided(self.stride))
         else:
             ops.act_backward(y, dy, y, g[self.b], self.kind)
         matmul(cols, y, g[self.W], trans_a=True)

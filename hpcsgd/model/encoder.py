@@ -3,11 +3,12 @@
 
 A spec is a short string (the config key model.encoder is a list of them):
 
-    conv F kK [sS] [dD] [ln]
+    conv F kK [sS] [dD] [ln|in]
                           a 1-D convolution of F channels, kernel K, stride S, dilation D
                           (model/conv.py: Conv1d; S and D default to 1), with model.activation;
                           `ln`: each output frame layer-normalized over its channels before the
-                          activation (the all-convolutional recipe's normalization)
+                          activation; `in`: each channel normalized over the utterance's steps
+                          (instance norm: batch norm's statistics over one utterance)
     stack K               frame stacking: K consecutive frames as one (subsampling by K; the
                           first layer only)
     blstm H               a bidirectional LSTM layer, H cells per direction (model/lstm.py)
@@ -15,8 +16,8 @@ A spec is a short string (the config key model.encoder is a list of them):
     dense F               a fully connected layer of F units with model.activation
 
     DeepSpeech2-like:  ["conv 256 k5 s2", "blstm 320", "blstm 320", "blstm 320"]
-    Wav2Letter-like:   ["conv 256 k11 s2 ln", "conv 256 k11 ln", "conv 256 k13 ln",
-                        "conv 512 k17 d2 ln", "conv 512 k1 ln"]
+    Wav2Letter-like:   ["conv 256 k11 s2 in", "conv 256 k11 in", "conv 256 k13 in",
+                        "conv 512 k17 d2 in", "conv 512 k1 in"]
 
 The output layer (softmax over labels, or CTC over tokens and the blank) is the builder's:
 model/ctc.py for CTC, tdnn() below for a hybrid frame classifier over chunks.
@@ -31,7 +32,7 @@ from hpcsgd.model.lstm import LSTM
 from hpcsgd.model.network import Network
 
 KINDS = ("conv", "stack", "blstm", "lstm", "dense")
-_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)( ln)?$")
+_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)(?: (ln|in))?$")
 
 
 def parse_spec(text):
@@ -42,7 +43,7 @@ def parse_spec(text):
         opts = dict((o[0], int(o[1:])) for o in conv.group(3).split())
         spec = {"kind": "conv", "units": int(conv.group(1)), "kernel": int(conv.group(2)),
                 "stride": opts.get("s", 1), "dilation": opts.get("d", 1),
-                "norm": conv.group(4) is not None}
+                "norm": conv.group(4)}
         if min(spec["units"], spec["kernel"], spec["stride"], spec["dilation"]) < 1:
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
         return spec
@@ -50,7 +51,7 @@ def parse_spec(text):
     if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
             and parts[1].isdigit() and int(parts[1]) >= 1:
         return {"kind": parts[0], "units": int(parts[1])}
-    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ln]', 'stack K', "
+    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ln|in]', 'stack K', "
                      f"'blstm H', 'lstm H' or 'dense F' (model/encoder.py)")
 
 

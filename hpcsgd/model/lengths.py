@@ -36,6 +36,8 @@ class Lengths:
                                                      side="right")
         self.full = bool(self.nb == 0 or self.lengths[-1] == self.steps)
         self.device_batch_sizes = None   # GPU ranks: batch_sizes copied once (model.ops)
+        self.device_lengths = None       # and the lengths (instance norm)
+        self._strided = {}
 
     @classmethod
     def full_batch(cls, nb, steps):
@@ -57,7 +59,10 @@ class Lengths:
         with centred padding, or frame stacking): ceil(length / stride) each."""
         if stride == 1:
             return self
-        return Lengths(-(-self.lengths // stride), -(-self.steps // stride))
+        # one object per stride, so a GPU rank's device copies of it are made once a pass
+        if stride not in self._strided:
+            self._strided[stride] = Lengths(-(-self.lengths // stride), -(-self.steps // stride))
+        return self._strided[stride]
 
     def __eq__(self, other):
         return (isinstance(other, Lengths) and self.steps == other.steps

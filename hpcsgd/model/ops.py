@@ -40,6 +40,7 @@ class CpuOps:
         self.quant_part = np.empty((max_batch, 3), np.float64)   # grown for a taller weight
         self.quant_bits = np.empty(max_batch, np.uint64)
         self.norm_part = np.empty((2, K.NCHUNK, max_width), np.float64)
+        self.norm_seq = np.empty((0, 6, max_width), np.float64)   # grown to a batch's sequences
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -130,6 +131,21 @@ class CpuOps:
         column sums of dh * xh and dh (model.kernels_norm)."""
         KN.layer_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, self.norm_part, kind)
 
+    def instance_norm(self, z, gamma, beta, y, kind, lengths):
+        """y <- f(gamma * (z - mean) / std + beta), each channel of each sequence of the
+        Lengths over its steps; the padding rows 0 (model.kernels_norm)."""
+        KN.instance_norm_forward(z, gamma, beta, y, kind, lengths.nb, lengths.lengths,
+                                 self._norm_seq(lengths.nb))
+
+    def instance_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths):
+        KN.instance_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths.nb,
+                                  lengths.lengths, self._norm_seq(lengths.nb))
+
+    def _norm_seq(self, nb):
+        if len(self.norm_seq) < nb:
+            self.norm_seq = np.empty((nb, 6, self.norm_seq.shape[2]), np.float64)
+        return self.norm_seq
+
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """The CTC loss of z (logits without bias, time-major, `lengths` the utterances'
         output steps) against targets (frames, ids, offsets): z <- scale * dLoss/d(z + b)
@@ -217,6 +233,7 @@ class CudaOps:
         self.loss_rows = zeros((max_batch, 2), np.float64, "cuda")
         self.ce_rows, self.correct_rows = self.loss_rows[:, 0], self.loss_rows[:, 1]
         self.row_stats = zeros((max_batch, 2), np.float32, "cuda")   # float16 logits' rows
+        self.norm_seq = None   # instance norm's scratch, made at its first use
         self.quant_part = None
         # a CUDA Graph's capture (hpcsgd/graphs.py): softmax_xent leaves the loss in the row
         # buffers and returns (None, None); read_loss(n) after the graph's launch reads it
@@ -304,6 +321,27 @@ class CudaOps:
         """Every row's statistics go to row_stats (free here: the softmax's 16-bit path uses
         it only inside the loss, on the same stream)."""
         KNC.layer_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, self.row_stats, kind)
+
+    def instance_norm(self, z, gamma, beta, y, kind, lengths):
+        KNC.instance_norm_forward(z, gamma, beta, y, kind, lengths.nb, self._lengths(lengths),
+                                  self._norm_seq(lengths.nb, z.shape[1]))
+
+    def instance_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths):
+        KNC.instance_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths.nb,
+                                   self._lengths(lengths),
+                                   self._norm_seq(lengths.nb, z.shape[1]))
+
+    def _lengths(self, lengths):
+        """The sequence lengths on the device, copied once per Lengths (as mask_rows)."""
+        if lengths.device_lengths is None:
+            lengths.device_lengths = cuda_module.to_device(lengths.lengths)
+        return lengths.device_lengths
+
+    def _norm_seq(self, nb, m):
+        """float64 (>= nb, 6, >= m) device scratch of instance norm's per-sequence sums."""
+        if self.norm_seq is None or self.norm_seq.shape[0] < nb or self.norm_seq.shape[2] < m:
+            self.norm_seq = zeros((max(nb, 1), 6, m), np.float64, "cuda")
+        return self.norm_seq
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """One block per utterance (model.kernels_ctc_cuda). The targets and the workspace
@@ -412,6 +450,12 @@ class GemmOnly:
         pass
 
     def layer_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind):
+        pass
+
+    def instance_norm(self, z, gamma, beta, y, kind, lengths):
+        pass
+
+    def instance_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths):
         pass
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
@@ -570,6 +614,16 @@ class HalfOps:
         """As act_backward: dz rounded once; the parameters' gradients float32 sums."""
         self.store(dy)
         self.ops.layer_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, kind)
+        self.store(dz)
+
+    def instance_norm(self, z, gamma, beta, y, kind, lengths):
+        self.store(z)
+        self.ops.instance_norm(z, gamma, beta, y, kind, lengths)
+        self.store(y)
+
+    def instance_norm_backward(self, z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths):
+        self.store(dy)
+        self.ops.instance_norm_backward(z, y, dy, gamma, dz, ggamma, gbeta, kind, lengths)
         self.store(dz)
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
