@@ -5,8 +5,8 @@
 # 1-bit exchange with error feedback (after a float32 cold start of 6 epochs, with Adam's
 # variance moving or frozen, and of 10 epochs, past the CTC plateau's exit),
 # mixed precision (float16 with a backoff loss scale), characters instead of phones; the
-# Wave2Letter-like all-convolutional model (so762_w2l.yaml: layer-normalized convolutions;
-# plain_w2l: the same without the norms); then every model decoded on the
+# Wave2Letter-like all-convolutional model (so762_w2l.yaml; in_w2l: each convolution
+# instance-normalized); then every model decoded on the
 # held-out speakers, greedily and through a phone bigram (TLG), the character model through
 # a word bigram too.
 #   bash experiments/ctc_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
@@ -42,8 +42,9 @@ if [ "$STAGE" != decode ]; then
     run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
     run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
     run w2l 2 --config jobs/configs/so762_w2l.yaml
-    run plain_w2l 2 --config jobs/configs/so762_w2l.yaml "model.encoder=[conv 256 k11 s2, \
-conv 256 k11, conv 256 k11, conv 256 k13, conv 256 k13, conv 384 k17 d2, conv 512 k1]"
+    run in_w2l 2 --config jobs/configs/so762_w2l.yaml "model.encoder=[conv 256 k11 s2 in, \
+conv 256 k11 in, conv 256 k11 in, conv 256 k13 in, conv 256 k13 in, conv 384 k17 d2 in, \
+conv 512 k1 in]"
     # the noise of one run: float32 and mixed precision again from seed 1 (the weights'
     # initialisation, the buckets' order, SpecAugment's draws)
     run seed1_f32 2 --config jobs/configs/so762_ctc.yaml train.seed=1
@@ -68,7 +69,7 @@ fi
     --kind phones --topology ctc --tokens phones > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
-for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l plain_w2l chars seed1_f32 \
+for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l chars seed1_f32 \
         seed1_mixed seed1_onebit_cold10 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones

@@ -73,11 +73,19 @@ class Conv1d:
 
     def init(self, views, rng):
         """Glorot over the k*C inputs, times 4 for sigmoid and sqrt(2) for ReLU (as Dense);
-        the norm's gain 1 and every shift 0."""
-        glorot_uniform(views[self.W], rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
-        views[self.b][...] = 0
+        the norm's gain 1 and every shift 0. Before a norm, U(-a, a) with a = 1 / sqrt(k*C)
+        (PyTorch's Conv1d default, a third of He's for so762's W2L layers): the norm makes the
+        forward pass blind to W's scale, but Adam's steps are not relative to it, so larger
+        weights turn more slowly (on so762's W2L recipe with instance norms the two scales
+        gave the same first 6 epochs: docs/results.md)."""
+        W = views[self.W]
         if self.g:
+            a = 1.0 / np.sqrt(W.shape[0])
+            W[...] = rng.uniform(-a, a, size=W.shape).astype(W.dtype)
             views[self.g][...] = 1
+        else:
+            glorot_uniform(W, rng, 4.0 if self.kind == K.SIGMOID else np.sqrt(2.0))
+        views[self.b][...] = 0
 
     def out_lengths(self, lengths):
         return lengths.strided(self.stride)
