@@ -16,8 +16,8 @@ A spec is a short string (the config key model.encoder is a list of them):
     dense F               a fully connected layer of F units with model.activation
 
     DeepSpeech2-like:  ["conv 256 k5 s2", "blstm 320", "blstm 320", "blstm 320"]
-    Wav2Letter-like:   ["conv 256 k11 s2 in", "conv 256 k11 in", "conv 256 k13 in",
-                        "conv 512 k17 d2 in", "conv 512 k1 in"]
+    Wav2Letter-like:   ["conv 256 k11 s2", "conv 256 k11", "conv 256 k13", "conv 512 k17 d2",
+                        "conv 512 k1"]   (each with " in" or " ln": normalized)
 
 The output layer (softmax over labels, or CTC over tokens and the blank) is the builder's:
 model/ctc.py for CTC, tdnn() below for a hybrid frame classifier over chunks.
