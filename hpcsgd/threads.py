@@ -30,6 +30,7 @@ oversubscribed: MPICH ranks then need MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (a waiting 
 its core), which must be set before MPI starts -- bin/demo and jobs/ set it; the trainer warns.
 """
 import os
+import sys
 
 VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 # the pools' threads sleep when their work is done instead of spinning on the other's cores:
@@ -84,6 +85,17 @@ def apply(threads):
     """Set the thread variables, before numpy/numba start their pools (it is too late for a
     pool that has started: enforce() does what can still be done)."""
     os.environ.update(environment(threads))
+    if "numba" in sys.modules:
+        # imported already (the config of an encoder model checks its layers with the
+        # kernels' modules): Numba read the variables at its import and re-reads them at
+        # every compile, where a count other than its started pool's is an error (a cold
+        # cache's first CTC run failed so). Read them now, while no pool has started.
+        from numba.core import config as numba_config
+        from numba.np.ufunc import parallel
+        if parallel._is_initialized:   # too late: keep the pool's count (enforce lowers it)
+            os.environ["NUMBA_NUM_THREADS"] = str(numba_config.NUMBA_NUM_THREADS)
+        else:
+            numba_config.reload_config()
 
 
 CHOSEN = None   # what choose() decided in this process: (threads, message for the log)

@@ -80,3 +80,35 @@ def test_with_threads_both_pools_sleep_between_their_work():
     assert "OMP_WAIT_POLICY" not in threads.environment(1, env={})
     mine = threads.environment(2, env={"OMP_WAIT_POLICY": "ACTIVE"})
     assert "OMP_WAIT_POLICY" not in mine and mine["NUMBA_NUM_THREADS"] == "2"
+
+
+def test_numba_imported_before_the_decision_takes_it_and_compiles_afterwards():
+    """A config that names encoder layers imports Numba before the threads are decided (its
+    variables then read as the default, the core count); apply() must make Numba re-read
+    them before its pool starts, or the first compile after the pool started (a cold cache)
+    raises "Cannot set NUMBA_NUM_THREADS to a different value"."""
+    code = """
+import os, sys
+import numba
+from numba import njit, prange
+from hpcsgd import threads
+want = 1 if numba.config.NUMBA_NUM_THREADS > 1 else 2
+threads.apply(want)
+threads.enforce(want)              # starts the pool, as the trainer does
+
+@njit(parallel=True)               # not cached: compiled here, after the pool started
+def total(x):
+    s = 0.0
+    for i in prange(x.size):
+        s += x[i]
+    return s
+
+import numpy as np
+assert total(np.ones(100)) == 100.0
+assert numba.config.NUMBA_NUM_THREADS == want, (numba.config.NUMBA_NUM_THREADS, want)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in VARS}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
