@@ -124,6 +124,10 @@ DEFAULTS = {
     "optim.adam_beta1": (0.9, float, (0.0, 0.999999), "adam: first-moment decay per step"),
     "optim.adam_beta2": (0.999, float, (0.0, 0.999999), "adam: second-moment decay per step"),
     "optim.adam_eps": (1e-8, float, (0.0, 1.0), "adam: added to the RMS (per-sample units)"),
+    "optim.adam_variance": ("owner", str, ("owner", "local"),
+                            "adam: the second moment of the summed gradient, where the sum is "
+                            "(owner), or of each rank's own float32 gradient before the codec "
+                            "(local: the codec's error never enters it; docs/exchange.md)"),
     "optim.adam_freeze_variance": (False, bool, None,
                                    "adam + exchange.cold_start_frames: the second moment stops "
                                    "at the cold start's end (1-bit Adam's rule: the codec's "
@@ -391,6 +395,12 @@ def load(path=None, overrides=()):
         raise UserError("config key optim.adam_freeze_variance: freezes Adam's second moment "
                         "when the compressed exchange starts; it needs optim.type=adam and "
                         "exchange.cold_start_frames > 0 (the float32 warm-up it is learned in)")
+    if config["optim.adam_variance"] == "local" and (config["optim.type"] != "adam"
+                                                     or config["optim.adam_freeze_variance"]):
+        raise UserError("config key optim.adam_variance=local: Adam's second moment learned "
+                        "from each rank's float32 gradient; it needs optim.type=adam, and "
+                        "optim.adam_freeze_variance=false (the codec's error never enters a "
+                        "local second moment: nothing to freeze it against)")
     if config["model.type"] in ("lstm", "tdnn"):
         if config["train.minibatch"] < config["data.chunk"]:
             raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
@@ -475,6 +485,9 @@ def overlap_blocker(config):
          "gradient's norm before the exchange (train.clip_gradient_norm=0)"),
         (config["optim.adagrad"] == "local", "AdaGrad 'local' rescales the local gradient "
          "before the exchange"),
+        (config["optim.type"] == "adam" and config["optim.adam_variance"] == "local",
+         "Adam's local second moment rescales the local gradient before the exchange "
+         "(optim.adam_variance=owner)"),
         (qat_of(config) is not None, "quantization-aware training finishes the weight "
          "gradients after the backward pass (qat.*)"),
         (config["model.parallel"] > 1, "a split model's layers exchange inside the pass "

@@ -32,6 +32,21 @@ AdaGrad placement (`adagrad=`):
   "after_momentum" on the momentum-smoothed gradient v (v itself stays unnormalised).
   "off"
 
+Adam's second moment (`adam_variance=`):
+  "owner"          Adam whole where the sum is (the owner of a stripe): m and v of the summed
+                   gradient. Under a lossy codec v learns the decoded sum's squares, the
+                   codec's error included (a 1-bit column: two values whatever each element's
+                   own magnitude).
+  "local"          v of each rank's own float32 gradient, before the codec, as AdaGrad
+                   "local" (the same kernel: rho = beta2, c = 1 - beta2, per step):
+                       v_k <- b2 v_k + (1 - b2) (g_k / n_k)^2 ;  g_k <- g_k / (sqrt(v_k / q) + eps)
+                   then the owner keeps only m, of the normalised sum's per-sample mean:
+                       m <- b1 m + (1 - b1) x / n ;  update = n m / (1 - b1^t)
+                   The codec sees values of about one scale (what 1-bit's two values per column
+                   suit) and v never sees its error. With one rank it is Adam with m taken after
+                   the division (the same while v moves slowly); with K ranks v_k is the
+                   variance of N/K frames' mean, up to K times the whole batch's.
+
 A step, distributed (slices [lo:hi) are flat ranges; all updates are element-wise):
     opt.begin_step(n, n_local)            # every rank, once: per-step scalars
     opt.pre_exchange(grad)                # every rank, its whole local gradient ("local" only)
@@ -62,7 +77,9 @@ from hpcsgd.lazy_cuda import cuda
 ADAGRAD_PLACES = ("off", "local", "aggregate", "after_momentum")
 AGGREGATE, AFTER_MOMENTUM = 1, 2   # kernel codes of the post-exchange AdaGrad placements
 ADAM = 3                           # ... and of Adam (optim.type=adam), computed there too
+ADAM_LOCAL = 4                     # ... Adam's first moment only (adam_variance="local")
 TYPES = ("sgd", "adam")
+ADAM_VARIANCES = ("owner", "local")
 
 
 def momentum_per_minibatch(time_constant, n):
@@ -90,7 +107,8 @@ def _adagrad(g, s, i, rho, c, inv_n, inv_q, eps):
 def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m, adam_k):
     """The post-exchange arithmetic of element i: decay -> [AdaGrad] -> momentum -> [AdaGrad],
     or decay -> Adam (v, s its moments of the per-sample gradient; m = beta1, rho = beta2,
-    c = 1 - beta2, inv_q = 1 / (1 - beta2^t), adam_k = n / (1 - beta1^t)).
+    c = 1 - beta2, inv_q = 1 / (1 - beta2^t), adam_k = n / (1 - beta1^t)), or decay -> Adam's
+    first moment of a sum the ranks have normalised by their own second moments (ADAM_LOCAL).
     Scalars are float64; the result is rounded to the buffers' dtype."""
     x = g[i] + wd_n * w[i]
     if ada == ADAM:
@@ -100,6 +118,10 @@ def _update(g, w, v, s, i, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum, m
         si = rho * s[i] + c * (y * y)
         s[i] = si
         return w.dtype.type(adam_k * mi / (math.sqrt(si * inv_q) + eps))
+    if ada == ADAM_LOCAL:
+        mi = m * v[i] + (1.0 - m) * (x * inv_n)
+        v[i] = mi
+        return w.dtype.type(adam_k * mi)
     if ada == AGGREGATE:
         y = x * inv_n
         si = rho * s[i] + c * (y * y)
@@ -150,6 +172,10 @@ def _post_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
         for i in prange(g.size):
             g[i] = post_element_cpu(g, w, v, s, i, wd_n, ADAM, rho, c, inv_n, inv_q, eps,
                                     False, m, adam_k)
+    elif ada == ADAM_LOCAL:
+        for i in prange(g.size):
+            g[i] = post_element_cpu(g, w, v, s, i, wd_n, ADAM_LOCAL, rho, c, inv_n, inv_q, eps,
+                                    False, m, adam_k)
     elif ada == AGGREGATE and use_momentum:
         for i in prange(g.size):
             g[i] = post_element_cpu(g, w, v, s, i, wd_n, AGGREGATE, rho, c, inv_n, inv_q, eps,
@@ -173,6 +199,11 @@ def _step_kernel(g, w, v, s, wd_n, ada, rho, c, inv_n, inv_q, eps, use_momentum,
         for i in prange(g.size):
             x = post_element_cpu(g, w, v, s, i, wd_n, ADAM, rho, c, inv_n, inv_q, eps, False,
                                  m, adam_k)
+            w[i] = w[i] - lr * x
+    elif ada == ADAM_LOCAL:
+        for i in prange(g.size):
+            x = post_element_cpu(g, w, v, s, i, wd_n, ADAM_LOCAL, rho, c, inv_n, inv_q, eps,
+                                 False, m, adam_k)
             w[i] = w[i] - lr * x
     elif ada == AGGREGATE and use_momentum:
         for i in prange(g.size):
@@ -257,10 +288,11 @@ class Optimizer:
     """Optimizer state (flat buffers + scalars) and its per-step update functions.
 
     size: parameters (the flat buffer's length). post_size: length of the buffers that
-    post_exchange sees (default size; the striped exchange passes its stripe length, so momentum
-    and post-exchange AdaGrad state are 1/K of the model). momentum_time_constant: T in samples, 0 = off.
-    adagrad: one of ADAGRAD_PLACES; adagrad_time_constant: T_a in samples (math.inf = all
-    history); adagrad_eps; weight_decay: per sample. device: "cpu" (NumPy state, Numba CPU
+    post_exchange sees (default size; the striped exchange passes its stripe length, so
+    momentum and post-exchange AdaGrad state are 1/K of the model). momentum_time_constant:
+    T in samples, 0 = off. adagrad: one of ADAGRAD_PLACES; kind: "sgd" or "adam";
+    adam_variance: one of ADAM_VARIANCES (where Adam's second moment is learned);
+    adagrad_time_constant: T_a in samples (math.inf = all history); adagrad_eps; weight_decay: per sample. device: "cpu" (NumPy state, Numba CPU
     kernels) or "cuda" (device state; params, grads and updates passed in are device arrays).
     State for checkpoints: `velocity` and `sqr` (flat, like the params), `sqr_weight` (scalar
     q); see state_dict/host_state_dict/load_state_dict.
@@ -269,7 +301,7 @@ class Optimizer:
     def __init__(self, size, momentum_time_constant=0.0, adagrad="off",
                  adagrad_time_constant=math.inf, adagrad_eps=1e-8, weight_decay=0.0,
                  dtype=np.float32, post_size=None, device="cpu", kind="sgd", beta1=0.9,
-                 beta2=0.999, adam_eps=1e-8):
+                 beta2=0.999, adam_eps=1e-8, adam_variance="owner"):
         if device not in DEVICES:
             raise ValueError(f"device={device!r}: expected one of {DEVICES}")
         if kind not in TYPES:
@@ -279,6 +311,9 @@ class Optimizer:
                              "momentum time constant 0")
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1 and adam_eps >= 0):
             raise ValueError("Adam: beta1, beta2 in [0, 1), eps >= 0")
+        if adam_variance not in ADAM_VARIANCES:
+            raise ValueError(f"adam_variance={adam_variance!r}: expected one of "
+                             f"{ADAM_VARIANCES}")
         self.kind, self.beta1, self.beta2, self.adam_eps = kind, float(beta1), float(beta2), \
             float(adam_eps)
         self.adam_p = 0.0   # Adam: 1 - beta1^t (its first moment's total weight)
@@ -297,8 +332,12 @@ class Optimizer:
         self.device = device
         post_size = size if post_size is None else post_size
         adam = kind == "adam"   # Adam's moments: velocity (first), sqr (second)
+        self.adam_variance = adam_variance if adam else "owner"
+        # every rank normalises its own whole gradient before the exchange (pre_exchange),
+        # by a second moment of its own: AdaGrad "local", Adam's local variance
+        self.local = adagrad == "local" or self.adam_variance == "local"
         self.velocity = zeros(post_size if self.use_momentum or adam else 1, dtype, device)
-        self.sqr = zeros((size if adagrad == "local" else post_size)
+        self.sqr = zeros((size if self.local else post_size)
                          if adagrad != "off" or adam else 1, dtype, device)
         self.sqr_weight = 0.0
         self._k = None   # per-step scalars from begin_step
@@ -308,7 +347,7 @@ class Optimizer:
     def begin_step(self, n, n_local=None):
         """Per-minibatch scalars, once per step on every rank before pre/post_exchange.
         n: frames of the whole minibatch (all ranks); n_local: this rank's (for "local")."""
-        n_ada = (n if n_local is None else n_local) if self.adagrad == "local" else n
+        n_ada = (n if n_local is None else n_local) if self.local else n
         adam_k = 0.0
         if self.kind == "adam" and self.variance_frozen:   # s and its weight stay as they are
             rho, c = 1.0, 0.0
@@ -330,8 +369,11 @@ class Optimizer:
             rho, c = 1.0, 0.0
         self._k = dict(
             # a rank with no frames this step (epoch tail, "local" placement) has a zero
-            # gradient: rho = 1, c = 0 leave its AdaGrad state as it was
-            n=n, wd_n=self.weight_decay * n, rho=rho, c=c, inv_n=1.0 / n_ada if n_ada else 0.0,
+            # gradient: rho = 1, c = 0 leave its AdaGrad state as it was (Adam's local v
+            # decays by beta2, as Adam's does under a zero gradient); pre_inv_n: 1 / this
+            # rank's frames for pre_exchange, inv_n: 1 / the sum's for post_exchange
+            n=n, wd_n=self.weight_decay * n, rho=rho, c=c, inv_n=1.0 / n if n else 0.0,
+            pre_inv_n=1.0 / n_ada if n_ada else 0.0,
             inv_q=1.0 / self.sqr_weight if self.sqr_weight > 0 else 0.0,
             m=self.beta1 if self.kind == "adam"
             else momentum_per_minibatch(self.momentum_time_constant, n), adam_k=adam_k)
@@ -343,19 +385,21 @@ class Optimizer:
         the decoded gradient's squares are the codec's (a 1-bit column's two values, whatever
         each element's own magnitude), and a variance learned from them would turn Adam's
         per-element scaling into a per-column one. The first moment keeps learning."""
-        if self.kind != "adam":
-            raise ValueError("freeze_variance: Adam's second moment only (optim.type=adam)")
+        if self.kind != "adam" or self.local:
+            raise ValueError("freeze_variance: Adam's second moment at the owner only "
+                             "(optim.type=adam, adam_variance='owner')")
         self.variance_frozen = True
 
     def pre_exchange(self, grad, lo=0, hi=None):
-        """AdaGrad "local": normalise this rank's raw gradient grad[lo:hi] in place. No-op
-        for the other placements."""
-        if self.adagrad != "local":
+        """AdaGrad "local" or Adam's local variance: normalise this rank's raw gradient
+        grad[lo:hi] in place by its own second moment. No-op for the other placements."""
+        if not self.local:
             return
         k = self._k
         sl = slice(lo, grad.size if hi is None else hi)
-        self._run(_adagrad_kernel, grad[sl], self.sqr[sl], k["rho"], k["c"], k["inv_n"],
-                  k["inv_q"], self.adagrad_eps)
+        eps = self.adam_eps if self.kind == "adam" else self.adagrad_eps
+        self._run(_adagrad_kernel, grad[sl], self.sqr[sl], k["rho"], k["c"], k["pre_inv_n"],
+                  k["inv_q"], eps)
 
     def post_exchange(self, agg, params, lo=0, hi=None):
         """Summed gradient agg[lo:hi] -> the update, in place (weight decay, AdaGrad
@@ -404,7 +448,8 @@ class Optimizer:
         """(velocity, sqr) views of the range; the unused ones are 1-element dummies."""
         adam = self.kind == "adam"
         v = self.velocity[sl] if self.use_momentum or adam else self.velocity
-        s = self.sqr[sl] if self.adagrad in ("aggregate", "after_momentum") or adam else self.sqr
+        s = self.sqr[sl] if self.adagrad in ("aggregate", "after_momentum") \
+            or (adam and not self.local) else self.sqr
         return v, s
 
     def _scalars(self):
@@ -412,7 +457,7 @@ class Optimizer:
         ada = {"aggregate": AGGREGATE, "after_momentum": AFTER_MOMENTUM}.get(self.adagrad, 0)
         eps = self.adagrad_eps
         if self.kind == "adam":
-            ada, eps = ADAM, self.adam_eps
+            ada, eps = ADAM_LOCAL if self.local else ADAM, self.adam_eps
         return (k["wd_n"], ada, k["rho"], k["c"], k["inv_n"], k["inv_q"], eps,
                 self.use_momentum, k["m"], k["adam_k"])
 
@@ -453,7 +498,7 @@ def from_config(cfg, size, post_size=None, device="cpu"):
                      adagrad_eps=cfg["optim.adagrad_eps"], weight_decay=cfg["optim.weight_decay"],
                      post_size=post_size, device=device, kind=cfg["optim.type"],
                      beta1=cfg["optim.adam_beta1"], beta2=cfg["optim.adam_beta2"],
-                     adam_eps=cfg["optim.adam_eps"])
+                     adam_eps=cfg["optim.adam_eps"], adam_variance=cfg["optim.adam_variance"])
 
 
 # ---- learning-rate schedules (lr per sample) ---------------------------------------------------

@@ -31,8 +31,10 @@ optimizer's owner stripes are re-sliced to the new owners, both error-feedback r
 folded into the new stripes so that nothing a rank has not yet sent is lost
 (hpcsgd/comm/stripes.py), and mid-epoch the frames no rank has trained yet are re-dealt to
 the new ranks (hpcsgd/data/loader.py: redeal; the deal is part of the progress until the
-epoch ends). Refused: a checkpoint with double buffering's exchange in flight, and AdaGrad
-"local" (a whole per-rank state that cannot be merged). A run resumed at another K is not
+epoch ends). Adam's local second moments (optim.adam_variance=local: a whole one per rank, of
+N/K frames' gradients) start every new rank from the old ranks' mean. Refused: a checkpoint
+with double buffering's exchange in flight, AdaGrad "local" (a whole per-rank state of
+another rule), and another optim.adam_variance. A run resumed at another K is not
 bit-identical to an uninterrupted one (other partial sums), by construction.
 """
 import copy
@@ -45,6 +47,11 @@ from hpcsgd.comm.stripes import fold_residuals, folded_from, restripe
 from hpcsgd.device import assign, host_copy, to_host
 from hpcsgd.errors import UserError
 from hpcsgd.model.parallel import from_whole, group_of, to_whole, whole_size
+
+
+def adam_variance(cfg):
+    """Where a config's Adam learns its second moment (optim.adam_variance); None: not Adam."""
+    return cfg.get("optim.adam_variance", "owner") if cfg.get("optim.type") == "adam" else None
 
 
 class TrainState:
@@ -60,8 +67,9 @@ class TrainState:
         self.decisions = {"minibatch": static["config"]["train.minibatch"], "next_probe": 0}
         self.bitwidth = None    # the adaptive bit width's decision (bitwidth.BitWidth), if on
         self.scaler = step.scaler   # the loss scaler (loss_scale.py), if on
-        # optimizer state differs between ranks: owner stripes, or AdaGrad on local gradients
-        self.per_rank_opt = not ex.replicated_optimizer or opt.adagrad == "local"
+        # optimizer state differs between ranks: owner stripes, or AdaGrad or Adam's second
+        # moment on local gradients
+        self.per_rank_opt = not ex.replicated_optimizer or opt.local
         self.per_rank_state = self.per_rank_opt or bool(ex.state_dict())
 
     # ---- progress ----------------------------------------------------------------------------
@@ -176,6 +184,13 @@ class TrainState:
                             f"model) ranks with an exchange in flight "
                             f"(exchange.double_buffering); resume it with {old_world} x "
                             f"{old_M} ranks, or from another checkpoint")
+        variance = adam_variance(cfg)
+        if variance and adam_variance(old_cfg) not in (None, variance):
+            raise UserError(f"checkpoint {path}: trained with optim.adam_variance="
+                            f"{adam_variance(old_cfg)}; its Adam moments are not this run's "
+                            f"(optim.adam_variance={variance}): resume with "
+                            f"optim.adam_variance={adam_variance(old_cfg)}, or start a new run "
+                            f"from its weights (train.init_from)")
         if moved and (saved.get("pending") or "local" in (cfg["optim.adagrad"],
                                                           old_cfg["optim.adagrad"])):
             why = ("an exchange was in flight (exchange.double_buffering)" if saved.get("pending")
@@ -197,7 +212,9 @@ class TrainState:
             log.info(f"re-striped the optimizer state of {path} from {old_world} ranks "
                      f"({old_agg}) to {world} ({agg}); the error-feedback residuals "
                      + ("folded into the new stripes (nothing lost)" if folded else
-                        "start at zero (the old or the new exchange keeps none)"))
+                        "start at zero (the old or the new exchange keeps none)")
+                     + ("; every rank's local second moment starts from the old ranks' "
+                        "mean" if self.opt.local else ""))
         else:
             if self.per_rank_opt:
                 mine = checkpoint.rank_prefix(self.grid.rank)
@@ -303,6 +320,13 @@ class TrainState:
                 arrays[name] = old[f"opt/{name}"]
             else:
                 arrays[name] = [old[f"rank{r:04d}/opt/{name}"] for r in range(old_world)]
-        return restripe(arrays, old_world, old_agg == "striped", self.params.matrices,
-                        self.grid.data_rank, self.grid.data_size,
-                        not self.ex.replicated_optimizer)
+        local = None
+        if self.opt.local:   # Adam's local second moments: whole, one per old rank
+            local = np.mean(arrays.pop("sqr"), axis=0, dtype=np.float64).astype(np.float32)
+            arrays["sqr"] = np.zeros(1, np.float32)   # passes through restripe
+        out = restripe(arrays, old_world, old_agg == "striped", self.params.matrices,
+                       self.grid.data_rank, self.grid.data_size,
+                       not self.ex.replicated_optimizer)
+        if local is not None:
+            out["sqr"] = local
+        return out

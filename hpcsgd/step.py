@@ -8,7 +8,7 @@
 In data-path order, for this rank's share of the global minibatch (take[data_rank] frames):
   batch     batch(n) -> (x, y): spliced, normalised frames and their labels
   forward + backward -> the gradient SUMMED over the rank's frames, in grads
-  pre_exchange  the optimizer's local part (AdaGrad "local")
+  pre_exchange  the optimizer's local part (AdaGrad "local", Adam's local second moment)
   exchange  encode + send (hpcsgd/comm/exchange.py); then, when it completes:
   update    reduce -> Optimizer.post_exchange -> reencode -> gather -> Optimizer.apply:
             W -= lr * update, identically on every data rank. Where the codec declares a
@@ -262,7 +262,7 @@ class Step:
         self.overlap = (bool(getattr(ex, "overlap", False)) and not self.double_buffering
                         and scaler is None and not getattr(model, "half", False)
                         and not getattr(model, "quant", None) and not clip
-                        and getattr(opt, "adagrad", "off") != "local"
+                        and not getattr(opt, "local", False)
                         and hasattr(model, "ready_offsets"))
         if self.overlap:
             ex.set_buckets(model.ready_offsets())
@@ -337,7 +337,7 @@ class Step:
         # loss scaling: every rank skips the step if any rank's gradient overflowed
         if self.scaler and self._overflowed(bad, amax, where):
             return ce, correct, counted
-        # the optimizer's local part (AdaGrad placed on the raw local gradient)
+        # the optimizer's local part (AdaGrad or Adam's second moment on the raw local gradient)
         t2 = time.perf_counter()
         # the optimizer's running weights before this step's scalars (resume replays them)
         sqr_weight, adam_p = self.opt.sqr_weight, self.opt.adam_p

@@ -762,6 +762,10 @@ def log_start(log, cfg, grid, loader, state, ex):
         log.info("CUDA Graphs: each forward+backward shape runs once, is captured, then "
                  "replays as one launch (the minibatch copy, the loss read, the exchange and "
                  "the update stay outside it: hpcsgd/graphs.py)")
+    if state.opt.kind == "adam" and state.opt.local:
+        log.info("Adam's second moment: each rank's own, of its float32 gradient before the "
+                 "exchange, which carries the normalised gradients; the first moment where "
+                 "the sum is (optim.adam_variance=local)")
     if cfg["optim.adagrad"] != "off" and cfg["optim.lr"] > ADAGRAD_LR_WARN:
         log.info(f"warning: optim.adagrad={cfg['optim.adagrad']} with optim.lr={cfg['optim.lr']:g}: "
                  f"AdaGrad divides each gradient by its RMS, so its per-sample rate is about 500x "

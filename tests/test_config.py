@@ -45,6 +45,19 @@ def test_an_unknown_key_suggests_the_one_meant(wrong, meant):
         config.load(None, ["data.train=x", f"{wrong}=1"])
 
 
+def test_adam_local_variance_needs_adam_and_no_freeze():
+    for extra in ([], ["optim.type=adam", "optim.momentum_tc=0", "optim.adam_freeze_variance=true",
+                       "exchange.cold_start_frames=1000"]):
+        with pytest.raises(UserError, match="adam_variance=local.*optim.type=adam, and "
+                                            "optim.adam_freeze_variance=false"):
+            config.load(None, ["data.train=x", "optim.adam_variance=local", *extra])
+    cfg = config.load(None, ["data.train=x", "optim.type=adam", "optim.momentum_tc=0",
+                             "optim.adam_variance=local"])
+    assert cfg["optim.adam_variance"] == "local"
+    with pytest.raises(UserError, match="'owner', 'local'|owner.*local"):
+        config.load(None, ["data.train=x", "optim.adam_variance=rank"])
+
+
 def test_adam_freeze_variance_needs_adam_and_a_cold_start():
     for extra in (["optim.type=sgd", "exchange.cold_start_frames=1000"],
                   ["optim.type=adam", "optim.momentum_tc=0"]):
@@ -65,6 +78,8 @@ def test_adam_freeze_variance_needs_adam_and_a_cold_start():
     (["train.precision=mixed", "train.loss_scale=backoff"], "mixed precision rounds and unscales"),
     (["train.clip_gradient_norm=1"], "clipping needs the whole local gradient's norm"),
     (["optim.adagrad=local"], "AdaGrad 'local' rescales"),
+    (["optim.type=adam", "optim.momentum_tc=0", "optim.adam_variance=local"],
+     "Adam's local second moment rescales"),
     (["qat.weights=max"], "quantization-aware training finishes the weight gradients"),
     (["model.parallel=2"], "split model's layers exchange inside the pass"),
     (["model.type=rnnt", "model.encoder=['blstm 8']"], "transducer's backward pass")])

@@ -399,3 +399,67 @@ def test_adams_second_moment_frozen_at_the_cold_starts_end(double_buffering, arc
     resumed = arrays(cut)
     for name in full:
         np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+
+
+# --- Adam's second moment on each rank's own gradient (optim.adam_variance=local) ---------------
+
+LOCAL = (*ADAM, "optim.adam_variance=local")
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_adam_with_local_second_moments_equals_the_per_rank_reference(K, arch, tmp_path,
+                                                                      tmp_path_factory):
+    """Each rank divides its own gradient by its own second moment before the exchange; the
+    owners (striped float32) or every rank (allreduce) keep the first moment of the sum: the
+    per-rank reference (one optimizer per rank in one process) within float32 rounding of its
+    float64 trajectory, and not Adam at the owner."""
+    ref32 = reference(K, "float", arch, tmp_path, *LOCAL, "--per-rank")["params"]
+    ref64 = reference(K, "float", arch, tmp_path, *LOCAL, "--per-rank", float64=True)["params"]
+    for extra in ((), ("exchange.aggregation=striped", "exchange.codec=float32")):
+        got = arrays(train(K, arch, tmp_path_factory, *LOCAL, *extra))
+        assert_float32_close(got["params"], ref32, ref64)
+        assert all(got[f"rank{r:04d}/opt/sqr"].size == got["params"].size for r in range(K))
+    owner = arrays(train(K, arch, tmp_path_factory, *ADAM))["params"]
+    assert np.linalg.norm(owner - ref64) > 100 * np.linalg.norm(ref32 - ref64)
+
+
+def test_one_bit_adam_with_local_second_moments_resumes_and_moves_to_3_ranks(arch, tmp_path,
+                                                                              tmp_path_factory):
+    """1-bit SGD with the local second moments and double buffering: a resume mid-epoch is bit
+    exact (each rank's own second moment in its file); the same checkpoint resumed on 3
+    ranks starts every rank's second moment from the old ranks' mean, and the replicas agree
+    at every step after; another optim.adam_variance is refused by name."""
+    extra = (*LOCAL, "exchange.aggregation=striped", "exchange.codec=onebit",
+             "exchange.double_buffering=true", "train.epochs=2")
+    full = arrays(train(2, arch, tmp_path_factory, *extra))
+    cut = str(tmp_path / "cut")
+    total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
+    for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if stop.endswith("=0"):
+            continue
+        shutil.copytree(cut, str(tmp_path / "moved"))
+        mid = arrays(cut)
+    resumed = arrays(cut)
+    assert set(full) == set(resumed)
+    for name in full:
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+    assert not np.array_equal(mid["rank0000/opt/sqr"], mid["rank0001/opt/sqr"])
+    moved = str(tmp_path / "moved")
+    # the epoch end: no exchange in flight, which a move to another K refuses
+    proc = run_train(2, options(arch, f"train.run_dir={moved}", *extra,
+                                f"train.stop_after_frames={total * 2}",
+                                "exchange.double_buffering=false"), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_train(3, options(arch, f"train.run_dir={moved}", *extra, "train.epochs=3",
+                                "exchange.double_buffering=false"), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = open(os.path.join(moved, "logs", "rank0002.log")).read()
+    assert "local second moment starts from the old ranks' mean" in log
+    after = arrays(moved)
+    assert np.isfinite(after["params"]).all() and "rank0002/opt/sqr" in after
+    proc = run_train(3, options(arch, f"train.run_dir={moved}", *ADAM, "train.epochs=4",
+                                "exchange.aggregation=striped", "exchange.codec=onebit"),
+                     timeout=120)
+    assert proc.returncode != 0 and "optim.adam_variance=local" in proc.stdout + proc.stderr

@@ -210,13 +210,14 @@ else:
 
     SIZE, STRIPES = 37, [(0, 20), (20, 20), (20, 37)]   # an empty stripe: nothing to launch
     OPT_CASES = [(p, T, wd) for p in ADAGRAD_PLACES for T in (0.0, 3000.0) for wd in (0.0, 1e-3)]
-    OPT_CASES += [("adam", 0.0, wd) for wd in (0.0, 1e-3)]   # Adam: its own moments
+    OPT_CASES += [(a, 0.0, wd) for a in ("adam", "adam_local") for wd in (0.0, 1e-3)]
 
     def opt_pair(place, T, wd):
         kw = dict(momentum_time_constant=T, adagrad=place, adagrad_time_constant=5000.0,
                   weight_decay=wd)
-        if place == "adam":
-            kw.update(adagrad="off", kind="adam")
+        if place.startswith("adam"):   # Adam: its own moments, v at the owner or per rank
+            kw.update(adagrad="off", kind="adam",
+                      adam_variance="local" if place == "adam_local" else "owner")
         return Optimizer(SIZE, **kw), Optimizer(SIZE, device="cuda", **kw)
 
     def grads(seed):

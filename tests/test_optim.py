@@ -333,5 +333,68 @@ def test_adam_with_its_second_moment_frozen_equals_its_definition(wd):
                 opt.apply(w, g, 1e-4)
         np.testing.assert_allclose(w, want, rtol=1e-12, atol=1e-14)
         assert np.array_equal(opt.sqr, sqr) and opt.sqr_weight == weight
-    with pytest.raises(ValueError, match="Adam's second moment only"):
+    with pytest.raises(ValueError, match="Adam's second moment at the owner only"):
         Optimizer(10).freeze_variance()
+    with pytest.raises(ValueError, match="Adam's second moment at the owner only"):
+        Optimizer(10, kind="adam", adam_variance="local").freeze_variance()
+
+
+# --- Adam's second moment on each rank's own gradient (optim.adam_variance=local) ---------------
+
+def adam_local_reference(w, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0):
+    """The optim docstring's "local" equations in float64: steps[t] is one (g_k, n_k) per
+    rank; rank k's v_k from y_k = g_k / n_k (a rank without frames: y_k = 0), the sum of the
+    normalised g_k plus decay, m of its per-sample mean, W -= lr * n * m / (1 - beta1^t)."""
+    w = w.astype(np.float64).copy()
+    m, v = np.zeros_like(w), np.zeros((len(steps[0]), w.size))
+    for t, ranks in enumerate(steps, start=1):
+        n = sum(nk for _, nk in ranks)
+        x = wd * n * w
+        for k, (g, nk) in enumerate(ranks):
+            y = g / nk if nk else np.zeros_like(g)
+            v[k] = beta2 * v[k] + (1 - beta2) * y * y
+            x = x + g / (np.sqrt(v[k] / (1 - beta2 ** t)) + eps)
+        m = beta1 * m + (1 - beta1) * x / n
+        w -= lr * n * m / (1 - beta1 ** t)
+    return w
+
+
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("wd", [0.0, 1e-3])
+def test_adam_with_local_second_moments_equals_its_float64_definition(K, wd):
+    """Each rank normalises its own gradient by its own second moment (pre_exchange), the
+    owners of two stripes keep the first moment of the sum (post_exchange): to float64
+    rounding, including a rank without frames in one step (its v decays, it sends zeros)."""
+    rng = np.random.default_rng(13)
+    size = 700
+    w0 = rng.standard_normal(size)
+    ns = [(256, 128, 64), (512, 0, 100), (128, 128, 128), (64, 300, 16)]
+    steps = [[(rng.standard_normal(size) * n * 0.01 * (k + 1), n) for k, n in enumerate(row[:K])]
+             for row in ns]
+    steps[0][0][0][:5] = 0.0                     # never a gradient on rank 0: eps guards it
+    want = adam_local_reference(w0, steps, 1e-4, wd=wd)
+    assert not np.allclose(want, adam_reference(w0, [(sum(g for g, _ in r), sum(n for _, n in r))
+                                                      for r in steps], 1e-4, wd=wd), rtol=1e-6)
+    opts = [Optimizer(size, kind="adam", adam_variance="local", weight_decay=wd,
+                      dtype=np.float64) for _ in range(K)]
+    w = w0.copy()
+    for ranks in steps:
+        n = sum(nk for _, nk in ranks)
+        total = np.zeros(size)
+        for opt, (g, nk) in zip(opts, ranks):
+            opt.begin_step(n, nk)
+            g = g.copy()
+            opt.pre_exchange(g)
+            total += g
+        for owner, (lo, hi) in enumerate([(0, 250), (250, size)]):   # stripes, 2 owners
+            opts[owner % K].post_exchange(total, w, lo, hi)
+        opts[0].apply(w, total, 1e-4)
+    np.testing.assert_allclose(w, want, rtol=1e-11, atol=1e-14)
+    assert opts[0].sqr.size == size and opts[0].local
+    if K == 1:   # one process: the fused step is the same arithmetic
+        fused = Optimizer(size, kind="adam", adam_variance="local", weight_decay=wd,
+                          dtype=np.float64)
+        w = w0.copy()
+        for ((g, n),) in steps:
+            fused.step(w, g.copy(), 1e-4, n)
+        np.testing.assert_allclose(w, want, rtol=1e-11, atol=1e-14)

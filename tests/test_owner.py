@@ -18,6 +18,8 @@ OPTIMIZERS = {
                                      adagrad_time_constant=5000.0, weight_decay=1e-3),
     "after_momentum": dict(momentum_time_constant=300.0, adagrad="after_momentum"),
     "local+decay": dict(adagrad="local", weight_decay=1e-2),
+    "adam+decay": dict(kind="adam", weight_decay=1e-3),
+    "adam_local": dict(kind="adam", adam_variance="local"),
 }
 
 
@@ -49,11 +51,12 @@ def setup(K, rng):
 
 def make_opt(stripe, options, rng):
     opt = optim.Optimizer(stripe, post_size=stripe, **options)
-    if opt.use_momentum:
+    if opt.velocity.size > 1:   # momentum, Adam's first moment
         opt.velocity[:] = rng.standard_normal(stripe).astype(np.float32) * 0.5
-    if opt.adagrad != "off":
+    if opt.sqr.size > 1:        # AdaGrad's state, Adam's second moment
         opt.sqr[:] = rng.random(opt.sqr.size).astype(np.float32)
-        opt.sqr_weight = 2000.0
+        opt.sqr_weight = 2000.0 if opt.kind == "sgd" else 0.3
+        opt.adam_p = 0.4
     opt.begin_step(1024, 512)
     return opt
 
@@ -95,7 +98,7 @@ def test_the_fused_owner_pass_gives_the_bits_of_the_three_unfused_passes(K, opt_
     np.testing.assert_array_equal(opt.sqr, want_opt.sqr)
     np.testing.assert_array_equal(params, before)           # weights are only read
     assert not np.array_equal(gather[slot[0]:slot[1]], np.full(slot[1] - slot[0], 0xAB))
-    if opt.use_momentum:   # the state really moved
+    if opt.velocity.size > 1:   # the state really moved
         assert not np.array_equal(opt.velocity, make_opt(stripe, OPTIMIZERS[opt_name],
                                                          np.random.default_rng(7)).velocity)
 

@@ -26,7 +26,7 @@ from numba import njit, prange
 from hpcsgd.codecs.common import LANES, nonfinite_error
 from hpcsgd.codecs.onebit_columns import (ADD, SET, decode_column_cpu, encode_column_cpu,
                                           words_per_column)
-from hpcsgd.optim import ADAM, AFTER_MOMENTUM, AGGREGATE, post_element_cpu
+from hpcsgd.optim import ADAM, ADAM_LOCAL, AFTER_MOMENTUM, AGGREGATE, post_element_cpu
 
 
 @njit(inline="always")
@@ -64,8 +64,10 @@ def _owner_columns(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, 
             for src in range(1, K):
                 decode_column_cpu(recvw[src, o:o + W], recvf[src, o:o + W], col, ADD, 0.0)
             e = base + j * n_rows
-            vj = v[e:e + n_rows] if use_momentum or ada == ADAM else v[0:1]
-            sj = s[e:e + n_rows] if ada != 0 else s[0:1]
+            vj = v[e:e + n_rows] if use_momentum or ada == ADAM or ada == ADAM_LOCAL \
+                else v[0:1]
+            sj = s[e:e + n_rows] if ada == AGGREGATE or ada == AFTER_MOMENTUM or ada == ADAM \
+                else s[0:1]
             if use_w:
                 _post_loop(col, w[j], vj, sj, wd_n, ada, rho, c, inv_n, inv_q, eps,
                            use_momentum, m, adam_k)
@@ -92,7 +94,8 @@ def _compiled_pass(ada, use_momentum):
 
 
 OWNER_PASSES = {(ada, mom): _compiled_pass(ada, mom)
-                for ada in (0, AGGREGATE, AFTER_MOMENTUM, ADAM) for mom in (False, True)}
+                for ada in (0, AGGREGATE, AFTER_MOMENTUM, ADAM, ADAM_LOCAL)
+                for mom in (False, True)}
 
 
 def owner_pass_onebit_cpu(recvw, recvf, at, w, use_w, v, s, base, r2, out8, outf, bad, nchunk,

@@ -15,7 +15,9 @@ minibatch were the union), then:
 --per-rank: each rank's gradient computed on its own batch, then added in rank order in
 float32 (at K = 2 the Allreduce's sum bit for bit: one addition, commutative); for a model
 whose forward depends on the batch (quantization-aware training: a learned clip's gradient is
-the same either way, but the sum's rounding is not).
+the same either way, but the sum's rounding is not), and for an optimizer with a second
+moment per rank (AdaGrad "local", optim.adam_variance=local: one optimizer per rank
+normalises its rank's gradient before the sum; rank 0's also post-processes the sum).
 Writes params (and the residuals for onebit) to OUT.npz.
 """
 import sys
@@ -25,7 +27,7 @@ import numpy as np
 from hpcsgd import config
 from hpcsgd.codecs import make_codec
 
-from reference_setup import build, float64_flag, global_batch, global_steps
+from reference_setup import build, float64_flag, global_batch, global_steps, optimizer
 
 dtype = float64_flag(sys.argv)
 per_rank = "--per-rank" in sys.argv
@@ -34,7 +36,8 @@ if per_rank:
 out_path, K, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = config.load(None, sys.argv[4:])
 assert mode in ("float", "onebit") and (mode == "float" or K == 1)
-batch_of, loaders, model, params, opt = build(cfg, K, dtype)
+batch_of, loaders, model, params, opt = build(cfg, K, dtype, local=per_rank)
+rank_opts = [opt] + [optimizer(cfg, params.size, dtype) for _ in range(1, K)]
 assert mode == "float" or dtype == np.float32
 grads = model.new_params()
 codec = make_codec("onebit", "reference")
@@ -58,24 +61,25 @@ rank_grads = model.new_params()
 
 
 def per_rank_gradient(take):
-    """grads <- the sum over ranks (in rank order) of each rank's gradient of its batch;
-    -> the frames in the loss."""
+    """grads <- the sum over ranks (in rank order) of each rank's gradient of its batch,
+    normalised first by its own optimizer where that keeps a local second moment (every
+    rank's optimizer begins the step with the rank's own frames)."""
     grads.flat[:] = 0
-    counted = 0
     for r, loader in enumerate(loaders):
         x, y = global_batch([loader], take[r:r + 1], dtype)
-        if len(x):   # a rank without frames in this step sends zeros
+        counted = model.frames_in_loss(y, len(x)) if len(x) else 0
+        rank_grads.flat[:] = 0   # a rank without frames in this step sends zeros
+        if len(x):
             model.forward_backward(params, rank_grads, x, y, len(x))
-            grads.flat[:] += rank_grads.flat
-            counted += model.frames_in_loss(y, len(x))
-    return counted
+        rank_opts[r].begin_step(int(take.sum()), counted)
+        rank_opts[r].pre_exchange(rank_grads.flat)
+        grads.flat[:] += rank_grads.flat
 
 
 for lr, take, _ in global_steps(cfg, loaders, batch_of):
     if per_rank:
         assert cfg["train.loss_scale"] == "none"
-        counted = per_rank_gradient(take)
-        opt.begin_step(int(take.sum()), counted)
+        per_rank_gradient(take)
         opt.post_exchange(grads.flat, params.flat)
         opt.apply(params.flat, grads.flat, lr)
         frames += int(take.sum())

@@ -30,8 +30,9 @@ def batch(x, dtype):
     return x if dtype == np.float32 else x.astype(dtype)
 
 
-def build(cfg, K, dtype=np.float32):
-    """(batch_of, loaders, model, params, opt) for the config `cfg` and K ranks."""
+def build(cfg, K, dtype=np.float32, local=False):
+    """(batch_of, loaders, model, params, opt) for the config `cfg` and K ranks (local: the
+    caller keeps a per-rank optimizer state itself)."""
     gb = cfg["train.minibatch"]
     if cfg["model.type"] in UTTERANCE_MODELS:   # K loaders of whole utterances; one batch of all theirs
         steps, batch_of = None, None
@@ -79,14 +80,23 @@ def build(cfg, K, dtype=np.float32):
         wide = model.new_params()
         wide.flat[:] = params.flat
         params = wide
-    assert cfg["optim.adagrad"] != "local"   # per-rank state: not a single-process quantity
-    opt = optim.from_config(cfg, params.size)
+    opt = optimizer(cfg, params.size, dtype)
+    # a second moment per rank (AdaGrad "local", Adam's local variance) is not a quantity of
+    # one process's gradient: exchange_reference.py --per-rank keeps one optimizer per rank
+    assert not opt.local or local, "a local optimizer state needs the per-rank reference"
+    return batch_of, loaders, model, params, opt
+
+
+def optimizer(cfg, size, dtype=np.float32):
+    """The config's optimizer over `size` parameters, its state in `dtype`."""
+    opt = optim.from_config(cfg, size)
     if dtype != np.float32:
-        opt = optim.Optimizer(params.size, momentum_time_constant=opt.momentum_time_constant,
+        opt = optim.Optimizer(size, momentum_time_constant=opt.momentum_time_constant,
                               adagrad=opt.adagrad, adagrad_time_constant=opt.adagrad_time_constant,
                               adagrad_eps=opt.adagrad_eps, weight_decay=opt.weight_decay,
-                              dtype=dtype)
-    return batch_of, loaders, model, params, opt
+                              dtype=dtype, kind=opt.kind, beta1=opt.beta1, beta2=opt.beta2,
+                              adam_eps=opt.adam_eps, adam_variance=opt.adam_variance)
+    return opt
 
 
 def global_steps(cfg, loaders, batch_of):
