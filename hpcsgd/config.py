@@ -80,6 +80,10 @@ DEFAULTS = {
     "model.bidirectional": (True, bool, None, "lstm: a BLSTM (outputs [forward | backward])"),
     "model.bottleneck": ([], list, (1, 1 << 16),
                          "lstm: Dense layers (model.activation) between the LSTM layers and the softmax"),
+    "model.dropout": (0.0, float, (0.0, 0.9),
+                      "ctc/rnnt: drop each encoder layer's output (not frame stacking's) with "
+                      "this probability in training, masks keyed by utterance "
+                      "(hpcsgd/model/kernels_dropout.py); 0 = off"),
     "model.activation": ("sigmoid", str, ("sigmoid", "relu"),
                          "hidden nonlinearity (the paper: sigmoid; convolutions: relu)"),
     "model.parallel": (1, int, (1, 4096),
@@ -422,6 +426,11 @@ def load(path=None, overrides=()):
                             "subsamples)")
     if config["model.type"] == "rnnt":
         check_rnnt(config)
+    if config["model.dropout"] and config["model.type"] not in UTTERANCE_MODELS:
+        raise UserError(f"config key model.dropout: models of whole utterances only "
+                        f"(model.type={'|'.join(UTTERANCE_MODELS)}): a mask is a function of "
+                        f"the utterance and the position in it, which frame and chunk batches "
+                        f"do not carry (model.type={config['model.type']})")
     if config["model.type"] in UTTERANCE_MODELS:
         if config["model.parallel"] > 1:
             raise UserError(f"config keys model.parallel and model.type={config['model.type']}: model parallelism "

@@ -371,6 +371,8 @@ def build_state(cfg, grid, loader, timeline):
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
+    if cfg["model.dropout"]:   # a training setting, not the model's: not in its description
+        model.set_dropout(cfg["model.dropout"])
     if cfg["model.type"] == "rnnt":   # the transducer's training settings (not the model's)
         model.layers[-1].fastemit_lambda = cfg["rnnt.fastemit_lambda"]
         model.layers[-1].joint_budget = cfg["rnnt.joint_memory_mb"] << 20

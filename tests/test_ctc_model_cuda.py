@@ -83,22 +83,27 @@ else:
             x[:n, b] = rng.standard_normal((n, dim))
         ids = rng.integers(1, 6, sum(n // 5 for n in lens)).astype(np.int32)
         offsets = np.concatenate([[0], np.cumsum([n // 5 for n in lens])]).astype(np.int64)
-        return x.reshape(-1, dim), Targets(np.array(lens, np.int64), ids, offsets)
+        return x.reshape(-1, dim), Targets(np.array(lens, np.int64), ids, offsets,
+                                           np.arange(3, 3 + len(lens), dtype=np.uint64))
 
-    @pytest.mark.parametrize("precision,encoder", [
-        ("float32", ["conv 6 k3 s2", "blstm 4"]), ("mixed", ["conv 6 k3 s2", "blstm 4"]),
-        ("float32", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"]),
-        ("mixed", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"]),
-        ("float32", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"]),
-        ("mixed", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"])])
-    def test_a_ctc_model_on_the_gpu_equals_the_cpu_model(precision, encoder):
+    @pytest.mark.parametrize("precision,encoder,dropout", [
+        ("float32", ["conv 6 k3 s2", "blstm 4"], 0.0), ("mixed", ["conv 6 k3 s2", "blstm 4"], 0.0),
+        ("float32", ["conv 6 k3 s2", "blstm 4"], 0.3), ("mixed", ["conv 6 k3 s2", "blstm 4"], 0.3),
+        ("float32", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"], 0.0),
+        ("mixed", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"], 0.0),
+        ("float32", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"], 0.0),
+        ("mixed", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"], 0.0)])
+    def test_a_ctc_model_on_the_gpu_equals_the_cpu_model(precision, encoder, dropout):
         """The same weights and batch on both: float32 within 1e-4 of the gradient's scale;
         mixed (float16 storage on the GPU, the float32-buffer emulation on the CPU) within
         2^-7 of each matrix's gradient norm, at a static scale of 256. The all-convolutional
-        encoder with layer or instance norms (kernels_norm_cuda) as well as the DS2-like one."""
+        encoder with layer or instance norms (kernels_norm_cuda) as well as the DS2-like one,
+        and the latter with dropout (the same masks from the same utterance keys)."""
         rng = np.random.default_rng(7)
         cpu = ctc(3, encoder, 6, max_batch=64, precision=precision)
         gpu = ctc(3, encoder, 6, max_batch=64, device="cuda", precision=precision)
+        cpu.set_dropout(dropout)
+        gpu.set_dropout(dropout)
         params = cpu.new_params()
         cpu.init(params, np.random.default_rng(0))
         d_params = gpu.new_params()

@@ -160,6 +160,28 @@ def test_striped_onebit_resumes_bit_exactly_mid_epoch(double_buffering, arch, tm
         np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
 
 
+def test_dropout_trains_as_one_process_and_resumes_bit_exactly(arch, tmp_path,
+                                                               tmp_path_factory):
+    """model.dropout: masks keyed by utterance, so 2 ranks train what one process does on the
+    same global batches (within float32 rounding of the float64 trajectory), and 1-bit SGD
+    with SpecAugment and dropout resumed mid-epoch is the uninterrupted run bit for bit."""
+    drop = ("model.dropout=0.3",)
+    got = arrays(train(2, arch, tmp_path_factory, *drop))["params"]
+    assert_float32_close(got, reference(2, "float", arch, tmp_path, *drop)["params"],
+                         reference(2, "float", arch, tmp_path, *drop, float64=True)["params"])
+    assert not np.allclose(got, arrays(train(2, arch, tmp_path_factory))["params"], rtol=1e-3)
+    extra = (*drop, "exchange.aggregation=striped", "exchange.codec=onebit", "train.epochs=2",
+             "data.specaugment=true")
+    full = arrays(train(2, arch, tmp_path_factory, *extra))
+    cut = str(tmp_path / "cut")
+    for stop in ("train.stop_after_frames=1500", "train.stop_after_frames=0"):
+        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = arrays(cut)
+    for name in full:
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+
+
 def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     """The rest of the epoch's batches dealt over three: the epoch trains every frame once
     (its frames add up to the archive's), residuals folded, replicas agree."""
@@ -259,6 +281,8 @@ def test_config_refuses_what_ctc_cannot_do(arch):
     with pytest.raises(UserError, match="stride 1"):
         config.load(None, [f"data.train={arch}", "model.type=tdnn",
                            "model.encoder=[conv 6 k3 s2]"])
+    with pytest.raises(UserError, match="model.dropout: models of whole utterances only"):
+        config.load(None, [f"data.train={arch}", "model.dropout=0.2"])
 
 
 def test_bad_inputs_are_named(arch, tmp_path):

@@ -38,13 +38,14 @@ the same frames. A thread loads the next step's utterances while the trainer com
 """
 import concurrent.futures
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from hpcsgd.data import archive
 from hpcsgd.data.splice import cmvn_from_stats
 from hpcsgd.errors import UserError
+from hpcsgd.model.kernels_dropout import utterance_keys
 
 PAD_SLACK = 1.25          # a batch's padded rows at most this many times its frame budget
 BUCKET_BATCHES = 4        # data.bucket_frames = 0: buckets of this many minibatches
@@ -57,6 +58,9 @@ class Targets(NamedTuple):
     frames: np.ndarray    # (nb,) int64 input frames of each
     ids: np.ndarray       # (N,) int32 token ids 1..V-1 of all of them, concatenated
     offsets: np.ndarray   # (nb + 1,) int64: utterance b's are ids[offsets[b]:offsets[b+1]]
+    # (nb,) uint64: each utterance's dropout key this epoch (model/kernels_dropout.py: from
+    # train.seed, the epoch and its place in the archive); training batches only
+    keys: Optional[np.ndarray] = None
 
 
 def empty_targets():
@@ -333,7 +337,9 @@ class UtteranceLoader:
         np.cumsum(counts, out=offsets[1:])
         ids = np.concatenate([self.tokens[self.tok_first[u]:self.tok_first[u] + self.tok_len[u]]
                               for u in group]) if offsets[-1] else np.zeros(0, np.int32)
-        return x, Targets(lengths.astype(np.int64), ids.astype(np.int32), offsets)
+        return x, Targets(lengths.astype(np.int64), ids.astype(np.int32), offsets,
+                          None if self._epoch is None
+                          else utterance_keys(self.seed, self._epoch, group))
 
     def eval_batches(self, max_rows):
         """This rank's share of the archive for evaluation and inference, each utterance

@@ -44,6 +44,7 @@ from hpcsgd.half import stored as S
 from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model.kernels import SIGMOID
+from hpcsgd.model.kernels_dropout import keep_cuda
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
 COL_TILE, SUM_LANES = 32, 16   # column sums: columns per block x row lanes (512 threads)
@@ -672,6 +673,31 @@ def _mask_rows_kernel(x, batch_sizes, nb):
         if r % nb >= batch_sizes[r // nb]:
             for j in range(j0, m, sj):
                 x[r, j] = 0
+
+
+@cuda.jit
+def _drop_kernel(x, out, keys, nb, salt, threshold, scale):
+    m = x.shape[1]
+    j0, r0 = cuda.grid(2)
+    sj, sr = cuda.gridsize(2)
+    s, th = np.uint64(salt), np.uint64(threshold)
+    for r in range(r0, x.shape[0], sr):
+        key, t = keys[r % nb], np.uint64(r // nb)
+        for j in range(j0, m, sj):
+            if keep_cuda(key, s, t, np.uint64(j), th):
+                out[r, j] = S(out, F(x[r, j]) * scale)
+            else:
+                out[r, j] = 0
+
+
+def drop(x, out, keys, nb, salt, threshold, scale):
+    """model.kernels_dropout.drop on the device (keys a device uint64 array; x and out of one
+    storage dtype, the product in float32 stored once)."""
+    x, out = as_device(x), as_device(out)
+    rows, m = x.shape
+    if rows and m:
+        _drop_kernel[on_stream(_elem_launch(rows, m))](x, out, as_device(keys), nb, salt,
+                                                        threshold, np.float32(scale))
 
 
 def unfold(x, cols, nb, steps_in, steps_out, kernel, stride, dilation, left):

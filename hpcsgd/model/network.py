@@ -34,6 +34,13 @@ Master weights, optimizer state and the gradients (`grads`) stay float32. Infere
 the master weights as on CPU ranks, in float32 buffers of its own made at its first call
 (training alone never makes them).
 
+Dropout (set_dropout(p); model.dropout): a model of whole utterances drops each encoder
+layer's output but frame stacking's (no parameters) before the layer above reads it, by masks
+hashed from the batch's utterance keys (Targets.keys; model/kernels_dropout.py), into a
+buffer of its own (dropped[i]): layer i's backward still reads its own output, layer i + 1's
+reads the dropped one, and the backward pass multiplies the gradient by the same mask. Only
+forward_backward drops; forward (cross-validation, eval, inference) never does.
+
 qat (a model.quantize description): quantization-aware training. Every pass runs on wq, the
 weights fake-quantized from the float32 master at its start, and on each layer's input
 fake-quantized into aq[i]; backward passes the gradients straight through to the master and
@@ -45,6 +52,7 @@ import numpy as np
 
 from hpcsgd import half
 from hpcsgd.device import assign, is_device, zeros
+from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import quantize
 from hpcsgd.model.flat import FlatParams, as_specs, matrices
 from hpcsgd.model.lengths import Lengths
@@ -144,6 +152,7 @@ class Network:
                        if rule != "none" else None
                        for layer, rule in zip(self.layers, self.quant.rules)]
         self.graphs = None   # use_cuda_graphs(): hpcsgd/graphs.py
+        self.dropout, self.dropped = 0.0, [None] * len(self.layers)   # set_dropout()
         if device == "cuda":
             self.x_in = zeros((self.max_batch, self.input_dim), self.dtype, "cuda")
             self.y_in = zeros(self.max_batch, np.int32, "cuda")
@@ -161,6 +170,20 @@ class Network:
                       for layer in self.layers]
         return acts, workspaces
 
+    def set_dropout(self, p):
+        """Drop each encoder layer's output with probability p in training passes (the module
+        docstring): the layers below the output layer that have parameters get a buffer for
+        their dropped output. A model of whole utterances only: the masks are keyed by them."""
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout {p}: expected 0 <= p < 1")
+        if p and self.frame_labels:
+            raise ValueError("dropout: models of whole utterances (CTC, RNN-T) only: the masks "
+                             "are keyed by the batch's utterances")
+        self.dropout = float(p)
+        self.dropped = [zeros((self.max_batch, layer.n_out), self.storage, self.device)
+                        if p and i < len(self.layers) - 1 and layer.specs() else None
+                        for i, layer in enumerate(self.layers)]
+
     def activation_buffers(self):
         """{name: array} of the buffers a training pass stores its activations and their
         gradients in: every layer's output (overwritten by its dz), the backward's delta,
@@ -170,6 +193,7 @@ class Network:
         out["delta"] = self.delta
         out.update({f"{i}.{k}": v for i, ws in enumerate(self.workspaces) if ws
                     for k, v in ws.items()})
+        out.update({f"dropped{i}": d for i, d in enumerate(self.dropped) if d is not None})
         if self.half:
             out["x16"] = self.x16
         return out
@@ -307,7 +331,8 @@ class Network:
         if lengths is not None and not lengths.full:
             ops.mask_rows(a, lengths)
 
-    def _forward(self, params, x, n, ops, progress=None, geo=None, buffers=None):
+    def _forward(self, params, x, n, ops, progress=None, geo=None, buffers=None, keys=None):
+        """keys: the batch's utterance keys in a training pass with dropout (else None)."""
         a = x[:n]
         acts, workspaces = buffers or (self.acts, self.workspaces)
         last = len(self.layers) - 1
@@ -321,6 +346,9 @@ class Network:
             if geo is not None and i < last:
                 self._mask(out[:rows], geo[i + 1], ops)
             a = out[:rows]
+            if keys is not None and self.dropped[i] is not None:   # padding stays 0
+                a = self.dropped[i][:rows]
+                ops.dropout(out[:rows], a, keys, geo[i + 1].nb, i + 1, self.dropout)
         return a
 
     def pass_weights(self, params):
@@ -405,7 +433,8 @@ class Network:
             ops = ops if isinstance(ops, GemmOnly) else (
                 self.half_ops if ops is self.ops else HalfOps(ops, self.rounding))
         master, params = params, self._quantized(params, ops)
-        logits = self._forward(params, x, n, ops, progress, geo)
+        keys = self._dropout_keys(y)
+        logits = self._forward(params, x, n, ops, progress, geo, keys=keys)
         if self.frame_labels:
             ce, correct = self.layers[-1].loss(params, grads, logits, y[:n], ops, loss_scale,
                                                **self._last_ws())
@@ -417,7 +446,9 @@ class Network:
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
             rows_in, rows = (n, n) if geo is None else (geo[i].rows, geo[i + 1].rows)
-            inp = self.acts[i - 1][:rows_in] if i > 0 else x[:rows_in]
+            dropped = keys is not None and i > 0 and self.dropped[i - 1] is not None
+            inp = (self.dropped[i - 1] if dropped else self.acts[i - 1])[:rows_in] if i > 0 \
+                else x[:rows_in]
             # dLoss/dx only where a layer below it learns (or the input's learned clip):
             # not below a parameterless first layer such as frame stacking
             wants_dx = i >= self.first_learning or (quant and quant.learns_input(0))
@@ -429,6 +460,8 @@ class Network:
                            **self._sequences(layer, self.workspaces[i], geo[i] if geo else None))
             if geo is not None and dx is not None:
                 self._mask(dx, geo[i], ops)
+            if dropped and dx is not None:   # d(dropped)/d(output): the same mask and scale
+                ops.dropout(dx, dx, keys, geo[i].nb, i, self.dropout)
             if quant:   # straight through to the float input (before the layer below reuses it)
                 quant.input_backward(i, inp, dx, master, grads, ops, n * loss_scale)
             if ready is not None:
@@ -437,6 +470,18 @@ class Network:
         if quant:
             quant.weights_backward(master, grads, ops, n * loss_scale)
         return ce, correct
+
+    def _dropout_keys(self, y):
+        """A training pass's utterance keys for dropout (on the device for GPU ranks: one
+        small host-to-device copy a pass), or None without dropout."""
+        if not self.dropout:
+            return None
+        keys = getattr(y, "keys", None)
+        if keys is None or len(keys) != len(y.frames):
+            raise ValueError("dropout: the batch's Targets carry no utterance keys (one per "
+                             "utterance: hpcsgd.data.utterances)")
+        keys = np.ascontiguousarray(keys, np.uint64)
+        return keys if self.device == "cpu" else cuda.to_device(keys)
 
     def unscale(self, grads, loss_scale):
         """The gradient forward_backward left, made the float32 gradient of the summed loss:

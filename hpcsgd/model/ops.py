@@ -27,6 +27,7 @@ from hpcsgd.model import kernels_quant as KQ
 from hpcsgd.model import kernels_seq as KS
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model import kernels_ctc as KCTC
+from hpcsgd.model import kernels_dropout as KD
 from hpcsgd.model import kernels_ctc_cuda as KCC   # compiled on first launch, by GPU models only
 from hpcsgd.model import kernels_cuda as KC
 
@@ -120,6 +121,11 @@ class CpuOps:
     def mask_rows(self, x, lengths):
         """Zero the padding rows of a time-major batch of the given Lengths."""
         KS.mask_rows(x, lengths.batch_sizes, lengths.nb)
+
+    def dropout(self, x, out, keys, nb, salt, p):
+        """out <- x * (layer salt's mask of these utterance keys) / (1 - p); out may be x
+        (model.kernels_dropout)."""
+        KD.drop(x, out, keys, nb, salt, KD.threshold_of(p), KD.scale_of(p))
 
     def layer_norm(self, z, gamma, beta, y, kind):
         """y <- f(gamma * (z - mean) / std + beta), each row over its channels
@@ -314,6 +320,10 @@ class CudaOps:
             lengths.device_batch_sizes = cuda_module.to_device(lengths.batch_sizes)
         KC.mask_rows(x, lengths.device_batch_sizes, lengths.nb)
 
+    def dropout(self, x, out, keys, nb, salt, p):
+        """keys: a device array (the network copies a pass's keys once)."""
+        KC.drop(x, out, keys, nb, salt, KD.threshold_of(p), KD.scale_of(p))
+
     def layer_norm(self, z, gamma, beta, y, kind):
         KNC.layer_norm_forward(z, gamma, beta, y, kind)
 
@@ -444,6 +454,9 @@ class GemmOnly:
         pass
 
     def mask_rows(self, x, lengths):
+        pass
+
+    def dropout(self, x, out, keys, nb, salt, p):
         pass
 
     def layer_norm(self, z, gamma, beta, y, kind):
@@ -604,6 +617,10 @@ class HalfOps:
 
     def mask_rows(self, x, lengths):
         self.ops.mask_rows(x, lengths)     # zeros: exact in any format
+
+    def dropout(self, x, out, keys, nb, salt, p):
+        self.ops.dropout(x, out, keys, nb, salt, p)
+        self.store(out)                    # x / (1 - p): rounded to the format once
 
     def layer_norm(self, z, gamma, beta, y, kind):
         self.store(z)                      # x @ W: a GEMM's 16-bit output

@@ -71,12 +71,14 @@ def build(cfg, K, dtype=np.float32, local=False):
     precision = cfg["train.precision"] if dtype == np.float32 else "float32"
     model32 = build_model(describe, max_batch=max(rows, 1024), precision=precision)
     model32.steps = steps
+    model32.set_dropout(cfg["model.dropout"])
     params = model32.new_params()
     model32.init(params, np.random.default_rng(cfg["train.seed"]))
     model = model32
     if dtype != np.float32:   # the float32 initial weights, widened
         model = build_model(describe, max_batch=max(rows, 1024), dtype=dtype)
         model.steps = steps
+        model.set_dropout(cfg["model.dropout"])
         wide = model.new_params()
         wide.flat[:] = params.flat
         params = wide
@@ -145,14 +147,16 @@ def merged_utterances(batches, dtype):
         x_tb = x.reshape(steps, nb, -1) if nb else x
         for b in range(nb):
             utts.append((int(t.frames[b]), x_tb[:t.frames[b], b],
-                         t.ids[t.offsets[b]:t.offsets[b + 1]]))
+                         t.ids[t.offsets[b]:t.offsets[b + 1]],
+                         t.keys[b] if t.keys is not None else 0))
     utts.sort(key=lambda u: -u[0])   # stable: rank order among equal lengths
     frames = np.array([u[0] for u in utts], np.int64)
     steps, dim = (int(frames[0]), utts[0][1].shape[1]) if utts else (0, batches[0][0].shape[1])
     x = np.zeros((steps, len(utts), dim), np.float32)
-    for b, (n, feats, _) in enumerate(utts):
+    for b, (n, feats, _, _) in enumerate(utts):
         x[:n, b] = feats
     offsets = np.concatenate([[0], np.cumsum([len(u[2]) for u in utts])]).astype(np.int64)
     ids = np.concatenate([u[2] for u in utts]) if utts else np.zeros(0, np.int32)
     return (batch(np.ascontiguousarray(x.reshape(-1, dim)), dtype),
-            Targets(frames, ids.astype(np.int32), offsets))
+            Targets(frames, ids.astype(np.int32), offsets,
+                    np.array([u[3] for u in utts], np.uint64)))
