@@ -58,6 +58,11 @@ conv 512 k1 in]"
         exchange.cold_start_frames=5500000 train.seed=1 optim.adam_variance=local
     run onebit_local 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
         exchange.cold_start_frames=5500000 optim.adam_variance=local
+    # ... and float32 with it: what the placement alone does
+    run seed1_f32_local 2 --config jobs/configs/so762_ctc.yaml train.seed=1 \
+        optim.adam_variance=local
+    # dropout between the encoder's layers (model.dropout): the model overfits this corpus
+    run f32_drop03 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
     # frames of the 30-epoch runs; its archive (the same CV speakers):
     #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
@@ -76,7 +81,7 @@ fi
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l chars seed1_f32 \
-        seed1_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local sp; do
+        seed1_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words

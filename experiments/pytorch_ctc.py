@@ -74,7 +74,8 @@ def main(argv):
                              sortagrad=cfg["data.sortagrad"])
     act = torch.nn.ReLU if cfg["model.activation"] == "relu" else torch.nn.Sigmoid
     model = CTCModel(torch, {"input_dim": loader.feature_dim, "encoder": cfg["model.encoder"],
-                             "num_tokens": loader.num_labels}, act)
+                             "num_tokens": loader.num_labels, "dropout": cfg["model.dropout"]},
+                     act)
     assert cfg["optim.type"] == "adam" and cfg["schedule.type"] == "linear"
     opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg["optim.adam_beta1"],
                                                            cfg["optim.adam_beta2"]))

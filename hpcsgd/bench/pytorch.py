@@ -72,7 +72,9 @@ def CTCModel(torch, shape, act, out=None):
     (bidirectional for blstm), nn.Linear; a Linear to the tokens. forward(x (T, B, D)
     time-major, lengths (B,) longest first) -> ((T', B, V) log-probabilities for nn.CTCLoss,
     the output lengths). Also experiments/pytorch_ctc.py's model. With `out` = the joint's
-    width: a transducer's encoder, (T', B, out) of its joint projection (no log-softmax)."""
+    width: a transducer's encoder, (T', B, out) of its joint projection (no log-softmax).
+    shape["dropout"] (model.dropout): nn.Dropout on each layer's output but stacking's, in
+    train() mode (its own generator's masks; hpcsgd's are hashed per utterance)."""
     from hpcsgd.model.encoder import parse_spec
     from hpcsgd.model.kernels_norm import EPS
 
@@ -118,6 +120,7 @@ def CTCModel(torch, shape, act, out=None):
                 self.layers.append(layer)
                 n_in = width
             self.act = act()
+            self.drop = torch.nn.Dropout(shape.get("dropout", 0.0))
             self.logits = out is None
             self.out = torch.nn.Linear(n_in, shape["num_tokens"] if out is None else out)
 
@@ -148,6 +151,8 @@ def CTCModel(torch, shape, act, out=None):
                                                                   total_length=x.shape[0])
                 else:
                     x = self.act(layer(x))
+                if kind != "stack":
+                    x = self.drop(x)
             x = self.out(x)
             return (torch.nn.functional.log_softmax(x, dim=-1) if self.logits else x), lengths
     return Net()
