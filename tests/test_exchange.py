@@ -353,17 +353,28 @@ def test_adam_at_the_owner_equals_adam_on_one_rank(K, arch, tmp_path, tmp_path_f
     assert not np.array_equal(full["params"], arrays(train(K, arch, tmp_path_factory))["params"])
 
 
-def test_one_bit_adam_at_the_owner_resumes_bit_exactly(arch, tmp_path, tmp_path_factory):
-    extra = (*ADAM, "exchange.aggregation=striped", "exchange.codec=onebit", "train.epochs=2")
+def resumed_mid_run(arch, tmp_path, tmp_path_factory, extra, keep=None):
+    """A 2-rank run of `extra` (2 epochs) stopped half-way through its second epoch and
+    resumed to the end: (the uninterrupted run's arrays, the resumed run's); `keep`: a
+    directory to copy the stopped run to."""
     full = arrays(train(2, arch, tmp_path_factory, *extra))
     cut = str(tmp_path / "cut")
     total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
     for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
         proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        if keep and stop.endswith(f"={total * 3 // 2}"):
+            shutil.copytree(cut, keep)
     resumed = arrays(cut)
+    assert set(full) == set(resumed)
     for name in full:
         np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+    return full, resumed
+
+
+def test_one_bit_adam_at_the_owner_resumes_bit_exactly(arch, tmp_path, tmp_path_factory):
+    extra = (*ADAM, "exchange.aggregation=striped", "exchange.codec=onebit", "train.epochs=2")
+    full, _ = resumed_mid_run(arch, tmp_path, tmp_path_factory, extra)
     assert full["opt/adam_p"] > 0
 
 
@@ -431,22 +442,11 @@ def test_one_bit_adam_with_local_second_moments_resumes_and_moves_to_3_ranks(arc
     at every step after; another optim.adam_variance is refused by name."""
     extra = (*LOCAL, "exchange.aggregation=striped", "exchange.codec=onebit",
              "exchange.double_buffering=true", "train.epochs=2")
-    full = arrays(train(2, arch, tmp_path_factory, *extra))
-    cut = str(tmp_path / "cut")
-    total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
-    for stop in (f"train.stop_after_frames={total * 3 // 2}", "train.stop_after_frames=0"):
-        proc = run_train(2, options(arch, f"train.run_dir={cut}", *extra, stop), timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        if stop.endswith("=0"):
-            continue
-        shutil.copytree(cut, str(tmp_path / "moved"))
-        mid = arrays(cut)
-    resumed = arrays(cut)
-    assert set(full) == set(resumed)
-    for name in full:
-        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
-    assert not np.array_equal(mid["rank0000/opt/sqr"], mid["rank0001/opt/sqr"])
     moved = str(tmp_path / "moved")
+    resumed_mid_run(arch, tmp_path, tmp_path_factory, extra, keep=moved)
+    mid = arrays(moved)
+    total = json.load(open(os.path.join(arch, "index.json")))["total_frames"]
+    assert not np.array_equal(mid["rank0000/opt/sqr"], mid["rank0001/opt/sqr"])
     # the epoch end: no exchange in flight, which a move to another K refuses
     proc = run_train(2, options(arch, f"train.run_dir={moved}", *extra,
                                 f"train.stop_after_frames={total * 2}",
