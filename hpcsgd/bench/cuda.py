@@ -174,11 +174,12 @@ def record(out_path):
         quantized.forward_backward(q_params, quantized.new_params(), x, y, n)
     # a CTC model's step in float32, mixed and bf16 (the sequence kernels: unfold, fold,
     # mask: a second convolution has an input gradient; the CTC loss's float32, float16 and
-    # bfloat16 signatures), then its posteriors
+    # bfloat16 signatures; dropout between the encoder's layers), then its posteriors
     from hpcsgd.data.utterances import Targets
     from hpcsgd.model.ctc import ctc
     frames = np.array([5, 3], np.int64)   # two utterances, time-major (5 steps x 2)
-    targets = Targets(frames, np.array([1, 2, 2], np.int32), np.array([0, 2, 3], np.int64))
+    targets = Targets(frames, np.array([1, 2, 2], np.int32), np.array([0, 2, 3], np.int64),
+                      np.array([7, 8], np.uint64))
     x_seq = x[:5].repeat(2, axis=0)
     # an RNN-T model the same way (the joint's kernels and the loss on float16 and bfloat16
     # storage), its joint in sub-batches of one utterance (the output layer's gradient summed
@@ -195,6 +196,7 @@ def record(out_path):
         for precision, scaler in (("float32", None), ("mixed", Static(2.0 ** 10)),
                                   ("bf16", None)):
             model_seq = build_seq(max_batch=n + 2, device="cuda", precision=precision)
+            model_seq.set_dropout(0.2)
             seq_params = model_seq.new_params()
             model_seq.init(seq_params, np.random.default_rng(1))
             Step(model_seq, seq_params, gradient_buffers(model_seq, False),

@@ -685,7 +685,7 @@ def _drop_kernel(x, out, keys, nb, salt, threshold, scale):
         key, t = keys[r % nb], np.uint64(r // nb)
         for j in range(j0, m, sj):
             if keep_cuda(key, s, t, np.uint64(j), th):
-                out[r, j] = S(out, F(x[r, j]) * scale)
+                out[r, j] = S(out, mul_rn(F(x[r, j]), scale))
             else:
                 out[r, j] = 0
 
