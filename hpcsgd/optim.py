@@ -292,8 +292,9 @@ class Optimizer:
     momentum and post-exchange AdaGrad state are 1/K of the model). momentum_time_constant:
     T in samples, 0 = off. adagrad: one of ADAGRAD_PLACES; kind: "sgd" or "adam";
     adam_variance: one of ADAM_VARIANCES (where Adam's second moment is learned);
-    adagrad_time_constant: T_a in samples (math.inf = all history); adagrad_eps; weight_decay: per sample. device: "cpu" (NumPy state, Numba CPU
-    kernels) or "cuda" (device state; params, grads and updates passed in are device arrays).
+    adagrad_time_constant: T_a in samples (math.inf = all history); adagrad_eps;
+    weight_decay: per sample. device: "cpu" (NumPy state, Numba CPU kernels) or "cuda"
+    (device state; params, grads and updates passed in are device arrays).
     State for checkpoints: `velocity` and `sqr` (flat, like the params), `sqr_weight` (scalar
     q); see state_dict/host_state_dict/load_state_dict.
     """
