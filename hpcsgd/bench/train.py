@@ -193,6 +193,8 @@ def model_of(args):
                              embed=ctc_config["model.embed"], joint=ctc_config["model.joint"],
                              joint_mode=ctc_config["model.joint_mode"])
             n, name = ctc_config["train.minibatch"], os.path.basename(args.config)
+            if ctc_config["model.dropout"]:   # the Rank sets it; PyTorch's peer drops too
+                shape["dropout"] = ctc_config["model.dropout"]
         if args.chunk:
             shape["steps"] = args.chunk
         return name, shape, args.activation or "relu", n
@@ -251,7 +253,8 @@ def describe(shape):
                f"RNN-T[{encoder(shape['predictor'])}, embed {shape['embed']}, joint "
                f"{shape['joint']} {shape['joint_mode']}] {shape['num_tokens']}")
         return (f"{shape['input_dim']}-[{encoder(shape['encoder'])}]-{out}, "
-                f"utterances of {shape['steps']} frames")
+                f"utterances of {shape['steps']} frames"
+                + (f", dropout {shape['dropout']:g}" if shape.get("dropout") else ""))
     if shape.get("type") == "lstm":
         kind = "BLSTM" if shape["bidirectional"] else "LSTM"
         return (f"{shape['input_dim']}-{kind} {'x'.join(map(str, shape['cells']))}"
@@ -269,9 +272,9 @@ def unit_of(shape):
 
 def builder_shape(shape):
     """The builder's description of the benchmarked model (without the bench's own keys: a
-    CTC model's utterance length)."""
+    CTC model's utterance length, its dropout: a training setting, Network.set_dropout)."""
     return {k: v for k, v in shape.items()
-            if not (shape.get("type") in ("ctc", "rnnt") and k == "steps")}
+            if not (shape.get("type") in ("ctc", "rnnt") and k in ("steps", "dropout"))}
 
 
 def utterance_targets(shape, n, rng):
@@ -281,7 +284,8 @@ def utterance_targets(shape, n, rng):
     steps = shape["steps"]
     nb, per = n // steps, max(steps // FRAMES_PER_TOKEN, 1)
     ids = rng.integers(1, shape["num_tokens"], nb * per).astype(np.int32)
-    return Targets(np.full(nb, steps, np.int64), ids, np.arange(nb + 1, dtype=np.int64) * per)
+    return Targets(np.full(nb, steps, np.int64), ids, np.arange(nb + 1, dtype=np.int64) * per,
+                   np.arange(nb, dtype=np.uint64))   # dropout's keys: one per utterance
 
 
 def run(args):
@@ -611,6 +615,7 @@ class Rank:
                                **({"qat": qat} if qat else {})),
                           max_batch=max_local, device=device, group=group,
                           precision="float32" if qat or group else precision)
+            model.set_dropout(shape.get("dropout", 0.0))
             params = model.new_params()
             model.init(params, np.random.default_rng(0))      # replicas start equal
             self.models[precision] = (model, params, gradient_buffers(model, True))
