@@ -4,7 +4,8 @@
 # SpecAugment, Adam with a linear decay, 30 epochs) on 2 ranks: float32 allreduce, the striped
 # 1-bit exchange with error feedback (after a float32 cold start of 6 epochs, with Adam's
 # variance moving or frozen, and of 10 epochs, past the CTC plateau's exit),
-# mixed precision (float16 with a backoff loss scale), characters instead of phones; the
+# mixed precision (float16 with a backoff loss scale), characters instead of phones; 1-bit
+# and float32 with Adam's second moment on each rank (optim.adam_variance=local); dropout; the
 # Wave2Letter-like all-convolutional model (so762_w2l.yaml; in_w2l: each convolution
 # instance-normalized); then every model decoded on the
 # held-out speakers, greedily and through a phone bigram (TLG), the character model through
@@ -63,6 +64,9 @@ conv 512 k1 in]"
         optim.adam_variance=local
     # dropout between the encoder's layers (model.dropout): the model overfits this corpus
     run f32_drop03 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3
+    # ... lighter, on the 1-bit recipe with the local second moment (which overfits more)
+    run onebit_local_drop015 2 --config jobs/configs/so762_ctc.yaml "${ONEBIT[@]}" \
+        exchange.cold_start_frames=5500000 optim.adam_variance=local model.dropout=0.15
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
     # frames of the 30-epoch runs; its archive (the same CV speakers):
     #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
@@ -81,7 +85,8 @@ fi
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l chars seed1_f32 \
-        seed1_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 sp; do
+        seed1_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 \
+        onebit_local_drop015 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
