@@ -96,6 +96,84 @@ def test_both_directions_in_one_launch_are_the_two_launches():
     assert np.array_equal(gates, g1) and np.array_equal(dc0, e0) and np.array_equal(dc1, e1)
 
 
+def _cell_blocks(count):
+    def cell_block(hc, dirs):   # kernels_lstm.cell_block's rounding, a fixed number of blocks
+        return -(-(-(-hc // count)) // 4) * 4
+    return cell_block
+
+
+@pytest.mark.parametrize("hc", [8, 6])
+def test_step_with_its_products_in_the_launch_is_the_product_then_the_step(monkeypatch, hc):
+    """A CPU rank's BLSTM step (ops.lstm_forward_step / lstm_backward_step: each task makes
+    its cells' columns of the recurrent product, then steps them) against the product made
+    first (small_matmul_nt; BLAS above SMALL_ROWS rows) and the step kernel after it: the
+    same bits for any split of the cells into tasks (1, 2, 3 blocks of a direction), with
+    the directions at different row counts, one at its first step, and a direction of more
+    than SMALL_ROWS rows. hc = 6 (not a multiple of 4): the product's columns are grouped
+    by 4 from each gate's start, not from column 0, so there the two paths may differ in the
+    last bits; every split still gives the same bits, each product within the dot product's
+    bound of float64."""
+    from hpcsgd.model import ops as O
+    rng = np.random.default_rng(8)
+    g4 = 4 * hc
+    cpu = O.CpuOps(64, 8 * hc, np.float32)
+    u = [rng.standard_normal((hc, g4)).astype(np.float32) for _ in range(2)]
+    ut = [np.ascontiguousarray(w.T) for w in u]
+    b = rng.standard_normal((1, 2 * g4)).astype(np.float32)
+    for m0, m1, first1 in ((5, 3, False), (4, 4, True), (KL.SMALL_ROWS + 3, 2, False)):
+        rows = m0 + m1
+        h_prev = rng.standard_normal((rows, 2 * hc)).astype(np.float32)
+        gates0 = (rng.standard_normal((rows, 2 * g4)) * 2).astype(np.float32)
+        c_prev = rng.standard_normal((rows, 2 * hc)).astype(np.float32)
+        dy = rng.standard_normal((rows, 2 * hc)).astype(np.float32)
+        later = rng.standard_normal((rows, 2 * g4)).astype(np.float32)
+        dc0 = rng.standard_normal((2, rows, hc)).astype(np.float32)
+        results = []
+        for blocks in (None, 1, 2, 3):   # None: the product, then the step
+            if blocks is not None:
+                monkeypatch.setattr(KL, "cell_block", _cell_blocks(blocks))
+            gates, cells, out = gates0.copy(), np.zeros((rows, 2 * hc), np.float32), \
+                np.zeros((rows, 2 * hc), np.float32)
+            recs = np.full((2, rows, g4), np.nan, np.float32)
+            zeros, zero_dr = np.zeros((rows, g4), np.float32), np.zeros((rows, hc), np.float32)
+            xs = np.empty((2, KL.SMALL_ROWS * g4), np.float32)
+            r0, r1 = slice(0, m0), slice(m0, rows)   # the directions' rows (different steps)
+            steps = [(h_prev[r0, :hc], u[0], ut[0], recs[0, :m0], gates[r0], c_prev[r0],
+                      cells[r0], out[r0]),
+                     (None if first1 else h_prev[r1, hc:], u[1], ut[1],
+                      zeros[:m1] if first1 else recs[1, :m1], gates[r1], c_prev[r1],
+                      cells[r1], out[r1])]
+            if blocks is None:
+                O.product_then_step(cpu, steps, b, hc)
+            else:
+                O.lstm_forward_step(cpu, steps, b, hc, xs)
+            products = recs.copy()
+            drs, dc = np.full((2, rows, hc), np.nan, np.float32), dc0.copy()
+            back = [(later[r0, :g4], u[0], drs[0, :m0], gates[r0], c_prev[r0], cells[r0],
+                     dy[r0], dc[0, :m0]),
+                    (None if first1 else later[r1, g4:], u[1],
+                     zero_dr[:m1] if first1 else drs[1, :m1], gates[r1], c_prev[r1],
+                     cells[r1], dy[r1], dc[1, :m1])]
+            if blocks is None:
+                O.product_then_step_backward(cpu, back, hc)
+            else:
+                O.lstm_backward_step(cpu, back, hc, xs)
+            results.append((products, cells, out, drs, gates, dc))
+            monkeypatch.undo()
+        for got in results[2:]:   # every split: the same bits
+            for a, want in zip(got, results[1]):
+                assert np.array_equal(a, want, equal_nan=True), (m0, m1, hc)
+        if hc % 4 == 0:           # and those of the product, then the step
+            for a, want in zip(results[1], results[0]):
+                assert np.array_equal(a, want, equal_nan=True), (m0, m1, hc)
+        products, _, _, drs, _, _ = results[1]
+        eps = 2.0 ** -24 * g4 / (1 - 2.0 ** -24 * g4) + 2.0 ** -53 * g4
+        x64, u64 = h_prev[r0, :hc].astype(np.float64), u[0].astype(np.float64)
+        assert np.all(np.abs(products[0, :m0] - x64 @ u64) <= eps * (np.abs(x64) @ np.abs(u64)))
+        l64 = later[r0, :g4].astype(np.float64)
+        assert np.all(np.abs(drs[0, :m0] - l64 @ u64.T) <= eps * (np.abs(l64) @ np.abs(u64.T)))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_small_matmul_is_within_the_dot_product_bound(dtype):
     """small_matmul_nt (a time step's recurrent product, <= SMALL_ROWS rows) against float64

@@ -9,12 +9,10 @@ offset (ga for gates, gh for cells) passed to the kernel, not a strided column v
 loops run over 1-D slices from index 0: Numba vectorizes them only so (on 2-D strided views,
 or a loop over range(2H, 3H), it did not: 3-4x slower, measured), and only inside prange.
 Each launch wakes the second thread (about 40 us here, passive OpenMP wait), so a step is one
-launch.
-
-    forward step   a <- [i f g o] = [sig, sig, tanh, sig](a + r + b)
-                   c <- f * c_prev + i * g,  h <- o * tanh(c)
-    backward step  from dh (the layer above) + dr (the next step's gates, dgates @ U^T) and dc
-                   (the next step's cell gradient): a <- dLoss/d(preactivations), dc <- dc * f
+launch, both directions' recurrent products (h_{t-1} U, dgates U^T: a few rows, SMALL_ROWS)
+inside it: each task makes its cells' product columns, then steps its cells. (With the
+products on one thread before the launch, the so762 CTC model's pass on two threads spent half
+its time in them: 466 ms; in the launch, 340 ms.)
 
 As in hpcsgd.model.kernels: dtype-generic (float32 training, float64 gradient checks), no
 fastmath (but in the recurrent product's dot products, `small_matmul_nt`), float32 exp and
@@ -24,7 +22,7 @@ bits do not depend on the number of threads.
 import math
 
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core.extending import overload
 
 from hpcsgd.model.kernels import NCHUNK, fexp
@@ -53,71 +51,42 @@ def _ftanh_overload(x):
 
 
 @njit(inline="always")
-def _forward_row(a, r, b, c_prev, c, h, ga, gh, hc, n):
-    """Row n of one direction's time step (lstm_forward_step's loop body)."""
+def _forward_cells(a, r, b, c_prev, c, h, ga, gh, hc, n, j0, j1):
+    """Cells [j0, j1) of row n of one direction's time step: gates i f g o at columns
+    ga + k hc + j of a, k hc + j of r; cells and outputs at gh + j."""
     one = a.dtype.type(1)
-    row, rr, bb = a[n, ga:ga + 4 * hc], r[n, :4 * hc], b[0, ga:ga + 4 * hc]
-    for j in range(4 * hc):
-        row[j] = row[j] + rr[j] + bb[j]
-    i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
-    g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
-    for j in range(hc):
+    for k in range(GATES):
+        row = a[n, ga + k * hc + j0:ga + k * hc + j1]
+        rr, bb = r[n, k * hc + j0:k * hc + j1], b[0, ga + k * hc + j0:ga + k * hc + j1]
+        for j in range(j1 - j0):
+            row[j] = row[j] + rr[j] + bb[j]
+    i, f = a[n, ga + j0:ga + j1], a[n, ga + hc + j0:ga + hc + j1]
+    g, o = a[n, ga + 2 * hc + j0:ga + 2 * hc + j1], a[n, ga + 3 * hc + j0:ga + 3 * hc + j1]
+    for j in range(j1 - j0):
         i[j] = one / (one + fexp(-i[j]))
-    for j in range(hc):
+    for j in range(j1 - j0):
         f[j] = one / (one + fexp(-f[j]))
-    for j in range(hc):
+    for j in range(j1 - j0):
         g[j] = ftanh(g[j])
-    for j in range(hc):
+    for j in range(j1 - j0):
         o[j] = one / (one + fexp(-o[j]))
-    cp, cc, hh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], h[n, gh:gh + hc]
-    for j in range(hc):
+    cp, cc = c_prev[n, gh + j0:gh + j1], c[n, gh + j0:gh + j1]
+    hh = h[n, gh + j0:gh + j1]
+    for j in range(j1 - j0):
         cc[j] = f[j] * cp[j] + i[j] * g[j]
-    for j in range(hc):
+    for j in range(j1 - j0):
         hh[j] = o[j] * ftanh(cc[j])
 
 
-@njit(parallel=True, cache=True)
-def _forward_steps(dirs, a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, ga0, gh0, ga1, gh1, hc):
-    """dirs (1 or 2) directions' time steps in one launch, direction d's arrays and column
-    offsets from the pairs: one compiled kernel (per dtype) for both lstm_forward_step and
-    lstm_forward_step2, and the row body compiled once (two inlined copies took twice the
-    compile time, the same run time). The directions' steps may have different rows (whole
-    sequences of different lengths: model.lengths)."""
-    n0 = a0.shape[0]
-    n1 = a1.shape[0] if dirs == 2 else 0
-    a, r, cp, c, h = (a0, a1), (r0, r1), (cp0, cp1), (c0, c1), (h0, h1)
-    ga, gh = (ga0, ga1), (gh0, gh1)
-    for k in prange(n0 + n1):
-        d = 0 if k < n0 else 1
-        _forward_row(a[d], r[d], b, cp[d], c[d], h[d], ga[d], gh[d], hc, k - d * n0)
-
-
-def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
-    """One time step of one direction, hc cells. a: the step's rows of the gate buffer,
-    x_t @ Wx in columns [ga, ga + 4hc), the gate activations out (in place); r (B, >= 4hc):
-    h_{t-1} @ U (zeros at the first step); b: the bias row, columns from ga; c_prev, c, h:
-    the step's rows of the cell and output buffers, columns [gh, gh + hc) (c_prev zeros at
-    the first step); c and h out."""
-    _forward_steps(1, a, r, c_prev, c, h, a, r, c_prev, c, h, b, ga, gh, ga, gh, hc)
-
-
-def lstm_forward_step2(a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, hc):
-    """A BLSTM's two directions in one launch: the forward direction's step (arguments 0:
-    gate columns from 0, cells from 0) and the backward direction's (arguments 1: its own
-    time step's rows, gate columns from 4hc, cells from hc), as lstm_forward_step each: the
-    same bits, one wake-up of the threads instead of two."""
-    _forward_steps(2, a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, 0, 0, 4 * hc, hc, hc)
-
-
 @njit(inline="always")
-def _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n):
-    """Row n of one direction's time step backwards (lstm_backward_step's loop body)."""
+def _backward_cells(a, c_prev, c, dh, dr, dc, ga, gh, hc, n, j0, j1):
+    """Cells [j0, j1) of row n of one direction's time step backwards."""
     one = a.dtype.type(1)
-    i, f = a[n, ga:ga + hc], a[n, ga + hc:ga + 2 * hc]
-    g, o = a[n, ga + 2 * hc:ga + 3 * hc], a[n, ga + 3 * hc:ga + 4 * hc]
-    cp, cc, dhh = c_prev[n, gh:gh + hc], c[n, gh:gh + hc], dh[n, gh:gh + hc]
-    drr, dcc = dr[n, :hc], dc[n, :hc]
-    for j in range(hc):
+    i, f = a[n, ga + j0:ga + j1], a[n, ga + hc + j0:ga + hc + j1]
+    g, o = a[n, ga + 2 * hc + j0:ga + 2 * hc + j1], a[n, ga + 3 * hc + j0:ga + 3 * hc + j1]
+    cp, cc = c_prev[n, gh + j0:gh + j1], c[n, gh + j0:gh + j1]
+    dhh, drr, dcc = dh[n, gh + j0:gh + j1], dr[n, j0:j1], dc[n, j0:j1]
+    for j in range(j1 - j0):
         iv, fv, gv, ov = i[j], f[j], g[j], o[j]
         tc = ftanh(cc[j])
         d = dhh[j] + drr[j]
@@ -129,17 +98,101 @@ def _backward_row(a, c_prev, c, dh, dr, dc, ga, gh, hc, n):
         dcc[j] = dcv * fv
 
 
+# A launch's tasks: each direction's cells in blocks (each a multiple of 4 cells: the recurrent
+# product's column blocks start where they would in one block, so an element's bits do not
+# depend on the blocks), one block per thread and direction: a BLSTM on two threads runs a
+# direction per thread, its product included. Finer blocks cost (a task's loops get short):
+# the so762 CTC model's pass on two threads took 343 ms with one block per direction, 418 ms
+# with 8 (experiments/lstm_cell_blocks.py, EMR, 2026-11-28).
+
+
+def cell_block(hc, dirs):
+    """Cells per task: hc in one block per thread and direction (at least one per direction),
+    rounded up to a multiple of 4."""
+    blocks = max(1, -(-get_num_threads() // dirs))
+    per = -(-hc // blocks)
+    return -(-per // 4) * 4
+
+
 @njit(parallel=True, cache=True)
-def _backward_steps(dirs, a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, ga0, gh0, ga1,
-                    gh1, hc):
-    """dirs directions' steps backwards in one launch (as _forward_steps)."""
-    n0 = a0.shape[0]
-    n1 = a1.shape[0] if dirs == 2 else 0
+def _forward_steps(dirs, elementwise, x0, wt0, r0, a0, cp0, c0, h0, x1, wt1, r1, a1, cp1, c1,
+                   h1, b, ga0, gh0, ga1, gh1, hc, cb):
+    """dirs (1 or 2) directions' time steps in one launch, direction d's arrays and column
+    offsets from the pairs (one compiled kernel per dtype for every caller; the directions'
+    steps may have different rows: whole sequences of different lengths, model.lengths).
+    x (m, hc) C-contiguous: the previous step's outputs, whose product with U (wt = U^T) is
+    written to r first; x with no rows: r is given (zeros at a direction's first step, or a
+    product BLAS made). elementwise False: the products alone (ops.GemmOnly)."""
+    a, r, cp, c, h = (a0, a1), (r0, r1), (cp0, cp1), (c0, c1), (h0, h1)
+    x, wt, ga, gh = (x0, x1), (wt0, wt1), (ga0, ga1), (gh0, gh1)
+    blocks = (hc + cb - 1) // cb
+    for k in prange(dirs * blocks):
+        d, j0 = k // blocks, (k % blocks) * cb
+        j1 = min(j0 + cb, hc)
+        m = a[d].shape[0]
+        if x[d].shape[0] > 0:
+            for gate in range(GATES):
+                _product_columns(x[d], wt[d], r[d], m, gate * hc + j0, gate * hc + j1, hc)
+        if elementwise:
+            for n in range(m):
+                _forward_cells(a[d], r[d], b, cp[d], c[d], h[d], ga[d], gh[d], hc, n, j0, j1)
+
+
+def _no_rows(a):
+    return a[:0]
+
+
+def lstm_forward_step(a, r, b, c_prev, c, h, ga, gh, hc):
+    """One time step of one direction, hc cells. a: the step's rows of the gate buffer,
+    x_t @ Wx in columns [ga, ga + 4hc), the gate activations out (in place); r (B, >= 4hc):
+    h_{t-1} @ U (zeros at the first step); b: the bias row, columns from ga; c_prev, c, h:
+    the step's rows of the cell and output buffers, columns [gh, gh + hc) (c_prev zeros at
+    the first step); c and h out."""
+    x = _no_rows(r)
+    _forward_steps(1, True, x, r, r, a, c_prev, c, h, x, r, r, a, c_prev, c, h, b, ga, gh, ga,
+                   gh, hc, cell_block(hc, 1))
+
+
+def lstm_forward_step2(a0, r0, cp0, c0, h0, a1, r1, cp1, c1, h1, b, hc):
+    """A BLSTM's two directions in one launch: the forward direction's step (arguments 0:
+    gate columns from 0, cells from 0) and the backward direction's (arguments 1: its own
+    time step's rows, gate columns from 4hc, cells from hc), as lstm_forward_step each: the
+    same bits, one wake-up of the threads instead of two."""
+    x = _no_rows(r0)
+    _forward_steps(2, True, x, r0, r0, a0, cp0, c0, h0, x, r1, r1, a1, cp1, c1, h1, b, 0, 0,
+                   4 * hc, hc, hc, cell_block(hc, 2))
+
+
+def lstm_recurrent_forward(steps, b, hc, elementwise=True):
+    """Each direction's time step with its recurrent product, in one launch (CpuOps): steps
+    holds per direction (x, wt, r, a, c_prev, c, h), x the previous outputs copied to a
+    C-contiguous (m, hc) block, or no rows where r already holds the product (zeros at the
+    first step); wt = U^T (4hc, hc). Direction d's gate columns from 4hc d, cells from hc d."""
+    s0 = steps[0]
+    s1 = steps[1] if len(steps) == 2 else s0
+    _forward_steps(len(steps), elementwise, *s0, *s1, b, 0, 0, 4 * hc, hc, hc,
+                   cell_block(hc, len(steps)))
+
+
+@njit(parallel=True, cache=True)
+def _backward_steps(dirs, elementwise, x0, u0, dr0, a0, cp0, c0, dh0, dc0, x1, u1, dr1, a1, cp1,
+                    c1, dh1, dc1, ga0, gh0, ga1, gh1, hc, cb):
+    """dirs directions' steps backwards in one launch (as _forward_steps): x (m, 4hc) the
+    later step's gate gradients, whose product with U^T (u = U, (hc, 4hc)) goes to dr first;
+    no rows: dr is given."""
     a, cp, c, dh, dr, dc = (a0, a1), (cp0, cp1), (c0, c1), (dh0, dh1), (dr0, dr1), (dc0, dc1)
-    ga, gh = (ga0, ga1), (gh0, gh1)
-    for k in prange(n0 + n1):
-        d = 0 if k < n0 else 1
-        _backward_row(a[d], cp[d], c[d], dh[d], dr[d], dc[d], ga[d], gh[d], hc, k - d * n0)
+    x, u, ga, gh = (x0, x1), (u0, u1), (ga0, ga1), (gh0, gh1)
+    blocks = (hc + cb - 1) // cb
+    for k in prange(dirs * blocks):
+        d, j0 = k // blocks, (k % blocks) * cb
+        j1 = min(j0 + cb, hc)
+        m = a[d].shape[0]
+        if x[d].shape[0] > 0:
+            _product_columns(x[d], u[d], dr[d], m, j0, j1, GATES * hc)
+        if elementwise:
+            for n in range(m):
+                _backward_cells(a[d], cp[d], c[d], dh[d], dr[d], dc[d], ga[d], gh[d], hc, n,
+                                j0, j1)
 
 
 def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):
@@ -149,13 +202,26 @@ def lstm_backward_step(a, c_prev, c, dh, dr, dc, ga, gh, hc):
     dr (B, >= hc): dLoss/dh_t through the next step's gates (zeros at the last step);
     dc (B, >= hc): dLoss/dc_t from the next step in (zeros at the last step), dLoss/dc_{t-1}
     out."""
-    _backward_steps(1, a, c_prev, c, dh, dr, dc, a, c_prev, c, dh, dr, dc, ga, gh, ga, gh, hc)
+    x = _no_rows(dr)
+    _backward_steps(1, True, x, dr, dr, a, c_prev, c, dh, dc, x, dr, dr, a, c_prev, c, dh, dc,
+                    ga, gh, ga, gh, hc, cell_block(hc, 1))
 
 
 def lstm_backward_step2(a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, hc):
     """Both directions' steps backwards in one launch (as lstm_forward_step2)."""
-    _backward_steps(2, a0, cp0, c0, dh0, dr0, dc0, a1, cp1, c1, dh1, dr1, dc1, 0, 0, 4 * hc, hc,
-                    hc)
+    x = _no_rows(dr0)
+    _backward_steps(2, True, x, dr0, dr0, a0, cp0, c0, dh0, dc0, x, dr1, dr1, a1, cp1, c1, dh1,
+                    dc1, 0, 0, 4 * hc, hc, hc, cell_block(hc, 2))
+
+
+def lstm_recurrent_backward(steps, hc, elementwise=True):
+    """Each direction's step backwards with its recurrent product, in one launch: steps
+    holds per direction (x, u, dr, a, c_prev, c, dh, dc), x the later step's gate gradients
+    copied to a C-contiguous (m, 4hc) block (or no rows: dr given), u = U (hc, 4hc)."""
+    s0 = steps[0]
+    s1 = steps[1] if len(steps) == 2 else s0
+    _backward_steps(len(steps), elementwise, *s0, *s1, 0, 0, 4 * hc, hc, hc,
+                    cell_block(hc, len(steps)))
 
 
 # a time step's product of at most SMALL_ROWS rows: small_matmul_nt on one thread, not BLAS
@@ -255,10 +321,15 @@ def small_matmul_nt(a, bt, out):
     buffer, and on a strided a LLVM does not vectorize the sums (4-5x slower, measured); bt
     and out must be C-contiguous to be fast."""
     m, k_all = a.shape
-    n = bt.shape[0]
-    a = np.ascontiguousarray(a)
-    n4 = n - n % 4
-    for j in range(0, n4, 4):
+    _product_columns(np.ascontiguousarray(a), bt, out, m, 0, bt.shape[0], k_all)
+
+
+@njit(cache=True)
+def _product_columns(a, bt, out, m, j0, j1, k_all):
+    """out[:m, j0:j1] = a[:m] . bt[j0:j1] (j0 a multiple of 4): small_matmul_nt's blocks,
+    the columns of one launch's task (lstm_recurrent_forward) or all of them."""
+    j4 = j0 + (j1 - j0) // 4 * 4
+    for j in range(j0, j4, 4):
         i = 0
         while i + 4 <= m:
             _rows4(a, bt, out, i, j, k_all)
@@ -268,7 +339,7 @@ def small_matmul_nt(a, bt, out):
             i += 2
         if i < m:
             _rows1(a, bt, out, i, j, k_all)
-    for j in range(n4, n):
+    for j in range(j4, j1):
         for i in range(m):
             _dot(a, bt, out, i, j, k_all)
 

@@ -27,9 +27,10 @@ import numpy as np
 
 from hpcsgd.device import matmul, zero
 from hpcsgd.model.flat import ParamSpec
-from hpcsgd.model.kernels_lstm import GATES
+from hpcsgd.model.kernels_lstm import GATES, SMALL_ROWS
 from hpcsgd.model.layers import Dense, SoftmaxOutput, glorot_uniform
 from hpcsgd.model.network import Network
+from hpcsgd.model.ops import lstm_backward_step, lstm_forward_step
 
 FORGET_BIAS = 1.0   # Gers et al.; Jozefowicz et al. 2015: an open forget gate at the start
 
@@ -70,6 +71,7 @@ class LSTM:
                 "dh_rec": (max_rows, self.cells), "dh_rec2": (two, self.cells),
                 "dc": (max_rows, self.cells), "dc2": (two, self.cells),
                 "ut": (self.dirs, g, self.cells),   # U^T per direction (CPU steps' products)
+                "xs": (self.dirs, SMALL_ROWS * g),  # a step's product operand (CPU: copied)
                 "hq": (max_rows if self.hidden_grid is not None else 0, self.n_out)}
 
     def init(self, views, rng):
@@ -104,7 +106,7 @@ class LSTM:
         # U^T of each direction, once per pass, for the steps' small products (CPU ranks)
         uts = [ops.transposed_copy(p[self.U[d]], ws["ut"][d]) for d in range(self.dirs)]
         # step s: time s forwards and, for a BLSTM, time T-1-s backwards, in one kernel launch
-        # (a launch wakes the threads: one per step instead of one per direction and step)
+        # with their recurrent products (a launch wakes the threads: one per step)
         prev = [None] * self.dirs   # the previous step's first row, per direction
         for s in range(steps):
             args, rows = [], []
@@ -113,21 +115,17 @@ class LSTM:
                 m = int(bs[t])
                 now = slice(t * nb, t * nb + m)
                 if prev[d] is None:   # the first step: no previous output or cell
-                    args.append((gates[now], zeros[:m], zeros[:m], cells[now], y[now]))
+                    args.append((None, p[self.U[d]], uts[d], zeros[:m], gates[now], zeros[:m],
+                                 cells[now], y[now]))
                 else:
                     # the sequences valid now were valid at the previous step forwards; a
                     # backward-direction sequence that starts here reads the zero padding
                     before = slice(prev[d], prev[d] + m)
-                    ops.step_product(h[before, d * hc:(d + 1) * hc], p[self.U[d]], recs[d][:m],
-                                     wt=uts[d])
-                    args.append((gates[now], recs[d][:m], cells[before], cells[now], y[now]))
+                    args.append((h[before, d * hc:(d + 1) * hc], p[self.U[d]], uts[d],
+                                 recs[d][:m], gates[now], cells[before], cells[now], y[now]))
                 prev[d] = t * nb
                 rows.append(now)
-            if self.dirs == 2:
-                ops.lstm_step2(args[0], args[1], b, hc)
-            else:
-                a, r, c_prev, c, out = args[0]
-                ops.lstm_step(a, r, b, c_prev, c, out, 0, 0, hc)
+            lstm_forward_step(ops, args, b, hc, ws["xs"])
             if grid is not None:
                 for d in range(self.dirs):
                     cols = slice(d * hc, (d + 1) * hc)
@@ -162,19 +160,16 @@ class LSTM:
                 first = t == 0 if d == 0 else t == steps - 1
                 earlier = None if first else (slice((t - 1) * nb, (t - 1) * nb + m) if d == 0
                                               else slice((t + 1) * nb, (t + 1) * nb + m))
-                if later[d] is None:
-                    dr = zeros[:m]
+                c_prev = zeros[:m] if first else cells[earlier]
+                if later[d] is None:   # the direction's last step: nothing flows back into it
+                    args.append((None, p[self.U[d]], zeros[:m], gates[now], c_prev, cells[now],
+                                 dy[now], dcs[d][:m]))
                 else:
-                    ops.step_product(gates[later[d]:later[d] + m, cols], p[self.U[d]],
-                                     dh_recs[d][:m], trans_b=True)
-                    dr = dh_recs[d][:m]
-                args.append((gates[now], zeros[:m] if first else cells[earlier], cells[now],
-                             dy[now], dr, dcs[d][:m]))
+                    args.append((gates[later[d]:later[d] + m, cols], p[self.U[d]],
+                                 dh_recs[d][:m], gates[now], c_prev, cells[now], dy[now],
+                                 dcs[d][:m]))
                 later[d] = t * nb
-            if self.dirs == 2:
-                ops.lstm_step_backward2(args[0], args[1], hc)
-            else:
-                ops.lstm_step_backward(*args[0], 0, 0, hc)
+            lstm_backward_step(ops, args, hc, ws["xs"])
             if progress is not None and s % 8 == 7:   # the layers above: their buckets in flight
                 progress()
         for d in range(self.dirs):

@@ -92,6 +92,14 @@ class CpuOps:
         """Both directions backwards in one launch: each (a, c_prev, c, dh, dr, dc)."""
         KL.lstm_backward_step2(*fwd, *bwd, hc)
 
+    def lstm_recurrent_step(self, steps, b, hc, xs):
+        """Each direction's time step with its recurrent product in one launch, the threads
+        sharing the products too (lstm_forward_step)."""
+        cpu_recurrent_forward(steps, b, hc, xs, True)
+
+    def lstm_recurrent_step_backward(self, steps, hc, xs):
+        cpu_recurrent_backward(steps, hc, xs, True)
+
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
         KL.column_sums(d, gb, self.partial)
@@ -432,6 +440,18 @@ class GemmOnly:
             return wt
         return None
 
+    def lstm_recurrent_step(self, steps, b, hc, xs):
+        if isinstance(b, np.ndarray):   # CPU ranks: the products as the fused step does them
+            cpu_recurrent_forward(steps, b, hc, xs, False)
+        else:
+            product_then_step(self, steps, b, hc)
+
+    def lstm_recurrent_step_backward(self, steps, hc, xs):
+        if isinstance(steps[0][3], np.ndarray):
+            cpu_recurrent_backward(steps, hc, xs, False)
+        else:
+            product_then_step_backward(self, steps, hc)
+
     def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
         pass
 
@@ -666,6 +686,96 @@ def step_product(a, w, out, trans_b=False, wt=None):
         KL.small_matmul_nt(a, w if trans_b else wt, out)
     else:
         matmul(a, w, out, trans_b=trans_b)
+
+
+def lstm_forward_step(ops, steps, b, hc, xs):
+    """One time step of an LSTM layer's directions: steps holds per direction (h_prev, u, ut,
+    r, a, c_prev, c, h) -- the previous step's outputs (None at the direction's first step,
+    where r and c_prev are zeros), U and U^T (CPU), the product's rows r, then lstm_step's
+    arguments; xs (dirs, SMALL_ROWS * 4hc) scratch. Ops with a fused step (CpuOps) do the
+    products in the step's launch; the others (CudaOps; HalfOps, whose products are rounded
+    before the step reads them) the product, then the step."""
+    fused = getattr(ops, "lstm_recurrent_step", None)
+    if fused is not None:
+        fused(steps, b, hc, xs)
+    else:
+        product_then_step(ops, steps, b, hc)
+
+
+def product_then_step(ops, steps, b, hc):
+    args = []
+    for hp, u, ut, r, a, cp, c, h in steps:
+        if hp is not None:
+            ops.step_product(hp, u, r, wt=ut)
+        args.append((a, r, cp, c, h))
+    if len(args) == 2:
+        ops.lstm_step2(args[0], args[1], b, hc)
+    else:
+        a, r, cp, c, h = args[0]
+        ops.lstm_step(a, r, b, cp, c, h, 0, 0, hc)
+
+
+def lstm_backward_step(ops, steps, hc, xs):
+    """One time step backwards: steps holds per direction (g_later, u, dr, a, c_prev, c, dh,
+    dc) -- the later step's gate gradients (None at the direction's last step, where dr is
+    zeros), U, the product's rows dr, then lstm_step_backward's arguments (as
+    lstm_forward_step)."""
+    fused = getattr(ops, "lstm_recurrent_step_backward", None)
+    if fused is not None:
+        fused(steps, hc, xs)
+    else:
+        product_then_step_backward(ops, steps, hc)
+
+
+def product_then_step_backward(ops, steps, hc):
+    args = []
+    for gl, u, dr, a, cp, c, dh, dc in steps:
+        if gl is not None:
+            ops.step_product(gl, u, dr, trans_b=True)
+        args.append((a, cp, c, dh, dr, dc))
+    if len(args) == 2:
+        ops.lstm_step_backward2(args[0], args[1], hc)
+    else:
+        ops.lstm_step_backward(*args[0], 0, 0, hc)
+
+
+def _step_rows(a, d, xs):
+    """a (m, K) copied to direction d's scratch as a C-contiguous block, the fused step's
+    product operand; a block of no rows where the product is BLAS's (more than SMALL_ROWS
+    rows: computed before the launch) or there is none."""
+    m, k = a.shape
+    x = xs[d, :m * k].reshape(m, k)
+    np.copyto(x, a)
+    return x
+
+
+def cpu_recurrent_forward(steps, b, hc, xs, elementwise):
+    """lstm_forward_step on CPU ranks: products of at most SMALL_ROWS rows inside the launch
+    (kernels_lstm.lstm_recurrent_forward), larger ones by BLAS before it."""
+    args = []
+    for d, (hp, u, ut, r, a, cp, c, h) in enumerate(steps):
+        if hp is not None and len(hp) <= KL.SMALL_ROWS:
+            x = _step_rows(hp, d, xs)
+        else:
+            if hp is not None:
+                matmul(hp, u, r)
+            x = r[:0]
+        args.append((x, ut, r, a, cp, c, h))
+    KL.lstm_recurrent_forward(args, b, hc, elementwise)
+
+
+def cpu_recurrent_backward(steps, hc, xs, elementwise):
+    """lstm_backward_step on CPU ranks (as cpu_recurrent_forward)."""
+    args = []
+    for d, (gl, u, dr, a, cp, c, dh, dc) in enumerate(steps):
+        if gl is not None and len(gl) <= KL.SMALL_ROWS:
+            x = _step_rows(gl, d, xs)
+        else:
+            if gl is not None:
+                matmul(gl, u, dr, trans_b=True)
+            x = dr[:0]
+        args.append((x, u, dr, a, cp, c, dh, dc))
+    KL.lstm_recurrent_backward(args, hc, elementwise)
 
 
 def make_ops(device, max_batch, max_width, dtype):

@@ -1,0 +1,55 @@
+"""How finely one LSTM time step's launch should split each direction's cells among tasks
+(hpcsgd/model/kernels_lstm.py: cell_block): the forward and backward pass of bench train's
+CTC model (so762_ctc.yaml: frames stacked by 3, BLSTM 256 x 3) on N = 4000 frames (10
+utterances of 400) with 1, 2, 4 and 8 blocks of cells per direction, alternated in one
+process, 4 rounds; the median ms of each. The bits are the same for every split (the product's
+column blocks start where one block's would; tests/test_lstm.py).
+
+    for t in 1 2; do NUMBA_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t OMP_NUM_THREADS=$t \\
+        OMP_WAIT_POLICY=PASSIVE OPENBLAS_THREAD_TIMEOUT=4 python experiments/lstm_cell_blocks.py; done
+"""
+import os
+import statistics
+import time
+
+import numpy as np
+
+from hpcsgd.bench.train import CTC, builder_shape, utterance_targets
+from hpcsgd.model import build
+from hpcsgd.model import kernels_lstm as KL
+from hpcsgd.step import gradient_buffers
+
+N = 4000
+
+
+def blocks_of(count):
+    def cell_block(hc, dirs):
+        per = -(-hc // count)
+        return -(-per // 4) * 4
+    return cell_block
+
+
+def main():
+    model = build(dict(builder_shape(CTC), activation="relu"), max_batch=N, device="cpu",
+                  precision="float32")
+    params = model.new_params()
+    model.init(params, np.random.default_rng(0))
+    grads = gradient_buffers(model, True)[0]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((N, CTC["input_dim"]), dtype=np.float32)
+    y = utterance_targets(CTC, N, rng)
+    times = {count: [] for count in (1, 2, 4, 8)}
+    for _ in range(4):
+        for count in times:
+            KL.cell_block = blocks_of(count)
+            model.forward_backward(params, grads, x, y, N)   # compiles, warms the caches
+            t = time.perf_counter()
+            model.forward_backward(params, grads, x, y, N)
+            times[count].append(time.perf_counter() - t)
+    print(f"{os.environ.get('NUMBA_NUM_THREADS', 'all')} thread(s): ms per forward+backward, "
+          "by blocks per direction:",
+          {count: round(statistics.median(v) * 1e3, 1) for count, v in times.items()})
+
+
+if __name__ == "__main__":
+    main()
