@@ -10,10 +10,11 @@ to the next): the left/right context frames warm the state up, as Kaldi's chunke
 
 One LSTM layer, per direction d (forward in time, and for a BLSTM also backward):
     a = x @ Wx                 all steps and both directions: ONE GEMM (T*B, n_in) x (n_in, 8H)
-    for each step t:           r = h_{t-1} @ U_d  (B, H) x (H, 4H), then one fused kernel:
-                               gates, c_t, h_t  (model.kernels_lstm.lstm_forward_step; a
-                               BLSTM's two directions step together, one launch for both)
-Backward, per direction, steps in reverse: dr = dgates_{t+1} @ U_d^T, one fused kernel; then
+    for each step t:           r = h_{t-1} @ U_d  (B, H) x (H, 4H), gates, c_t, h_t: one
+                               launch for both directions, the product inside it on CPU
+                               ranks (model.ops.lstm_forward_step)
+Backward, per direction, steps in reverse: dr = dgates_{t+1} @ U_d^T and the step, one
+launch (ops.lstm_backward_step); then
 gU_d = h_prev^T @ dgates (ONE GEMM over all steps), gb = column sums, gWx = x^T @ dgates and
 dx = dgates @ Wx^T (one GEMM each, both directions at once).
 
