@@ -114,6 +114,14 @@ def cell_block(hc, dirs):
     return -(-per // 4) * 4
 
 
+@njit(inline="always")
+def _task_cells(k, hc, cb):
+    """Task k of a launch: its direction and cells [j0, j1) (blocks of cb cells)."""
+    blocks = (hc + cb - 1) // cb
+    j0 = (k % blocks) * cb
+    return k // blocks, j0, min(j0 + cb, hc)
+
+
 @njit(parallel=True, cache=True)
 def _forward_steps(dirs, elementwise, x0, wt0, r0, a0, cp0, c0, h0, x1, wt1, r1, a1, cp1, c1,
                    h1, b, ga0, gh0, ga1, gh1, hc, cb):
@@ -125,10 +133,8 @@ def _forward_steps(dirs, elementwise, x0, wt0, r0, a0, cp0, c0, h0, x1, wt1, r1,
     product BLAS made). elementwise False: the products alone (ops.GemmOnly)."""
     a, r, cp, c, h = (a0, a1), (r0, r1), (cp0, cp1), (c0, c1), (h0, h1)
     x, wt, ga, gh = (x0, x1), (wt0, wt1), (ga0, ga1), (gh0, gh1)
-    blocks = (hc + cb - 1) // cb
-    for k in prange(dirs * blocks):
-        d, j0 = k // blocks, (k % blocks) * cb
-        j1 = min(j0 + cb, hc)
+    for k in prange(dirs * ((hc + cb - 1) // cb)):
+        d, j0, j1 = _task_cells(k, hc, cb)
         m = a[d].shape[0]
         if x[d].shape[0] > 0:
             for gate in range(GATES):
@@ -182,10 +188,8 @@ def _backward_steps(dirs, elementwise, x0, u0, dr0, a0, cp0, c0, dh0, dc0, x1, u
     no rows: dr is given."""
     a, cp, c, dh, dr, dc = (a0, a1), (cp0, cp1), (c0, c1), (dh0, dh1), (dr0, dr1), (dc0, dc1)
     x, u, ga, gh = (x0, x1), (u0, u1), (ga0, ga1), (gh0, gh1)
-    blocks = (hc + cb - 1) // cb
-    for k in prange(dirs * blocks):
-        d, j0 = k // blocks, (k % blocks) * cb
-        j1 = min(j0 + cb, hc)
+    for k in prange(dirs * ((hc + cb - 1) // cb)):
+        d, j0, j1 = _task_cells(k, hc, cb)
         m = a[d].shape[0]
         if x[d].shape[0] > 0:
             _product_columns(x[d], u[d], dr[d], m, j0, j1, GATES * hc)

@@ -739,10 +739,15 @@ def product_then_step_backward(ops, steps, hc):
         ops.lstm_step_backward(*args[0], 0, 0, hc)
 
 
-def _step_rows(a, d, xs):
-    """a (m, K) copied to direction d's scratch as a C-contiguous block, the fused step's
-    product operand; a block of no rows where the product is BLAS's (more than SMALL_ROWS
-    rows: computed before the launch) or there is none."""
+def _step_operand(a, w, out, trans_b, d, xs):
+    """The fused launch's product operand for direction d: a (m, K) copied to the scratch xs
+    as a C-contiguous block; a block of no rows where there is no product (a is None) or
+    BLAS makes it here, before the launch (more than SMALL_ROWS rows: out = a @ w, or
+    a @ w^T)."""
+    if a is None or len(a) > KL.SMALL_ROWS:
+        if a is not None:
+            matmul(a, w, out, trans_b=trans_b)
+        return out[:0]
     m, k = a.shape
     x = xs[d, :m * k].reshape(m, k)
     np.copyto(x, a)
@@ -752,29 +757,15 @@ def _step_rows(a, d, xs):
 def cpu_recurrent_forward(steps, b, hc, xs, elementwise):
     """lstm_forward_step on CPU ranks: products of at most SMALL_ROWS rows inside the launch
     (kernels_lstm.lstm_recurrent_forward), larger ones by BLAS before it."""
-    args = []
-    for d, (hp, u, ut, r, a, cp, c, h) in enumerate(steps):
-        if hp is not None and len(hp) <= KL.SMALL_ROWS:
-            x = _step_rows(hp, d, xs)
-        else:
-            if hp is not None:
-                matmul(hp, u, r)
-            x = r[:0]
-        args.append((x, ut, r, a, cp, c, h))
+    args = [(_step_operand(hp, u, r, False, d, xs), ut, r, a, cp, c, h)
+            for d, (hp, u, ut, r, a, cp, c, h) in enumerate(steps)]
     KL.lstm_recurrent_forward(args, b, hc, elementwise)
 
 
 def cpu_recurrent_backward(steps, hc, xs, elementwise):
     """lstm_backward_step on CPU ranks (as cpu_recurrent_forward)."""
-    args = []
-    for d, (gl, u, dr, a, cp, c, dh, dc) in enumerate(steps):
-        if gl is not None and len(gl) <= KL.SMALL_ROWS:
-            x = _step_rows(gl, d, xs)
-        else:
-            if gl is not None:
-                matmul(gl, u, dr, trans_b=True)
-            x = dr[:0]
-        args.append((x, u, dr, a, cp, c, dh, dc))
+    args = [(_step_operand(gl, u, dr, True, d, xs), u, dr, a, cp, c, dh, dc)
+            for d, (gl, u, dr, a, cp, c, dh, dc) in enumerate(steps)]
     KL.lstm_recurrent_backward(args, hc, elementwise)
 
 
