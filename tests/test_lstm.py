@@ -372,3 +372,41 @@ def test_blstm_learns_a_task_that_needs_memory():
     x, y = batch()
     _, correct = net.forward_backward(params, grads, x, y, steps * nb)
     assert correct / (y >= 0).sum() >= 0.95
+
+
+@pytest.mark.parametrize("encoder", [["blstm 8", "blstm 6"], ["lstm 8"]])
+def test_whole_sequences_in_one_launch_are_the_steps(monkeypatch, encoder):
+    """A CPU rank's LSTM layer with each direction's whole time loop in one task
+    (kernels_lstm._forward_sequences / _backward_sequences) against one launch per step: the
+    same loss and gradients, bit for bit, on a CTC model over utterances of different
+    lengths (the directions' rows shrink and grow as sequences end and start), hc = 6 too."""
+    from hpcsgd.bench.train import builder_shape
+    from hpcsgd.data.utterances import Targets
+    from hpcsgd.model import build
+    from hpcsgd.step import gradient_buffers
+    shape = dict(type="ctc", input_dim=12, encoder=encoder, num_tokens=7)
+    frames = np.array([23, 17, 17, 9, 4])
+    n = len(frames) * int(frames.max())   # time-major rows, padded to the longest
+    per = np.array([5, 4, 3, 2, 1])
+    rng = np.random.default_rng(3)
+    targets = Targets(frames, rng.integers(1, 7, per.sum()).astype(np.int32),
+                      np.concatenate([[0], np.cumsum(per)]).astype(np.int64),
+                      np.arange(5, dtype=np.uint64))
+    x = rng.standard_normal((n, 12)).astype(np.float32)
+    # one block of cells per direction (what whole sequences need) on any number of threads
+    monkeypatch.setattr(KL, "cell_block", lambda hc, dirs: -(-hc // 4) * 4)
+    results = []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(KL, "whole_sequences", lambda nb, hc, dirs: False)
+        model = build(dict(builder_shape(shape), activation="relu"), max_batch=n, device="cpu",
+                      precision="float32")
+        params = model.new_params()
+        model.init(params, np.random.default_rng(0))
+        grads = gradient_buffers(model, True)[0]
+        loss = model.forward_backward(params, grads, x, targets, n)
+        results.append((loss, grads.flat.copy()))
+    assert KL.whole_sequences(len(frames), 8, 2) is False   # the patch of the second run
+    (loss_whole, g_whole), (loss_steps, g_steps) = results
+    assert np.array_equal(loss_whole, loss_steps) and np.all(np.isfinite(loss_whole))
+    assert np.array_equal(g_whole, g_steps) and np.abs(g_whole).max() > 0

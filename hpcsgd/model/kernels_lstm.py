@@ -228,6 +228,108 @@ def lstm_recurrent_backward(steps, hc, elementwise=True):
                     cell_block(hc, len(steps)))
 
 
+# Whole sequences in one launch: a BLSTM on 1 or 2 threads runs one task per direction (one
+# block of cells each), and such a task needs nothing of the other's until the layer ends. So
+# each direction's whole time loop runs in its task -- its products and steps, the same calls
+# in the same order as one launch per step makes them (the same bits) -- instead of a launch
+# per step: no per-step wake-up of the threads (27 us on 2 threads, 8 on one, EMR), none of
+# the step loop's Python (lstm.py), and on one thread each direction's U stays in the core's
+# L2 through its loop instead of alternating with the other's. Rows: at most SMALL_ROWS per
+# step (the product's operand is copied to xs; more go to BLAS, one launch per step).
+
+
+@njit(parallel=True, cache=True)
+def _forward_sequences(dirs, elementwise, gates, cells, h, y, ut0, ut1, r0, r1, b, zeros, bs,
+                       nb, hc, xs):
+    """dirs directions' time loops, one task each: direction d's step t is lstm_forward's
+    (gate columns from 4hc d, cells from hc d, rows t nb .. t nb + bs[t]); its product
+    h_{t-1} @ U from h (the read copy of y: y itself, or its quantized copy) through
+    ut = U^T into r; the first step reads zeros for r and c_prev. elementwise False: the
+    products alone (ops.GemmOnly)."""
+    steps = bs.shape[0]
+    uts, rs = (ut0, ut1), (r0, r1)
+    for d in prange(dirs):
+        ut, r = uts[d], rs[d]
+        ga, gh = d * GATES * hc, d * hc
+        prev = -1
+        for s in range(steps):
+            t = s if d == 0 else steps - 1 - s
+            m, now = bs[t], t * nb
+            if prev < 0:   # the first step: no previous output or cell
+                rr, cp = zeros[:m], zeros[:m]
+            else:
+                x = xs[d, :m * hc].reshape((m, hc))   # C-contiguous: the sums vectorize
+                for i in range(m):
+                    for j in range(hc):
+                        x[i, j] = h[prev + i, gh + j]
+                rr, cp = r[:m], cells[prev:prev + m]
+                for gate in range(GATES):
+                    _product_columns(x, ut, rr, m, gate * hc, gate * hc + hc, hc)
+            if elementwise:
+                a, c, hh = gates[now:now + m], cells[now:now + m], y[now:now + m]
+                for n in range(m):
+                    _forward_cells(a, rr, b, cp, c, hh, ga, gh, hc, n, 0, hc)
+            prev = now
+
+
+@njit(parallel=True, cache=True)
+def _backward_sequences(dirs, elementwise, gates, cells, dy, u0, u1, dr0, dr1, dc0, dc1, zeros,
+                        bs, nb, hc, xs):
+    """dirs directions' time loops backwards, one task each (as lstm_backward's steps): the
+    later step's gate gradients @ U^T (u = U) into dr, then the step; dc zeroed by the
+    caller."""
+    steps = bs.shape[0]
+    g4 = GATES * hc
+    us, drs, dcs = (u0, u1), (dr0, dr1), (dc0, dc1)
+    for d in prange(dirs):
+        u, drb, dcb = us[d], drs[d], dcs[d]
+        ga, gh = d * g4, d * hc
+        later = -1
+        for s in range(steps):
+            t = steps - 1 - s if d == 0 else s
+            m, now = bs[t], t * nb
+            first = t == 0 if d == 0 else t == steps - 1
+            earlier = (t - 1) * nb if d == 0 else (t + 1) * nb
+            cp = zeros[:m] if first else cells[earlier:earlier + m]
+            if later < 0:   # the direction's last step: nothing flows back into it
+                dr = zeros[:m]
+            else:
+                x = xs[d, :m * g4].reshape((m, g4))
+                for i in range(m):
+                    for j in range(g4):
+                        x[i, j] = gates[later + i, ga + j]
+                dr = drb[:m]
+                _product_columns(x, u, dr, m, 0, hc, g4)
+            if elementwise:
+                a, c, dh, dc = gates[now:now + m], cells[now:now + m], dy[now:now + m], dcb[:m]
+                for n in range(m):
+                    _backward_cells(a, cp, c, dh, dr, dc, ga, gh, hc, n, 0, hc)
+            later = now
+
+
+def whole_sequences(nb, hc, dirs):
+    """Whether a layer's directions can run their time loops in one launch: at most
+    SMALL_ROWS rows a step, and one block of cells per direction on this many threads."""
+    return nb <= SMALL_ROWS and cell_block(hc, dirs) >= hc
+
+
+def lstm_sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
+                           elementwise=True):
+    """An LSTM layer's forward time loops, each direction's in one task (_forward_sequences;
+    whole_sequences must hold): uts, rs the directions' U^T and product rows."""
+    ut1, r1 = (uts[1], rs[1]) if dirs == 2 else (uts[0], rs[0])
+    _forward_sequences(dirs, elementwise, gates, cells, h, y, uts[0], ut1, rs[0], r1, b, zeros,
+                       bs, nb, hc, xs)
+
+
+def lstm_sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs,
+                            elementwise=True):
+    """An LSTM layer's backward time loops (_backward_sequences)."""
+    u1, dr1, dc1 = (us[1], drs[1], dcs[1]) if dirs == 2 else (us[0], drs[0], dcs[0])
+    _backward_sequences(dirs, elementwise, gates, cells, dy, us[0], u1, drs[0], dr1, dcs[0],
+                        dc1, zeros, bs, nb, hc, xs)
+
+
 # a time step's product of at most SMALL_ROWS rows: small_matmul_nt on one thread, not BLAS
 # (a fixed bound, so that the bits do not depend on the threads; on one Zen 4 core it beats
 # OpenBLAS's two threads up to about 16 rows: experiments/small_matmul_ab.py)

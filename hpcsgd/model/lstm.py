@@ -106,6 +106,15 @@ class LSTM:
         zeros, recs = ws["zeros"], (ws["rec"], ws["rec2"])
         # U^T of each direction, once per pass, for the steps' small products (CPU ranks)
         uts = [ops.transposed_copy(p[self.U[d]], ws["ut"][d]) for d in range(self.dirs)]
+        # each direction's whole time loop in one task where the ops can (CPU ranks, few rows
+        # a step, a direction per thread: kernels_lstm._forward_sequences); QAT rounds each
+        # step's outputs before the next step reads them, so it steps
+        whole = getattr(ops, "lstm_sequences", None)
+        if grid is None and whole is not None and whole(self.dirs, gates, cells, h, y, uts,
+                                                        recs, b, zeros, bs, nb, hc, ws["xs"]):
+            if progress is not None:
+                progress()
+            return
         # step s: time s forwards and, for a BLSTM, time T-1-s backwards, in one kernel launch
         # with their recurrent products (a launch wakes the threads: one per step)
         prev = [None] * self.dirs   # the previous step's first row, per direction
@@ -145,6 +154,39 @@ class LSTM:
         m_rows = (steps - 1) * nb   # rows of the steps that have a previous one
         for d in range(self.dirs):
             zero(dcs[d][:nb])
+        whole = getattr(ops, "lstm_sequences_backward", None)
+        if whole is not None and whole(self.dirs, gates, cells, dy, [p[u] for u in self.U],
+                                       dh_recs, dcs, zeros, bs, nb, hc, ws["xs"]):
+            if progress is not None:   # each direction's time loop in one task (as forward)
+                progress()
+        else:
+            self._steps_backward(p, gates, cells, dy, zeros, dh_recs, dcs, ops, progress, ws,
+                                 lengths)
+        for d in range(self.dirs):
+            # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
+            cols, gh = slice(d * GATES * hc, (d + 1) * GATES * hc), d * hc
+            gU = g[self.U[d]]
+            if m_rows == 0:
+                zero(gU)
+            elif d == 0:
+                matmul(h[:m_rows, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
+            else:
+                matmul(h[nb:, gh:gh + hc], gates[:m_rows, cols], gU, trans_a=True)
+            if progress is not None:
+                progress()
+        ops.column_sums(gates, g[self.b])
+        matmul(x, gates, g[self.W], trans_a=True)
+        if progress is not None:
+            progress()
+        if dx is not None:
+            matmul(gates, p[self.W], dx, trans_b=True)
+            if progress is not None:
+                progress()
+
+    def _steps_backward(self, p, gates, cells, dy, zeros, dh_recs, dcs, ops, progress, ws,
+                        lengths):
+        """backward's time steps, one launch each (ops.lstm_backward_step)."""
+        hc, nb, steps, bs = self.cells, lengths.nb, lengths.steps, lengths.batch_sizes
         # step s: each direction's steps in reverse (time T-1-s for the forward direction,
         # time s for the backward one), both in one kernel launch. Padding rows are not
         # stepped: their gate rows stay zero (the forward zeroed them), so the GEMMs over
@@ -172,26 +214,6 @@ class LSTM:
                 later[d] = t * nb
             lstm_backward_step(ops, args, hc, ws["xs"])
             if progress is not None and s % 8 == 7:   # the layers above: their buckets in flight
-                progress()
-        for d in range(self.dirs):
-            # gU = sum over steps of h_{previous}^T @ dgates: one GEMM over the shifted rows
-            cols, gh = slice(d * GATES * hc, (d + 1) * GATES * hc), d * hc
-            gU = g[self.U[d]]
-            if m_rows == 0:
-                zero(gU)
-            elif d == 0:
-                matmul(h[:m_rows, gh:gh + hc], gates[nb:, cols], gU, trans_a=True)
-            else:
-                matmul(h[nb:, gh:gh + hc], gates[:m_rows, cols], gU, trans_a=True)
-            if progress is not None:
-                progress()
-        ops.column_sums(gates, g[self.b])
-        matmul(x, gates, g[self.W], trans_a=True)
-        if progress is not None:
-            progress()
-        if dx is not None:
-            matmul(gates, p[self.W], dx, trans_b=True)
-            if progress is not None:
                 progress()
 
 

@@ -100,6 +100,21 @@ class CpuOps:
     def lstm_recurrent_step_backward(self, steps, hc, xs):
         cpu_recurrent_backward(steps, hc, xs, True)
 
+    def lstm_sequences(self, dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs):
+        """An LSTM layer's forward time loops, a direction's in one task, where they fit
+        (kernels_lstm.whole_sequences); False where not: lstm.py then steps."""
+        if not KL.whole_sequences(nb, hc, dirs):
+            return False
+        KL.lstm_sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs)
+        return True
+
+    def lstm_sequences_backward(self, dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc,
+                                xs):
+        if not KL.whole_sequences(nb, hc, dirs):
+            return False
+        KL.lstm_sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs)
+        return True
+
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
         KL.column_sums(d, gb, self.partial)
@@ -451,6 +466,21 @@ class GemmOnly:
             cpu_recurrent_backward(steps, hc, xs, False)
         else:
             product_then_step_backward(self, steps, hc)
+
+    def lstm_sequences(self, dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs):
+        if not isinstance(gates, np.ndarray) or not KL.whole_sequences(nb, hc, dirs):
+            return False
+        KL.lstm_sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
+                                  elementwise=False)
+        return True
+
+    def lstm_sequences_backward(self, dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc,
+                                xs):
+        if not isinstance(gates, np.ndarray) or not KL.whole_sequences(nb, hc, dirs):
+            return False
+        KL.lstm_sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs,
+                                   elementwise=False)
+        return True
 
     def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
         pass
