@@ -12,7 +12,9 @@ One LSTM layer, per direction d (forward in time, and for a BLSTM also backward)
     a = x @ Wx                 all steps and both directions: ONE GEMM (T*B, n_in) x (n_in, 8H)
     for each step t:           r = h_{t-1} @ U_d  (B, H) x (H, 4H), gates, c_t, h_t: one
                                launch for both directions, the product inside it on CPU
-                               ranks (model.ops.lstm_forward_step)
+                               ranks (model.ops.lstm_forward_step); or, on CPU ranks where
+                               a direction has a thread, each direction's whole loop in one
+                               task of one launch (ops.lstm_sequences: the same bits)
 Backward, per direction, steps in reverse: dr = dgates_{t+1} @ U_d^T and the step, one
 launch (ops.lstm_backward_step); then
 gU_d = h_prev^T @ dgates (ONE GEMM over all steps), gb = column sums, gWx = x^T @ dgates and
