@@ -377,12 +377,13 @@ def test_blstm_learns_a_task_that_needs_memory():
 @pytest.mark.parametrize("encoder", [["blstm 8", "blstm 6"], ["lstm 8"]])
 def test_whole_sequences_in_one_launch_are_the_steps(monkeypatch, encoder):
     """A CPU rank's LSTM layer with each direction's whole time loop in one task
-    (kernels_lstm._forward_sequences / _backward_sequences) against one launch per step: the
-    same loss and gradients, bit for bit, on a CTC model over utterances of different
+    (kernels_lstm._forward_sequences / _backward_sequences), also in parts of a few steps,
+    against one launch per step: the same loss and gradients, bit for bit, on a CTC model over utterances of different
     lengths (the directions' rows shrink and grow as sequences end and start), hc = 6 too."""
     from hpcsgd.bench.train import builder_shape
     from hpcsgd.data.utterances import Targets
     from hpcsgd.model import build
+    from hpcsgd.model import ops as O
     from hpcsgd.step import gradient_buffers
     shape = dict(type="ctc", input_dim=12, encoder=encoder, num_tokens=7)
     frames = np.array([23, 17, 17, 9, 4])
@@ -396,8 +397,12 @@ def test_whole_sequences_in_one_launch_are_the_steps(monkeypatch, encoder):
     # one block of cells per direction (what whole sequences need) on any number of threads
     monkeypatch.setattr(KL, "cell_block", lambda hc, dirs: -(-hc // 4) * 4)
     results = []
-    for whole in (True, False):
-        if not whole:
+    in_parts = O.in_parts
+    for mode in ("whole", "parts", "steps"):
+        if mode == "parts":   # the loops in parts of 3 steps, as with an exchange to poll
+            monkeypatch.setattr(O, "in_parts", lambda run, steps, progress, every:
+                                in_parts(run, steps, lambda: None, 3))
+        if mode == "steps":
             monkeypatch.setattr(KL, "whole_sequences", lambda nb, hc, dirs: False)
         model = build(dict(builder_shape(shape), activation="relu"), max_batch=n, device="cpu",
                       precision="float32")
@@ -406,7 +411,8 @@ def test_whole_sequences_in_one_launch_are_the_steps(monkeypatch, encoder):
         grads = gradient_buffers(model, True)[0]
         loss = model.forward_backward(params, grads, x, targets, n)
         results.append((loss, grads.flat.copy()))
-    assert KL.whole_sequences(len(frames), 8, 2) is False   # the patch of the second run
-    (loss_whole, g_whole), (loss_steps, g_steps) = results
-    assert np.array_equal(loss_whole, loss_steps) and np.all(np.isfinite(loss_whole))
-    assert np.array_equal(g_whole, g_steps) and np.abs(g_whole).max() > 0
+    assert KL.whole_sequences(len(frames), 8, 2) is False   # the patch of the last run
+    (loss_whole, g_whole), *others = results
+    assert np.all(np.isfinite(loss_whole)) and np.abs(g_whole).max() > 0
+    for loss, g in others:
+        assert np.array_equal(loss, loss_whole) and np.array_equal(g, g_whole)

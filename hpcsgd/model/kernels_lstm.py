@@ -240,19 +240,20 @@ def lstm_recurrent_backward(steps, hc, elementwise=True):
 
 @njit(parallel=True, cache=True)
 def _forward_sequences(dirs, elementwise, gates, cells, h, y, ut0, ut1, r0, r1, b, zeros, bs,
-                       nb, hc, xs):
+                       nb, hc, xs, s0, s1):
     """dirs directions' time loops, one task each: direction d's step t is lstm_forward's
     (gate columns from 4hc d, cells from hc d, rows t nb .. t nb + bs[t]); its product
     h_{t-1} @ U from h (the read copy of y: y itself, or its quantized copy) through
     ut = U^T into r; the first step reads zeros for r and c_prev. elementwise False: the
-    products alone (ops.GemmOnly)."""
+    products alone (ops.GemmOnly). Steps s0 .. s1 - 1 of the loop (a loop in parts: the
+    exchange polled between them); the cells of step s0 - 1 are there."""
     steps = bs.shape[0]
     uts, rs = (ut0, ut1), (r0, r1)
     for d in prange(dirs):
         ut, r = uts[d], rs[d]
         ga, gh = d * GATES * hc, d * hc
-        prev = -1
-        for s in range(steps):
+        prev = -1 if s0 == 0 else (s0 - 1 if d == 0 else steps - s0) * nb
+        for s in range(s0, s1):
             t = s if d == 0 else steps - 1 - s
             m, now = bs[t], t * nb
             if prev < 0:   # the first step: no previous output or cell
@@ -274,18 +275,18 @@ def _forward_sequences(dirs, elementwise, gates, cells, h, y, ut0, ut1, r0, r1, 
 
 @njit(parallel=True, cache=True)
 def _backward_sequences(dirs, elementwise, gates, cells, dy, u0, u1, dr0, dr1, dc0, dc1, zeros,
-                        bs, nb, hc, xs):
+                        bs, nb, hc, xs, s0, s1):
     """dirs directions' time loops backwards, one task each (as lstm_backward's steps): the
     later step's gate gradients @ U^T (u = U) into dr, then the step; dc zeroed by the
-    caller."""
+    caller; steps s0 .. s1 - 1 (dc carries the state from the part before)."""
     steps = bs.shape[0]
     g4 = GATES * hc
     us, drs, dcs = (u0, u1), (dr0, dr1), (dc0, dc1)
     for d in prange(dirs):
         u, drb, dcb = us[d], drs[d], dcs[d]
         ga, gh = d * g4, d * hc
-        later = -1
-        for s in range(steps):
+        later = -1 if s0 == 0 else (steps - s0 if d == 0 else s0 - 1) * nb
+        for s in range(s0, s1):
             t = steps - 1 - s if d == 0 else s
             m, now = bs[t], t * nb
             first = t == 0 if d == 0 else t == steps - 1
@@ -314,20 +315,21 @@ def whole_sequences(nb, hc, dirs):
 
 
 def lstm_sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
-                           elementwise=True):
-    """An LSTM layer's forward time loops, each direction's in one task (_forward_sequences;
-    whole_sequences must hold): uts, rs the directions' U^T and product rows."""
+                           elementwise=True, s0=0, s1=None):
+    """An LSTM layer's forward time loops (steps s0 .. s1 - 1, default all), each direction's
+    in one task (_forward_sequences; whole_sequences must hold): uts, rs the directions' U^T
+    and product rows."""
     ut1, r1 = (uts[1], rs[1]) if dirs == 2 else (uts[0], rs[0])
     _forward_sequences(dirs, elementwise, gates, cells, h, y, uts[0], ut1, rs[0], r1, b, zeros,
-                       bs, nb, hc, xs)
+                       bs, nb, hc, xs, s0, len(bs) if s1 is None else s1)
 
 
 def lstm_sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs,
-                            elementwise=True):
-    """An LSTM layer's backward time loops (_backward_sequences)."""
+                            elementwise=True, s0=0, s1=None):
+    """An LSTM layer's backward time loops (_backward_sequences), steps s0 .. s1 - 1."""
     u1, dr1, dc1 = (us[1], drs[1], dcs[1]) if dirs == 2 else (us[0], drs[0], dcs[0])
     _backward_sequences(dirs, elementwise, gates, cells, dy, us[0], u1, drs[0], dr1, dcs[0],
-                        dc1, zeros, bs, nb, hc, xs)
+                        dc1, zeros, bs, nb, hc, xs, s0, len(bs) if s1 is None else s1)
 
 
 # a time step's product of at most SMALL_ROWS rows: small_matmul_nt on one thread, not BLAS

@@ -112,10 +112,9 @@ class LSTM:
         # a step, a direction per thread: kernels_lstm._forward_sequences); QAT rounds each
         # step's outputs before the next step reads them, so it steps
         whole = getattr(ops, "lstm_sequences", None)
-        if grid is None and whole is not None and whole(self.dirs, gates, cells, h, y, uts,
-                                                        recs, b, zeros, bs, nb, hc, ws["xs"]):
-            if progress is not None:
-                progress()
+        if grid is None and whole is not None and whole(   # the exchange polled at half, end
+                self.dirs, gates, cells, h, y, uts, recs, b, zeros, bs, nb, hc, ws["xs"],
+                progress, (steps + 1) // 2):
             return
         # step s: time s forwards and, for a BLSTM, time T-1-s backwards, in one kernel launch
         # with their recurrent products (a launch wakes the threads: one per step)
@@ -157,11 +156,9 @@ class LSTM:
         for d in range(self.dirs):
             zero(dcs[d][:nb])
         whole = getattr(ops, "lstm_sequences_backward", None)
-        if whole is not None and whole(self.dirs, gates, cells, dy, [p[u] for u in self.U],
-                                       dh_recs, dcs, zeros, bs, nb, hc, ws["xs"]):
-            if progress is not None:   # each direction's time loop in one task (as forward)
-                progress()
-        else:
+        if not (whole is not None and whole(   # each direction's loop in one task (as forward)
+                self.dirs, gates, cells, dy, [p[u] for u in self.U], dh_recs, dcs, zeros, bs,
+                nb, hc, ws["xs"], progress, 8)):   # the layers above's buckets polled every 8
             self._steps_backward(p, gates, cells, dy, zeros, dh_recs, dcs, ops, progress, ws,
                                  lengths)
         for d in range(self.dirs):

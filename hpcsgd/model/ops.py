@@ -100,20 +100,18 @@ class CpuOps:
     def lstm_recurrent_step_backward(self, steps, hc, xs):
         cpu_recurrent_backward(steps, hc, xs, True)
 
-    def lstm_sequences(self, dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs):
+    def lstm_sequences(self, dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
+                       progress=None, every=0):
         """An LSTM layer's forward time loops, a direction's in one task, where they fit
-        (kernels_lstm.whole_sequences); False where not: lstm.py then steps."""
-        if not KL.whole_sequences(nb, hc, dirs):
-            return False
-        KL.lstm_sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs)
-        return True
+        (kernels_lstm.whole_sequences), in parts of `every` steps with progress() after each;
+        False where they do not fit: lstm.py then steps."""
+        return sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
+                                 progress, every, True)
 
     def lstm_sequences_backward(self, dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc,
-                                xs):
-        if not KL.whole_sequences(nb, hc, dirs):
-            return False
-        KL.lstm_sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs)
-        return True
+                                xs, progress=None, every=0):
+        return sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs,
+                                  progress, every, True)
 
     def column_sums(self, d, gb):
         """gb (1, M) <- column sums of d (N, M), the same bits for any number of threads."""
@@ -467,20 +465,15 @@ class GemmOnly:
         else:
             product_then_step_backward(self, steps, hc)
 
-    def lstm_sequences(self, dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs):
-        if not isinstance(gates, np.ndarray) or not KL.whole_sequences(nb, hc, dirs):
-            return False
-        KL.lstm_sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
-                                  elementwise=False)
-        return True
+    def lstm_sequences(self, dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs,
+                       progress=None, every=0):
+        return isinstance(gates, np.ndarray) and sequences_forward(
+            dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs, progress, every, False)
 
     def lstm_sequences_backward(self, dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc,
-                                xs):
-        if not isinstance(gates, np.ndarray) or not KL.whole_sequences(nb, hc, dirs):
-            return False
-        KL.lstm_sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs,
-                                   elementwise=False)
-        return True
+                                xs, progress=None, every=0):
+        return isinstance(gates, np.ndarray) and sequences_backward(
+            dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs, progress, every, False)
 
     def lstm_step(self, a, r, b, c_prev, c, h, ga, gh, hc):
         pass
@@ -797,6 +790,38 @@ def cpu_recurrent_backward(steps, hc, xs, elementwise):
     args = [(_step_operand(gl, u, dr, True, d, xs), u, dr, a, cp, c, dh, dc)
             for d, (gl, u, dr, a, cp, c, dh, dc) in enumerate(steps)]
     KL.lstm_recurrent_backward(args, hc, elementwise)
+
+
+def in_parts(run, steps, progress, every):
+    """run(s0, s1) over steps 0 .. steps - 1 in parts of `every` steps (all at once without a
+    progress to call), progress() after each part: the exchange in flight polled between."""
+    part = every if progress is not None and every > 0 else max(steps, 1)
+    for s0 in range(0, steps, part):
+        run(s0, min(steps, s0 + part))
+        if progress is not None:
+            progress()
+
+
+def sequences_forward(dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs, progress,
+                      every, elementwise):
+    """CpuOps.lstm_sequences (GemmOnly's: elementwise False)."""
+    if not KL.whole_sequences(nb, hc, dirs):
+        return False
+    in_parts(lambda s0, s1: KL.lstm_sequences_forward(
+        dirs, gates, cells, h, y, uts, rs, b, zeros, bs, nb, hc, xs, elementwise, s0, s1),
+        len(bs), progress, every)
+    return True
+
+
+def sequences_backward(dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs, progress,
+                       every, elementwise):
+    """CpuOps.lstm_sequences_backward (GemmOnly's: elementwise False)."""
+    if not KL.whole_sequences(nb, hc, dirs):
+        return False
+    in_parts(lambda s0, s1: KL.lstm_sequences_backward(
+        dirs, gates, cells, dy, us, drs, dcs, zeros, bs, nb, hc, xs, elementwise, s0, s1),
+        len(bs), progress, every)
+    return True
 
 
 def make_ops(device, max_batch, max_width, dtype):
