@@ -28,10 +28,9 @@ import numba
 import numpy as np
 
 from hpcsgd import device
-from hpcsgd.bench.train import CTC, builder_shape, utterance_targets
-from hpcsgd.model import build, conv, layers, lstm, ops
+from hpcsgd.bench.train import ctc_minibatch
+from hpcsgd.model import conv, layers, lstm, ops
 from hpcsgd.model import kernels_lstm as KL
-from hpcsgd.step import gradient_buffers
 
 MODES = ("openblas", "mkl", "mkl_all")
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
@@ -88,14 +87,7 @@ def main():
     by_mkl = mkl_matmul(load_mkl(threads), numpy_matmul)
     print(f"MKL_CBWR={os.environ.get('MKL_CBWR', '(unset)')}")
     for n in (2000, 4000):
-        model = build(dict(builder_shape(CTC), activation="relu"), max_batch=n, device="cpu",
-                      precision="float32")
-        params = model.new_params()
-        model.init(params, np.random.default_rng(0))
-        grads = gradient_buffers(model, True)[0]
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((n, CTC["input_dim"]), dtype=np.float32)
-        y = utterance_targets(CTC, n, rng)
+        model, params, grads, x, y = ctc_minibatch(n)
         times = {mode: [] for mode in MODES}
         for _ in range(int(os.environ.get("ROUNDS", 15))):
             for mode in MODES:

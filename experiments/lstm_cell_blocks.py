@@ -12,12 +12,8 @@ import os
 import statistics
 import time
 
-import numpy as np
-
-from hpcsgd.bench.train import CTC, builder_shape, utterance_targets
-from hpcsgd.model import build
+from hpcsgd.bench.train import ctc_minibatch
 from hpcsgd.model import kernels_lstm as KL
-from hpcsgd.step import gradient_buffers
 
 N = 4000
 
@@ -30,14 +26,7 @@ def blocks_of(count):
 
 
 def main():
-    model = build(dict(builder_shape(CTC), activation="relu"), max_batch=N, device="cpu",
-                  precision="float32")
-    params = model.new_params()
-    model.init(params, np.random.default_rng(0))
-    grads = gradient_buffers(model, True)[0]
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((N, CTC["input_dim"]), dtype=np.float32)
-    y = utterance_targets(CTC, N, rng)
+    model, params, grads, x, y = ctc_minibatch(N)
     times = {count: [] for count in (1, 2, 4, 8)}
     for _ in range(4):
         for count in times:

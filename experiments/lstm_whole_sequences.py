@@ -14,25 +14,15 @@ import statistics
 import time
 
 import numba
-import numpy as np
 
-from hpcsgd.bench.train import CTC, builder_shape, utterance_targets
-from hpcsgd.model import build
+from hpcsgd.bench.train import CTC, ctc_minibatch
 from hpcsgd.model import kernels_lstm as KL
-from hpcsgd.step import gradient_buffers
 
 
 def main():
     whole_sequences = KL.whole_sequences
     for n in (2000, 4000):
-        model = build(dict(builder_shape(CTC), activation="relu"), max_batch=n, device="cpu",
-                      precision="float32")
-        params = model.new_params()
-        model.init(params, np.random.default_rng(0))
-        grads = gradient_buffers(model, True)[0]
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((n, CTC["input_dim"]), dtype=np.float32)
-        y = utterance_targets(CTC, n, rng)
+        model, params, grads, x, y = ctc_minibatch(n)
         times = {"steps": [], "whole": []}
         for _ in range(int(os.environ.get("ROUNDS", 9))):
             for mode in times:

@@ -288,6 +288,21 @@ def utterance_targets(shape, n, rng):
                    np.arange(nb, dtype=np.uint64))   # dropout's keys: one per utterance
 
 
+def ctc_minibatch(n, seed=0):
+    """bench train's CTC model (CPU, float32) for n frames, initialised from seed, with its
+    gradient buffers and a minibatch of n frames (x, utterance_targets): the pass the
+    experiments time (experiments/lstm_whole_sequences.py ...)."""
+    from hpcsgd.model import build
+    from hpcsgd.step import gradient_buffers
+    model = build(dict(builder_shape(CTC), activation="relu"), max_batch=n, device="cpu",
+                  precision="float32")
+    params = model.new_params()
+    model.init(params, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed + 1)
+    x = rng.standard_normal((n, CTC["input_dim"]), dtype=np.float32)
+    return model, params, gradient_buffers(model, True)[0], x, utterance_targets(CTC, n, rng)
+
+
 def run(args):
     ranks, ns, modes = _settings(args)
     name, shape, activation, _ = model_of(args)
