@@ -73,6 +73,8 @@ def CTCModel(torch, shape, act, out=None):
     time-major, lengths (B,) longest first) -> ((T', B, V) log-probabilities for nn.CTCLoss,
     the output lengths). Also experiments/pytorch_ctc.py's model. With `out` = the joint's
     width: a transducer's encoder, (T', B, out) of its joint projection (no log-softmax).
+    shape["batch_norm"] (experiments/pytorch_ctc.py --batch-norm, hpcsgd has none): every
+    "in" becomes batch norm, over the batch's valid steps, running statistics in eval().
     shape["dropout"] (model.dropout): nn.Dropout on each layer's output but stacking's, in
     train() mode (its own generator's masks; hpcsgd's are hashed per utterance)."""
     from hpcsgd.model.encoder import parse_spec
@@ -93,6 +95,31 @@ def CTCModel(torch, shape, act, out=None):
             var = ((x - mean) ** 2 * valid).sum(0, keepdim=True) / count
             return (x - mean) / torch.sqrt(var + EPS) * self.weight + self.bias
 
+    class BatchNorm(torch.nn.Module):
+        """x (T, B, C): each channel over the batch's valid steps (all its utterances), as
+        DeepSpeech2 and Wave2Letter+ normalize (one process: no cross-rank statistics);
+        eval() uses running averages (momentum 0.1, as nn.BatchNorm1d)."""
+        def __init__(self, width):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(width))
+            self.bias = torch.nn.Parameter(torch.zeros(width))
+            self.register_buffer("mean", torch.zeros(width))
+            self.register_buffer("var", torch.ones(width))
+
+        def forward(self, x, lengths):
+            if self.training:
+                valid = (torch.arange(x.shape[0], device=x.device)[:, None]
+                         < lengths.to(x.device)[None, :]).to(x.dtype)[..., None]
+                count = valid.sum().clamp(min=1)
+                mean = (x * valid).sum((0, 1)) / count
+                var = ((x - mean) ** 2 * valid).sum((0, 1)) / count
+                with torch.no_grad():
+                    self.mean.mul_(0.9).add_(0.1 * mean)
+                    self.var.mul_(0.9).add_(0.1 * var)
+            else:
+                mean, var = self.mean, self.var
+            return (x - mean) / torch.sqrt(var + EPS) * self.weight + self.bias
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -110,7 +137,7 @@ def CTCModel(torch, shape, act, out=None):
                                             bias=not spec["norm"])
                     if spec["norm"]:
                         norm = torch.nn.LayerNorm(width, eps=EPS) if spec["norm"] == "ln" \
-                            else InstanceNorm(width)
+                            else BatchNorm(width) if shape.get("batch_norm") else InstanceNorm(width)
                         layer = torch.nn.ModuleDict({"conv": layer, "norm": norm})
                 elif kind in ("blstm", "lstm"):
                     layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
