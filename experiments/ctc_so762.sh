@@ -42,10 +42,15 @@ if [ "$STAGE" != decode ]; then
         exchange.cold_start_frames=5500000
     run mixed 2 --config jobs/configs/so762_ctc.yaml train.precision=mixed train.loss_scale=backoff
     run chars 2 --config jobs/configs/so762_ctc.yaml data.tokens=chars
-    run w2l 2 --config jobs/configs/so762_w2l.yaml
+    # the first Wave2Letter-like recipe (a stride-2 convolution of kernel 11 in front, kernels
+    # 11-17): on CTC's plateau for 30 epochs, with or without instance norms
+    run w2l 2 --config jobs/configs/so762_w2l.yaml "model.encoder=[conv 256 k11 s2, \
+conv 256 k11, conv 256 k11, conv 256 k13, conv 256 k13, conv 384 k17 d2, conv 512 k1]"
     run in_w2l 2 --config jobs/configs/so762_w2l.yaml "model.encoder=[conv 256 k11 s2 in, \
 conv 256 k11 in, conv 256 k11 in, conv 256 k13 in, conv 256 k13 in, conv 384 k17 d2 in, \
 conv 512 k1 in]"
+    # so762_w2l.yaml as it is: frames stacked by 3 in front, kernels of 5 (it learns)
+    run conv_w2l 2 --config jobs/configs/so762_w2l.yaml
     # the noise of one run: float32 and mixed precision again from seed 1 (the weights'
     # initialisation, the buckets' order, SpecAugment's draws)
     run seed1_f32 2 --config jobs/configs/so762_ctc.yaml train.seed=1
@@ -92,7 +97,7 @@ fi
     --kind phones --topology ctc --tokens phones > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
-for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l chars seed1_f32 \
+for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l chars seed1_f32 \
         seed1_mixed seed2_f32 seed2_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 \
         onebit_local_drop015 f32_drop03_e60 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
