@@ -2,11 +2,14 @@
 decoded and scored by hpcsgd's own code, so that the PER beside hpcsgd's is PyTorch's
 training and nothing else (docs/results.md, "CTC models on so762").
 
-    python experiments/pytorch_ctc.py jobs/configs/so762_ctc.yaml OUT_DIR [--batch-norm] [key=value ...]
+    python experiments/pytorch_ctc.py jobs/configs/so762_ctc.yaml OUT_DIR \
+        [--batch-norm] [--he-init] [key=value ...]
 
 --batch-norm: every `conv ... in` of the encoder normalized as batch norm instead (each channel
 over the batch's valid steps, running statistics for the CV), which hpcsgd does not have: what
 DeepSpeech2 and Wave2Letter+ use, tried here before building it (docs/results.md).
+--he-init: the convolutions' weights drawn as He et al. (kaiming_uniform_, ReLU gain) instead
+of PyTorch's default (a third of that variance); hpcsgd's rule is near He's.
 
 What is the same: the training archive's batches as hpcsgd's loader deals them to one rank
 (whole utterances in length buckets, SpecAugment drawn per utterance and epoch), the epochs,
@@ -64,8 +67,8 @@ def evaluate(model, cv_dir, cfg):
 
 
 def main(argv):
-    batch_norm = "--batch-norm" in argv
-    argv = [a for a in argv if a != "--batch-norm"]
+    batch_norm, he_init = "--batch-norm" in argv, "--he-init" in argv
+    argv = [a for a in argv if a not in ("--batch-norm", "--he-init")]
     cfg_path, out = argv[0], argv[1]
     cfg = config.load(cfg_path, argv[2:])
     os.makedirs(out, exist_ok=True)
@@ -83,6 +86,10 @@ def main(argv):
                              "num_tokens": loader.num_labels, "dropout": cfg["model.dropout"],
                              "batch_norm": batch_norm},
                      act)
+    if he_init:
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Conv1d):
+                torch.nn.init.kaiming_uniform_(layer.weight, nonlinearity="relu")
     assert cfg["optim.type"] == "adam" and cfg["schedule.type"] == "linear"
     opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg["optim.adam_beta1"],
                                                            cfg["optim.adam_beta2"]))
@@ -123,7 +130,7 @@ def main(argv):
     print(lines)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"config": cfg_path, "overrides": argv[2:], "batch_norm": batch_norm,
-                   "torch": torch.__version__,
+                   "he_init": he_init, "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "per": 100 * errors[:3].sum() / errors[3],
                    "counts": errors.tolist(), "lines": lines,
                    "stride": time_stride(cfg["model.encoder"]), "epochs": records}, f, indent=1)
