@@ -1,5 +1,8 @@
 """hpcsgd.config: every option validated once, errors that name the dotted key, YAML and
 overrides, the resolved config written back."""
+import os
+from types import SimpleNamespace
+
 import pytest
 
 from hpcsgd import config
@@ -91,3 +94,21 @@ def test_the_overlapped_allreduce_is_refused_where_the_gradient_changes_after_th
     cfg = config.load(None, ["data.train=x", *extra])
     assert cfg["exchange.overlap"] == "auto" and config.overlap_blocker(cfg)
     assert config.overlap_blocker(config.load(None, ["data.train=x"])) is None
+
+
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs",
+                       "configs")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(RECIPES) if f.endswith(".yaml")))
+def test_every_shipped_recipe_validates_and_builds(name):
+    """Each jobs/configs recipe passes the config's validation and its model builds, so a typo
+    in a key or a layer spec fails here and not an hour into a job; the CTC recipes have the
+    sizes docs/results.md reports (so762: 40 fbank features, 39 phones and the blank)."""
+    from hpcsgd.model import build
+    from hpcsgd.train import model_shape
+    cfg = config.load(os.path.join(RECIPES, name))
+    archive = SimpleNamespace(input_dim=40, num_labels=40)   # what model_shape reads
+    net = build(model_shape(cfg, archive), max_batch=64)
+    reported = {"so762_ctc.yaml": 3_942_440, "so762_w2l.yaml": 3_399_080}
+    assert net.size == reported.get(name, net.size) and net.size > 0
