@@ -51,6 +51,9 @@ conv 256 k11 in, conv 256 k11 in, conv 256 k13 in, conv 256 k13 in, conv 384 k17
 conv 512 k1 in]"
     # so762_w2l.yaml as it is: frames stacked by 3 in front, kernels of 5 (it learns)
     run conv_w2l 2 --config jobs/configs/so762_w2l.yaml
+    # ... with dropout for twice the epochs (it ends overfitting, its error rate still falling)
+    run conv_w2l_drop02_e60 2 --config jobs/configs/so762_w2l.yaml model.dropout=0.2 \
+        train.epochs=60
     # the noise of one run: float32 and mixed precision again from seed 1 (the weights'
     # initialisation, the buckets' order, SpecAugment's draws)
     run seed1_f32 2 --config jobs/configs/so762_ctc.yaml train.seed=1
@@ -99,7 +102,7 @@ fi
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l chars seed1_f32 \
         seed1_mixed seed2_f32 seed2_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 \
-        onebit_local_drop015 f32_drop03_e60 sp; do
+        onebit_local_drop015 f32_drop03_e60 conv_w2l_drop02_e60 sp; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
