@@ -80,6 +80,10 @@ def CTCModel(torch, shape, act, out=None):
     from hpcsgd.model.encoder import parse_spec
     from hpcsgd.model.kernels_norm import EPS
 
+    def valid_steps(x, lengths):
+        """(T, B) bool: step t of sequence b is within its length."""
+        return torch.arange(x.shape[0], device=x.device)[:, None] < lengths.to(x.device)[None, :]
+
     class InstanceNorm(torch.nn.Module):
         """x (T, B, C): each (sequence, channel) over the sequence's valid steps."""
         def __init__(self, width):
@@ -88,8 +92,7 @@ def CTCModel(torch, shape, act, out=None):
             self.bias = torch.nn.Parameter(torch.zeros(width))
 
         def forward(self, x, lengths):
-            valid = (torch.arange(x.shape[0], device=x.device)[:, None]
-                     < lengths.to(x.device)[None, :]).to(x.dtype)[..., None]
+            valid = valid_steps(x, lengths).to(x.dtype)[..., None]
             count = valid.sum(0, keepdim=True).clamp(min=1)
             mean = (x * valid).sum(0, keepdim=True) / count
             var = ((x - mean) ** 2 * valid).sum(0, keepdim=True) / count
@@ -108,8 +111,7 @@ def CTCModel(torch, shape, act, out=None):
 
         def forward(self, x, lengths):
             if self.training:
-                valid = (torch.arange(x.shape[0], device=x.device)[:, None]
-                         < lengths.to(x.device)[None, :]).to(x.dtype)[..., None]
+                valid = valid_steps(x, lengths).to(x.dtype)[..., None]
                 count = valid.sum().clamp(min=1)
                 mean = (x * valid).sum((0, 1)) / count
                 var = ((x - mean) ** 2 * valid).sum((0, 1)) / count
@@ -169,9 +171,7 @@ def CTCModel(torch, shape, act, out=None):
                         x = self.act(layer["norm"](x, lengths))
                     else:
                         x = self.act(layer(x.permute(1, 2, 0))).permute(2, 0, 1)
-                    valid = torch.arange(x.shape[0], device=x.device)[:, None] < \
-                        lengths.to(x.device)[None, :]
-                    x = x * valid[..., None]
+                    x = x * valid_steps(x, lengths)[..., None]
                 elif kind in ("blstm", "lstm"):
                     packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu())
                     x, _ = torch.nn.utils.rnn.pad_packed_sequence(layer(packed)[0],
