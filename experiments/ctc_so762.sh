@@ -91,22 +91,30 @@ conv 512 k1 in]"
     if [ -d runs/so762/archive_ctc_sp ]; then
         run sp 2 --config jobs/configs/so762_ctc.yaml \
             data.train=runs/so762/archive_ctc_sp/train train.epochs=12
+        # with dropout 0.3, as long as f32_drop03_e60 in frames (20 x 1.66M = 60 x 0.55M)
+        run sp_drop03 2 --config jobs/configs/so762_ctc.yaml \
+            data.train=runs/so762/archive_ctc_sp/train train.epochs=20 model.dropout=0.3
     fi
 fi
 [ "$STAGE" = train ] && exit 0
-# the graphs, from the training speakers only: a phone bigram, a word bigram spelled in
-# characters
+# the graphs, from the training speakers only: a phone bigram and 5-gram, a word bigram
+# spelled in characters
 [ -f "$ROOT/tlg_phones/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_phones" \
     --kind phones --topology ctc --tokens phones > /dev/null
+[ -f "$ROOT/tlg_phones5/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" \
+    "$ROOT/tlg_phones5" --kind phones --topology ctc --tokens phones --order 5 > /dev/null
 [ -f "$ROOT/tlg_words/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$ROOT/tlg_words" \
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l chars seed1_f32 \
         seed1_mixed seed2_f32 seed2_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 \
-        onebit_local_drop015 f32_drop03_e60 conv_w2l_drop02_e60 sp; do
+        onebit_local_drop015 f32_drop03_e60 conv_w2l_drop02_e60 sp sp_drop03; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$ROOT/$graph" --tune \
-        | grep -E "^%|interval|acoustic scale [0-9]"
+        | grep -E "^%|interval|acoustic scale [0-9]|held out"
+    [ "$graph" = tlg_phones ] || continue
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$ROOT/tlg_phones5" --tune \
+        | grep -E "^%|interval|acoustic scale [0-9]|held out"
 done

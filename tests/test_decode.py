@@ -215,12 +215,15 @@ def test_tuning_ranks_by_errors_and_keeps_the_defaults_on_a_tie(tiny):
     logpost[np.arange(len(frames)), frames] = np.log(1 - 3e-4)
     refs = {"u": ["A", "B", "C"]}
     priors = np.log(np.full(len(SYMBOLS), 0.25, np.float32))
-    table = recognize.tune(decoder, [("u", logpost)], priors, refs, default=(0.2, 0.5))
-    assert [score.error_rate(c) for _, _, c in table] == sorted(
-        score.error_rate(c) for _, _, c in table)
-    assert score.error_rate(table[0][2]) == 0 and table[0][:2] == (0.2, 0.5)
+    table, held_out = recognize.tune(decoder, [("u", logpost)], priors, refs,
+                                     default=(0.2, 0.5, 0.0))
+    assert held_out is None          # no folds: nothing held out
+    assert [score.error_rate(c) for _, _, _, c in table] == sorted(
+        score.error_rate(c) for _, _, _, c in table)
+    assert score.error_rate(table[0][3]) == 0 and table[0][:3] == (0.2, 0.5, 0.0)
+    assert {p for _, _, p, _ in table} == {0.0}     # a hybrid graph keeps its penalty
     # below an acoustic scale of 0.083 the phone LM drowns these frames: decoded worse
-    worse = {a for a, _, c in table if score.error_rate(c) > 0}
+    worse = {a for a, _, _, c in table if score.error_rate(c) > 0}
     assert 0.05 in worse and max(worse) < 0.1
 
 

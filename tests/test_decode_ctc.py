@@ -264,6 +264,85 @@ def test_the_phone_tlg_best_path_is_the_greedy_path_on_peaked_posteriors(tiny):
         np.testing.assert_array_equal(aligned, logpost.argmax(axis=1))
 
 
+def test_the_insertion_penalty_is_added_to_the_arcs_that_output_a_token(tiny):
+    import kaldifst as kf
+    fst = search.Graph(tiny["phones"]).fst
+    moved = graphs.with_insertion_penalty(fst, -1.5)
+    assert moved.num_states == fst.num_states and moved.start == fst.start
+    outputs = 0
+    for s in range(fst.num_states):
+        assert moved.final(s).value == fst.final(s).value
+        theirs = {(a.ilabel, a.olabel, a.nextstate): a.weight.value for a in kf.ArcIterator(fst, s)}
+        mine = {(a.ilabel, a.olabel, a.nextstate): a.weight.value
+                for a in kf.ArcIterator(moved, s)}
+        assert mine.keys() == theirs.keys()
+        for key, cost in theirs.items():   # float32 costs: the sum rounded once
+            want = np.float32(cost) + np.float32(-1.5 if key[1] else 0.0)
+            assert mine[key] == pytest.approx(float(want), abs=1e-6)
+            outputs += key[1] != 0
+    assert outputs > 0
+
+
+def test_a_bonus_keeps_weak_tokens_and_a_penalty_drops_them(tiny):
+    """Phones heard weakly (each token frame 0.3, the blank 0.5): the more a token costs, the
+    fewer the search outputs; Kaldi's word insertion penalty on a phone graph."""
+    graph = search.Graph(tiny["phones"])
+    frames = spell(phone_tokens("SEE AB C"), repeat=1)
+    probs = np.full((len(frames), len(PHONES)), 0.2 / (len(PHONES) - 2))
+    for t, f in enumerate(frames):
+        if f == BLK:
+            probs[t] = 0.9 * (np.arange(len(PHONES)) == 0) + 0.1 / len(PHONES)
+        else:
+            probs[t, 0], probs[t, PHONES.index(f)] = 0.5, 0.3
+    scores = search.ctc_scores(np.log(probs).astype(np.float32), 1.0)
+    decoder = search.Decoder(graph)
+    counts = []
+    for penalty in (-6.0, -3.0, 0.0, 3.0, 6.0):
+        d = decoder.with_penalty(penalty)
+        assert d.insertion_penalty == penalty and (d is decoder) == (penalty == 0.0)
+        words, _, _ = d.decode(scores)
+        counts.append(len(words))
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], counts
+    assert counts[0] >= len(phone_tokens("SEE AB C"))
+
+
+def test_tuning_holds_out_each_half_of_the_speakers(tiny):
+    """tune's held-out figure: each fold scored at the point the other fold chose."""
+    graph = search.Graph(tiny["phones"])
+    decoder = search.Decoder(graph)
+    rng = np.random.default_rng(3)
+    logposts, refs = [], {}
+    for utt, words in TRAIN.items():
+        frames = spell(phone_tokens(words))
+        second = {t: (PHONES[int(rng.integers(1, len(PHONES)))], 0.3)
+                  for t in range(len(frames)) if rng.random() < 0.4 and frames[t] != BLK}
+        second = {t: v for t, v in second.items() if v[0] != frames[t]}
+        logposts.append((utt, posteriors(PHONES, frames, peak=0.45, second=second)))
+        refs[utt] = phone_tokens(words)
+    folds = {utt: i % 2 for i, utt in enumerate(TRAIN)}
+    grid = [(a, None, p) for a in (0.3, 1.0, 3.0) for p in (-2.0, 0.0, 2.0)]
+    table, held_out = recognize.tune(decoder, logposts, None, refs, grid=grid,
+                                     default=(1.0, None, 0.0), folds=folds)
+    assert len(table) == len(grid) and sorted(r[:3] for r in table) == sorted(grid)
+    half = {f: ([lp for lp in logposts if folds[lp[0]] == f],
+                {u: r for u, r in refs.items() if folds[u] == f}) for f in (0, 1)}
+    want = 0
+    for f in (0, 1):
+        other, _ = recognize.tune(decoder, *half[1 - f][:1], None, half[1 - f][1], grid=grid,
+                                  default=(1.0, None, 0.0))
+        assert held_out["points"][f] == other[0][:3]
+        a, _, p = other[0][:3]
+        hyps, _, _ = recognize.recognize(decoder.with_penalty(p), half[f][0], None, a, None)
+        want = want + recognize.error_counts(half[f][1], hyps)[0]
+    np.testing.assert_array_equal(held_out["counts"], want)
+    assert score_rate(held_out["counts"]) >= score_rate(table[0][3])   # no better than best
+
+
+def score_rate(counts):
+    from hpcsgd.decode import score
+    return score.error_rate(counts)
+
+
 def test_phone_tokens_through_a_lexicon_and_homophones(tiny):
     # C and SEE are both S IY: the word bigram picks, as in the hybrid word graphs
     frames = spell(phone_tokens("AB C"))
@@ -421,8 +500,9 @@ def test_decode_greedy_and_through_tlg_with_tuning(tiny, tmp_path, monkeypatch, 
     result = json.load(open(os.path.join(out, "result.json")))
     assert result["error_rate"] == 0 and result["cer"]["error_rate"] == 0
     assert result["prior_scale"] is None and result["acoustic_scale"] == 1.0   # a tie: default
+    assert result["insertion_penalty"] == 0.0 and result["held_out"] is None   # one speaker
     assert [r["acoustic_scale"] for r in result["tuning"]][0] == 1.0
-    assert len(result["tuning"]) == len(recognize.TUNE_CTC)
+    assert len(result["tuning"]) == len(recognize.TUNE_CTC) * len(recognize.TUNE_CTC_PENALTY)
     assert open(os.path.join(out, "hyp.txt")).read() == open(os.path.join(out, "ref.txt")).read()
     # what `eval --graph` reports for a CTC model
     args = argparse.Namespace(text=None, acoustic_scale=None, prior_scale=None,

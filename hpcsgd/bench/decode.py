@@ -97,7 +97,7 @@ def run(args):
             rows.append({"setting": f"beam {beam:g} max-active {active}", "beam": beam,
                          "max_active": active, "search_seconds": search_s,
                          "rtf_search": rtf, "search_of_forward": search_s / forward_s,
-                         "error_rate": score.error_rate(total), "not_final": not_final})
+                         "error_rate": score.error_rate(total), "not_final": len(not_final)})
             print(f"{beam:6g} {active:10d} {rtf:11.4f} {search_s / forward_s:11.2f} "
                   f"{score.error_rate(total):8.2f}")
     default = next((r for r in rows if r["beam"] == search.BEAM

@@ -16,8 +16,9 @@ are the archive's own: its phone tokens or alignments for phone outputs (PER; si
 token), its transcripts for words (WER, and CER for CTC models over chars or bpe tokens;
 --text instead when given, else the file the graph was made with). Under mpiexec the ranks
 decode disjoint utterances; the hypotheses do not depend on the number of ranks. --tune
-decodes the archive at every scale of a grid and keeps the best: tune on held-out speakers
-(the CV archive), never on the training speakers.
+decodes the archive at every scale (a CTC graph's: and insertion penalty) of a grid and keeps
+the best: tune on held-out speakers (the CV archive), never on the training speakers; it also
+reports each half of the speakers scored at the point the other half chose (held out).
 
 Writes OUT (default RUN_DIR/decode/<graph>_<archive>/, greedy_<archive>/ for --greedy,
 beam<K>_<archive>/ for an RNN-T's --beam-size K):
@@ -70,8 +71,10 @@ def add_arguments(parser):
                         help="decode at every acoustic scale of "
                              f"{','.join(map(str, recognize.TUNE_ACOUSTIC))} and prior scale "
                              f"of {','.join(map(str, recognize.TUNE_PRIOR))} (CTC graphs: "
-                             f"acoustic scale {','.join(map(str, recognize.TUNE_CTC))}); "
-                             f"keep the best")
+                             f"acoustic scale {','.join(map(str, recognize.TUNE_CTC))} "
+                             f"times insertion penalty "
+                             f"{','.join(map(str, recognize.TUNE_CTC_PENALTY))}); keep the "
+                             f"best, and score each half of the speakers at the other's best")
     parser.add_argument("--sequences", choices=("chunks", "whole"), default="chunks",
                         help="hybrid sequence (LSTM) models: the training chunks, or whole "
                              "utterances")
@@ -136,19 +139,22 @@ def decode(args, comm):
         raise UserError(f"--greedy is for CTC models, and {meta['path']} is a hybrid model: "
                         f"give --graph GRAPH_DIR (hpcsgd mkgraph)")
     else:
-        if args.tune or args.acoustic_scale is not None or args.prior_scale is not None:
-            raise UserError("--tune, --acoustic-scale and --prior-scale weigh a graph search: "
-                            "greedy search has nothing to weigh")
+        if args.tune or args.acoustic_scale is not None or args.prior_scale is not None \
+                or args.insertion_penalty:
+            raise UserError("--tune, --acoustic-scale, --prior-scale and --insertion-penalty "
+                            "weigh a graph search: greedy search has nothing to weigh")
         unit, scales = ("phones" if tokens["kind"] == "phones" else "words"), None
     check_archive(args.data, meta)     # features; labels (hybrid) or tokens (CTC)
     refs, ref_source = recognize.archive_references(
         unit, args.data, args.text, graph.info.get("text") if graph is not None else None)
     priors = None if ctc_model else log_priors(meta["label_counts"])
     decoder = None if graph is None else \
-        search.Decoder(graph, beam=args.beam, max_active=args.max_active)
+        search.Decoder(graph, beam=args.beam, max_active=args.max_active,
+                       insertion_penalty=args.insertion_penalty)
 
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
-    table = None
+    table = held_out = None
+    penalty = args.insertion_penalty
     if decoder is None:
         hyps, search_s = (recognize.search_rnnt(model, params, logposts, tokens["symbols"],
                                                 tokens["kind"], args.beam_size)
@@ -157,9 +163,13 @@ def decode(args, comm):
         not_final = 0
     else:
         if args.tune:
-            table = recognize.tune(decoder, logposts, priors, refs, comm, default=scales)
-            scales = table[0][:2]
+            table, held_out = recognize.tune(decoder, logposts, priors, refs, comm,
+                                             default=(*scales, penalty),
+                                             folds=recognize.speaker_folds(args.data))
+            scales, penalty = table[0][:2], table[0][2]
+            decoder = decoder.with_penalty(penalty)
         hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales)
+        not_final = len(not_final)
     lengths = dict(recognize.utterance_frames(args.data))   # audio frames, not output rows
     frames = sum(lengths[utt] for utt, _ in logposts)
     sums = np.array([frames, search_s, forward_s, not_final], np.float64)
@@ -177,7 +187,7 @@ def decode(args, comm):
     lines = []
     if table is not None:
         lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
-        lines += recognize.tuning_lines(table, scales, name)
+        lines += recognize.tuning_lines(table, (*scales, penalty), name, held_out)
     if graph is None:
         lines.append(f"{args.model} on {args.data} by RNN-T "
                      + (f"modified beam search (beam {args.beam_size}, at most 1 symbol per "
@@ -189,11 +199,13 @@ def decode(args, comm):
                      f"blanks dropped)")
     elif ctc_model:
         lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}, CTC over "
-                     f"{tokens['kind']} tokens): acoustic scale {scales[0]:g}, beam "
+                     f"{tokens['kind']} tokens): acoustic scale {scales[0]:g}, "
+                     f"insertion penalty {penalty:g}, beam "
                      f"{args.beam:g}, max active {args.max_active}")
     else:
         lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}): "
-                     f"acoustic scale {scales[0]:g}, prior scale {scales[1]:g}, beam "
+                     f"acoustic scale {scales[0]:g}, prior scale {scales[1]:g}"
+                     + (f", insertion penalty {penalty:g}" if penalty else "") + ", beam "
                      f"{args.beam:g}, max active {args.max_active}")
     lines.append(score.kaldi_lines(name, total))
     scored = sorted(per_utt)
@@ -234,6 +246,7 @@ def decode(args, comm):
               "cer": cer, "references": ref_source,
               "acoustic_scale": scales[0] if scales else None,
               "prior_scale": scales[1] if scales else None,
+              "insertion_penalty": penalty if graph is not None else None,
               "beam": args.beam if graph is not None else None,
               "max_active": args.max_active if graph is not None else None,
               "frames": int(frames), "audio_seconds": audio_s,
@@ -242,8 +255,12 @@ def decode(args, comm):
               "ranks": world, "search_seconds": search_s, "forward_seconds": forward_s,
               "rtf_search": search_s / audio_s, "rtf_forward": forward_s / audio_s,
               "tuning": None if table is None else
-              [{"acoustic_scale": a, "prior_scale": b, "error_rate": score.error_rate(c)}
-               for a, b, c in table]}
+              [{"acoustic_scale": a, "prior_scale": b, "insertion_penalty": p,
+                "error_rate": score.error_rate(c)} for a, b, p, c in table],
+              "held_out": None if held_out is None else
+              {**score.as_dict(name, held_out["counts"]),
+               "points": [{"acoustic_scale": a, "prior_scale": b, "insertion_penalty": p}
+                          for a, b, p in held_out["points"]]}}
     out = args.out or default_out(args.model, args.graph or (
         f"beam{args.beam_size}" if args.beam_size else "greedy"), args.data)
     os.makedirs(out, exist_ok=True)

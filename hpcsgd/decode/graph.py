@@ -255,6 +255,26 @@ def compose_hlg(H, L, G):
     return HLG
 
 
+def with_insertion_penalty(fst, penalty):
+    """A copy of `fst` with `penalty` added to the cost of every arc that outputs a word (a
+    phone graph's phone): Kaldi's word insertion penalty (lattice-add-penalty), here on the
+    graph so that one search applies it. Negative: a bonus, for a model that drops tokens."""
+    kf = _fst()
+    out = kf.StdVectorFst()
+    for _ in range(fst.num_states):
+        out.add_state()
+    out.start = fst.start
+    for s in range(fst.num_states):
+        final = fst.final(s).value
+        if final != math.inf:
+            out.set_final(s, final)
+        for arc in kf.ArcIterator(fst, s):
+            cost = arc.weight.value + (penalty if arc.olabel else 0.0)
+            out.add_arc(s, kf.StdArc(arc.ilabel, arc.olabel, cost, arc.nextstate))
+    kf.arcsort(out, sort_type="ilabel")
+    return out
+
+
 def fst_size(fst):
     """(states, arcs) of a vector FST."""
     kf = _fst()

@@ -31,6 +31,10 @@ TUNE_PRIOR = (0.0, 0.5, 1.0)
 # The grid reaches 10: with a phone bigram every so762 CTC model chose the old grid's top, 3
 CTC_ACOUSTIC = 1.0
 TUNE_CTC = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 4.0, 6.0, 10.0)
+# ... and the insertion penalty (graph cost per output word or phone, Kaldi's word insertion
+# penalty): a CTC model through a phone n-gram deletes 5-10x more phones than it inserts on
+# so762, so the grid reaches into bonuses. Hybrid graphs keep 0 (their grid is 24 points)
+TUNE_CTC_PENALTY = (-3.0, -2.0, -1.0, 0.0, 1.0)
 
 
 def add_search_arguments(parser):
@@ -47,6 +51,10 @@ def add_search_arguments(parser):
                         help="hybrid models: how much of the log-prior to subtract from the "
                              "log-posteriors (default per graph kind: " + ", ".join(
                                  f"{k} {b:g}" for k, (_, b) in SCALES.items()) + ")")
+    parser.add_argument("--insertion-penalty", type=float, default=0.0,
+                        help="added to the graph cost of every output word (a phone graph's "
+                             "phone): Kaldi's word insertion penalty; negative favours more "
+                             "words (default 0)")
     parser.add_argument("--beam", type=float, default=search.BEAM, help="decoder beam")
     parser.add_argument("--max-active", type=int, default=search.MAX_ACTIVE,
                         help="most tokens alive per frame")
@@ -150,11 +158,11 @@ def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
 
 
 def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
-    """-> ({utt: hypothesis tokens}, utterances that ended in no final state, search CPU
-    seconds of this thread). A TLG takes the log-posteriors times the acoustic scale
+    """-> ({utt: hypothesis tokens}, [the utterances that ended in no final state], search
+    CPU seconds of this thread). A TLG takes the log-posteriors times the acoustic scale
     (log_priors and prior_scale unused)."""
     graph = decoder.graph
-    hyps, not_final = {}, 0
+    hyps, not_final = {}, []
     t0 = time.thread_time()
     for utt, logpost in logposts:
         if graph.topology == "ctc":
@@ -167,7 +175,8 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
         if graph.kind == "phones":
             tokens = [t for t in tokens if t != mkgraph.SIL]
         hyps[utt] = tokens
-        not_final += not final
+        if not final:
+            not_final.append(utt)
     return hyps, not_final, time.thread_time() - t0
 
 
@@ -210,42 +219,89 @@ def error_counts(refs, hyps):
     return total, per_utt
 
 
-def tune(decoder, logposts, log_priors, refs, comm=None, grid=None, default=None):
-    """Every (acoustic scale, prior scale) of the grid on this rank's utterances, the counts
-    summed over ranks: -> [(a, b, total counts)], best first: fewest errors, then fewest
-    utterances with an error, then fewest that ended in no final state, then the nearest to
-    `default` (the scales decode would use untuned), so that a tie keeps the defaults. A TLG's
-    grid is the acoustic scales of TUNE_CTC, prior scale None."""
+def tune(decoder, logposts, log_priors, refs, comm=None, grid=None, default=None, folds=None):
+    """Every (acoustic scale, prior scale, insertion penalty) of the grid on this rank's
+    utterances, the counts summed over ranks: -> ([(a, b, p, total counts)], best first:
+    fewest errors, then fewest utterances with an error, then fewest that ended in no final
+    state, then the nearest to `default` (the (a, b, p) decode would use untuned), so that a
+    tie keeps the defaults; held_out). A TLG's grid is the acoustic scales of TUNE_CTC times
+    the penalties of TUNE_CTC_PENALTY, prior scale None; an HLG's penalty is decoder's.
+
+    held_out: with `folds` ({utt: 0 or 1}, speaker_folds), each fold scored at the point
+    tuned on the other, summed: an error rate tuned on other speakers than it is scored on,
+    which the best point of the table (tuned and scored on the same utterances) is not.
+    {"counts", "points": [the point fold 0 was scored at, fold 1's]}; None without folds."""
     if grid is None:
-        grid = [(a, None) for a in TUNE_CTC] if decoder.graph.topology == "ctc" else \
-            [(a, b) for b in TUNE_PRIOR for a in TUNE_ACOUSTIC]
-    counts = np.zeros((len(grid), len(score.FIELDS) + 1), np.int64)
-    for i, (a, b) in enumerate(grid):
-        hyps, not_final, _ = recognize(decoder, logposts, log_priors, a, b)
-        counts[i, :-1] = error_counts(refs, hyps)[0]
-        counts[i, -1] = not_final
+        grid = [(a, None, p) for p in TUNE_CTC_PENALTY for a in TUNE_CTC] \
+            if decoder.graph.topology == "ctc" else \
+            [(a, b, decoder.insertion_penalty) for b in TUNE_PRIOR for a in TUNE_ACOUSTIC]
+    width = len(score.FIELDS) + 1
+    counts = np.zeros((len(grid), 2, width), np.int64)   # per fold; the last: not final
+    decoders = {}
+    for i, (a, b, p) in enumerate(grid):
+        if p not in decoders:
+            decoders[p] = decoder.with_penalty(p)
+        hyps, not_final, _ = recognize(decoders[p], logposts, log_priors, a, b)
+        _, per_utt = error_counts(refs, hyps)
+        for utt, c in per_utt.items():
+            counts[i, folds.get(utt, 0) if folds else 0, :-1] += c
+        for utt in not_final:
+            counts[i, folds.get(utt, 0) if folds else 0, -1] += 1
     if comm is not None and comm.Get_size() > 1:
         from mpi4py import MPI
         comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)     # cross-rank sync point
-    a0, b0 = default or grid[0]
+    a0, b0, p0 = default or grid[0]
     a0 = max(a0, 1e-6)
-    near = [abs(np.log(a / a0)) + (abs(b - b0) if b is not None else 0.0) for a, b in grid]
-    order = sorted(range(len(grid)), key=lambda i: (counts[i, :3].sum(), counts[i, 5],
-                                                    counts[i, 6], near[i]))
-    return [(*grid[i], counts[i, :-1]) for i in order]
+    near = [abs(np.log(a / a0)) + (abs(b - b0) if b is not None else 0.0) + abs(p - p0)
+            for a, b, p in grid]
+
+    def ranked(c):   # c: (grid, width) counts
+        return sorted(range(len(grid)), key=lambda i: (c[i, :3].sum(), c[i, 5], c[i, 6],
+                                                       near[i]))
+    total = counts.sum(axis=1)
+    table = [(*grid[i], total[i, :-1]) for i in ranked(total)]
+    held_out = None
+    if folds and counts[:, 0, 3].max() > 0 and counts[:, 1, 3].max() > 0:
+        picks = [ranked(counts[:, 1 - f])[0] for f in (0, 1)]
+        held_out = {"counts": counts[picks[0], 0, :-1] + counts[picks[1], 1, :-1],
+                    "points": [grid[i] for i in picks]}
+    return table, held_out
 
 
-def tuning_lines(table, best, name):
-    if table[0][1] is None:     # CTC: acoustic scales only
-        lines = [f"acoustic scale -> %{name}"]
-        for a, _, counts in sorted(table, key=lambda r: r[0]):
+def speaker_folds(archive_dir):
+    """{utt: 0 or 1}: the archive's speakers in sorted order, alternately in fold 0 and 1
+    (tune's held-out estimate: no speaker in both)."""
+    index = archive.read_index(archive_dir)
+    spk_of = {}
+    for shard in index["shards"]:
+        meta = archive.read_shard_meta(os.path.join(index["dir"], shard["file"]))
+        spk_of.update(zip(meta["utt_ids"], (meta["spk_ids"][i] for i in meta["utt_spk"])))
+    fold = {spk: i % 2 for i, spk in enumerate(sorted(set(spk_of.values())))}
+    return {utt: fold[spk] for utt, spk in spk_of.items()}
+
+
+def tuning_lines(table, best, name, held_out=None):
+    """The table as decode prints it; `best` the (a, b, p) chosen."""
+    penalties = sorted({p for _, _, p, _ in table})
+    if table[0][1] is None:     # CTC: acoustic scales (rows) by insertion penalties (columns)
+        rate = {(a, p): score.error_rate(c) for a, _, p, c in table}
+        lines = [f"acoustic scale -> %{name} at insertion penalty "
+                 + " ".join(f"{p:>6g}" for p in penalties)]
+        for a in sorted({a for a, _, _, _ in table}):
             mark = "  <- best" if a == best[0] else ""
-            lines.append(f"  {a:<6g} {score.error_rate(counts):6.2f}{mark}")
-        return lines
-    lines = [f"acoustic scale, prior scale -> %{name}"]
-    for a, b, counts in sorted(table, key=lambda r: (r[1], r[0])):
-        mark = "  <- best" if (a, b) == tuple(best) else ""
-        lines.append(f"  {a:<6g} {b:<4g} {score.error_rate(counts):6.2f}{mark}")
+            lines.append(f"  {a:<6g}" + " ".join(f"{rate[(a, p)]:6.2f}" for p in penalties)
+                         + mark)
+    else:
+        lines = [f"acoustic scale, prior scale -> %{name}"
+                 + (f" (insertion penalty {penalties[0]:g})" if penalties != [0.0] else "")]
+        for a, b, p, counts in sorted(table, key=lambda r: (r[1], r[0])):
+            mark = "  <- best" if (a, b) == tuple(best[:2]) else ""
+            lines.append(f"  {a:<6g} {b:<4g} {score.error_rate(counts):6.2f}{mark}")
+    if held_out is not None:
+        (a0, _, p0), (a1, _, p1) = held_out["points"]
+        lines.append(f"held out: %{name} {score.error_rate(held_out['counts']):.2f} with each "
+                     f"half of the speakers decoded at the point tuned on the other half "
+                     f"(acoustic scale {a0:g} and {a1:g}, insertion penalty {p0:g} and {p1:g})")
     return lines
 
 
@@ -262,10 +318,13 @@ def recognize_archive(model, params, meta, archive_dir, graph_dir, args, comm=No
     graph.check_archive(index, archive_dir)
     refs = references(graph, archive_dir, args.text)
     priors = None if is_ctc(meta) else log_priors(meta["label_counts"])
-    decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active)
+    penalty = getattr(args, "insertion_penalty", 0.0)
+    decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active,
+                             insertion_penalty=penalty)
     a, b = scales(graph, args)
     logposts, _ = posteriors(model, params, meta, archive_dir, rank, world)
     hyps, not_final, search_s = recognize(decoder, logposts, priors, a, b)
+    not_final = len(not_final)
     lengths = dict(utterance_frames(archive_dir))
     frames = sum(lengths[utt] for utt, _ in logposts)
     if world > 1:
@@ -282,6 +341,7 @@ def recognize_archive(model, params, meta, archive_dir, graph_dir, args, comm=No
     lines = score.kaldi_lines(metric(graph), total)
     result = {**score.as_dict(metric(graph), total), "graph": graph_dir, "kind": graph.kind,
               "topology": graph.topology, "acoustic_scale": a, "prior_scale": b,
+              "insertion_penalty": penalty,
               "not_final": not_final, "no_reference": len(hyps) - len(per_utt),
               "rtf_search": search_s / audio_s}
     if with_cer(graph.topology == "ctc" and graph.tokens["kind"], unit(graph)):

@@ -110,7 +110,7 @@ def ctc_scores(logpost, acoustic_scale):
 class Decoder:
     """One FasterDecoder on a graph, reused for every utterance."""
 
-    def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE):
+    def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE, insertion_penalty=0.0):
         try:
             import kaldi_decoder
             import kaldifst
@@ -118,9 +118,20 @@ class Decoder:
             raise UserError("decoding needs the `kaldi-decoder` and `kaldifst` packages "
                             "(pip install kaldi-decoder kaldifst)") from None
         self.graph = graph
+        self.beam, self.max_active = beam, max_active
+        self.insertion_penalty = float(insertion_penalty)
         self._kd, self._kf = kaldi_decoder, kaldifst
+        # the decoder keeps a pointer to its graph: the copy lives as long as it does
+        self._fst = graph.fst if not self.insertion_penalty else \
+            graphs.with_insertion_penalty(graph.fst, self.insertion_penalty)
         options = kaldi_decoder.FasterDecoderOptions(beam=beam, max_active=max_active)
-        self.decoder = kaldi_decoder.FasterDecoder(graph.fst, options)
+        self.decoder = kaldi_decoder.FasterDecoder(self._fst, options)
+
+    def with_penalty(self, insertion_penalty):
+        """This decoder's search on the same graph with another insertion penalty."""
+        if float(insertion_penalty) == self.insertion_penalty:
+            return self
+        return Decoder(self.graph, self.beam, self.max_active, insertion_penalty)
 
     def decode(self, scores):
         """(T, P * states) scores (a TLG: (T', V)) -> (word ids of the best path, whether it
