@@ -153,6 +153,22 @@ def save(run_dir, frames, arrays, meta, keep=3, comm=None, rank_arrays=None):
     return outcome
 
 
+def save_model(path, params, meta):
+    """A model file: weights and meta alone, in format 1 (one HDF5 file, what load and
+    model_io.load_model read), written under a temporary name and renamed."""
+    tmp = path + ".tmp"
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("params", data=params)
+            f.attrs["meta"] = json.dumps(meta)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise UserError(f"{path}: not written ({_reason(err)})") from None
+
+
 def _remove_old(directory, keep):
     names = sorted(n for n in os.listdir(directory)
                    if n.startswith("ckpt-") and not n.endswith(".tmp"))

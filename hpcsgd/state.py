@@ -167,6 +167,10 @@ class TrainState:
         world = self.grid.data_size
         # per-rank arrays are keyed by world rank (= the data rank without model parallelism)
         arrays, saved = checkpoint.load(path, rank=self.grid.rank)
+        if saved.get("averaged"):
+            raise UserError(f"train.resume {path}: an averaged model (hpcsgd average), weights "
+                            f"without an optimizer or a position to resume; start from it "
+                            f"with train.init_from")
         checkpoint.check_compatible(path, saved, {
             "model": self.static["model"], "data": self.static["data"],
             "label_inventory_hash": self.static["label_inventory_hash"]})

@@ -6,6 +6,7 @@ the adaptive bit width, the cold start and QAT running on CTC, eval/infer/decode
 checkpoint, and what the config refuses for CTC models with its reason."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -360,3 +361,57 @@ def test_int4_qat_ctc_model_exports_and_evaluates_as_trained(arch, tmp_path, tmp
         results.append(json.load(open(js)))
     assert results[0]["ctc_per_token"] == pytest.approx(results[1]["ctc_per_token"], rel=1e-6)
     assert results[0]["token_error_rate"] == results[1]["token_error_rate"]
+
+
+def test_average_is_the_mean_of_the_last_checkpoints(arch, tmp_path, tmp_path_factory):
+    """`hpcsgd average RUN --last 3`: the mean of the 3 newest checkpoints' weights, taken in
+    float64 and rounded once to float32; eval and decode take the file (decode writing beside
+    it under its name), train.init_from starts from it and train.resume refuses it; asking for
+    more checkpoints than the run kept, or a checkpoint of another model among them: named,
+    exit 2."""
+    run = train(1, arch, tmp_path_factory, "train.epochs=2", "train.checkpoint_every_frames=900",
+                "train.keep_checkpoints=20")
+    found = checkpoint.all_checkpoints(run)
+    assert len(found) >= 4
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    cli = [sys.executable, "-m", "hpcsgd.cli"]
+    out = str(tmp_path / "avg3.h5")
+    p = subprocess.run(cli + ["average", run, "--last", "3", "--out", out], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    weights = [checkpoint.load(c, names=("params",))[0]["params"] for c in found[-3:]]
+    want = np.mean(np.array(weights, np.float64), axis=0)
+    with h5py.File(out) as f:
+        got = f["params"][()]
+        assert json.loads(f.attrs["meta"])["averaged"] == [os.path.abspath(c)
+                                                           for c in found[-3:]]
+    assert got.dtype == np.float32 and not np.array_equal(got, weights[-1])
+    # one rounding to float32 of a float64 mean (itself within a few float64 ulps)
+    half_ulp = 0.5 * np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got - want) <= half_ulp * (1 + 1e-9))
+    p = subprocess.run(cli + ["eval", out, "--data", arch, "--json", str(tmp_path / "e.json")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert np.isfinite(json.load(open(tmp_path / "e.json"))["ctc_per_token"])
+    p = subprocess.run(cli + ["decode", out, "--data", arch, "--greedy"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert os.path.isfile(tmp_path / "decode" / f"avg3_greedy_{os.path.basename(arch)}"
+                          / "result.json")
+    proc = run_train(1, options(arch, f"train.run_dir={tmp_path / 'init'}",
+                                f"train.init_from={out}", "train.stop_after_frames=900"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_train(1, options(arch, f"train.run_dir={tmp_path / 'resume'}",
+                                f"train.resume={out}"))
+    assert proc.returncode == 2 and "an averaged model" in proc.stderr, proc.stderr
+    p = subprocess.run(cli + ["average", run, "--last", "99", "--out", out], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 2 and f"it has {len(found)} checkpoint(s)" in p.stderr, p.stderr
+    other = str(tmp_path / "ckpt-other")
+    shutil.copytree(found[-1], other)
+    manifest = json.load(open(os.path.join(other, "manifest.json")))
+    manifest["meta"]["model"]["encoder"] = ["conv 6 k3 s2", "blstm 7"]
+    json.dump(manifest, open(os.path.join(other, "manifest.json"), "w"))
+    p = subprocess.run(cli + ["average", found[-1], other, "--out", out], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 2 and f"checkpoint {other}: its model" in p.stderr, p.stderr

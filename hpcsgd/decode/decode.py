@@ -65,7 +65,8 @@ def add_arguments(parser):
     how.add_argument("--beam-size", type=int, metavar="K",
                      help="RNN-T models: modified beam search with K hypotheses (at most one "
                           "symbol per frame, equal prefixes merged; icefall's default is 4)")
-    parser.add_argument("--out", help="output directory (default RUN_DIR/decode/GRAPH_ARCHIVE)")
+    parser.add_argument("--out", help="output directory (default RUN_DIR/decode/GRAPH_ARCHIVE; "
+                                      "a model file's: decode/MODEL_GRAPH_ARCHIVE beside it)")
     recognize.add_search_arguments(parser)
     parser.add_argument("--tune", action="store_true",
                         help="decode at every acoustic scale of "
@@ -82,9 +83,13 @@ def add_arguments(parser):
 
 
 def default_out(model_path, graph_dir, archive_dir):
-    base = model_path if os.path.isdir(model_path) else os.path.dirname(
-        os.path.abspath(model_path))
-    name = f"{os.path.basename(os.path.normpath(graph_dir))}_" \
+    """RUN/decode/GRAPH_ARCHIVE; a model file's (an average, an export, a checkpoint file)
+    beside it, its name in front: RUN/decode/MODEL_GRAPH_ARCHIVE, apart from the run's own."""
+    base, prefix = model_path, ""
+    if not os.path.isdir(model_path):
+        base = os.path.dirname(os.path.abspath(model_path))
+        prefix = os.path.splitext(os.path.basename(model_path))[0] + "_"
+    name = f"{prefix}{os.path.basename(os.path.normpath(graph_dir))}_" \
            f"{os.path.basename(os.path.normpath(archive_dir))}"
     return os.path.join(base, "decode", name)
 
