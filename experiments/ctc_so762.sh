@@ -9,7 +9,7 @@
 # Wave2Letter-like all-convolutional model (so762_w2l.yaml; in_w2l: each convolution
 # instance-normalized); then every model decoded on the
 # held-out speakers, greedily and through a phone bigram (TLG), the character model through
-# a word bigram too.
+# a word bigram too; the longest run's last checkpoints averaged (hpcsgd average).
 #   bash experiments/ctc_so762.sh            (needs runs/so762/archive_ctc: docs/ctc.md)
 #   ONLY="f32" bash experiments/ctc_so762.sh  the runs whose name starts with ONLY
 #   STAGE=decode ONLY=f32 bash experiments/ctc_so762.sh   decode only (STAGE=train: train only)
@@ -124,3 +124,14 @@ for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l cha
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$ROOT/tlg_phones5" --tune \
         | grep -E "^%|interval|acoustic scale [0-9]|held out"
 done
+# the 100-epoch run's last 10, 20 (the recipe's choice: a fifth of the epochs) and 40
+# checkpoints averaged (hpcsgd average), each decoded as the runs above
+if want f32_drop03_e100 && [ -d "$ROOT/f32_drop03_e100" ]; then
+    for n in 10 20 40; do
+        model="$ROOT/f32_drop03_e100/avg$n.h5"
+        .venv/bin/hpcsgd average "$ROOT/f32_drop03_e100" --last "$n" --out "$model"
+        .venv/bin/hpcsgd decode "$model" --data "$A/cv" --greedy | grep -E "^%|interval"
+        .venv/bin/hpcsgd decode "$model" --data "$A/cv" --graph "$ROOT/tlg_phones5" --tune \
+            | grep -E "^%|interval|acoustic scale [0-9]|held out"
+    done
+fi
