@@ -89,6 +89,10 @@ conv 512 k1 in]"
     # epochs, the last 40 checkpoints kept for averaging (hpcsgd average)
     run f32_drop03_e100 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
         train.epochs=100 train.keep_checkpoints=40
+    # the best recipe (dropout 0.3, 60 epochs) with a frame CE head on the alignment's
+    # labels beside the CTC loss (model.frame_ce: multi-task CTC + CE, weight 0.3)
+    run fce03_drop03_e60 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
+        train.epochs=60 model.frame_ce=0.3 train.keep_checkpoints=20
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
     # frames of the 30-epoch runs; its archive (the same CV speakers):
     #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
@@ -113,7 +117,7 @@ fi
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l chars seed1_f32 \
         seed1_mixed seed2_f32 seed2_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 \
-        onebit_local_drop015 f32_drop03_e60 f32_drop03_e100 f32_drop04_e50 conv_w2l_drop02_e60 sp sp_drop03; do
+        onebit_local_drop015 f32_drop03_e60 f32_drop03_e100 fce03_drop03_e60 f32_drop04_e50 conv_w2l_drop02_e60 sp sp_drop03; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words

@@ -84,6 +84,10 @@ DEFAULTS = {
                       "ctc/rnnt: drop each encoder layer's output (not frame stacking's) with "
                       "this probability in training, masks keyed by utterance "
                       "(hpcsgd/model/kernels_dropout.py); 0 = off"),
+    "model.frame_ce": (0.0, float, (0.0, 100.0),
+                       "ctc: the weight of a frame cross-entropy head beside the CTC loss, "
+                       "trained on the alignment's frame labels at the encoder's output rate "
+                       "(data.train prepped with --alignments; model/ctc.py); 0 = no head"),
     "model.activation": ("sigmoid", str, ("sigmoid", "relu"),
                          "hidden nonlinearity (the paper: sigmoid; convolutions: relu)"),
     "model.parallel": (1, int, (1, 4096),
@@ -431,6 +435,11 @@ def load(path=None, overrides=()):
                         f"(model.type={'|'.join(UTTERANCE_MODELS)}): a mask is a function of "
                         f"the utterance and the position in it, which frame and chunk batches "
                         f"do not carry (model.type={config['model.type']})")
+    if config["model.frame_ce"] and config["model.type"] != "ctc":
+        raise UserError(f"config key model.frame_ce: a head of the CTC model (model.type=ctc); "
+                        f"model.type={config['model.type']} "
+                        + ("trains on frame labels already" if config["model.type"] not in
+                           UTTERANCE_MODELS else "has no such head"))
     if config["model.type"] in UTTERANCE_MODELS:
         if config["model.parallel"] > 1:
             raise UserError(f"config keys model.parallel and model.type={config['model.type']}: model parallelism "

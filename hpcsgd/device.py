@@ -177,8 +177,10 @@ def synchronize(device):
         cuda.synchronize()
 
 
-def matmul(a, b, out, trans_a=False, trans_b=False):
-    """out = op(a) @ op(b), op = transpose where asked, for 2-D arrays on one side.
+def matmul(a, b, out, trans_a=False, trans_b=False, accumulate=False, scratch=None):
+    """out = op(a) @ op(b), op = transpose where asked, for 2-D arrays on one side;
+    accumulate=True: out += op(a) @ op(b) (cuBLAS's beta = 1; a host array needs `scratch`,
+    a preallocated array of out's shape, for the product before the add: NumPy has no beta).
     Device arrays: cuBLAS via CuPy (zero-copy views of the Numba arrays; a transpose is a
     cuBLAS flag, not a copy); float32 operands give a float32 out (SGEMM), float16 operands
     (GPU ranks' mixed precision) a float16 or float32 out, uint16 operands (bfloat16 bits:
@@ -188,7 +190,11 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
     matmul, one rounding to out's dtype (bfloat16 by hpcsgd/bfloat16.py's rule). Host arrays:
     NumPy's BLAS."""
     if not is_device(out):
-        np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        if accumulate:
+            np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=scratch)
+            np.add(out, scratch, out=out)
+        else:
+            np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
         return
     if a.dtype != b.dtype or (a.dtype != out.dtype and (a.dtype not in SIXTEEN_BIT
                                                         or out.dtype != np.float32)):
@@ -196,21 +202,23 @@ def matmul(a, b, out, trans_a=False, trans_b=False):
                         f"one dtype, or float16 operands (bfloat16: uint16) into their own "
                         f"dtype or float32")
     if RECORDER is not None:   # the simulator capturing a graph: replayed later, as cuBLAS's
-        RECORDER.append((matmul, (a, b, out, trans_a, trans_b)))
+        RECORDER.append((matmul, (a, b, out, trans_a, trans_b, accumulate)))
         return
     census.note_launch("cublas_gemm", census.FILL_BLOCKS)   # a cuBLAS kernel (or two)
     if simulated():   # host memory behind the simulated arrays; no cuBLAS to call
         x, y = a._ary, b._ary
-        if x.dtype == np.float32:
+        if x.dtype == np.float32 and not accumulate:
             np.matmul(x.T if trans_a else x, y.T if trans_b else y, out=out._ary)
             return
         x, y = _widened(x), _widened(y)   # float16 or bfloat16 -> float32: exact
         with np.errstate(over="ignore"):   # beyond float16's range: Inf, as cuBLAS stores it
             product = np.matmul(x.T if trans_a else x, y.T if trans_b else y)
+            if accumulate:   # beta = 1: the old out widened, added in float32, rounded once
+                product += _widened(out._ary)
             # bfloat16 bits by the kernels' rule (hpcsgd/bfloat16.py), else NumPy's conversion
             out._ary[...] = bfloat16.bits(product) if out.dtype == np.uint16 else product
         return
-    gemm(a, b, out, trans_a, trans_b)
+    gemm(a, b, out, trans_a, trans_b, accumulate)
 
 
 SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(np.uint16))   # float16, bfloat16 bits
@@ -234,12 +242,13 @@ def _ld(a):
     return max(strides[0] // itemsize, 1)
 
 
-def gemm(a, b, out, trans_a=False, trans_b=False):
+def gemm(a, b, out, trans_a=False, trans_b=False, accumulate=False):
     """out (n, m) = op(a) @ op(b) on a GPU through cublasGemmEx: float32 operands into float32
     (SGEMM's arithmetic: CUBLAS_COMPUTE_32F, no TF32), float16 operands into float16 or float32
     and bfloat16 operands (uint16 arrays: CUDA_R_16BF) into bfloat16 or float32
     (float32 multiply-accumulate, tensor cores allowed: CUBLAS_GEMM_DEFAULT_TENSOR_OP), alpha = 1,
-    beta = 0 in float32, so each output is a float32 sum rounded once to out's dtype. Called
+    beta = 0 (1: accumulate) in float32, so each output is a float32 sum rounded once to
+    out's dtype. Called
     directly rather than through cupy.matmul: CuPy picks CUBLAS_COMPUTE_32F for float16 too
     (cupy/_core/_routines_linalg.pyx: tensordot_core_v11, unless cupy._core.set_compute_type
     chose PEDANTIC), but it has no float16 x float16 -> float32 product (its out must have the
@@ -257,14 +266,15 @@ def gemm(a, b, out, trans_a=False, trans_b=False):
     if not (n and m):
         return
     if k == 0:
-        fill(out, 0)
+        if not accumulate:
+            fill(out, 0)
         return
     # CuPy's runtime module names no bfloat16 type (cupy_backends/cuda/api/_runtime_enum.pxd
     # stops at CUDA_C_8U): cudaDataType's CUDA_R_16BF is 14 (library_types.h)
     types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F,
              np.dtype(np.uint16): getattr(runtime, "CUDA_R_16BF", 14)}
     ctype, abtype = types[np.dtype(out.dtype)], types[np.dtype(a.dtype)]
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    one, beta = np.ones(1, np.float32), np.full(1, float(accumulate), np.float32)
     ptr = lambda v: v.__cuda_array_interface__["data"][0]   # noqa: E731
     handle = cupy_device.get_cublas_handle()
     stream = capture_stream()   # the handle's stream is whatever CuPy's last call set: say it
@@ -273,7 +283,7 @@ def gemm(a, b, out, trans_a=False, trans_b=False):
                   cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
                   cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
                   m, n, k, one.ctypes.data, ptr(b), abtype, _ld(b),
-                  ptr(a), abtype, _ld(a), zero.ctypes.data,
+                  ptr(a), abtype, _ld(a), beta.ctypes.data,
                   ptr(out), ctype, _ld(out), cublas.CUBLAS_COMPUTE_32F,
                   cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
 

@@ -198,7 +198,7 @@ def train(cfg, comm, stop):
             if state.bitwidth:   # between-step decision: the width of the next T steps
                 decide_bits(cfg, state, log, sums, time.perf_counter() - t_step,
                             sum(step.phases.times.values()) - t_exchange)
-            window.add(sums, step.model.pop_skipped())
+            window.add(sums, step.model.pop_skipped(), step.model.pop_frame_ce())
             run.compiles.summary()   # once, after the first step compiled most kernels
             epoch_sums += sums
             timeline.end_step()
@@ -306,7 +306,9 @@ def open_loader(cfg, grid):
                                  max_minibatch=cap if probing else global_batch,
                                  max_frames=cfg["data.max_frames"],
                                  bucket_frames=cfg["data.bucket_frames"], spec=spec,
-                                 prefetch=cfg["data.prefetch"], sortagrad=cfg["data.sortagrad"])
+                                 prefetch=cfg["data.prefetch"], sortagrad=cfg["data.sortagrad"],
+                                 label_stride=time_stride(cfg["model.encoder"])
+                                 if cfg["model.frame_ce"] else 0)
     elif cfg["model.type"] in ("lstm", "tdnn"):   # whole chunks; rows = chunks x steps
         chunk = cfg["data.chunk"]
         if global_batch < grid.data_size * chunk:
@@ -373,6 +375,8 @@ def build_state(cfg, grid, loader, timeline):
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
     if cfg["model.dropout"]:   # a training setting, not the model's: not in its description
         model.set_dropout(cfg["model.dropout"])
+    if cfg["model.frame_ce"]:   # the head's weight: a training setting too (its size is not)
+        model.layers[-1].frame_ce = cfg["model.frame_ce"]
     if cfg["model.type"] == "rnnt":   # the transducer's training settings (not the model's)
         model.layers[-1].fastemit_lambda = cfg["rnnt.fastemit_lambda"]
         model.layers[-1].joint_budget = cfg["rnnt.joint_memory_mb"] << 20
@@ -412,8 +416,10 @@ def model_shape(cfg, loader):
     qat = config.qat_of(cfg)
     qat = {"qat": qat} if qat else {}
     if cfg["model.type"] == "ctc":
+        head = {"frame_labels": int(loader.index["num_labels"])} if cfg["model.frame_ce"] else {}
         return {"type": "ctc", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
-                "num_tokens": loader.num_labels, "activation": cfg["model.activation"], **qat}
+                "num_tokens": loader.num_labels, "activation": cfg["model.activation"], **qat,
+                **head}
     if cfg["model.type"] == "rnnt":
         return {"type": "rnnt", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
                 "num_tokens": loader.num_labels, "predictor": cfg["model.predictor"],
@@ -674,7 +680,8 @@ def describe_model(shape):
     """One line: 440-512-512-40 sigmoid, 40-BLSTM 320x3-40, or
     40-[conv 256 k5 s2, blstm 320 x3]-CTC 41 relu."""
     if shape.get("type") in ("ctc", "rnnt", "tdnn"):
-        out = (f"CTC {shape['num_tokens']}" if shape["type"] == "ctc"
+        head = f" + frame CE {shape['frame_labels']}" if shape.get("frame_labels") else ""
+        out = (f"CTC {shape['num_tokens']}{head}" if shape["type"] == "ctc"
                else f"RNN-T[{encoder_describe(shape['predictor'])}, embed {shape['embed']}, "
                     f"joint {shape['joint']} {shape['joint_mode']}] {shape['num_tokens']}"
                if shape["type"] == "rnnt" else str(shape["num_labels"]))
@@ -863,13 +870,14 @@ def log_epoch(log, epoch, progress, totals, seconds, lr, cv, criterion="ce"):
 
 class Window:
     """The steps between two log lines: this rank's [CE, correct, frames, skipped] sums (a
-    CTC model: [CTC loss, tokens, frames, utterances without an alignment]), the steps of the
-    run so far, and when the window began; line() writes the log line and the metrics
-    record and starts the next window."""
+    CTC model: [CTC loss, tokens, frames, utterances without an alignment], then its frame CE
+    head's [CE, frames, hits]: model.frame_ce), the steps of the run so far, and when the
+    window began; line() writes the log line and the metrics record and starts the next
+    window."""
 
     def __init__(self, log, t0, comm_blocking=None, bitwidth=None, scaler=None,
                  criterion="ce"):
-        self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(4), 0
+        self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(7), 0
         self.criterion = criterion
         self.first = 0   # the run's steps when this window began
         # reported beside the sums: double buffering's blocking communication time, the
@@ -880,9 +888,10 @@ class Window:
         """Whether `seconds` have passed since the last line (0: never by time)."""
         return bool(seconds) and time.perf_counter() - self.t0 >= seconds
 
-    def add(self, sums, skipped=0):
+    def add(self, sums, skipped=0, frame_ce=(0, 0, 0)):
         self.sums[:3] += sums
         self.sums[3] += skipped
+        self.sums[4:] += frame_ce
         self.steps += 1
 
     def line(self, epoch, progress, rank_frames, lr, totals, phases, sent):
@@ -902,6 +911,11 @@ class Window:
                         "skipped_utterances": int(totals[3])}
             shown = (f"{name} {measures[f'{name}_per_token']:.4f}/token ({ce:.4f}/frame)"
                      + (f"  {int(totals[3])} skipped" if totals[3] else ""))
+            if totals[5]:   # the frame CE head (model.frame_ce): per output step
+                measures.update(frame_ce=totals[4] / totals[5],
+                                frame_accuracy=totals[6] / totals[5])
+                shown += (f"  frame ce {measures['frame_ce']:.4f} acc "
+                          f"{100 * measures['frame_accuracy']:.2f}%")
         else:
             measures = {"ce": ce, "frame_accuracy": acc}
             shown = f"ce {ce:.4f}  acc {100 * acc:.2f}%"

@@ -86,8 +86,18 @@ else:
         return x.reshape(-1, dim), Targets(np.array(lens, np.int64), ids, offsets,
                                            np.arange(3, 3 + len(lens), dtype=np.uint64))
 
+    def _frame_labels(rng, lens, stride, num_labels):
+        """Frame labels at the output rate, time-major, -1 on the padding."""
+        steps = [-(-n // stride) for n in lens]
+        labels = np.full((steps[0], len(lens)), -1, np.int32)
+        for b, m in enumerate(steps):
+            labels[:m, b] = rng.integers(0, num_labels, m)
+        return labels.reshape(-1)
+
     @pytest.mark.parametrize("precision,encoder,dropout", [
         ("float32", ["conv 6 k3 s2", "blstm 4"], 0.0), ("mixed", ["conv 6 k3 s2", "blstm 4"], 0.0),
+        ("float32", ["conv 6 k3 s2", "blstm 4", "head"], 0.3),
+        ("mixed", ["conv 6 k3 s2", "blstm 4", "head"], 0.0),
         ("float32", ["conv 6 k3 s2", "blstm 4"], 0.3), ("mixed", ["conv 6 k3 s2", "blstm 4"], 0.3),
         ("float32", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"], 0.0),
         ("mixed", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"], 0.0),
@@ -98,10 +108,15 @@ else:
         mixed (float16 storage on the GPU, the float32-buffer emulation on the CPU) within
         2^-7 of each matrix's gradient norm, at a static scale of 256. The all-convolutional
         encoder with layer or instance norms (kernels_norm_cuda) as well as the DS2-like one,
-        and the latter with dropout (the same masks from the same utterance keys)."""
+        and the latter with dropout (the same masks from the same utterance keys), and with
+        a frame CE head ("head": model.frame_ce, 4 frame labels at weight 0.5)."""
         rng = np.random.default_rng(7)
-        cpu = ctc(3, encoder, 6, max_batch=64, precision=precision)
-        gpu = ctc(3, encoder, 6, max_batch=64, device="cuda", precision=precision)
+        head = 4 if "head" in encoder else 0
+        encoder = [e for e in encoder if e != "head"]
+        cpu = ctc(3, encoder, 6, max_batch=64, precision=precision, frame_labels=head)
+        gpu = ctc(3, encoder, 6, max_batch=64, device="cuda", precision=precision,
+                  frame_labels=head)
+        cpu.layers[-1].frame_ce = gpu.layers[-1].frame_ce = 0.5 if head else 0.0
         cpu.set_dropout(dropout)
         gpu.set_dropout(dropout)
         params = cpu.new_params()
@@ -109,6 +124,8 @@ else:
         d_params = gpu.new_params()
         d_params.flat.copy_to_device(params.flat)
         x, targets = _batch(rng, [16, 13, 9], 3)
+        if head:
+            targets = targets._replace(labels=_frame_labels(rng, [16, 13, 9], 2, head))
         scale = 256.0 if precision == "mixed" else 1.0
         g_cpu, g_gpu = cpu.new_params(), gpu.new_params()
         loss_cpu, tok = cpu.forward_backward(params, g_cpu, x, targets, len(x), loss_scale=scale)
@@ -116,6 +133,10 @@ else:
                                                  loss_scale=scale)
         assert tok == tok_gpu == len(targets.ids)
         assert abs(loss_cpu - loss_gpu) <= 1e-4 * abs(loss_cpu)
+        if head:   # the head's CE and hits: the same rows, sums in another order
+            (ce_c, n_c, hit_c), (ce_g, n_g, hit_g) = cpu.pop_frame_ce(), gpu.pop_frame_ce()
+            assert n_c == n_g == 20 and ce_c > 0 and abs(ce_c - ce_g) <= 1e-4 * ce_c
+            assert abs(hit_c - hit_g) <= 2   # an argmax near a tie may flip
         if precision == "mixed":
             cpu.unscale(g_cpu, scale)
             gpu.unscale(g_gpu, scale)

@@ -275,6 +275,48 @@ def test_config_refuses_what_ctc_cannot_do(arch):
                            "model.encoder=[conv 6 k3 s2]"])
     with pytest.raises(UserError, match="model.dropout: models of whole utterances only"):
         config.load(None, [f"data.train={arch}", "model.dropout=0.2"])
+    with pytest.raises(UserError, match="model.frame_ce: a head of the CTC model"):
+        config.load(None, [f"data.train={arch}", "model.frame_ce=0.3"])
+
+
+def test_a_frame_ce_head_trains_beside_the_ctc_loss(arch, tmp_path):
+    """model.frame_ce on 2 ranks with dropout and double buffering: replicas identical every
+    step, the head's CE and frame accuracy in the log and metrics; the checkpoint carries
+    the head (Wf, bf over the archive's 5 frame labels), eval and greedy decoding read the
+    CTC softmax as without it. An archive without frame labels is refused, named."""
+    run = str(tmp_path / "run")
+    proc = run_train(2, options(arch, f"train.run_dir={run}", "train.epochs=2",
+                                "model.frame_ce=0.5", "model.dropout=0.2",
+                                "exchange.double_buffering=true"), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [r for r in records if r["kind"] == "train"]
+    assert steps and all(r["frame_ce"] > 0 and 0 <= r["frame_accuracy"] <= 1 for r in steps)
+    assert "frame ce" in open(os.path.join(run, "logs", "rank0000.log")).read()
+    arrays, meta = checkpoint.load(checkpoint.latest(run))
+    assert meta["model"]["frame_labels"] == 5
+    from hpcsgd.model import build
+    net = build(meta["model"], max_batch=64)
+    head = net.layers[-1]
+    assert [s.shape for s in head.specs()[2:]] == [(10, 5), (1, 5)]   # Wf, bf over blstm 5
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    cli = [sys.executable, "-m", "hpcsgd.cli"]
+    ev = subprocess.run(cli + ["eval", run, "--data", arch, "--json", str(tmp_path / "e.json")],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ev.returncode == 0, ev.stderr
+    dec = subprocess.run(cli + ["decode", run, "--data", arch, "--greedy", "--out",
+                                str(tmp_path / "dec")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert dec.returncode == 0, dec.stderr
+    assert abs(json.load(open(tmp_path / "dec" / "result.json"))["error_rate"]
+               - 100 * json.load(open(tmp_path / "e.json"))["token_error_rate"]) < 1e-9
+    text_only = str(tmp_path / "text_only")
+    make_archive(text_only, num_shards=1, utts_per_shard=4, dim=4, token_kinds=("phones",),
+                 num_tokens=9, frame_labels=False)
+    proc = run_train(1, options(text_only, f"train.run_dir={tmp_path / 'r'}",
+                                "model.frame_ce=0.5"))
+    assert proc.returncode == 2 and text_only in proc.stderr and "--alignments" in proc.stderr, \
+        proc.stderr
 
 
 def test_bad_inputs_are_named(arch, tmp_path):

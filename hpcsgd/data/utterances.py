@@ -61,6 +61,10 @@ class Targets(NamedTuple):
     # (nb,) uint64: each utterance's dropout key this epoch (model/kernels_dropout.py: from
     # train.seed, the epoch and its place in the archive); training batches only
     keys: Optional[np.ndarray] = None
+    # (T_out * nb,) int32: the alignment's frame label at each output step of the model
+    # (time-major at the encoder's output rate, -1 on the padding); a loader given
+    # label_stride only (the CTC model's frame CE head, model.frame_ce)
+    labels: Optional[np.ndarray] = None
 
 
 def empty_targets():
@@ -104,7 +108,7 @@ class UtteranceLoader:
 
     def __init__(self, archive_dir, rank=0, world=1, tokens="phones", cmvn="meanvar", seed=0,
                  minibatch=8000, max_minibatch=None, max_frames=0, bucket_frames=0,
-                 spec=None, prefetch=True, sortagrad=False):
+                 spec=None, prefetch=True, sortagrad=False, label_stride=0):
         if cmvn not in ("none", "mean", "meanvar"):
             raise UserError(f"loader: cmvn must be none, mean or meanvar, not {cmvn!r}")
         if not 0 <= rank < world:
@@ -118,6 +122,13 @@ class UtteranceLoader:
         self.num_labels = len(self.symbols or ())   # the model's outputs: blank and tokens
         self.feature_dim = self.input_dim = int(self.index["feature_dim"])
         self.minibatch = int(minibatch)
+        # label_stride S > 0: each batch's frame labels at the model's output rate (the label
+        # of input frame t*S + S//2 at output step t: the middle of what stride S merges)
+        self.label_stride = int(label_stride)
+        if self.label_stride and not self.index.get("frame_labels", True):
+            raise UserError(f"{archive_dir}: model.frame_ce needs the alignment's frame labels, "
+                            f"and this archive was prepped without them (hpcsgd prep "
+                            f"--alignments)")
         self._catalogue()
         self.dropped = []   # (utterance, frames) longer than max_frames
         keep = np.ones(len(self.lengths), bool)
@@ -134,6 +145,7 @@ class UtteranceLoader:
         longest = int(self.lengths[self.kept].max())
         self.max_rows = int(np.ceil(PAD_SLACK * cap / world)) + longest
         self._out_x = np.zeros((self.max_rows, self.feature_dim), np.float32)
+        self._out_labels = np.full(self.max_rows, -1, np.int32) if self.label_stride else None
         self._plans, self._epoch, self._groups, self._step_parts = {}, None, [], []
         self._part, self._part_key = (np.zeros(0, np.int64), None), None
         self._files = {}
@@ -323,15 +335,25 @@ class UtteranceLoader:
         return self._batch(group, [feats[at[int(u)]] for u in group])
 
     def _batch(self, group, feats):
-        """(x, Targets) of a group of utterances (longest first) and their features, x a
-        view of the loader's one output buffer."""
+        """(x, Targets) of a group of utterances (longest first) and their (features, frame
+        labels or None), x a view of the loader's one output buffer (the labels too)."""
         lengths = self.lengths[group]
         steps, nb = int(lengths[0]), len(group)
         x = self._out_x[:steps * nb]
         x_tb = x.reshape(steps, nb, self.feature_dim)
-        for b, f in enumerate(feats):
+        for b, (f, _) in enumerate(feats):
             x_tb[:len(f), b] = f
             x_tb[len(f):, b] = 0
+        labels = None
+        if self.label_stride:   # time-major at the output rate, -1 past each utterance's end
+            stride = self.label_stride
+            out_steps = -(-lengths // stride)
+            labels = self._out_labels[:int(out_steps[0]) * nb]
+            labels_tb = labels.reshape(-1, nb)
+            labels_tb[...] = -1
+            for b, (_, lab) in enumerate(feats):
+                at = np.minimum(np.arange(out_steps[b]) * stride + stride // 2, len(lab) - 1)
+                labels_tb[:out_steps[b], b] = lab[at]
         counts = self.tok_len[group]
         offsets = np.zeros(nb + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
@@ -339,7 +361,7 @@ class UtteranceLoader:
                               for u in group]) if offsets[-1] else np.zeros(0, np.int32)
         return x, Targets(lengths.astype(np.int64), ids.astype(np.int32), offsets,
                           None if self._epoch is None
-                          else utterance_keys(self.seed, self._epoch, group))
+                          else utterance_keys(self.seed, self._epoch, group), labels)
 
     def eval_batches(self, max_rows):
         """This rank's share of the archive for evaluation and inference, each utterance
@@ -378,14 +400,16 @@ class UtteranceLoader:
         return self._loading[key]
 
     def _read(self, epoch, group):
-        """Each utterance's normalised features, longest first, SpecAugment's masks on them
-        when the loader has them and an epoch is given (epoch None: evaluation)."""
+        """Each utterance's (normalised features, frame labels or None: only with
+        label_stride), longest first, SpecAugment's masks on the features when the loader
+        has them and an epoch is given (epoch None: evaluation)."""
         out = []
         for u in group:
             s, a, length = int(self.shard[u]), int(self.first[u]), int(self.lengths[u])
             f = self._files.get(s) or self._files.setdefault(s, archive.open_shard(self._paths[s]))
             try:
                 feats = f["feats"][a:a + length]
+                labels = f["labels"][a:a + length] if self.label_stride else None
             except (OSError, ValueError, KeyError) as err:
                 raise UserError(f"{self._paths[s]}: cannot read utterance {self.utt_ids[u]} "
                                 f"({err}); truncated or corrupt shard?") from None
@@ -394,7 +418,7 @@ class UtteranceLoader:
             if self.spec is not None and epoch is not None:
                 specaugment(feats, np.random.default_rng([self.seed, epoch, SPEC_TAG, int(u)]),
                             self.spec)
-            out.append(feats)
+            out.append((feats, labels))
         return out
 
     def close(self):

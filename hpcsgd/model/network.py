@@ -266,6 +266,10 @@ class Network:
         if self.device == "cpu" or is_device(x):
             return x, y
         self.x_in[:n].copy_to_device(x[:n])
+        labels = getattr(y, "labels", None)   # token targets' frame labels (model.frame_ce)
+        if labels is not None and not self.frame_labels and not is_device(labels):
+            self.y_in[:len(labels)].copy_to_device(np.ascontiguousarray(labels, np.int32))
+            return self.x_in, y._replace(labels=self.y_in[:len(labels)])
         if y is None or not self.frame_labels:
             return self.x_in, y
         self.y_in[:n].copy_to_device(np.ascontiguousarray(y[:n], np.int32))
@@ -282,7 +286,7 @@ class Network:
     def _last_ws(self, workspaces=None):
         """The output layer's workspaces, if it has any (a split softmax)."""
         ws = (workspaces or self.workspaces)[-1]
-        return {"ws": ws} if ws is not None else {}
+        return {"ws": ws} if ws else {}
 
     def _geometry(self, n, steps=None, lengths=None):
         """The Lengths (model.lengths) of every layer's input and of the output, for a pass
@@ -324,6 +328,12 @@ class Network:
         if out:
             self.layers[-1].skipped = 0
         return out
+
+    def pop_frame_ce(self):
+        """A CTC model's frame CE head since the last call: (CE summed, output steps, argmax
+        hits), then zero; zeros without one (model/ctc.py)."""
+        pop = getattr(self.layers[-1], "pop_frame_ce", None)
+        return pop() if pop else np.zeros(3)
 
     def _mask(self, a, lengths, ops):
         """Zero the padding rows of a sequence batch's activation or gradient: what a layer
@@ -440,7 +450,7 @@ class Network:
                                                **self._last_ws())
         else:   # token targets of whole sequences, at the output's (subsampled) lengths
             ce, correct = self.layers[-1].loss(params, grads, logits, y, ops, loss_scale,
-                                               lengths=geo[-1])
+                                               lengths=geo[-1], **self._last_ws())
         dy = None                      # the loss has turned the logits into dLoss/dz
         quant = self.quant
         for i in range(len(self.layers) - 1, -1, -1):
