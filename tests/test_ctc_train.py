@@ -142,13 +142,15 @@ def test_double_buffering_equals_the_delayed_update_reference(arch, tmp_path,
                          np.load(out.replace(".npz", "64.npz"))["params"])
 
 
-@pytest.mark.parametrize("double_buffering,dropout", [(False, 0.0), (True, 0.0), (False, 0.3)])
-def test_striped_onebit_resumes_bit_exactly_mid_epoch(double_buffering, dropout, arch, tmp_path,
-                                                      tmp_path_factory):
-    """With SpecAugment, and with dropout's masks (keyed by utterance and epoch)."""
+@pytest.mark.parametrize("double_buffering,dropout,frame_ce", [
+    (False, 0.0, 0.0), (True, 0.0, 0.0), (False, 0.3, 0.0), (True, 0.3, 0.5)])
+def test_striped_onebit_resumes_bit_exactly_mid_epoch(double_buffering, dropout, frame_ce, arch,
+                                                      tmp_path, tmp_path_factory):
+    """With SpecAugment, with dropout's masks (keyed by utterance and epoch), and with a
+    frame CE head (its labels read with the features)."""
     extra = ("exchange.aggregation=striped", "exchange.codec=onebit", "train.epochs=2",
              "data.specaugment=true", f"exchange.double_buffering={str(double_buffering).lower()}",
-             f"model.dropout={dropout}")
+             f"model.dropout={dropout}", f"model.frame_ce={frame_ce}")
     full = arrays(train(2, arch, tmp_path_factory, *extra))
     cut = str(tmp_path / "cut")
     for stop in ("train.stop_after_frames=1500", "train.stop_after_frames=0"):
