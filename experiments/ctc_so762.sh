@@ -100,9 +100,12 @@ conv 512 k1 in]"
     # weight 0.3 over 40 epochs: does the head's faster start reach the 60-epoch PER sooner?
     run fce03_drop03_e40 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
         train.epochs=40 model.frame_ce=0.3 train.keep_checkpoints=20
-    # weight 0.3, 60 epochs, with twice SpecAugment's time masks (4 of up to 40 frames each)
-    run fce03_tm4_drop03_e60 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
-        train.epochs=60 model.frame_ce=0.3 data.specaug_time_masks=4 train.keep_checkpoints=20
+    # the control: the same 40 epochs without the head
+    run f32_drop03_e40 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
+        train.epochs=40
+    # the same 40 epochs with twice SpecAugment's time masks (4 of up to 40 frames each)
+    run fce03_tm4_drop03_e40 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
+        train.epochs=40 model.frame_ce=0.3 data.specaug_time_masks=4 train.keep_checkpoints=20
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
     # frames of the 30-epoch runs; its archive (the same CV speakers):
     #   hpcsgd prep ../shared/data/so762_dev runs/so762/archive_ctc_sp --alignments \
@@ -127,7 +130,7 @@ fi
     --kind words --topology ctc --tokens chars > /dev/null
 for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l chars seed1_f32 \
         seed1_mixed seed2_f32 seed2_mixed seed1_onebit_cold10 seed1_onebit_local onebit_local seed1_f32_local f32_drop03 \
-        onebit_local_drop015 f32_drop03_e60 f32_drop03_e100 fce03_drop03_e60 fce03_drop03_e40 fce03_tm4_drop03_e60 f32_drop04_e50 conv_w2l_drop02_e60 sp sp_drop03; do
+        onebit_local_drop015 f32_drop03_e60 f32_drop03_e100 fce03_drop03_e60 fce03_drop03_e40 f32_drop03_e40 fce03_tm4_drop03_e40 f32_drop04_e50 conv_w2l_drop02_e60 sp sp_drop03; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     graph=tlg_phones
     [ "$name" = chars ] && graph=tlg_words
@@ -150,7 +153,7 @@ if want f32_drop03_e100 && [ -d "$ROOT/f32_drop03_e100" ]; then
     done
 fi
 # the frame CE runs' checkpoints of the last third of their epochs averaged
-for name in fce03_drop03_e60:20 fce03_drop03_e40:13 fce03_tm4_drop03_e60:20; do
+for name in fce03_drop03_e60:20 fce03_drop03_e40:13 fce03_tm4_drop03_e40:13; do
     n=${name#*:} name=${name%:*}
     want "$name" && [ -d "$ROOT/$name" ] || continue
     model="$ROOT/$name/avg$n.h5"
