@@ -103,7 +103,8 @@ conv 512 k1 in]"
     # the control: the same 40 epochs without the head
     run f32_drop03_e40 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
         train.epochs=40
-    # the same 40 epochs with twice SpecAugment's time masks (4 of up to 40 frames each)
+    # the same 40 epochs with twice SpecAugment's time masks (4 of up to 40 frames each):
+    # stopped after 16 epochs, 0.4-7.6 points of token error rate behind the 2 masks
     run fce03_tm4_drop03_e40 2 --config jobs/configs/so762_ctc.yaml model.dropout=0.3 \
         train.epochs=40 model.frame_ce=0.3 data.specaug_time_masks=4 train.keep_checkpoints=20
     # speed perturbation (0.9, 1.0, 1.1: three times the frames) for 12 epochs, 1.2x the
