@@ -142,24 +142,20 @@ for name in f32 onebit onebit_freeze onebit_cold10 mixed w2l in_w2l conv_w2l cha
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$ROOT/tlg_phones5" --tune \
         | grep -E "^%|interval|acoustic scale [0-9]|held out"
 done
-# the 100-epoch run's last 10, 20 (the recipe's choice: a fifth of the epochs) and 40
-# checkpoints averaged (hpcsgd average), each decoded as the runs above
-if want f32_drop03_e100 && [ -d "$ROOT/f32_drop03_e100" ]; then
-    for n in 10 20 40; do
-        model="$ROOT/f32_drop03_e100/avg$n.h5"
-        .venv/bin/hpcsgd average "$ROOT/f32_drop03_e100" --last "$n" --out "$model"
-        .venv/bin/hpcsgd decode "$model" --data "$A/cv" --greedy | grep -E "^%|interval"
-        .venv/bin/hpcsgd decode "$model" --data "$A/cv" --graph "$ROOT/tlg_phones5" --tune \
-            | grep -E "^%|interval|acoustic scale [0-9]|held out"
-    done
-fi
-# the frame CE runs' checkpoints of the last third of their epochs averaged
-for name in fce03_drop03_e60:20 fce03_drop03_e40:13 fce03_tm4_drop03_e40:13; do
-    n=${name#*:} name=${name%:*}
-    want "$name" && [ -d "$ROOT/$name" ] || continue
-    model="$ROOT/$name/avg$n.h5"
-    .venv/bin/hpcsgd average "$ROOT/$name" --last "$n" --out "$model"
+# a run's last N checkpoints averaged (hpcsgd average), decoded greedily and through the
+# phone 5-gram as the runs above
+decode_average() {   # NAME N
+    local model="$ROOT/$1/avg$2.h5"
+    .venv/bin/hpcsgd average "$ROOT/$1" --last "$2" --out "$model"
     .venv/bin/hpcsgd decode "$model" --data "$A/cv" --greedy | grep -E "^%|interval"
     .venv/bin/hpcsgd decode "$model" --data "$A/cv" --graph "$ROOT/tlg_phones5" --tune \
         | grep -E "^%|interval|acoustic scale [0-9]|held out"
+}
+# the 100-epoch run's last 10, 20 (the recipe's choice: a fifth of the epochs) and 40; the
+# frame CE runs' last third of their epochs
+for name in f32_drop03_e100:10 f32_drop03_e100:20 f32_drop03_e100:40 fce03_drop03_e60:20 \
+        fce03_drop03_e40:13 fce03_tm4_drop03_e40:13; do
+    n=${name#*:} name=${name%:*}
+    want "$name" && [ -d "$ROOT/$name" ] || continue
+    decode_average "$name" "$n"
 done
