@@ -153,6 +153,9 @@ DEFAULTS = {
     "schedule.factor": (0.5, float, (0.0, 1.0), "step/newbob: multiply the rate by this"),
     "schedule.newbob_threshold": (0.005, float, (0.0, 1.0),
                                   "newbob: decay once CV frame accuracy gains less (0.005 = half a point)"),
+    "schedule.warmup_frames": (0, int, (0, 1 << 50),
+                               "the rate ramps linearly from 0 over this many frames, then the "
+                               "schedule's (Transformers and Conformers need it; 0: none)"),
     # --- gradient exchange over ranks (docs/exchange.md) ---
     "exchange.aggregation": ("allreduce", str, ("allreduce", "striped"),
                              "allreduce = float sum in place; striped = Seide's O(1) quantized stripes"),
@@ -424,6 +427,7 @@ def load(path=None, overrides=()):
                 parse_spec(spec)
         except ValueError as err:
             raise UserError(f"config key model.encoder: {err}") from None
+        check_conformer(config)
         if config["model.type"] == "tdnn" and time_stride(config["model.encoder"]) != 1:
             raise UserError("config key model.encoder: a tdnn frame classifier keeps every "
                             "frame's label, so its layers need stride 1 (model.type=ctc "
@@ -513,6 +517,29 @@ def overlap_blocker(config):
         (config["model.type"] == "rnnt", "the transducer's backward pass does not report its "
          "layers as it finishes them"))
     return next((why for blocked, why in reasons if blocked), None)
+
+
+def check_conformer(config):
+    """What an encoder with Conformer layers (conv2d, conformer: model/conformer.py) trains
+    with so far; every refusal says why."""
+    from hpcsgd.model.encoder import parse_spec
+    kinds = {parse_spec(spec)["kind"] for spec in config["model.encoder"]}
+    if not kinds & {"conv2d", "conformer"}:
+        return
+    if config["model.type"] not in UTTERANCE_MODELS:
+        raise UserError(f"config key model.encoder: conv2d and conformer layers are the "
+                        f"encoder of whole utterances (the self-attention spans one, the "
+                        f"subsampling shortens it): model.type=ctc or rnnt, not "
+                        f"{config['model.type']}")
+    if config["train.device"] != "cpu":
+        raise UserError("config keys model.encoder (conformer, conv2d) and train.device="
+                        f"{config['train.device']}: the Conformer's CUDA kernels are not built "
+                        "yet (docs/conformer.md); train it on CPU ranks")
+    if config["qat.activations"] != "none":
+        raise UserError("config keys model.encoder (conformer, conv2d) and qat.activations="
+                        f"{config['qat.activations']}: the inputs of the GEMMs inside a "
+                        "Conformer block are not fake-quantized yet (docs/conformer.md); "
+                        "qat.weights alone quantizes every weight matrix and depthwise kernel")
 
 
 def check_rnnt(config):

@@ -221,6 +221,17 @@ def matmul(a, b, out, trans_a=False, trans_b=False, accumulate=False, scratch=No
     gemm(a, b, out, trans_a, trans_b, accumulate)
 
 
+def batched_matmul(a, b, out, trans_a=False, trans_b=False):
+    """out[i] = op(a[i]) @ op(b[i]) for stacks of matrices (3-D or more, the last two axes
+    the matrices'): the attention's per-utterance-and-head products (hpcsgd.model.conformer).
+    Host arrays: NumPy's matmul, one BLAS GEMM per matrix. (GPU ranks: not built yet; the
+    config refuses a Conformer on train.device=cuda.)"""
+    if is_device(out):
+        raise TypeError("batched_matmul: host arrays only (a Conformer trains on CPU ranks)")
+    np.matmul(np.swapaxes(a, -1, -2) if trans_a else a,
+              np.swapaxes(b, -1, -2) if trans_b else b, out=out)
+
+
 SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(np.uint16))   # float16, bfloat16 bits
 
 

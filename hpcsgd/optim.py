@@ -532,9 +532,20 @@ def linear_lr(lr0, frames, total_frames):
 
 
 def learning_rate(schedule, lr0, frames=0, cv_acc_history=(), decay_frames=1, decay_factor=0.5,
-                  newbob_threshold=0.005, total_frames=1):
+                  newbob_threshold=0.005, total_frames=1, warmup_frames=0):
     """The per-sample learning rate now, for schedule "constant", "step", "newbob" or
-    "linear" (total_frames: the run's frames, every epoch)."""
+    "linear" (total_frames: the run's frames, every epoch), times frames / warmup_frames
+    while that is below 1 (a linear warm-up: a function of the frames, so a resume is in the
+    same place)."""
+    rate = _schedule_lr(schedule, lr0, frames, cv_acc_history, decay_frames, decay_factor,
+                        newbob_threshold, total_frames)
+    if warmup_frames and frames < warmup_frames:
+        rate *= int(frames) / int(warmup_frames)
+    return rate
+
+
+def _schedule_lr(schedule, lr0, frames, cv_acc_history, decay_frames, decay_factor,
+                 newbob_threshold, total_frames):
     if schedule == "constant":
         return lr0
     if schedule == "linear":

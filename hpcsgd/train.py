@@ -479,6 +479,13 @@ def init_from(model, params, path, static):
     if ours == "rnnt" and theirs_type not in ("ctc", "rnnt"):
         raise UserError(f"train.init_from {meta['path']}: a {theirs_type} model; an RNN-T "
                         f"starts from a CTC checkpoint's encoder or from an RNN-T checkpoint")
+    if not encoder_only and "encoder" in model.describe and \
+            meta["model"].get("encoder") != model.describe["encoder"]:
+        theirs = meta["model"].get("encoder") or []
+        raise UserError(f"train.init_from {meta['path']}: its encoder "
+                        f"[{encoder_describe(theirs) or meta['model'].get('type', 'dnn')}] is "
+                        f"not this model's [{encoder_describe(model.describe['encoder'])}]: "
+                        f"its weights have other shapes and names")
     if encoder_only:
         mine = {k: model.describe[k] for k in ("input_dim", "encoder")}
         there = {k: meta["model"].get(k) for k in ("input_dim", "encoder")}
@@ -974,7 +981,7 @@ def learning_rate(cfg, progress, run_frames):
     return optim.learning_rate(cfg["schedule.type"], cfg["optim.lr"], progress["frames"],
                                progress["cv_history"], cfg["schedule.step_frames"],
                                cfg["schedule.factor"], cfg["schedule.newbob_threshold"],
-                               run_frames)
+                               run_frames, cfg["schedule.warmup_frames"])
 
 
 def reduce_sum(comm, local):

@@ -14,6 +14,13 @@ A spec is a short string (the config key model.encoder is a list of them):
     blstm H               a bidirectional LSTM layer, H cells per direction (model/lstm.py)
     lstm H                a forward LSTM layer
     dense F               a fully connected layer of F units with model.activation
+    conv2d C D            the Conformer's front end: two 3x3 stride-2 convolutions of C
+                          channels over time x frequency, ReLU, a linear map to D (4x
+                          subsampling; the first layer only: model/conformer.py)
+    conformer D hH fF kK [ln|in]
+                          a Conformer block of width D: H heads of rotary self-attention, a
+                          feed-forward width F, a depthwise kernel K, the norm after it a
+                          layer norm (default) or an instance norm (model/conformer.py)
 
     DeepSpeech2-like:  ["conv 256 k5 s2", "blstm 320", "blstm 320", "blstm 320"]
     Wav2Letter-like:   ["conv 256 k11 s2", "conv 256 k11", "conv 256 k13", "conv 512 k17 d2",
@@ -26,13 +33,16 @@ import re
 
 import numpy as np
 
+from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.layers import Dense, SoftmaxOutput
 from hpcsgd.model.lstm import LSTM
 from hpcsgd.model.network import Network
 
-KINDS = ("conv", "stack", "blstm", "lstm", "dense")
+KINDS = ("conv", "stack", "blstm", "lstm", "dense", "conv2d", "conformer")
 _CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)(?: (ln|in))?$")
+_CONV2D = re.compile(r"conv2d (\d+) (\d+)$")
+_CONFORMER = re.compile(r"conformer (\d+) h(\d+) f(\d+) k(\d+)(?: (ln|in))?$")
 
 
 def parse_spec(text):
@@ -47,12 +57,28 @@ def parse_spec(text):
         if min(spec["units"], spec["kernel"], spec["stride"], spec["dilation"]) < 1:
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
         return spec
+    conv2d = _CONV2D.match(words)
+    if conv2d:
+        spec = {"kind": "conv2d", "channels": int(conv2d.group(1)),
+                "units": int(conv2d.group(2)), "stride": 4}
+        if min(spec["channels"], spec["units"]) < 1:
+            raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
+        return spec
+    conformer = _CONFORMER.match(words)
+    if conformer:
+        spec = {"kind": "conformer", "units": int(conformer.group(1)),
+                "heads": int(conformer.group(2)), "ff": int(conformer.group(3)),
+                "kernel": int(conformer.group(4)), "norm": conformer.group(5) or "ln"}
+        if min(spec["units"], spec["heads"], spec["ff"], spec["kernel"]) < 1:
+            raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
+        return spec
     parts = words.split(" ")
     if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
             and parts[1].isdigit() and int(parts[1]) >= 1:
         return {"kind": parts[0], "units": int(parts[1])}
     raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ln|in]', 'stack K', "
-                     f"'blstm H', 'lstm H' or 'dense F' (model/encoder.py)")
+                     f"'blstm H', 'lstm H', 'dense F', 'conv2d C D' or "
+                     f"'conformer D hH fF kK [ln|in]' (model/encoder.py)")
 
 
 def encoder_layers(input_dim, specs, activation="relu", first_index=0):
@@ -68,6 +94,20 @@ def encoder_layers(input_dim, specs, activation="relu", first_index=0):
                 raise ValueError(f"encoder layer {text!r}: frame stacking is the first layer "
                                  f"only (it stacks the input frames)")
             layers.append(StackFrames(index, n_in, spec["units"]))
+        elif kind == "conv2d":
+            if k:
+                raise ValueError(f"encoder layer {text!r}: the Conv2d subsampling is the "
+                                 f"first layer only (it reads the features as time x "
+                                 f"frequency)")
+            layers.append(Conv2dSubsampling(f"enc.{k}", n_in, spec["channels"], spec["units"]))
+        elif kind == "conformer":
+            if n_in != spec["units"]:
+                raise ValueError(f"encoder layer {text!r}: a Conformer block of width "
+                                 f"{spec['units']} reads {n_in} values a frame (the layer "
+                                 f"below's output); widths must match (e.g. 'conv2d C "
+                                 f"{spec['units']}' in front)")
+            layers.append(ConformerBlock(f"enc.{k}", k, spec["units"], spec["heads"],
+                                         spec["ff"], spec["kernel"], spec["norm"]))
         elif kind == "conv":
             layers.append(Conv1d(index, n_in, spec["units"], spec["kernel"], spec["stride"],
                                  spec["dilation"], activation, spec["norm"]))

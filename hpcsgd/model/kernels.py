@@ -19,6 +19,7 @@ from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
 SIGMOID, RELU = 0, 1
+IDENTITY = 2   # after a norm only (hpcsgd.model.kernels_norm): no activation
 ACTIVATIONS = {"sigmoid": SIGMOID, "relu": RELU}
 NCHUNK = 16  # row chunks of the column sums; fixed so that the bits do not depend on threads
 

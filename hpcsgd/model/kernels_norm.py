@@ -1,4 +1,6 @@
-"""The normalizations of a convolution's output, each with the activation after it: layer
+"""The normalizations of a convolution's output, each with the activation after it (or none:
+kernels.IDENTITY, the Conformer's layer norms before each module and after its depthwise
+convolution, hpcsgd.model.conformer): layer
 normalization over a row's channels (Ba et al. 2016: `conv ... ln`) and instance normalization
 of each channel over a sequence's steps (Ulyanov et al. 2016: `conv ... in`, batch norm's
 statistics taken over one utterance instead of the global batch; docs/ctc.md says why hpcsgd
@@ -31,7 +33,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from hpcsgd.model.kernels import NCHUNK, RELU, SIGMOID
+from hpcsgd.model.kernels import IDENTITY, NCHUNK, RELU, SIGMOID
 
 EPS = 1e-5   # PyTorch's nn.LayerNorm default
 
@@ -62,6 +64,9 @@ def layer_norm_forward(z, gamma, beta, y, kind):
         if kind == RELU:
             for j in range(m):
                 y[i, j] = max(gamma[0, j] * ((z[i, j] - mean) * rstd) + beta[0, j], zero)
+        elif kind == IDENTITY:
+            for j in range(m):
+                y[i, j] = gamma[0, j] * ((z[i, j] - mean) * rstd) + beta[0, j]
         else:
             for j in range(m):
                 h = gamma[0, j] * ((z[i, j] - mean) * rstd) + beta[0, j]
@@ -72,6 +77,8 @@ def layer_norm_forward(z, gamma, beta, y, kind):
 def _act_grad(yv, dv, kind, zero, one):
     if kind == SIGMOID:
         return dv * (yv * (one - yv))
+    if kind == IDENTITY:
+        return dv
     return dv if yv > zero else zero
 
 
@@ -164,6 +171,10 @@ def instance_norm_forward(z, gamma, beta, y, kind, nb, lengths, scratch):
                 for c in range(m):
                     xh = (z[r, c] - z.dtype.type(st[0, c])) * z.dtype.type(st[1, c])
                     y[r, c] = max(gamma[0, c] * xh + beta[0, c], zero)
+            elif kind == IDENTITY:
+                for c in range(m):
+                    xh = (z[r, c] - z.dtype.type(st[0, c])) * z.dtype.type(st[1, c])
+                    y[r, c] = gamma[0, c] * xh + beta[0, c]
             else:
                 for c in range(m):
                     xh = (z[r, c] - z.dtype.type(st[0, c])) * z.dtype.type(st[1, c])
@@ -224,7 +235,16 @@ def ref_layer_norm(z, gamma, beta, kind):
     z = np.asarray(z, np.float64)
     xh = (z - z.mean(1, keepdims=True)) / np.sqrt(z.var(1, keepdims=True) + EPS)
     h = np.asarray(gamma, np.float64) * xh + np.asarray(beta, np.float64)
+    if kind == IDENTITY:
+        return h
     return np.maximum(h, 0) if kind == RELU else 1 / (1 + np.exp(-h))
+
+
+def _ref_act_grad(y, dy, kind):
+    """dLoss/dh float64 from the output y = f(h)."""
+    if kind == IDENTITY:
+        return dy
+    return dy * (y > 0) if kind == RELU else dy * y * (1 - y)
 
 
 def ref_layer_norm_backward(z, gamma, beta, dy, kind):
@@ -234,7 +254,7 @@ def ref_layer_norm_backward(z, gamma, beta, dy, kind):
     r = 1 / np.sqrt(z.var(1, keepdims=True) + EPS)
     xh = (z - z.mean(1, keepdims=True)) * r
     y = ref_layer_norm(z, gamma, beta, kind)
-    dh = dy * (y > 0) if kind == RELU else dy * y * (1 - y)
+    dh = _ref_act_grad(y, dy, kind)
     g = gamma * dh
     dz = r * (g - g.mean(1, keepdims=True) - xh * (g * xh).mean(1, keepdims=True))
     return dz, (dh * xh).sum(0, keepdims=True), dh.sum(0, keepdims=True)
@@ -269,7 +289,7 @@ def ref_instance_norm_backward(z, gamma, beta, dy, kind, nb, lengths, y=None):
         zs = z[rows]
         r = 1 / np.sqrt(zs.var(0, keepdims=True) + EPS)
         xh = (zs - zs.mean(0, keepdims=True)) * r
-        dh = dy[rows] * (y[rows] > 0) if kind == RELU else dy[rows] * y[rows] * (1 - y[rows])
+        dh = _ref_act_grad(y[rows], dy[rows], kind)
         g = np.asarray(gamma, np.float64) * dh
         dz[rows] = r * (g - g.mean(0, keepdims=True) - xh * (g * xh).mean(0, keepdims=True))
         dgamma += (dh * xh).sum(0, keepdims=True)

@@ -180,8 +180,13 @@ class Network:
             raise ValueError("dropout: models of whole utterances (CTC, RNN-T) only: the masks "
                              "are keyed by the batch's utterances")
         self.dropout = float(p)
+        # a layer that drops inside it (a Conformer block: its modules' outputs) gets p
+        for layer in self.layers:
+            if getattr(layer, "drops_inside", False):
+                layer.dropout = self.dropout
         self.dropped = [zeros((self.max_batch, layer.n_out), self.storage, self.device)
-                        if p and i < len(self.layers) - 1 and layer.specs() else None
+                        if p and i < len(self.layers) - 1 and layer.specs()
+                        and not getattr(layer, "drops_inside", False) else None
                         for i, layer in enumerate(self.layers)]
 
     def activation_buffers(self):
@@ -275,12 +280,15 @@ class Network:
         self.y_in[:n].copy_to_device(np.ascontiguousarray(y[:n], np.int32))
         return self.x_in, self.y_in
 
-    def _sequences(self, layer, ws, lengths):
+    def _sequences(self, layer, ws, lengths, keys=None):
         """The extra arguments of a layer's passes: a sequence layer's input Lengths, the
-        workspaces of a layer that has them (nothing for the others)."""
+        workspaces of a layer that has them, and in a training pass with dropout the
+        utterance keys of a layer that drops inside it (nothing for the others)."""
         extra = {"ws": ws} if ws is not None else {}
         if getattr(layer, "sequence", False):
             extra["lengths"] = lengths
+        if keys is not None and getattr(layer, "drops_inside", False):
+            extra["drop"] = (keys, lengths.nb)
         return extra
 
     def _last_ws(self, workspaces=None):
@@ -352,7 +360,7 @@ class Network:
                 out_q = self.aq[i][:rows_in] if self.aq[i] is not None else None
                 a = self.quant.quantize_input(i, a, out_q, params, ops)
             layer.forward(params, a, out[:rows], ops, progress,
-                          **self._sequences(layer, ws, geo[i] if geo else None))
+                          **self._sequences(layer, ws, geo[i] if geo else None, keys))
             if geo is not None and i < last:
                 self._mask(out[:rows], geo[i + 1], ops)
             a = out[:rows]
@@ -467,7 +475,8 @@ class Network:
             layer.backward(params, grads,
                            self.aq[i][:rows_in] if quant and quant.grids[i] is not None else inp,
                            self.acts[i][:rows], dy, dx, ops, progress,
-                           **self._sequences(layer, self.workspaces[i], geo[i] if geo else None))
+                           **self._sequences(layer, self.workspaces[i], geo[i] if geo else None,
+                                             keys))
             if geo is not None and dx is not None:
                 self._mask(dx, geo[i], ops)
             if dropped and dx is not None:   # d(dropped)/d(output): the same mask and scale

@@ -26,6 +26,7 @@ from hpcsgd.model import kernels_parallel as KP
 from hpcsgd.model import kernels_quant as KQ
 from hpcsgd.model import kernels_seq as KS
 from hpcsgd.model.kernels_lstm import GATES
+from hpcsgd.model import kernels_conformer as KF
 from hpcsgd.model import kernels_ctc as KCTC
 from hpcsgd.model import kernels_dropout as KD
 from hpcsgd.model import kernels_ctc_cuda as KCC   # compiled on first launch, by GPU models only
@@ -42,6 +43,8 @@ class CpuOps:
         self.quant_bits = np.empty(max_batch, np.uint64)
         self.norm_part = np.empty((2, K.NCHUNK, max_width), np.float64)
         self.norm_seq = np.empty((0, 6, max_width), np.float64)   # grown to a batch's sequences
+        self.depthwise_part = np.empty((K.NCHUNK, 0, 0), np.float64)   # grown to the taps
+        self.rope_tables = {}   # (dk, dtype) -> (cos, sin), grown to the longest batch
 
     def bias_act(self, z, b, kind):
         """z <- f(z + b), in place."""
@@ -172,6 +175,77 @@ class CpuOps:
         if len(self.norm_seq) < nb:
             self.norm_seq = np.empty((nb, 6, self.norm_seq.shape[2]), np.float64)
         return self.norm_seq
+
+    # the Conformer's layers (model/conformer.py, model/kernels_conformer.py)
+    def add_scaled(self, x, o, s, out):
+        """out <- x + s * o (a residual add; out may be x)."""
+        KF.add_scaled(x, o, x.dtype.type(s), out)
+
+    def add_bias(self, z, b):
+        KF.add_bias(z, b)
+
+    def bias_swish(self, z, b, y):
+        """z <- z + b (kept), y <- swish(z)."""
+        KF.bias_swish(z, b, y)
+
+    def swish(self, z, y):
+        KF.swish_forward(z, y)
+
+    def swish_backward(self, z, dy, dz):
+        """dz <- dy * swish'(z) (dz may be dy)."""
+        KF.swish_backward(z, dy, dz)
+
+    def bias_glu(self, z, b, y):
+        """z (R, 2M) <- z + b (kept), y (R, M) <- GLU(z)."""
+        KF.bias_glu(z, b, y)
+
+    def glu_backward(self, z, dy, dz):
+        KF.glu_backward(z, dy, dz)
+
+    def depthwise(self, x, w, b, y, lengths, left):
+        """y <- the depthwise time convolution of x over each sequence's own steps."""
+        KF.depthwise_forward(x, w, b, y, lengths.nb, lengths.lengths, left)
+
+    def depthwise_backward(self, x, dy, w, dx, gw, gb, lengths, left):
+        kernel, m = w.shape
+        if self.depthwise_part.shape[1] < kernel + 1 or self.depthwise_part.shape[2] < m:
+            self.depthwise_part = np.empty((K.NCHUNK, kernel + 1, m), np.float64)
+        KF.depthwise_backward(x, dy, w, dx, gw, gb, lengths.nb, lengths.lengths, left,
+                              self.depthwise_part)
+
+    def rope(self, steps, dk, dtype):
+        """The rotary embedding's (cos, sin) tables for at least `steps` steps (grown)."""
+        have = self.rope_tables.get((dk, np.dtype(dtype)))
+        if have is None or len(have[0]) < steps:
+            have = KF.rope_tables(max(steps, 2 * len(have[0]) if have else 256), dk, dtype)
+            self.rope_tables[(dk, np.dtype(dtype))] = have
+        return have
+
+    def to_heads(self, src, col, out, lengths, rotate, scale):
+        """out (nb, H, T, dk) <- src's columns col.. per utterance and head (rotary when
+        rotate), times scale; 0 past each utterance's end."""
+        cos, sin = self.rope(out.shape[2], out.shape[3], out.dtype)
+        KF.to_heads(src, col, out, lengths.nb, out.shape[1], lengths.lengths, cos, sin,
+                    rotate, out.dtype.type(scale))
+
+    def from_heads(self, blocks, dst, col, lengths, rotate, scale):
+        """dst's columns col.. <- blocks laid back time-major (the rotation undone when
+        rotate), times scale; the padding rows 0."""
+        cos, sin = self.rope(blocks.shape[2], blocks.shape[3], blocks.dtype)
+        KF.from_heads(blocks, dst, col, lengths.nb, lengths.lengths, cos, sin, rotate,
+                      blocks.dtype.type(scale))
+
+    def masked_softmax(self, s, p, lengths):
+        KF.masked_softmax(s, p, lengths.lengths)
+
+    def masked_softmax_backward(self, p, dp, ds, lengths):
+        KF.masked_softmax_backward(p, dp, ds, lengths.lengths)
+
+    def unfold2d(self, x, cols, nb, steps_in, steps_out, f_in, f_out, channels):
+        KF.unfold2d(x, cols, nb, steps_in, steps_out, f_in, f_out, channels)
+
+    def fold2d(self, dcols, dx, nb, steps_in, steps_out, f_in, f_out, channels):
+        KF.fold2d(dcols, dx, nb, steps_in, steps_out, f_in, f_out, channels)
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """The CTC loss of z (logits without bias, time-major, `lengths` the utterances'
@@ -517,6 +591,51 @@ class GemmOnly:
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         return 0.0, 0, 0
 
+    def add_scaled(self, x, o, s, out):
+        pass
+
+    def add_bias(self, z, b):
+        pass
+
+    def bias_swish(self, z, b, y):
+        pass
+
+    def swish(self, z, y):
+        pass
+
+    def swish_backward(self, z, dy, dz):
+        pass
+
+    def bias_glu(self, z, b, y):
+        pass
+
+    def glu_backward(self, z, dy, dz):
+        pass
+
+    def depthwise(self, x, w, b, y, lengths, left):
+        pass
+
+    def depthwise_backward(self, x, dy, w, dx, gw, gb, lengths, left):
+        pass
+
+    def to_heads(self, src, col, out, lengths, rotate, scale):
+        pass
+
+    def from_heads(self, blocks, dst, col, lengths, rotate, scale):
+        pass
+
+    def masked_softmax(self, s, p, lengths):
+        pass
+
+    def masked_softmax_backward(self, p, dp, ds, lengths):
+        pass
+
+    def unfold2d(self, x, cols, *shape):
+        pass
+
+    def fold2d(self, dcols, dx, *shape):
+        pass
+
     def fake_quant(self, x, out, grid):
         pass
 
@@ -694,6 +813,80 @@ class HalfOps:
         self.store(z)
         self.store(gb)
         return out
+
+    # the Conformer's layers: GEMM outputs rounded before a kernel reads them, a kernel's
+    # outputs after it wrote them; parameter gradients are float32 sums
+    def add_scaled(self, x, o, s, out):
+        self.store(o)                      # a GEMM's output, or a stored one
+        self.ops.add_scaled(x, o, s, out)
+        self.store(out)
+
+    def add_bias(self, z, b):
+        self.store(z)
+        self.ops.add_bias(z, b)
+        self.store(z)
+
+    def bias_swish(self, z, b, y):
+        self.store(z)
+        self.ops.bias_swish(z, b, y)
+        self.store(z)
+        self.store(y)
+
+    def swish(self, z, y):
+        self.ops.swish(z, y)
+        self.store(y)
+
+    def swish_backward(self, z, dy, dz):
+        self.store(dy)
+        self.ops.swish_backward(z, dy, dz)
+        self.store(dz)
+
+    def bias_glu(self, z, b, y):
+        self.store(z)
+        self.ops.bias_glu(z, b, y)
+        self.store(z)
+        self.store(y)
+
+    def glu_backward(self, z, dy, dz):
+        self.store(dy)
+        self.ops.glu_backward(z, dy, dz)
+        self.store(dz)
+
+    def depthwise(self, x, w, b, y, lengths, left):
+        self.ops.depthwise(x, w, b, y, lengths, left)
+        self.store(y)
+
+    def depthwise_backward(self, x, dy, w, dx, gw, gb, lengths, left):
+        self.ops.depthwise_backward(x, dy, w, dx, gw, gb, lengths, left)
+        self.store(dx)
+
+    def to_heads(self, src, col, out, lengths, rotate, scale):
+        self.store(src)
+        self.ops.to_heads(src, col, out, lengths, rotate, scale)
+        self.store(out)
+
+    def from_heads(self, blocks, dst, col, lengths, rotate, scale):
+        self.store(blocks)
+        self.ops.from_heads(blocks, dst, col, lengths, rotate, scale)
+        self.store(dst)
+
+    def masked_softmax(self, s, p, lengths):
+        self.store(s)
+        self.ops.masked_softmax(s, p, lengths)
+        self.store(p)
+
+    def masked_softmax_backward(self, p, dp, ds, lengths):
+        self.store(dp)
+        self.ops.masked_softmax_backward(p, dp, ds, lengths)
+        self.store(ds)
+
+    def unfold2d(self, x, cols, *shape):
+        self.ops.unfold2d(x, cols, *shape)    # a copy of values stored already
+
+    def fold2d(self, dcols, dx, *shape):
+        self.store(dcols)
+        self.ops.fold2d(dcols, dx, *shape)
+        self.store(dx)
 
     def _before_step(self, *gemm_outputs):
         for x in gemm_outputs:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 71 on so762 (112 training, 13 held-out speakers): the Conformer-CTC recipe of
+# jobs/configs/so762_conformer_ctc.yaml (Conv2d subsampling, 8 blocks of width 144, 4.0M
+# parameters) on 2 ranks: float32 allreduce, the depthwise convolution's instance norm instead
+# of its layer norm (what the choice of norm costs), the striped 1-bit exchange with error
+# feedback after a float32 cold start, mixed precision; then every model decoded on the
+# held-out speakers, greedily and through the phone 5-gram (TLG) with the scales tuned on one
+# half of the speakers and reported on the other (decode --tune).
+#   bash experiments/conformer_so762.sh          (needs runs/so762/archive_ctc: docs/ctc.md)
+#   ONLY=cf_f32 bash experiments/conformer_so762.sh       the runs whose name starts with ONLY
+#   STAGE=decode ONLY=cf_f32 bash experiments/conformer_so762.sh   decode only
+# Runs in runs/conformer/<name>/; the BLSTM recipes' runs and graphs: experiments/ctc_so762.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
+source experiments/train_run.sh
+ROOT=runs/conformer
+A=runs/so762/archive_ctc
+CF=jobs/configs/so762_conformer_ctc.yaml
+want() { case "$1" in "${ONLY:-}"*) return 0 ;; *) return 1 ;; esac; }
+STAGE=${STAGE:-all}
+if [ "$STAGE" != decode ]; then
+    train_run "$ROOT" cf_f32 2 --config "$CF"
+    # instance norm after the depthwise convolution (batch norm's statistics over one
+    # utterance: the same at any rank count) instead of the layer norm
+    train_run "$ROOT" cf_in 2 --config "$CF" "model.encoder=[conv2d 64 144, \
+conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in, \
+conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in, \
+conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
+    # 1-bit after 5 epochs of float32 (the warm-up and the first fall of the loss)
+    train_run "$ROOT" cf_onebit 2 --config "$CF" exchange.aggregation=striped \
+        exchange.codec=onebit exchange.cold_start_frames=2750000
+    train_run "$ROOT" cf_mixed 2 --config "$CF" train.precision=mixed train.loss_scale=backoff
+fi
+[ "$STAGE" = train ] && exit 0
+G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
+[ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind phones \
+    --topology ctc --tokens phones --order 5 > /dev/null
+for name in cf_f32 cf_in cf_onebit cf_mixed; do
+    want "$name" && [ -d "$ROOT/$name" ] || continue
+    echo "== $name"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$G" --tune \
+        | grep -E "^%|interval|acoustic scale [0-9]|held out"
+done
