@@ -423,8 +423,10 @@ def load(path=None, overrides=()):
                             f"its encoder's layers, e.g. ['conv 256 k5 s2', 'blstm 320'] "
                             f"(jobs/configs/so762_ctc.yaml)")
         try:
-            for spec in config["model.encoder"]:
-                parse_spec(spec)
+            for k, spec in enumerate(config["model.encoder"]):
+                if parse_spec(spec)["kind"] in ("stack", "conv2d") and k:
+                    raise ValueError(f"encoder layer {spec!r}: frame stacking and the Conv2d "
+                                     f"subsampling read the features: the first layer only")
         except ValueError as err:
             raise UserError(f"config key model.encoder: {err}") from None
         check_conformer(config)

@@ -108,7 +108,9 @@ def test_every_shipped_recipe_validates_and_builds(name):
     from hpcsgd.model import build
     from hpcsgd.train import model_shape
     cfg = config.load(os.path.join(RECIPES, name))
-    archive = SimpleNamespace(input_dim=40, num_labels=40)   # what model_shape reads
+    archive = SimpleNamespace(input_dim=40, num_labels=40,   # what model_shape reads
+                              index={"num_labels": 40})
     net = build(model_shape(cfg, archive), max_batch=64)
-    reported = {"so762_ctc.yaml": 3_942_440, "so762_w2l.yaml": 3_399_080}
+    reported = {"so762_ctc.yaml": 3_942_440, "so762_w2l.yaml": 3_399_080,
+                "so762_conformer_ctc.yaml": 4_008_736, "so762_conformer_rnnt.yaml": 4_441_592}
     assert net.size == reported.get(name, net.size) and net.size > 0

@@ -126,8 +126,7 @@ def test_config_refuses_what_a_conformer_cannot_do(arch):
                          (["model.type=tdnn"], "encoder of whole utterances"),
                          (["model.encoder=[conv 8 k3, conformer 8 h3 f12 k3]"],
                           "3 heads do not divide"),
-                         (["model.encoder=[conv 8 k3, conformer 16 h2 f12 k3]"],
-                          "widths must match"),
+                         (["model.encoder=[conv 8 k3, conformer 8 h2 f12 k4]"], "odd"),
                          (["model.encoder=[conv 8 k3, conv2d 3 8]"], "first layer only")):
         with pytest.raises(UserError, match=words):
             config.load(None, base + extra)
@@ -146,9 +145,12 @@ def test_init_from_a_blstm_encoder_into_a_conformer_is_named(arch, tmp_path, tmp
 
 def test_a_conformer_learns_real_speech_with_onebit_on_two_ranks(tmp_path):
     """The bundled so762 demo corpus (200 utterances of 40 speakers, phone tokens), the Conv2d
-    front end and two blocks, 2 ranks with the striped 1-bit exchange after a float32 cold
-    start of 4 epochs, replicas checked every step: the held-out CTC loss ends well below the
-    first epoch's and the training loss falls in the 1-bit phase."""
+    front end and two blocks with a frame CE head (it leaves CTC's blank plateau in about 6
+    epochs here, 10 without), 2 ranks with the striped 1-bit exchange after a float32 cold
+    start of 8 epochs, replicas checked every step: the training loss falls by a tenth in the
+    1-bit phase, the held-out CTC loss ends well below the first epoch's and held-out phones
+    are recognized (one process on Zen 4, float32 throughout: 2.11/token, CV 2.61, 70% token
+    errors after 16 epochs)."""
     from conftest import REPO
     import subprocess
     import sys
@@ -165,20 +167,21 @@ def test_a_conformer_learns_real_speech_with_onebit_on_two_ranks(tmp_path):
     proc = run_train(2, [f"data.train={out}/train", f"data.cv={out}/cv", f"train.run_dir={run}",
                          "model.type=ctc", "data.tokens=phones",
                          "model.encoder=[conv2d 16 64, conformer 64 h4 f128 k7, "
-                         "conformer 64 h4 f128 k7]", "train.minibatch=2000", "train.epochs=12",
+                         "conformer 64 h4 f128 k7]", "model.frame_ce=0.3",
+                         "train.minibatch=2000", "train.epochs=16",
                          "optim.type=adam", "optim.lr=1e-6", "optim.momentum_tc=0",
                          "schedule.type=constant", f"schedule.warmup_frames={frames}",
                          "exchange.aggregation=striped", "exchange.codec=onebit",
-                         f"exchange.cold_start_frames={4 * frames}",
+                         f"exchange.cold_start_frames={8 * frames}",
                          "train.check_every_steps=1", "train.log_every_frames=1000000"],
                      timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cold start over" in open(os.path.join(run, "logs", "rank0000.log")).read()
     epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
               if json.loads(line)["kind"] == "epoch"]
-    assert len(epochs) == 12
+    assert len(epochs) == 16
     train_loss = [e["train_ctc_per_token"] for e in epochs]
     cv_loss = [e["cv_ctc_per_token"] for e in epochs]
-    assert train_loss[-1] < 0.9 * train_loss[4], train_loss
+    assert train_loss[-1] < 0.9 * train_loss[7], train_loss
     assert cv_loss[-1] < cv_loss[0] - 0.5, cv_loss
     assert epochs[-1]["cv_token_error_rate"] < 0.9, [e["cv_token_error_rate"] for e in epochs]

@@ -162,6 +162,18 @@ class Conv2dSubsampling:
             _progress(progress)
 
 
+def check_conformer_sizes(width, heads, kernel):
+    """ValueError naming what a block of these sizes cannot be."""
+    if width % heads:
+        raise ValueError(f"conformer {width} h{heads}: {heads} heads do not divide the width "
+                         f"{width}")
+    if (width // heads) % 2:
+        raise ValueError(f"conformer {width} h{heads}: each head's {width // heads} values "
+                         f"must be even (the rotary embedding turns pairs of them)")
+    if kernel % 2 == 0:
+        raise ValueError(f"conformer k{kernel}: the depthwise kernel must be odd (centred)")
+
+
 class ConformerBlock:
     """One Conformer block of width D (the module docstring): n_in = n_out = D. Its sub-layers'
     buffers are its workspace (every one R rows), the attention's (nb, H, T, T) products grown
@@ -175,15 +187,8 @@ class ConformerBlock:
     def __init__(self, name, index, width, heads, ff, kernel, norm="ln"):
         if norm not in NORMS:
             raise ValueError(f"conformer norm {norm!r}: expected one of {NORMS}")
-        if width % heads:
-            raise ValueError(f"conformer {width} h{heads}: {heads} heads do not divide the "
-                             f"width {width}")
+        check_conformer_sizes(width, heads, kernel)
         dk = width // heads
-        if dk % 2:
-            raise ValueError(f"conformer {width} h{heads}: each head's {dk} values must be "
-                             f"even (the rotary embedding turns pairs of them)")
-        if kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"conformer k{kernel}: the depthwise kernel must be odd (centred)")
         self.name, self.index = name, int(index)
         self.n_in = self.n_out = self.width_d = int(width)
         self.heads, self.dk, self.ff, self.kernel = int(heads), dk, int(ff), int(kernel)

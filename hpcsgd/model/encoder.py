@@ -33,7 +33,7 @@ import re
 
 import numpy as np
 
-from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
+from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling, check_conformer_sizes
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.layers import Dense, SoftmaxOutput
 from hpcsgd.model.lstm import LSTM
@@ -71,6 +71,7 @@ def parse_spec(text):
                 "kernel": int(conformer.group(4)), "norm": conformer.group(5) or "ln"}
         if min(spec["units"], spec["heads"], spec["ff"], spec["kernel"]) < 1:
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
+        check_conformer_sizes(spec["units"], spec["heads"], spec["kernel"])
         return spec
     parts = words.split(" ")
     if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
