@@ -3,7 +3,8 @@
 # jobs/configs/so762_conformer_ctc.yaml (Conv2d subsampling, 8 blocks of width 144, 4.0M
 # parameters) on 2 ranks: float32 allreduce, the depthwise convolution's instance norm instead
 # of its layer norm (what the choice of norm costs), the striped 1-bit exchange with error
-# feedback after a float32 cold start, mixed precision; then every model decoded on the
+# feedback after a float32 cold start, mixed precision, the transducer from the CTC model's
+# encoder (jobs/configs/so762_conformer_rnnt.yaml); then every model decoded on the
 # held-out speakers, greedily and through the phone 5-gram (TLG) with the scales tuned on one
 # half of the speakers and reported on the other (decode --tune).
 #   bash experiments/conformer_so762.sh          (needs runs/so762/archive_ctc: docs/ctc.md)
@@ -31,6 +32,9 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
     train_run "$ROOT" cf_onebit 2 --config "$CF" exchange.aggregation=striped \
         exchange.codec=onebit exchange.cold_start_frames=2750000
     train_run "$ROOT" cf_mixed 2 --config "$CF" train.precision=mixed train.loss_scale=backoff
+    # the transducer, its encoder from the float32 CTC model's
+    train_run "$ROOT" cf_rnnt 2 --config jobs/configs/so762_conformer_rnnt.yaml \
+        "train.init_from=$PWD/$ROOT/cf_f32"
 fi
 [ "$STAGE" = train ] && exit 0
 G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
@@ -43,3 +47,8 @@ for name in cf_f32 cf_in cf_onebit cf_mixed; do
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$G" --tune \
         | grep -E "^%|interval|acoustic scale [0-9]|held out"
 done
+if want cf_rnnt && [ -d "$ROOT/cf_rnnt" ]; then
+    echo "== cf_rnnt"
+    .venv/bin/hpcsgd decode "$ROOT/cf_rnnt" --data "$A/cv" --greedy | grep -E "^%|interval"
+    .venv/bin/hpcsgd decode "$ROOT/cf_rnnt" --data "$A/cv" --beam-size 4 | grep -E "^%|interval"
+fi

@@ -537,11 +537,6 @@ def check_conformer(config):
         raise UserError("config keys model.encoder (conformer, conv2d) and train.device="
                         f"{config['train.device']}: the Conformer's CUDA kernels are not built "
                         "yet (docs/conformer.md); train it on CPU ranks")
-    if config["qat.activations"] != "none":
-        raise UserError("config keys model.encoder (conformer, conv2d) and qat.activations="
-                        f"{config['qat.activations']}: the inputs of the GEMMs inside a "
-                        "Conformer block are not fake-quantized yet (docs/conformer.md); "
-                        "qat.weights alone quantizes every weight matrix and depthwise kernel")
 
 
 def check_rnnt(config):

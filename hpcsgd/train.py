@@ -808,12 +808,38 @@ def log_utterances(log, cfg, loader):
         log.info(f"left out {len(loader.dropped)} utterances longer than data.max_frames="
                  f"{cfg['data.max_frames']} frames: {names}"
                  + (" ..." if len(loader.dropped) > 5 else ""))
+    check_kernels(cfg, log, loader, stride)
     short = loader.too_short(stride) if cfg["model.type"] == "ctc" else []
     if short:
         log.info(f"warning: {len(short)} utterances have fewer frames after the {stride}x "
                  f"subsampling than their {kind} tokens need (tokens + repeated neighbours): "
                  f"CTC has no alignment for them, they train with zero loss: "
                  f"{', '.join(short[:5])}{' ...' if len(short) > 5 else ''}")
+
+
+def check_kernels(cfg, log, loader, stride):
+    """A Conformer block's depthwise kernel against the utterances after the subsampling: longer
+    than the longest, a configuration mistake (every output reads mostly zeros past the
+    utterance: refused, named); longer than some, a warning naming them."""
+    from hpcsgd.model.encoder import parse_spec
+    kernels = [parse_spec(s)["kernel"] for s in cfg["model.encoder"]
+               if parse_spec(s)["kind"] == "conformer"]
+    if not kernels or not len(loader.kept):
+        return
+    kernel = max(kernels)
+    steps = -(-loader.lengths[loader.kept] // stride)
+    if kernel > steps.max():
+        raise UserError(f"config key model.encoder: a depthwise kernel of {kernel} steps is "
+                        f"longer than the longest utterance of {cfg['data.train']} after the "
+                        f"{stride}x subsampling ({int(steps.max())} steps: "
+                        f"{loader.utt_ids[loader.kept[int(np.argmax(steps))]]}); use a kernel "
+                        f"of at most {int(steps.max()) - 1 + int(steps.max()) % 2} (odd)")
+    short = [loader.utt_ids[u] for u, n in zip(loader.kept, steps) if n < kernel]
+    if short:
+        log.info(f"warning: {len(short)} utterances are shorter than the depthwise kernel "
+                 f"({kernel}) after the {stride}x subsampling (the convolution reads zeros past "
+                 f"their ends, as for every utterance's edges): {', '.join(short[:5])}"
+                 f"{' ...' if len(short) > 5 else ''}")
 
 
 def crossed(before, after, every):

@@ -102,9 +102,11 @@ def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
      "exchange.codec=onebit"),
     ("qat.weights=sawb", "qat.weight_bits=4", "exchange.aggregation=striped",
      "exchange.codec=onebit"),
+    ("qat.weights=sawb", "qat.weight_bits=4", "qat.activations=bac", "qat.activation_bits=4",
+     FRONT),
     ("model.type=rnnt", "model.predictor=[lstm 6]", "model.embed=4", "model.joint=8"),
 ], ids=["onebit_cold_db", "mqgrad", "dettmers", "overlap", "probe", "mixed", "bf16_onebit",
-        "qat_weights", "rnnt"])
+        "qat_weights", "qat_int4", "rnnt"])
 def test_trainer_features_run_on_a_conformer(extra, arch, tmp_path):
     """2 ranks, 2 epochs, replicas identical every step, a finite training loss that falls."""
     run = str(tmp_path / "run")
@@ -122,7 +124,6 @@ def test_trainer_features_run_on_a_conformer(extra, arch, tmp_path):
 def test_config_refuses_what_a_conformer_cannot_do(arch):
     base = [f"data.train={arch}", "model.type=ctc", ENCODER]
     for extra, words in ((["train.device=cuda"], "CUDA kernels are not built yet"),
-                         (["qat.weights=sawb", "qat.activations=bac"], "not fake-quantized"),
                          (["model.type=tdnn"], "encoder of whole utterances"),
                          (["model.encoder=[conv 8 k3, conformer 8 h3 f12 k3]"],
                           "3 heads do not divide"),
@@ -130,6 +131,22 @@ def test_config_refuses_what_a_conformer_cannot_do(arch):
                          (["model.encoder=[conv 8 k3, conv2d 3 8]"], "first layer only")):
         with pytest.raises(UserError, match=words):
             config.load(None, base + extra)
+
+
+def test_a_kernel_longer_than_every_utterance_is_named(arch, tmp_path):
+    """The archive's longest utterance is 155 frames, 78 steps after the stride-2 convolution:
+    a depthwise kernel of 81 is refused naming it and the longest that fits (77); one of 41
+    warns, naming the utterances shorter than it."""
+    long = "model.encoder=[conv 8 k3 s2, conformer 8 h2 f12 k81]"
+    proc = run_train(1, options(arch, f"train.run_dir={tmp_path / 'long'}", long))
+    assert proc.returncode == 2 and "longer than the longest utterance" in proc.stderr \
+        and "(78 steps:" in proc.stderr and "at most 77 (odd)" in proc.stderr, proc.stderr
+    run = str(tmp_path / "warn")
+    proc = run_train(1, options(arch, f"train.run_dir={run}", "train.stop_after_frames=1",
+                                "model.encoder=[conv 8 k3 s2, conformer 8 h2 f12 k41]"))
+    assert proc.returncode == 0, proc.stderr
+    assert "shorter than the depthwise kernel (41)" in open(
+        os.path.join(run, "logs", "rank0000.log")).read()
 
 
 def test_init_from_a_blstm_encoder_into_a_conformer_is_named(arch, tmp_path, tmp_path_factory):

@@ -45,6 +45,9 @@ from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.layers import glorot_uniform
 
 NORMS = ("ln", "in")
+# the GEMM inputs quantization-aware training quantizes in a block (its keys' parameters)
+GEMM_INPUTS = ("ff1.w1", "ff1.w2", "mhsa.qkv", "mhsa.out", "conv.w1", "conv.dw", "conv.w2",
+               "ff2.w1", "ff2.w2")
 MODULES = ("ff1", "mhsa", "conv", "ff2")   # in order; each has a dropout salt of its own
 
 
@@ -86,6 +89,22 @@ class Conv2dSubsampling:
         self.dx_macs = 2 * self.f1 * 9 * c   # conv1's share: its dX is the features'
         self.width = max(self.f1 * c, self.n_out)
         self.output_range = (None, None)
+        self.quant = None    # model.quantize.Quantizer under QAT of activations (it sets it)
+
+    def gemm_inputs(self):
+        """The inputs QAT quantizes inside the front end: the second convolution's and the
+        linear map's (the first convolution's is the layer's input: the Network's)."""
+        return ("conv2", "out")
+
+    def _qin(self, key, x, ws, rows, p, ops):
+        if self.quant is None:
+            return x
+        return self.quant.quantize_inner(f"{self.name}.{key}", x, ws[f"q.{key}"][:rows], p,
+                                         ops)
+
+    def _qback(self, key, x, d, p, g, ops):
+        if self.quant is not None:
+            self.quant.inner_backward(f"{self.name}.{key}", x, d, p, g, ops)
 
     def specs(self):
         c = self.channels
@@ -100,9 +119,12 @@ class Conv2dSubsampling:
 
     def workspace(self, max_rows):
         c = self.channels
-        return {"cols1": (max_rows * self.f1, 9), "a1": (max_rows, self.f1 * c),
-                "d1": (max_rows, self.f1 * c), "cols2": (max_rows * self.f2, 9 * c),
-                "a2": (max_rows, self.f2 * c), "d2": (max_rows, self.f2 * c)}
+        out = {"cols1": (max_rows * self.f1, 9), "a1": (max_rows, self.f1 * c),
+               "d1": (max_rows, self.f1 * c), "cols2": (max_rows * self.f2, 9 * c),
+               "a2": (max_rows, self.f2 * c), "d2": (max_rows, self.f2 * c)}
+        if self.quant is not None:
+            out.update({"q.conv2": (max_rows, self.f1 * c), "q.out": (max_rows, self.f2 * c)})
+        return out
 
     def out_lengths(self, lengths):
         return lengths.strided(2).strided(2)
@@ -125,11 +147,12 @@ class Conv2dSubsampling:
         if not mid.full:   # the second convolution reads zeros past each utterance's end
             ops.mask_rows(a1, mid)
         cols2, a2 = ws["cols2"][:r2 * self.f2], ws["a2"][:r2]
-        ops.unfold2d(a1, cols2, nb, mid.steps, out.steps, self.f1, self.f2, c)
+        ops.unfold2d(self._qin("conv2", a1, ws, r1, p, ops), cols2, nb, mid.steps, out.steps,
+                     self.f1, self.f2, c)
         matmul(cols2, p[f"{n}.conv2.w"], a2.reshape(r2 * self.f2, c))
         _progress(progress)
         ops.bias_act(a2.reshape(r2 * self.f2, c), p[f"{n}.conv2.b"], K.RELU)
-        matmul(a2, p[f"{n}.out.w"], y)
+        matmul(self._qin("out", a2, ws, r2, p, ops), p[f"{n}.out.w"], y)
         _progress(progress)
         ops.add_bias(y, p[f"{n}.out.b"])
 
@@ -140,9 +163,11 @@ class Conv2dSubsampling:
         r1, r2 = mid.rows, out.rows
         a1, a2, d2 = ws["a1"][:r1], ws["a2"][:r2], ws["d2"][:r2]
         ops.column_sums(dy, g[f"{n}.out.b"])
-        matmul(a2, dy, g[f"{n}.out.w"], trans_a=True)
+        matmul(a2 if self.quant is None else ws["q.out"][:r2], dy, g[f"{n}.out.w"],
+               trans_a=True)
         matmul(dy, p[f"{n}.out.w"], d2, trans_b=True)
         _progress(progress)
+        self._qback("out", a2, d2, p, g, ops)
         a2v = a2.reshape(r2 * self.f2, c)
         ops.act_backward(a2v, d2.reshape(r2 * self.f2, c), a2v, g[f"{n}.conv2.b"], K.RELU)
         cols2 = ws["cols2"][:r2 * self.f2]                              # the forward's
@@ -151,6 +176,7 @@ class Conv2dSubsampling:
         _progress(progress)
         d1 = ws["d1"][:r1]   # a1 keeps ReLU's mask (0 on the padding: no gradient there)
         ops.fold2d(cols2, d1, nb, mid.steps, out.steps, self.f1, self.f2, c)
+        self._qback("conv2", a1, d1, p, g, ops)
         a1v = a1.reshape(r1 * self.f1, c)
         ops.act_backward(a1v, d1.reshape(r1 * self.f1, c), a1v, g[f"{n}.conv1.b"], K.RELU)
         cols1 = ws["cols1"][:r1 * self.f1]                              # the forward's
@@ -201,6 +227,7 @@ class ConformerBlock:
         self.width = max(f, 3 * d)   # the widest row its kernels sum columns of
         self.output_range = (None, None)
         self.dropout = 0.0   # set by the Network (set_dropout)
+        self.quant = None    # model.quantize.Quantizer under QAT of activations (it sets it)
         self._att = {}       # the attention's grown buffers
 
     def _n(self, part):
@@ -248,7 +275,16 @@ class ConformerBlock:
                      "qkv": (max_rows, 3 * d), "g": (max_rows, 2 * d),
                      "qh": (max_rows, d), "kh": (max_rows, d), "vh": (max_rows, d),
                      "oh": (max_rows, d)})
+        if self.quant is not None:   # the quantized copies of the GEMMs' inputs
+            rows.update({f"q.{key}": (max_rows, f if key.endswith("w2") and key[:2] == "ff"
+                                      else d) for key in GEMM_INPUTS})
         return rows
+
+    def gemm_inputs(self):
+        """The inputs quantization-aware training fake-quantizes inside the block: every
+        linear map's and the depthwise convolution's (the attention's products stay float:
+        docs/conformer.md)."""
+        return GEMM_INPUTS
 
     # ---- pieces ------------------------------------------------------------------------
 
@@ -280,14 +316,32 @@ class ConformerBlock:
         ops.layer_norm_backward(x, dy, dy, p[self._n(f"{part}.g")], dz, g[self._n(f"{part}.g")],
                                 g[self._n(f"{part}.b")], K.IDENTITY)
 
+    def _qin(self, key, x, ws, rows, p, ops):
+        """A GEMM's input x, fake-quantized into its own buffer under quantization-aware
+        training of activations (model/quantize.py: quantize_inner), else x itself."""
+        if self.quant is None:
+            return x
+        return self.quant.quantize_inner(self._n(key), x, ws[f"q.{key}"][:rows], p, ops)
+
+    def _dq(self, key, x, ws, rows):
+        """Where the backward writes dLoss/d(x's GEMM input): the quantized copy's buffer
+        (free once the weight gradient has read it; x itself stays for the straight-through
+        mask), else x's own."""
+        return x if self.quant is None else ws[f"q.{key}"][:rows]
+
+    def _qback(self, key, x, d, p, g, ops):
+        """The straight-through gradient of a quantized input (a learned range's sums)."""
+        if self.quant is not None:
+            self.quant.inner_backward(self._n(key), x, d, p, g, ops)
+
     def _ff(self, p, ops, x, out, ws, rows, ff, drop, progress):
         """out = x + 1/2 FF(x)."""
         l, pre, act, tmp = (ws[k][:rows] for k in (f"l_{ff}", f"{ff}_pre", f"{ff}_act", "tmp"))
         self._ln(p, ops, x, l, f"{ff}.ln")
-        matmul(l, p[self._n(f"{ff}.w1.w")], pre)
+        matmul(self._qin(f"{ff}.w1", l, ws, rows, p, ops), p[self._n(f"{ff}.w1.w")], pre)
         _progress(progress)
         ops.bias_swish(pre, p[self._n(f"{ff}.w1.b")], act)
-        matmul(act, p[self._n(f"{ff}.w2.w")], tmp)
+        matmul(self._qin(f"{ff}.w2", act, ws, rows, p, ops), p[self._n(f"{ff}.w2.w")], tmp)
         _progress(progress)
         ops.add_bias(tmp, p[self._n(f"{ff}.w2.b")])
         self._drop(ops, tmp, drop, ff)
@@ -300,22 +354,26 @@ class ConformerBlock:
         ops.scale(tmp, 0.5)                     # d FF's output: exact (a power of two)
         self._drop(ops, tmp, drop, ff)
         ops.column_sums(tmp, g[self._n(f"{ff}.w2.b")])
-        matmul(act, tmp, g[self._n(f"{ff}.w2.w")], trans_a=True)
-        matmul(tmp, p[self._n(f"{ff}.w2.w")], act, trans_b=True)   # d act over act
+        da = self._dq(f"{ff}.w2", act, ws, rows)        # the forward's GEMM input, then d act
+        matmul(da, tmp, g[self._n(f"{ff}.w2.w")], trans_a=True)
+        matmul(tmp, p[self._n(f"{ff}.w2.w")], da, trans_b=True)
         _progress(progress)
-        ops.swish_backward(pre, act, act)
-        ops.column_sums(act, g[self._n(f"{ff}.w1.b")])
-        matmul(l, act, g[self._n(f"{ff}.w1.w")], trans_a=True)
-        matmul(act, p[self._n(f"{ff}.w1.w")], l, trans_b=True)     # d l over l
+        self._qback(f"{ff}.w2", act, da, p, g, ops)
+        ops.swish_backward(pre, da, da)
+        ops.column_sums(da, g[self._n(f"{ff}.w1.b")])
+        dl = self._dq(f"{ff}.w1", l, ws, rows)
+        matmul(dl, da, g[self._n(f"{ff}.w1.w")], trans_a=True)
+        matmul(da, p[self._n(f"{ff}.w1.w")], dl, trans_b=True)
         _progress(progress)
-        self._ln_backward(p, g, ops, x, l, tmp, f"{ff}.ln")
+        self._qback(f"{ff}.w1", l, dl, p, g, ops)
+        self._ln_backward(p, g, ops, x, dl, tmp, f"{ff}.ln")
         ops.add_scaled(grad, tmp, 1.0, grad)
 
     def _mhsa(self, p, ops, x, out, ws, rows, lengths, drop, progress):
         d = self.n_in
         l, qkv, att, tmp = (ws[k][:rows] for k in ("l_mhsa", "qkv", "att", "tmp"))
         self._ln(p, ops, x, l, "mhsa.ln")
-        matmul(l, p[self._n("mhsa.qkv.w")], qkv)
+        matmul(self._qin("mhsa.qkv", l, ws, rows, p, ops), p[self._n("mhsa.qkv.w")], qkv)
         _progress(progress)
         ops.add_bias(qkv, p[self._n("mhsa.qkv.b")])
         qh, kh, vh, oh = (self._heads(ws, k, lengths) for k in ("qh", "kh", "vh", "oh"))
@@ -328,7 +386,7 @@ class ConformerBlock:
         batched_matmul(prob, vh, oh)
         _progress(progress)
         ops.from_heads(oh, att, 0, lengths, False, 1.0)
-        matmul(att, p[self._n("mhsa.out.w")], tmp)
+        matmul(self._qin("mhsa.out", att, ws, rows, p, ops), p[self._n("mhsa.out.w")], tmp)
         _progress(progress)
         ops.add_bias(tmp, p[self._n("mhsa.out.b")])
         self._drop(ops, tmp, drop, "mhsa")
@@ -340,11 +398,13 @@ class ConformerBlock:
         assign(tmp, grad)
         self._drop(ops, tmp, drop, "mhsa")
         ops.column_sums(tmp, g[self._n("mhsa.out.b")])
-        matmul(att, tmp, g[self._n("mhsa.out.w")], trans_a=True)
-        matmul(tmp, p[self._n("mhsa.out.w")], att, trans_b=True)   # d att over att
+        datt = self._dq("mhsa.out", att, ws, rows)
+        matmul(datt, tmp, g[self._n("mhsa.out.w")], trans_a=True)
+        matmul(tmp, p[self._n("mhsa.out.w")], datt, trans_b=True)
         _progress(progress)
+        self._qback("mhsa.out", att, datt, p, g, ops)
         qh, kh, vh, oh = (self._heads(ws, k, lengths) for k in ("qh", "kh", "vh", "oh"))
-        ops.to_heads(att, 0, oh, lengths, False, 1.0)                   # d oh
+        ops.to_heads(datt, 0, oh, lengths, False, 1.0)                  # d oh
         prob = self._scores(ws, lengths, "p", qh.dtype)
         dprob = self._scores(ws, lengths, "dp", qh.dtype)
         batched_matmul(oh, vh, dprob, trans_b=True)                     # dP = dO V^T
@@ -357,10 +417,12 @@ class ConformerBlock:
         ops.from_heads(kh, qkv, d, lengths, True, 1.0)
         ops.from_heads(vh, qkv, 2 * d, lengths, False, 1.0)
         ops.column_sums(qkv, g[self._n("mhsa.qkv.b")])
-        matmul(l, qkv, g[self._n("mhsa.qkv.w")], trans_a=True)
-        matmul(qkv, p[self._n("mhsa.qkv.w")], l, trans_b=True)
+        dl = self._dq("mhsa.qkv", l, ws, rows)
+        matmul(dl, qkv, g[self._n("mhsa.qkv.w")], trans_a=True)
+        matmul(qkv, p[self._n("mhsa.qkv.w")], dl, trans_b=True)
         _progress(progress)
-        self._ln_backward(p, g, ops, x, l, tmp, "mhsa.ln")
+        self._qback("mhsa.qkv", l, dl, p, g, ops)
+        self._ln_backward(p, g, ops, x, dl, tmp, "mhsa.ln")
         ops.add_scaled(grad, tmp, 1.0, grad)
 
     def _norm_after_dw(self, p, ops, c, n, lengths):
@@ -374,14 +436,14 @@ class ConformerBlock:
         l, gbuf, u, c, n, s, tmp = (ws[k][:rows] for k in ("l_conv", "g", "u", "c", "n", "s",
                                                            "tmp"))
         self._ln(p, ops, x, l, "conv.ln")
-        matmul(l, p[self._n("conv.w1.w")], gbuf)
+        matmul(self._qin("conv.w1", l, ws, rows, p, ops), p[self._n("conv.w1.w")], gbuf)
         _progress(progress)
         ops.bias_glu(gbuf, p[self._n("conv.w1.b")], u)
-        ops.depthwise(u, p[self._n("conv.dw.w")], p[self._n("conv.dw.b")], c, lengths,
-                      self.left)
+        ops.depthwise(self._qin("conv.dw", u, ws, rows, p, ops), p[self._n("conv.dw.w")],
+                      p[self._n("conv.dw.b")], c, lengths, self.left)
         self._norm_after_dw(p, ops, c, n, lengths)
         ops.swish(n, s)
-        matmul(s, p[self._n("conv.w2.w")], tmp)
+        matmul(self._qin("conv.w2", s, ws, rows, p, ops), p[self._n("conv.w2.w")], tmp)
         _progress(progress)
         ops.add_bias(tmp, p[self._n("conv.w2.b")])
         self._drop(ops, tmp, drop, "conv")
@@ -393,24 +455,30 @@ class ConformerBlock:
         assign(tmp, grad)
         self._drop(ops, tmp, drop, "conv")
         ops.column_sums(tmp, g[self._n("conv.w2.b")])
-        matmul(s, tmp, g[self._n("conv.w2.w")], trans_a=True)
-        matmul(tmp, p[self._n("conv.w2.w")], s, trans_b=True)     # d s over s
+        ds = self._dq("conv.w2", s, ws, rows)
+        matmul(ds, tmp, g[self._n("conv.w2.w")], trans_a=True)
+        matmul(tmp, p[self._n("conv.w2.w")], ds, trans_b=True)     # d s
         _progress(progress)
-        ops.swish_backward(n, s, s)                                 # d n over s
+        self._qback("conv.w2", s, ds, p, g, ops)
+        ops.swish_backward(n, ds, ds)                               # d n over it
         gamma = p[self._n("conv.norm.g")]
         gg, gb = g[self._n("conv.norm.g")], g[self._n("conv.norm.b")]
-        if self.norm == "ln":                                       # d c over s
-            ops.layer_norm_backward(c, s, s, gamma, s, gg, gb, K.IDENTITY)
+        if self.norm == "ln":                                       # d c over it
+            ops.layer_norm_backward(c, ds, ds, gamma, ds, gg, gb, K.IDENTITY)
         else:
-            ops.instance_norm_backward(c, s, s, gamma, s, gg, gb, K.IDENTITY, lengths)
-        ops.depthwise_backward(u, s, p[self._n("conv.dw.w")], n, g[self._n("conv.dw.w")],
+            ops.instance_norm_backward(c, ds, ds, gamma, ds, gg, gb, K.IDENTITY, lengths)
+        uq = u if self.quant is None else ws["q.conv.dw"][:rows]    # what the taps read
+        ops.depthwise_backward(uq, ds, p[self._n("conv.dw.w")], n, g[self._n("conv.dw.w")],
                                g[self._n("conv.dw.b")], lengths, self.left)   # d u over n
+        self._qback("conv.dw", u, n, p, g, ops)
         ops.glu_backward(gbuf, n, gbuf)                             # d g over g
         ops.column_sums(gbuf, g[self._n("conv.w1.b")])
-        matmul(l, gbuf, g[self._n("conv.w1.w")], trans_a=True)
-        matmul(gbuf, p[self._n("conv.w1.w")], l, trans_b=True)
+        dl = self._dq("conv.w1", l, ws, rows)
+        matmul(dl, gbuf, g[self._n("conv.w1.w")], trans_a=True)
+        matmul(gbuf, p[self._n("conv.w1.w")], dl, trans_b=True)
         _progress(progress)
-        self._ln_backward(p, g, ops, x, l, tmp, "conv.ln")
+        self._qback("conv.w1", l, dl, p, g, ops)
+        self._ln_backward(p, g, ops, x, dl, tmp, "conv.ln")
         ops.add_scaled(grad, tmp, 1.0, grad)
 
     # ---- the layer's passes -------------------------------------------------------------

@@ -451,6 +451,8 @@ class Network:
             ops = ops if isinstance(ops, GemmOnly) else (
                 self.half_ops if ops is self.ops else HalfOps(ops, self.rounding))
         master, params = params, self._quantized(params, ops)
+        if self.quant:   # the clip values' decay is per sample (inner inputs: conformer.py)
+            self.quant.frames = n * loss_scale
         keys = self._dropout_keys(y)
         logits = self._forward(params, x, n, ops, progress, geo, keys=keys)
         if self.frame_labels:

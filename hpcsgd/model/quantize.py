@@ -30,7 +30,10 @@ What is quantized (docs/qat.md):
                recipe); a layer's float_weights and an input it marks unquantized (the
                transducer's joint: its encoder projection, predictor projection and output)
   inside       a layer's own sublayers (the RNN-T's prediction network) get the LSTM state's
-               grid; a layer with input_bits quantizes its own GEMM inputs (model/transducer.py)
+               grid; a layer with input_bits quantizes its own GEMM inputs (model/transducer.py);
+               a layer with gemm_inputs() (a Conformer block) has each of them quantized by the
+               activation rule (bac: pact, none of them bounded), the quantizer's
+               quantize_inner / inner_backward called from its passes (model/conformer.py)
 
 Learned clip values are parameters: role "clip", exchange "float" (summed in float32 by every
 exchange, never through a gradient codec), trained by the optimizer, checkpointed.
@@ -168,6 +171,19 @@ class Quantizer:
             floats |= set(getattr(layer, "float_weights", ()))
             if (i == 0 and first_float) or not getattr(layer, "quantized_input", True):
                 self.rules[i] = "none"
+        # the inputs of GEMMs inside a layer (a Conformer block's: gemm_inputs()), each on
+        # the activation rule's grid, named "{layer}.{key}"; bac is pact there (none of
+        # them has fixed bounds: layer norms, swish, the attention's output)
+        self.inner = {}
+        self.inner_rule = "pact" if self.a_rule == "bac" else self.a_rule
+        self.inner_grids = {}
+        self.frames = 1.0   # the pass's frames x loss scale (Network.forward_backward sets it)
+        for i, layer in enumerate(layers):
+            if hasattr(layer, "gemm_inputs") and self.a_rule != "none" \
+                    and not (i == 0 and first_float):
+                layer.quant = self
+                for key in layer.gemm_inputs():
+                    self.inner[f"{layer.name}.{key}"] = layer
         self.weights = [s.name for layer in layers for s in layer.specs()
                         if s.role == "weight" and s.name not in floats]
         self.others = [s.name for layer in layers for s in layer.specs()
@@ -196,6 +212,8 @@ class Quantizer:
             out += [ParamSpec(f"clip_{w}", (1, 1), "clip", "float") for w in self.weights]
         out += [ParamSpec(f"clip_in{i}", (1, 2), "clip", "float")
                 for i, rule in enumerate(self.rules) if rule == "pact"]
+        if self.inner_rule == "pact":
+            out += [ParamSpec(f"clip_{name}", (1, 2), "clip", "float") for name in self.inner]
         return out
 
     def init(self, views):
@@ -211,6 +229,10 @@ class Quantizer:
         for i, rule in enumerate(self.rules):
             if rule == "pact":
                 views[f"clip_in{i}"][0, :] = self.pact_init[i]
+        if self.inner_rule == "pact":
+            init = float(self.qat["pact_init"])
+            for name in self.inner:
+                views[f"clip_{name}"][0, :] = (-init, init)
 
     def learns_input(self, i):
         return self.rules[i] == "pact"
@@ -294,6 +316,36 @@ class Quantizer:
             name = f"clip_in{i}"
             lo, hi = self._clips(params, name) * (self.clip_decay * frames)
             set_row(grads[name], [d_lo + lo, d_hi + hi])
+
+
+    # ---- inputs of the GEMMs inside a layer (model/conformer.py) -------------------------
+
+    def quantize_inner(self, name, x, out, params, ops):
+        """The input `name` ("{layer}.{key}") of a GEMM inside a layer fake-quantized into
+        out (returned): a dynamic symmetric grid (max, sawb) or the learned range (pact)."""
+        if self.inner_rule == "pact":
+            lo, hi = self._clips(params, f"clip_{name}")
+            grid = affine_grid(lo, hi, self.a_bits, self.dtype)
+        else:
+            mx, msq, mab = ops.abs_stats(x)
+            alpha = mx if self.inner_rule == "max" else sawb_alpha(msq, mab, mx, self.a_bits)
+            grid = symmetric_grid(alpha, self.a_bits, self.dtype)
+        self.inner_grids[name] = grid
+        ops.fake_quant(x, out, grid)
+        return out
+
+    def inner_backward(self, name, x, dx, params, grads, ops):
+        """dx (the gradient of the quantized input) <- that of its float input x, straight
+        through inside the range; a learned range gets the sums outside it and
+        qat.clip_decay's pull (as input_backward)."""
+        if self.inner_rule == "max":   # nothing is clipped
+            return
+        grid = self.inner_grids[name]
+        d_lo, d_hi = ops.fake_quant_backward(x, dx, grid.lo, grid.hi)
+        if self.inner_rule == "pact":
+            clip = f"clip_{name}"
+            lo, hi = self._clips(params, clip) * (self.clip_decay * self.frames)
+            set_row(grads[clip], [d_lo + lo, d_hi + hi])
 
 
 def set_row(view, values):
