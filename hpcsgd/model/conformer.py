@@ -67,6 +67,20 @@ def _progress(progress):
         progress()
 
 
+def _quantized(layer, key, x, ws, rows, p, ops):
+    """A GEMM's input x inside a layer, fake-quantized into its own buffer ws["q.KEY"] under
+    quantization-aware training of activations (model/quantize.py: quantize_inner), else x."""
+    if layer.quant is None:
+        return x
+    return layer.quant.quantize_inner(f"{layer.name}.{key}", x, ws[f"q.{key}"][:rows], p, ops)
+
+
+def _straight_through(layer, key, x, d, p, g, ops):
+    """d (the gradient of x's quantized copy) <- x's, straight through (model/quantize.py)."""
+    if layer.quant is not None:
+        layer.quant.inner_backward(f"{layer.name}.{key}", x, d, p, g, ops)
+
+
 class Conv2dSubsampling:
     """The front end: x (T*nb, F) -> two 3x3 stride-2 convolutions of C channels with ReLU
     -> (ceil(T/4)*nb, F2*C) -> a linear map to D. Parameters {name}.conv1.w (9, C),
@@ -95,16 +109,6 @@ class Conv2dSubsampling:
         """The inputs QAT quantizes inside the front end: the second convolution's and the
         linear map's (the first convolution's is the layer's input: the Network's)."""
         return ("conv2", "out")
-
-    def _qin(self, key, x, ws, rows, p, ops):
-        if self.quant is None:
-            return x
-        return self.quant.quantize_inner(f"{self.name}.{key}", x, ws[f"q.{key}"][:rows], p,
-                                         ops)
-
-    def _qback(self, key, x, d, p, g, ops):
-        if self.quant is not None:
-            self.quant.inner_backward(f"{self.name}.{key}", x, d, p, g, ops)
 
     def specs(self):
         c = self.channels
@@ -147,12 +151,12 @@ class Conv2dSubsampling:
         if not mid.full:   # the second convolution reads zeros past each utterance's end
             ops.mask_rows(a1, mid)
         cols2, a2 = ws["cols2"][:r2 * self.f2], ws["a2"][:r2]
-        ops.unfold2d(self._qin("conv2", a1, ws, r1, p, ops), cols2, nb, mid.steps, out.steps,
+        ops.unfold2d(_quantized(self, "conv2", a1, ws, r1, p, ops), cols2, nb, mid.steps, out.steps,
                      self.f1, self.f2, c)
         matmul(cols2, p[f"{n}.conv2.w"], a2.reshape(r2 * self.f2, c))
         _progress(progress)
         ops.bias_act(a2.reshape(r2 * self.f2, c), p[f"{n}.conv2.b"], K.RELU)
-        matmul(self._qin("out", a2, ws, r2, p, ops), p[f"{n}.out.w"], y)
+        matmul(_quantized(self, "out", a2, ws, r2, p, ops), p[f"{n}.out.w"], y)
         _progress(progress)
         ops.add_bias(y, p[f"{n}.out.b"])
 
@@ -167,7 +171,7 @@ class Conv2dSubsampling:
                trans_a=True)
         matmul(dy, p[f"{n}.out.w"], d2, trans_b=True)
         _progress(progress)
-        self._qback("out", a2, d2, p, g, ops)
+        _straight_through(self, "out", a2, d2, p, g, ops)
         a2v = a2.reshape(r2 * self.f2, c)
         ops.act_backward(a2v, d2.reshape(r2 * self.f2, c), a2v, g[f"{n}.conv2.b"], K.RELU)
         cols2 = ws["cols2"][:r2 * self.f2]                              # the forward's
@@ -176,7 +180,7 @@ class Conv2dSubsampling:
         _progress(progress)
         d1 = ws["d1"][:r1]   # a1 keeps ReLU's mask (0 on the padding: no gradient there)
         ops.fold2d(cols2, d1, nb, mid.steps, out.steps, self.f1, self.f2, c)
-        self._qback("conv2", a1, d1, p, g, ops)
+        _straight_through(self, "conv2", a1, d1, p, g, ops)
         a1v = a1.reshape(r1 * self.f1, c)
         ops.act_backward(a1v, d1.reshape(r1 * self.f1, c), a1v, g[f"{n}.conv1.b"], K.RELU)
         cols1 = ws["cols1"][:r1 * self.f1]                              # the forward's
@@ -216,7 +220,7 @@ class ConformerBlock:
         check_conformer_sizes(width, heads, kernel)
         dk = width // heads
         self.name, self.index = name, int(index)
-        self.n_in = self.n_out = self.width_d = int(width)
+        self.n_in = self.n_out = int(width)
         self.heads, self.dk, self.ff, self.kernel = int(heads), dk, int(ff), int(kernel)
         self.left = (self.kernel - 1) // 2
         self.norm = norm
@@ -316,32 +320,20 @@ class ConformerBlock:
         ops.layer_norm_backward(x, dy, dy, p[self._n(f"{part}.g")], dz, g[self._n(f"{part}.g")],
                                 g[self._n(f"{part}.b")], K.IDENTITY)
 
-    def _qin(self, key, x, ws, rows, p, ops):
-        """A GEMM's input x, fake-quantized into its own buffer under quantization-aware
-        training of activations (model/quantize.py: quantize_inner), else x itself."""
-        if self.quant is None:
-            return x
-        return self.quant.quantize_inner(self._n(key), x, ws[f"q.{key}"][:rows], p, ops)
-
     def _dq(self, key, x, ws, rows):
         """Where the backward writes dLoss/d(x's GEMM input): the quantized copy's buffer
         (free once the weight gradient has read it; x itself stays for the straight-through
         mask), else x's own."""
         return x if self.quant is None else ws[f"q.{key}"][:rows]
 
-    def _qback(self, key, x, d, p, g, ops):
-        """The straight-through gradient of a quantized input (a learned range's sums)."""
-        if self.quant is not None:
-            self.quant.inner_backward(self._n(key), x, d, p, g, ops)
-
     def _ff(self, p, ops, x, out, ws, rows, ff, drop, progress):
         """out = x + 1/2 FF(x)."""
         l, pre, act, tmp = (ws[k][:rows] for k in (f"l_{ff}", f"{ff}_pre", f"{ff}_act", "tmp"))
         self._ln(p, ops, x, l, f"{ff}.ln")
-        matmul(self._qin(f"{ff}.w1", l, ws, rows, p, ops), p[self._n(f"{ff}.w1.w")], pre)
+        matmul(_quantized(self, f"{ff}.w1", l, ws, rows, p, ops), p[self._n(f"{ff}.w1.w")], pre)
         _progress(progress)
         ops.bias_swish(pre, p[self._n(f"{ff}.w1.b")], act)
-        matmul(self._qin(f"{ff}.w2", act, ws, rows, p, ops), p[self._n(f"{ff}.w2.w")], tmp)
+        matmul(_quantized(self, f"{ff}.w2", act, ws, rows, p, ops), p[self._n(f"{ff}.w2.w")], tmp)
         _progress(progress)
         ops.add_bias(tmp, p[self._n(f"{ff}.w2.b")])
         self._drop(ops, tmp, drop, ff)
@@ -358,14 +350,14 @@ class ConformerBlock:
         matmul(da, tmp, g[self._n(f"{ff}.w2.w")], trans_a=True)
         matmul(tmp, p[self._n(f"{ff}.w2.w")], da, trans_b=True)
         _progress(progress)
-        self._qback(f"{ff}.w2", act, da, p, g, ops)
+        _straight_through(self, f"{ff}.w2", act, da, p, g, ops)
         ops.swish_backward(pre, da, da)
         ops.column_sums(da, g[self._n(f"{ff}.w1.b")])
         dl = self._dq(f"{ff}.w1", l, ws, rows)
         matmul(dl, da, g[self._n(f"{ff}.w1.w")], trans_a=True)
         matmul(da, p[self._n(f"{ff}.w1.w")], dl, trans_b=True)
         _progress(progress)
-        self._qback(f"{ff}.w1", l, dl, p, g, ops)
+        _straight_through(self, f"{ff}.w1", l, dl, p, g, ops)
         self._ln_backward(p, g, ops, x, dl, tmp, f"{ff}.ln")
         ops.add_scaled(grad, tmp, 1.0, grad)
 
@@ -373,7 +365,7 @@ class ConformerBlock:
         d = self.n_in
         l, qkv, att, tmp = (ws[k][:rows] for k in ("l_mhsa", "qkv", "att", "tmp"))
         self._ln(p, ops, x, l, "mhsa.ln")
-        matmul(self._qin("mhsa.qkv", l, ws, rows, p, ops), p[self._n("mhsa.qkv.w")], qkv)
+        matmul(_quantized(self, "mhsa.qkv", l, ws, rows, p, ops), p[self._n("mhsa.qkv.w")], qkv)
         _progress(progress)
         ops.add_bias(qkv, p[self._n("mhsa.qkv.b")])
         qh, kh, vh, oh = (self._heads(ws, k, lengths) for k in ("qh", "kh", "vh", "oh"))
@@ -386,7 +378,7 @@ class ConformerBlock:
         batched_matmul(prob, vh, oh)
         _progress(progress)
         ops.from_heads(oh, att, 0, lengths, False, 1.0)
-        matmul(self._qin("mhsa.out", att, ws, rows, p, ops), p[self._n("mhsa.out.w")], tmp)
+        matmul(_quantized(self, "mhsa.out", att, ws, rows, p, ops), p[self._n("mhsa.out.w")], tmp)
         _progress(progress)
         ops.add_bias(tmp, p[self._n("mhsa.out.b")])
         self._drop(ops, tmp, drop, "mhsa")
@@ -402,7 +394,7 @@ class ConformerBlock:
         matmul(datt, tmp, g[self._n("mhsa.out.w")], trans_a=True)
         matmul(tmp, p[self._n("mhsa.out.w")], datt, trans_b=True)
         _progress(progress)
-        self._qback("mhsa.out", att, datt, p, g, ops)
+        _straight_through(self, "mhsa.out", att, datt, p, g, ops)
         qh, kh, vh, oh = (self._heads(ws, k, lengths) for k in ("qh", "kh", "vh", "oh"))
         ops.to_heads(datt, 0, oh, lengths, False, 1.0)                  # d oh
         prob = self._scores(ws, lengths, "p", qh.dtype)
@@ -421,7 +413,7 @@ class ConformerBlock:
         matmul(dl, qkv, g[self._n("mhsa.qkv.w")], trans_a=True)
         matmul(qkv, p[self._n("mhsa.qkv.w")], dl, trans_b=True)
         _progress(progress)
-        self._qback("mhsa.qkv", l, dl, p, g, ops)
+        _straight_through(self, "mhsa.qkv", l, dl, p, g, ops)
         self._ln_backward(p, g, ops, x, dl, tmp, "mhsa.ln")
         ops.add_scaled(grad, tmp, 1.0, grad)
 
@@ -436,14 +428,14 @@ class ConformerBlock:
         l, gbuf, u, c, n, s, tmp = (ws[k][:rows] for k in ("l_conv", "g", "u", "c", "n", "s",
                                                            "tmp"))
         self._ln(p, ops, x, l, "conv.ln")
-        matmul(self._qin("conv.w1", l, ws, rows, p, ops), p[self._n("conv.w1.w")], gbuf)
+        matmul(_quantized(self, "conv.w1", l, ws, rows, p, ops), p[self._n("conv.w1.w")], gbuf)
         _progress(progress)
         ops.bias_glu(gbuf, p[self._n("conv.w1.b")], u)
-        ops.depthwise(self._qin("conv.dw", u, ws, rows, p, ops), p[self._n("conv.dw.w")],
+        ops.depthwise(_quantized(self, "conv.dw", u, ws, rows, p, ops), p[self._n("conv.dw.w")],
                       p[self._n("conv.dw.b")], c, lengths, self.left)
         self._norm_after_dw(p, ops, c, n, lengths)
         ops.swish(n, s)
-        matmul(self._qin("conv.w2", s, ws, rows, p, ops), p[self._n("conv.w2.w")], tmp)
+        matmul(_quantized(self, "conv.w2", s, ws, rows, p, ops), p[self._n("conv.w2.w")], tmp)
         _progress(progress)
         ops.add_bias(tmp, p[self._n("conv.w2.b")])
         self._drop(ops, tmp, drop, "conv")
@@ -459,7 +451,7 @@ class ConformerBlock:
         matmul(ds, tmp, g[self._n("conv.w2.w")], trans_a=True)
         matmul(tmp, p[self._n("conv.w2.w")], ds, trans_b=True)     # d s
         _progress(progress)
-        self._qback("conv.w2", s, ds, p, g, ops)
+        _straight_through(self, "conv.w2", s, ds, p, g, ops)
         ops.swish_backward(n, ds, ds)                               # d n over it
         gamma = p[self._n("conv.norm.g")]
         gg, gb = g[self._n("conv.norm.g")], g[self._n("conv.norm.b")]
@@ -470,14 +462,14 @@ class ConformerBlock:
         uq = u if self.quant is None else ws["q.conv.dw"][:rows]    # what the taps read
         ops.depthwise_backward(uq, ds, p[self._n("conv.dw.w")], n, g[self._n("conv.dw.w")],
                                g[self._n("conv.dw.b")], lengths, self.left)   # d u over n
-        self._qback("conv.dw", u, n, p, g, ops)
+        _straight_through(self, "conv.dw", u, n, p, g, ops)
         ops.glu_backward(gbuf, n, gbuf)                             # d g over g
         ops.column_sums(gbuf, g[self._n("conv.w1.b")])
         dl = self._dq("conv.w1", l, ws, rows)
         matmul(dl, gbuf, g[self._n("conv.w1.w")], trans_a=True)
         matmul(gbuf, p[self._n("conv.w1.w")], dl, trans_b=True)
         _progress(progress)
-        self._qback("conv.w1", l, dl, p, g, ops)
+        _straight_through(self, "conv.w1", l, dl, p, g, ops)
         self._ln_backward(p, g, ops, x, dl, tmp, "conv.ln")
         ops.add_scaled(grad, tmp, 1.0, grad)
 
