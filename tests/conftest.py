@@ -344,6 +344,38 @@ def latest_arrays(run):
 
 
 @pytest.fixture(scope="session")
+def demo_tokens(tmp_path_factory):
+    """The bundled so762 demo corpus with phone tokens from its alignments (8 CV speakers)."""
+    out = str(tmp_path_factory.mktemp("demo_tokens") / "archive")
+    demo = os.path.join(REPO, "data_prep", "demo", "so762")
+    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "prep", demo, out,
+                           "--alignments", os.path.join(demo, "phones.ctm"), "--labels",
+                           os.path.join(demo, "labels.txt"), "--cv-speakers", "8",
+                           "--num-shards", "2", "--jobs", "2", "--tokens", "phones"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def assert_moves_from_2_to_3_ranks(options, arch, tmp_path, *extra, timeout=180):
+    """A striped 1-bit run stopped mid-epoch on 2 ranks and resumed on 3: the rest of the
+    epoch re-dealt over three, every frame trained once, the residuals folded into the new
+    stripes (the replicas checked as the options say)."""
+    run = str(tmp_path / "run")
+    for K, stop in ((2, 1500), (3, 0)):
+        proc = run_train(K, options(arch, f"train.run_dir={run}", "exchange.aggregation=striped",
+                                    "exchange.codec=onebit", *extra,
+                                    f"train.stop_after_frames={stop}"), timeout=timeout)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = open(os.path.join(run, "logs", "rank0000.log")).read()
+    assert "re-dealt from 2 to 3 ranks" in log and "folded into the new stripes" in log
+    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
+              if json.loads(line)["kind"] == "epoch"]
+    index = json.load(open(os.path.join(arch, "index.json")))
+    assert [e["frames"] for e in epochs] == [index["total_frames"]]
+
+
+@pytest.fixture(scope="session")
 def small_archive(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("archive"))
     return out, make_archive(out)

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import TrainerRuns, assert_float32_close, latest_arrays, make_archive, run_train
+from conftest import (TrainerRuns, assert_float32_close, assert_moves_from_2_to_3_ranks,
+                      latest_arrays, make_archive, run_train)
 from hpcsgd import checkpoint, config
 from hpcsgd.errors import UserError
 
@@ -74,18 +75,7 @@ def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     """As docs/training.md promises for another rank count: the rest of the epoch dealt over
     three, every frame trained once, the residuals folded into the new stripes, the replicas
     identical every step."""
-    extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
-    run = str(tmp_path / "run")
-    for K, stop in ((2, 1500), (3, 0)):
-        proc = run_train(K, options(arch, f"train.run_dir={run}", *extra,
-                                    f"train.stop_after_frames={stop}"), timeout=240)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = open(os.path.join(run, "logs", "rank0000.log")).read()
-    assert "re-dealt from 2 to 3 ranks" in log and "folded into the new stripes" in log
-    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
-              if json.loads(line)["kind"] == "epoch"]
-    index = json.load(open(os.path.join(arch, "index.json")))
-    assert [e["frames"] for e in epochs] == [index["total_frames"]]
+    assert_moves_from_2_to_3_ranks(options, arch, tmp_path, timeout=240)
 
 
 @pytest.mark.parametrize("extra", [
@@ -160,7 +150,7 @@ def test_init_from_a_blstm_encoder_into_a_conformer_is_named(arch, tmp_path, tmp
     assert "its encoder" in proc.stderr and "conformer 8 h2 f12 k3" in proc.stderr, proc.stderr
 
 
-def test_a_conformer_learns_real_speech_with_onebit_on_two_ranks(tmp_path):
+def test_a_conformer_learns_real_speech_with_onebit_on_two_ranks(demo_tokens, tmp_path):
     """The bundled so762 demo corpus (200 utterances of 40 speakers, phone tokens), the Conv2d
     front end and two blocks with a frame CE head (it leaves CTC's blank plateau in about 6
     epochs here, 10 without), 2 ranks with the striped 1-bit exchange after a float32 cold
@@ -168,17 +158,7 @@ def test_a_conformer_learns_real_speech_with_onebit_on_two_ranks(tmp_path):
     1-bit phase, the held-out CTC loss ends well below the first epoch's and held-out phones
     are recognized (one process on Zen 4, float32 throughout: 2.11/token, CV 2.61, 70% token
     errors after 16 epochs)."""
-    from conftest import REPO
-    import subprocess
-    import sys
-    out = str(tmp_path / "archive")
-    demo = os.path.join(REPO, "data_prep", "demo", "so762")
-    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "prep", demo, out,
-                           "--alignments", os.path.join(demo, "phones.ctm"), "--labels",
-                           os.path.join(demo, "labels.txt"), "--cv-speakers", "8",
-                           "--num-shards", "2", "--jobs", "2", "--tokens", "phones"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = demo_tokens
     frames = json.load(open(os.path.join(out, "train", "index.json")))["total_frames"]
     run = str(tmp_path / "run")
     proc = run_train(2, [f"data.train={out}/train", f"data.cv={out}/cv", f"train.run_dir={run}",

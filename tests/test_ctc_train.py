@@ -14,7 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import (TrainerRuns, assert_float32_close, latest_arrays, make_archive, run_train)
+from conftest import (TrainerRuns, assert_float32_close, assert_moves_from_2_to_3_ranks,
+                      latest_arrays, make_archive, run_train)
 from hpcsgd import checkpoint, config
 from hpcsgd.errors import UserError
 
@@ -179,18 +180,7 @@ def test_dropout_trains_as_one_process(arch, tmp_path, tmp_path_factory):
 def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     """The rest of the epoch's batches dealt over three: the epoch trains every frame once
     (its frames add up to the archive's), residuals folded, replicas agree."""
-    extra = ("exchange.aggregation=striped", "exchange.codec=onebit")
-    run = str(tmp_path / "run")
-    for K, stop in ((2, 1500), (3, 0)):
-        proc = run_train(K, options(arch, f"train.run_dir={run}", *extra,
-                                    f"train.stop_after_frames={stop}"), timeout=180)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = open(os.path.join(run, "logs", "rank0000.log")).read()
-    assert "re-dealt from 2 to 3 ranks" in log and "folded into the new stripes" in log
-    epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
-              if json.loads(line)["kind"] == "epoch"]
-    index = json.load(open(os.path.join(arch, "index.json")))
-    assert [e["frames"] for e in epochs] == [index["total_frames"]]
+    assert_moves_from_2_to_3_ranks(options, arch, tmp_path)
 
 
 @pytest.mark.parametrize("extra", [

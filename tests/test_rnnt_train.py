@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (REPO, TrainerRuns, assert_float32_close, latest_arrays, make_archive,
+from conftest import (TrainerRuns, assert_float32_close, latest_arrays, make_archive,
                       run_train)
 from hpcsgd import checkpoint, config
 from hpcsgd.errors import UserError
@@ -155,20 +155,6 @@ def test_config_refuses_what_rnnt_cannot_do_yet(arch):
                          (["model.predictor=[blstm 4]"], "causal")):
         with pytest.raises(UserError, match=words):
             config.load(None, base + extra)
-
-
-@pytest.fixture(scope="module")
-def demo_tokens(tmp_path_factory):
-    """The bundled so762 demo corpus with phone tokens from its alignments."""
-    out = str(tmp_path_factory.mktemp("demo_rnnt") / "archive")
-    demo = os.path.join(REPO, "data_prep", "demo", "so762")
-    proc = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "prep", demo, out,
-                           "--alignments", os.path.join(demo, "phones.ctm"), "--labels",
-                           os.path.join(demo, "labels.txt"), "--cv-speakers", "8",
-                           "--num-shards", "2", "--jobs", "2", "--tokens", "phones"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
 
 
 def test_onebit_rnnt_learns_real_speech_on_two_ranks(demo_tokens, tmp_path):
