@@ -76,9 +76,25 @@ def CTCModel(torch, shape, act, out=None):
     shape["batch_norm"] (experiments/pytorch_ctc.py --batch-norm, hpcsgd has none): every
     "in" becomes batch norm, over the batch's valid steps, running statistics in eval().
     shape["dropout"] (model.dropout): nn.Dropout on each layer's output but stacking's, in
-    train() mode (its own generator's masks; hpcsgd's are hashed per utterance)."""
+    train() mode (its own generator's masks; hpcsgd's are hashed per utterance); a Conformer
+    block drops each module's output before its residual add instead (not the block's).
+
+    The Conformer's specs (hpcsgd/model/conformer.py), as ESPnet / NeMo / torchaudio write
+    them: "conv2d C D" is nn.Conv2d(1, C, 3, stride 2, padding 1) over (B, 1, T, F), ReLU, the
+    padding past each utterance zeroed, nn.Conv2d(C, C, ...), ReLU, the (B, C, T', F') map
+    flattened channel-major (ESPnet's x.transpose(1, 2).view(b, t, c * f); hpcsgd's rows are
+    frequency-major: experiments/pytorch_conformer_parity.py permutes the weight), nn.Linear
+    to D; ceil(L/4) output steps. "conformer D hH fF kK [ln|in]": ConformerBlock below (macaron
+    nn.Linear + SiLU feed-forwards at 1/2, nn.LayerNorm before each module, a fused nn.Linear
+    for q, k and v, the rotary embedding on q and k (hpcsgd's convention: pairs (i, i + dk/2),
+    angle t * 10000^(-2i/dk)), F.scaled_dot_product_attention with a key-padding mask from the
+    lengths, nn.Linear + GLU, the padding zeroed, nn.Conv1d(groups=D) depthwise, nn.LayerNorm
+    or the masked instance norm (batch norm with shape["batch_norm"]), SiLU, nn.Linear, a final
+    nn.LayerNorm). The same parameter count as hpcsgd's layers."""
     from hpcsgd.model.encoder import parse_spec
+    from hpcsgd.model.kernels_conformer import ROPE_BASE
     from hpcsgd.model.kernels_norm import EPS
+    F = torch.nn.functional
 
     def valid_steps(x, lengths):
         """(T, B) bool: step t of sequence b is within its length."""
@@ -122,6 +138,107 @@ def CTCModel(torch, shape, act, out=None):
                 mean, var = self.mean, self.var
             return (x - mean) / torch.sqrt(var + EPS) * self.weight + self.bias
 
+    def norm_of(kind, width):
+        return torch.nn.LayerNorm(width, eps=EPS) if kind == "ln" else \
+            BatchNorm(width) if shape.get("batch_norm") else InstanceNorm(width)
+
+    class Conv2dSubsampling(torch.nn.Module):
+        """x (T, B, F) -> (ceil(T/4), B, D): two 3x3 stride-2 nn.Conv2d with ReLU over
+        (time, frequency), a Linear of the C x ceil(F/4) values of each output step."""
+        def __init__(self, n_in, channels, width):
+            super().__init__()
+            f1 = -(-n_in // 2)
+            f2 = -(-f1 // 2)   # ceil(F/4) frequencies after the two strides
+            self.conv1 = torch.nn.Conv2d(1, channels, 3, stride=2, padding=1)
+            self.conv2 = torch.nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+            self.out = torch.nn.Linear(channels * f2, width)
+
+        def forward(self, x, lengths):
+            x = x * valid_steps(x, lengths)[..., None]
+            x = torch.relu(self.conv1(x.permute(1, 0, 2)[:, None]))     # (B, C, T1, F1)
+            lengths = (lengths + 1) // 2                # the second one reads zeros past them
+            valid = torch.arange(x.shape[2], device=x.device)[None, :] \
+                < lengths.to(x.device)[:, None]                         # (B, T1)
+            x = x * valid[:, None, :, None]
+            x = torch.relu(self.conv2(x))                                # (B, C, T2, F2)
+            b, c, t, f = x.shape
+            x = self.out(x.permute(2, 0, 1, 3).reshape(t, b, c * f))     # channel-major
+            return x, (lengths + 1) // 2
+
+    tables = {}   # (steps, dk, dtype, device) -> the rotary (cos, sin), made once
+
+    def rope_tables(steps, dk, dtype, device):
+        """cos, sin (steps, dk/2) of the angles t * ROPE_BASE^(-2i/dk), computed in float64
+        and rounded once (as hpcsgd's); cached, not buffers (DDP would broadcast those)."""
+        key = (steps, dk, dtype, device)
+        if key not in tables:
+            inv = ROPE_BASE ** (-torch.arange(dk // 2, dtype=torch.float64) * 2.0 / dk)
+            angle = torch.arange(steps, dtype=torch.float64)[:, None] * inv[None, :]
+            tables[key] = (angle.cos().to(dtype).to(device), angle.sin().to(dtype).to(device))
+        return tables[key]
+
+    def rope(x, cos, sin):
+        """The rotary embedding of x (B, H, T, dk): pair (i, i + dk/2) of step t turned by
+        cos, sin (T, dk/2) of t * ROPE_BASE^(-2i/dk)."""
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    class FeedForward(torch.nn.Module):
+        def __init__(self, width, ff, p):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(width, eps=EPS)
+            self.w1, self.w2 = torch.nn.Linear(width, ff), torch.nn.Linear(ff, width)
+            self.drop = torch.nn.Dropout(p)
+
+        def forward(self, x):
+            return self.drop(self.w2(F.silu(self.w1(self.ln(x)))))
+
+    class ConformerBlock(torch.nn.Module):
+        """One Conformer block over x (T, B, D) (hpcsgd/model/conformer.py's algebra):
+        x1 = x + FF1/2, x2 = x1 + MHSA, x3 = x2 + Conv, x4 = x3 + FF2/2, LN(x4); dropout on
+        each module's output before its residual add."""
+        def __init__(self, spec, p):
+            super().__init__()
+            d, self.heads = spec["units"], spec["heads"]
+            self.dk, k = d // self.heads, spec["kernel"]
+            self.ff1, self.ff2 = FeedForward(d, spec["ff"], p), FeedForward(d, spec["ff"], p)
+            self.mhsa_ln = torch.nn.LayerNorm(d, eps=EPS)
+            self.qkv, self.att_out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+            self.conv_ln = torch.nn.LayerNorm(d, eps=EPS)
+            self.pw1 = torch.nn.Linear(d, 2 * d)
+            self.dw = torch.nn.Conv1d(d, d, k, padding=(k - 1) // 2, groups=d)
+            self.norm_kind = spec["norm"]
+            self.conv_norm = norm_of(spec["norm"], d)
+            self.pw2 = torch.nn.Linear(d, d)
+            self.ln = torch.nn.LayerNorm(d, eps=EPS)
+            self.drop = torch.nn.Dropout(p)
+
+        def mhsa(self, x, valid):
+            t, b, d = x.shape
+            qkv = self.qkv(self.mhsa_ln(x)).view(t, b, 3, self.heads, self.dk)
+            q, k, v = qkv.permute(2, 1, 3, 0, 4)               # each (B, H, T, dk)
+            cos, sin = rope_tables(t, self.dk, q.dtype, q.device)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            mask = valid.t()[:, None, None, :]                 # (B, 1, 1, T): the keys
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # 1/sqrt(dk)
+            return self.drop(self.att_out(o.permute(2, 0, 1, 3).reshape(t, b, d)))
+
+        def conv(self, x, valid, lengths):
+            u = F.glu(self.pw1(self.conv_ln(x)), dim=-1)      # (T, B, D)
+            u = u * valid[..., None]                            # the utterance's steps only
+            c = self.dw(u.permute(1, 2, 0)).permute(2, 0, 1)
+            c = self.conv_norm(c) if self.norm_kind == "ln" else self.conv_norm(c, lengths)
+            return self.drop(self.pw2(F.silu(c)))
+
+        def forward(self, x, lengths):
+            valid = valid_steps(x, lengths)
+            x = x + 0.5 * self.ff1(x)
+            x = x + self.mhsa(x, valid)
+            x = x + self.conv(x, valid, lengths)
+            x = x + 0.5 * self.ff2(x)
+            return self.ln(x)
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -138,12 +255,15 @@ def CTCModel(torch, shape, act, out=None):
                                             dilation=d, padding=(k - 1) * d // 2,
                                             bias=not spec["norm"])
                     if spec["norm"]:
-                        norm = torch.nn.LayerNorm(width, eps=EPS) if spec["norm"] == "ln" \
-                            else BatchNorm(width) if shape.get("batch_norm") else InstanceNorm(width)
-                        layer = torch.nn.ModuleDict({"conv": layer, "norm": norm})
+                        layer = torch.nn.ModuleDict({"conv": layer,
+                                                     "norm": norm_of(spec["norm"], width)})
                 elif kind in ("blstm", "lstm"):
                     layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
                     width *= 2 if kind == "blstm" else 1
+                elif kind == "conv2d":
+                    layer = Conv2dSubsampling(n_in, spec["channels"], width)
+                elif kind == "conformer":
+                    layer = ConformerBlock(spec, shape.get("dropout", 0.0))
                 else:
                     layer = torch.nn.Linear(n_in, width)
                 self.layers.append(layer)
@@ -176,9 +296,14 @@ def CTCModel(torch, shape, act, out=None):
                     packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu())
                     x, _ = torch.nn.utils.rnn.pad_packed_sequence(layer(packed)[0],
                                                                   total_length=x.shape[0])
+                elif kind == "conv2d":
+                    x, lengths = layer(x, lengths)
+                    x = x * valid_steps(x, lengths)[..., None]
+                elif kind == "conformer":
+                    x = layer(x, lengths) * valid_steps(x, lengths)[..., None]
                 else:
                     x = self.act(layer(x))
-                if kind != "stack":
+                if kind not in ("stack", "conformer"):   # a block drops inside it
                     x = self.drop(x)
             x = self.out(x)
             return (torch.nn.functional.log_softmax(x, dim=-1) if self.logits else x), lengths
