@@ -228,6 +228,17 @@ def test_schedules():
         learning_rate("cosine", 0.1)
 
 
+def test_a_warmup_ramps_any_schedule_from_zero():
+    """schedule.warmup_frames: the schedule's rate times frames / warmup until then."""
+    assert learning_rate("constant", 0.01, frames=0, warmup_frames=1000) == 0.0
+    assert learning_rate("constant", 0.01, frames=250, warmup_frames=1000) == 0.0025
+    assert learning_rate("constant", 0.01, frames=1000, warmup_frames=1000) == 0.01
+    assert learning_rate("linear", 0.01, frames=500, total_frames=1000,
+                         warmup_frames=1000) == pytest.approx(0.005 * 0.5)
+    assert learning_rate("linear", 0.01, frames=1500, total_frames=2000,
+                         warmup_frames=1000) == pytest.approx(0.0025)
+
+
 def test_local_adagrad_on_a_rank_without_frames_keeps_its_state():
     """At an epoch's tail a rank may get 0 frames: its gradient is zero and AdaGrad "local"
     must neither divide by zero nor change its accumulated statistics."""

@@ -38,8 +38,10 @@ Dropout (set_dropout(p); model.dropout): a model of whole utterances drops each 
 layer's output but frame stacking's (no parameters) before the layer above reads it, by masks
 hashed from the batch's utterance keys (Targets.keys; model/kernels_dropout.py), into a
 buffer of its own (dropped[i]): layer i's backward still reads its own output, layer i + 1's
-reads the dropped one, and the backward pass multiplies the gradient by the same mask. Only
-forward_backward drops; forward (cross-validation, eval, inference) never does.
+reads the dropped one, and the backward pass multiplies the gradient by the same mask. A
+layer that declares drops_inside (a Conformer block: its modules' outputs, model/conformer.py)
+is handed p and the keys instead. Only forward_backward drops; forward (cross-validation,
+eval, inference) never does.
 
 qat (a model.quantize description): quantization-aware training. Every pass runs on wq, the
 weights fake-quantized from the float32 master at its start, and on each layer's input
