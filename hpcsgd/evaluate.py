@@ -94,7 +94,7 @@ def evaluate_ctc(model, params, archive_dir, data, rank=0, world=1, comm=None,
     rnnt = model.describe.get("type") == "rnnt"
     batch_loss = _rnnt_batch(model, params) if rnnt else _ctc_batch
     sums = np.zeros(9)   # loss, tokens, frames, utterances, ins, del, sub, skipped, ref
-    for utts, x, targets in loader.eval_batches(model.max_batch):
+    for utts, x, targets in loader.eval_batches(model.max_batch, model.max_sequences):
         if heartbeat is not None:
             heartbeat()
         lengths = model.out_lengths(len(x), targets.frames)

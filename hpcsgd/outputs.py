@@ -109,7 +109,7 @@ def ctc_outputs(model, params, archive_dir, data, output="logpost", rank=0, worl
     loader = UtteranceLoader(archive_dir, rank, world, tokens=None, cmvn=data["cmvn"],
                              minibatch=model.max_batch, prefetch=False)
     try:
-        for utts, x, targets in loader.eval_batches(model.max_batch):
+        for utts, x, targets in loader.eval_batches(model.max_batch, model.max_sequences):
             lengths = model.out_lengths(len(x), targets.frames)
             out = model.forward(params, x, len(x), log=output == "logpost",
                                 lengths=targets.frames)

@@ -367,9 +367,11 @@ def build_state(cfg, grid, loader, timeline):
         # model parallelism: every layer split over this rank's model group
         group = ModelGroup(grid.model, cfg["model.activation_codec"],
                            cfg["model.activation_block"]) if grid.model_size > 1 else None
-        model = build(shape, max_batch=max(loader.max_rows if cfg["model.type"] in UTTERANCE_MODELS
-                                           else loader.max_batch, 1024), device=device,
-                      precision=cfg["train.precision"], group=group)
+        utterances = cfg["model.type"] in UTTERANCE_MODELS
+        model = build(shape, max_batch=max(loader.max_rows if utterances else loader.max_batch,
+                                           1024), device=device,
+                      precision=cfg["train.precision"], group=group,
+                      max_sequences=loader.max_sequences if utterances else None)
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk

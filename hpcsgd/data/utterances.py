@@ -363,11 +363,19 @@ class UtteranceLoader:
                           None if self._epoch is None
                           else utterance_keys(self.seed, self._epoch, group), labels)
 
-    def eval_batches(self, max_rows):
+    @property
+    def max_sequences(self):
+        """The most utterances a training batch can hold: its padded rows (at most
+        max_rows) are its utterances times the longest, each at least the shortest kept."""
+        shortest = int(self.lengths[self.kept].min()) if len(self.kept) else 1
+        return max(self.max_rows // max(shortest, 1), 1)
+
+    def eval_batches(self, max_rows, max_sequences=None):
         """This rank's share of the archive for evaluation and inference, each utterance
         once: (utterance ids, x, Targets) of batches of similar lengths, longest first,
-        at most max_rows padded rows each; no shuffling, no SpecAugment. Utterances are
-        dealt to the ranks in turn by length, so every rank gets a similar share."""
+        at most max_rows padded rows and max_sequences utterances (None: any) each; no
+        shuffling, no SpecAugment. Utterances are dealt to the ranks in turn by length, so
+        every rank gets a similar share."""
         by_length = np.argsort(-self.lengths, kind="stable")[self.rank::self.world]
         longest = int(self.lengths[by_length[0]]) if len(by_length) else 0
         if longest > min(max_rows, self.max_rows):
@@ -377,7 +385,8 @@ class UtteranceLoader:
         rows, m = min(max_rows, self.max_rows), 0
         while m < len(by_length):
             e = m + 1
-            while e < len(by_length) and (e - m + 1) * self.lengths[by_length[m]] <= rows:
+            while e < len(by_length) and (e - m + 1) * self.lengths[by_length[m]] <= rows \
+                    and (max_sequences is None or e - m < max_sequences):
                 e += 1
             group = by_length[m:e]
             x, targets = self._batch(group, self._read(None, group))

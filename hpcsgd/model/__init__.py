@@ -10,10 +10,11 @@ import numpy as np
 
 
 def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.float32,
-          group=None):
+          group=None, max_sequences=None):
     """The Network a checkpoint's or a run's model description names ("type" defaults to
     "dnn": checkpoints written before there was a choice); group: a model-parallel group
-    (model.parallel.ModelGroup) to split it over."""
+    (model.parallel.ModelGroup) to split it over; max_sequences: the most utterances of a
+    batch (models of whole utterances: fewer rows in every buffer past a time stride)."""
     from hpcsgd.model.ctc import ctc
     from hpcsgd.model.dnn import dnn
     from hpcsgd.model.encoder import tdnn
@@ -29,5 +30,7 @@ def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.
         if kind != "dnn":
             raise ValueError(f"model parallelism: model type {kind!r} is not split yet (dnn only)")
         extra["group"] = group
+    if max_sequences and kind in ("ctc", "rnnt"):
+        extra["max_sequences"] = max_sequences
     return builders[kind](**args, max_batch=max_batch, device=device, precision=precision,
                           dtype=dtype, **extra)

@@ -43,6 +43,7 @@ from hpcsgd.device import assign, batched_matmul, matmul
 from hpcsgd.model import kernels as K
 from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.layers import glorot_uniform
+from hpcsgd.model.lengths import strided_rows
 
 NORMS = ("ln", "in")
 # the GEMM inputs quantization-aware training quantizes in a block (its keys' parameters)
@@ -104,6 +105,7 @@ class Conv2dSubsampling:
         self.width = max(self.f1 * c, self.n_out)
         self.output_range = (None, None)
         self.quant = None    # model.quantize.Quantizer under QAT of activations (it sets it)
+        self.max_sequences = None   # a batch's most sequences (the Network sets it)
 
     def gemm_inputs(self):
         """The inputs QAT quantizes inside the front end: the second convolution's and the
@@ -122,12 +124,16 @@ class Conv2dSubsampling:
             views[f"{self.name}.{part}.b"][...] = 0
 
     def workspace(self, max_rows):
+        """Buffers at the first convolution's rate (r1 rows) and the second's (r2), fewer
+        than the input's when the batch's sequences are bounded (max_sequences, set by the
+        Network: model.lengths.strided_rows)."""
         c = self.channels
-        out = {"cols1": (max_rows * self.f1, 9), "a1": (max_rows, self.f1 * c),
-               "d1": (max_rows, self.f1 * c), "cols2": (max_rows * self.f2, 9 * c),
-               "a2": (max_rows, self.f2 * c), "d2": (max_rows, self.f2 * c)}
+        r1 = strided_rows(max_rows, 2, self.max_sequences)
+        r2 = strided_rows(max_rows, 4, self.max_sequences)
+        out = {"cols1": (r1 * self.f1, 9), "a1": (r1, self.f1 * c), "d1": (r1, self.f1 * c),
+               "cols2": (r2 * self.f2, 9 * c), "a2": (r2, self.f2 * c), "d2": (r2, self.f2 * c)}
         if self.quant is not None:
-            out.update({"q.conv2": (max_rows, self.f1 * c), "q.out": (max_rows, self.f2 * c)})
+            out.update({"q.conv2": (r1, self.f1 * c), "q.out": (r2, self.f2 * c)})
         return out
 
     def out_lengths(self, lengths):

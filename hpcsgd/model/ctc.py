@@ -128,7 +128,7 @@ def ctc_layers(input_dim, encoder, num_tokens, activation="relu", frame_labels=0
 
 
 def ctc(input_dim, encoder, num_tokens, activation="relu", max_batch=8192, dtype=np.float32,
-        device="cpu", precision="float32", qat=None, frame_labels=0):
+        device="cpu", precision="float32", qat=None, frame_labels=0, max_sequences=None):
     """The CTC model input_dim-[encoder]-num_tokens as a Network whose passes take whole
     utterances (their Lengths from the batch's targets); frame_labels > 0: with a frame CE
     head over that many labels (the module docstring)."""
@@ -138,4 +138,5 @@ def ctc(input_dim, encoder, num_tokens, activation="relu", max_batch=8192, dtype
                 **({"qat": dict(qat)} if qat else {}),
                 **({"frame_labels": int(frame_labels)} if frame_labels else {})}
     return Network(ctc_layers(input_dim, encoder, num_tokens, activation, frame_labels),
-                   max_batch, dtype, device, describe, precision, qat=qat)
+                   max_batch, dtype, device, describe, precision, qat=qat,
+                   max_sequences=max_sequences)

@@ -70,3 +70,13 @@ class Lengths:
 
     def __repr__(self):
         return f"Lengths({self.lengths.tolist()}, steps={self.steps})"
+
+
+def strided_rows(rows, stride, max_sequences=None):
+    """The most rows a batch of at most `rows` time-major rows has after a subsampling by
+    `stride`: ceil(T / s) * nb <= (T * nb + (s - 1) * nb) / s, so with at most max_sequences
+    sequences (nb) a batch's buffers past a stride need only that (None: rows, the bound
+    without it: nb = rows sequences of 1 step)."""
+    if not max_sequences or stride == 1:
+        return int(rows)
+    return min(int(rows), -(-(int(rows) + (stride - 1) * int(max_sequences)) // stride))

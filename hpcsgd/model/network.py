@@ -7,9 +7,11 @@ preallocated workspaces its forward and backward passes run in.
     ce, correct = net.forward_backward(params, grads, x, y, n)     # grads overwritten
 
 Workspaces: acts[i] (max_batch, n_out of layer i) holds layer i's output; backward writes the
-layer's dz over it. delta (max_batch * the widest hidden input) holds dLoss/dx of the layer
-being differentiated, read by the layer below before it writes its own. Any n <= max_batch
-works on views of them; nothing is allocated per call but small result scalars.
+layer's dz over it (fewer rows past a time stride when the batch's sequences are bounded:
+max_sequences, model.lengths.strided_rows). delta (max_batch * the widest hidden input)
+holds dLoss/dx of the layer being differentiated, read by the layer below before it writes
+its own. Any n <= max_batch works on views of them; nothing is allocated per call but small
+result scalars.
 
 GPU ranks (device="cuda"): every buffer on the device; batches come from the host and are
 copied into x_in / y_in; forward() copies its result back to the host.
@@ -57,7 +59,7 @@ from hpcsgd.device import assign, is_device, zeros
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import quantize
 from hpcsgd.model.flat import FlatParams, as_specs, matrices
-from hpcsgd.model.lengths import Lengths
+from hpcsgd.model.lengths import Lengths, strided_rows
 from hpcsgd.model.ops import GemmOnly, HalfOps, make_ops
 
 PRECISIONS = ("float32", "mixed", "bf16")
@@ -98,7 +100,7 @@ def gemm_flop_per_frame(layers):
 
 class Network:
     def __init__(self, layers, max_batch=1024, dtype=np.float32, device="cpu", describe=None,
-                 precision="float32", steps=None, qat=None):
+                 precision="float32", steps=None, qat=None, max_sequences=None):
         self.layers = list(layers)
         qat = quantize.check(qat)
         if qat and precision != "float32":
@@ -113,6 +115,15 @@ class Network:
         self.input_dim = self.layers[0].n_in
         self.num_labels = getattr(last, "num_tokens", last.n_out)
         self.max_batch, self.dtype, self.device = int(max_batch), np.dtype(dtype), device
+        # a batch of whole sequences holds at most max_sequences of them (the loader's bound):
+        # every buffer past a time stride needs fewer rows (model.lengths.strided_rows)
+        self.max_sequences = int(max_sequences) if max_sequences else None
+        self.layer_rows, stride = [], 1   # the most rows of each layer's output
+        for layer in self.layers:
+            stride *= getattr(layer, "stride", 1)
+            self.layer_rows.append(strided_rows(self.max_batch, stride, self.max_sequences))
+            if hasattr(layer, "max_sequences"):   # a layer with strides inside (conv2d)
+                layer.max_sequences = self.max_sequences
         self.describe = describe or {}   # the builder's arguments (checkpoints, logs)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
@@ -150,9 +161,9 @@ class Network:
             self.half_ops = HalfOps(self.ops, self.rounding)
         if self.quant:
             self.wq = self.new_params()   # the fake-quantized weights a pass runs on
-            self.aq = [zeros((self.max_batch, layer.n_in), self.dtype, device)
+            self.aq = [zeros((self._rows_in(i), layer.n_in), self.dtype, device)
                        if rule != "none" else None
-                       for layer, rule in zip(self.layers, self.quant.rules)]
+                       for i, (layer, rule) in enumerate(zip(self.layers, self.quant.rules))]
         self.graphs = None   # use_cuda_graphs(): hpcsgd/graphs.py
         self.dropout, self.dropped = 0.0, [None] * len(self.layers)   # set_dropout()
         if device == "cuda":
@@ -164,13 +175,17 @@ class Network:
     def _pass_buffers(self, dtype):
         """Each layer's output (acts) and, for a recurrent or model-parallel layer, its
         workspaces (scratch: gates, cells, one step's products; None for the others)."""
-        acts = [zeros((self.max_batch, layer.n_out), dtype, self.device)
-                for layer in self.layers]
+        acts = [zeros((rows, layer.n_out), dtype, self.device)
+                for layer, rows in zip(self.layers, self.layer_rows)]
         workspaces = [{name: zeros(shape, dtype, self.device)
-                       for name, shape in layer.workspace(self.max_batch).items()}
+                       for name, shape in layer.workspace(self._rows_in(i)).items()}
                       if hasattr(layer, "workspace") else None
-                      for layer in self.layers]
+                      for i, layer in enumerate(self.layers)]
         return acts, workspaces
+
+    def _rows_in(self, i):
+        """The most rows of layer i's input."""
+        return self.layer_rows[i - 1] if i else self.max_batch
 
     def set_dropout(self, p):
         """Drop each encoder layer's output with probability p in training passes (the module
@@ -186,7 +201,7 @@ class Network:
         for layer in self.layers:
             if getattr(layer, "drops_inside", False):
                 layer.dropout = self.dropout
-        self.dropped = [zeros((self.max_batch, layer.n_out), self.storage, self.device)
+        self.dropped = [zeros((self.layer_rows[i], layer.n_out), self.storage, self.device)
                         if p and i < len(self.layers) - 1 and layer.specs()
                         and not getattr(layer, "drops_inside", False) else None
                         for i, layer in enumerate(self.layers)]
@@ -206,8 +221,8 @@ class Network:
         return out
 
     def activation_bytes(self, rows=None):
-        """Bytes of activation_buffers() for a pass of `rows` rows (default: max_batch; every
-        one of them scales with the rows)."""
+        """Bytes of activation_buffers() for a pass of `rows` rows (default: max_batch, what
+        is allocated; else scaled by rows / max_batch, which each layer's share follows)."""
         total = sum(a.size * a.dtype.itemsize for a in self.activation_buffers().values())
         return total if rows is None else total * int(rows) // self.max_batch
 
@@ -316,6 +331,9 @@ class Network:
         if lengths.rows != n:
             raise ValueError(f"minibatch of {n} rows: its {lengths.nb} sequences of up to "
                              f"{lengths.steps} steps are {lengths.rows} rows")
+        if self.max_sequences and lengths.nb > self.max_sequences:
+            raise ValueError(f"a batch of {lengths.nb} sequences: the model's buffers hold at "
+                             f"most {self.max_sequences} (max_sequences)")
         geo = [lengths]
         for layer in self.layers:
             geo.append(layer.out_lengths(geo[-1]) if hasattr(layer, "out_lengths")

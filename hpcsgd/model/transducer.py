@@ -440,7 +440,7 @@ def rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint, joint_m
 
 def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, joint=256,
          joint_mode="add", activation="relu", max_batch=8192, dtype=np.float32, device="cpu",
-         precision="float32", qat=None):
+         precision="float32", qat=None, max_sequences=None):
     """The RNN-T model input_dim-[encoder]-transducer(predictor, joint)-num_tokens as a
     Network whose passes take whole utterances (their Lengths from the batch's targets)."""
     describe = {"type": "rnnt", "input_dim": int(input_dim),
@@ -451,7 +451,7 @@ def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, join
                 "activation": activation, **({"qat": dict(qat)} if qat else {})}
     net = Network(rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint,
                               joint_mode, activation), max_batch, dtype, device, describe,
-                  precision, qat=qat)
+                  precision, qat=qat, max_sequences=max_sequences)
     # float64 (the tests' reference trajectories): the loss kernel still computes its
     # recursions in float32 (model/kernels_rnnt.py), the rest of the layer in float64
     out = net.layers[-1]
