@@ -531,10 +531,6 @@ def check_conformer(config):
                         f"encoder of whole utterances (the self-attention spans one, the "
                         f"subsampling shortens it): model.type=ctc or rnnt, not "
                         f"{config['model.type']}")
-    if config["train.device"] != "cpu":
-        raise UserError("config keys model.encoder (conformer, conv2d) and train.device="
-                        f"{config['train.device']}: the Conformer's CUDA kernels are not built "
-                        "yet (docs/conformer.md); train it on CPU ranks")
     if config["qat.activations"] != "none":
         raise UserError("config keys model.encoder (conformer, conv2d) and qat.activations="
                         f"{config['qat.activations']}: the inputs of the GEMMs inside a "
