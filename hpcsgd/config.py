@@ -533,10 +533,6 @@ def check_conformer(config):
                         f"encoder of whole utterances (the self-attention spans one, the "
                         f"subsampling shortens it): model.type=ctc or rnnt, not "
                         f"{config['model.type']}")
-    if config["train.device"] != "cpu":
-        raise UserError("config keys model.encoder (conformer, conv2d) and train.device="
-                        f"{config['train.device']}: the Conformer's CUDA kernels are not built "
-                        "yet (docs/conformer.md); train it on CPU ranks")
 
 
 def check_rnnt(config):

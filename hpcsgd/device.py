@@ -223,13 +223,36 @@ def matmul(a, b, out, trans_a=False, trans_b=False, accumulate=False, scratch=No
 
 def batched_matmul(a, b, out, trans_a=False, trans_b=False):
     """out[i] = op(a[i]) @ op(b[i]) for stacks of matrices (3-D or more, the last two axes
-    the matrices'): the attention's per-utterance-and-head products (hpcsgd.model.conformer).
-    Host arrays: NumPy's matmul, one BLAS GEMM per matrix. (GPU ranks: not built yet; the
-    config refuses a Conformer on train.device=cuda.)"""
-    if is_device(out):
-        raise TypeError("batched_matmul: host arrays only (a Conformer trains on CPU ranks)")
-    np.matmul(np.swapaxes(a, -1, -2) if trans_a else a,
-              np.swapaxes(b, -1, -2) if trans_b else b, out=out)
+    the matrices', the leading ones the same on all three): the attention's
+    per-utterance-and-head products (hpcsgd.model.conformer). Host arrays: NumPy's matmul,
+    one BLAS GEMM per matrix. Device arrays (C-contiguous, one dtype; 16-bit operands as
+    matmul takes them, into their own dtype or float32): one cuBLAS strided-batched GEMM
+    (gemm_strided_batched: float32 accumulation, one rounding to out's dtype); in the
+    simulator NumPy on the host memory behind the simulated arrays, as matmul there."""
+    if not is_device(out):
+        np.matmul(np.swapaxes(a, -1, -2) if trans_a else a,
+                  np.swapaxes(b, -1, -2) if trans_b else b, out=out)
+        return
+    if a.dtype != b.dtype or (a.dtype != out.dtype and (a.dtype not in SIXTEEN_BIT
+                                                        or out.dtype != np.float32)):
+        raise TypeError(f"batched_matmul: operands {a.dtype} and {b.dtype} into {out.dtype}: "
+                        f"expected one dtype, or 16-bit operands into float32")
+    if RECORDER is not None:   # the simulator capturing a graph: replayed later
+        RECORDER.append((batched_matmul, (a, b, out, trans_a, trans_b)))
+        return
+    census.note_launch("cublas_gemm", census.FILL_BLOCKS)
+    if simulated():
+        x, y = a._ary, b._ary
+        x, y = (np.swapaxes(x, -1, -2) if trans_a else x), (np.swapaxes(y, -1, -2) if trans_b
+                                                             else y)
+        if x.dtype == np.float32:
+            np.matmul(x, y, out=out._ary)
+            return
+        with np.errstate(over="ignore"):   # beyond float16's range: Inf, as cuBLAS stores it
+            product = np.matmul(_widened(x), _widened(y))   # exact widening, float32 sums
+            out._ary[...] = bfloat16.bits(product) if out.dtype == np.uint16 else product
+        return
+    gemm_strided_batched(a, b, out, trans_a, trans_b)
 
 
 SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(np.uint16))   # float16, bfloat16 bits
@@ -269,9 +292,6 @@ def gemm(a, b, out, trans_a=False, trans_b=False, accumulate=False):
     pointing at after the pool gave it to something else (hpcsgd/graphs.py). Here every
     operand is read in place (its row stride is cuBLAS's leading dimension) on the compute
     stream. Row-major arrays are cuBLAS's column-major transposes: out^T = op(b)^T op(a)^T."""
-    from cupy.cuda import device as cupy_device
-    from cupy_backends.cuda.api import runtime
-    from cupy_backends.cuda.libs import cublas
     n, m = out.shape
     k = a.shape[0] if trans_a else a.shape[1]
     if not (n and m):
@@ -280,23 +300,80 @@ def gemm(a, b, out, trans_a=False, trans_b=False, accumulate=False):
         if not accumulate:
             fill(out, 0)
         return
+    cublas, handle, types = _cublas()
+    ctype, abtype = types[np.dtype(out.dtype)], types[np.dtype(a.dtype)]
+    one, beta = np.ones(1, np.float32), np.full(1, float(accumulate), np.float32)
+    cublas.gemmEx(handle,
+                  cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
+                  cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
+                  m, n, k, one.ctypes.data, _ptr(b), abtype, _ld(b),
+                  _ptr(a), abtype, _ld(a), beta.ctypes.data,
+                  _ptr(out), ctype, _ld(out), cublas.CUBLAS_COMPUTE_32F,
+                  cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+
+
+def _ptr(v):
+    return v.__cuda_array_interface__["data"][0]
+
+
+def _cublas():
+    """(CuPy's cuBLAS binding, its handle set to the compute stream, {dtype: cudaDataType})."""
+    from cupy.cuda import device as cupy_device
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
     # CuPy's runtime module names no bfloat16 type (cupy_backends/cuda/api/_runtime_enum.pxd
     # stops at CUDA_C_8U): cudaDataType's CUDA_R_16BF is 14 (library_types.h)
     types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F,
              np.dtype(np.uint16): getattr(runtime, "CUDA_R_16BF", 14)}
-    ctype, abtype = types[np.dtype(out.dtype)], types[np.dtype(a.dtype)]
-    one, beta = np.ones(1, np.float32), np.full(1, float(accumulate), np.float32)
-    ptr = lambda v: v.__cuda_array_interface__["data"][0]   # noqa: E731
     handle = cupy_device.get_cublas_handle()
     stream = capture_stream()   # the handle's stream is whatever CuPy's last call set: say it
     cublas.setStream(handle, stream.ptr if stream is not None else 0)
-    cublas.gemmEx(handle,
-                  cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
-                  cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
-                  m, n, k, one.ctypes.data, ptr(b), abtype, _ld(b),
-                  ptr(a), abtype, _ld(a), beta.ctypes.data,
-                  ptr(out), ctype, _ld(out), cublas.CUBLAS_COMPUTE_32F,
-                  cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+    return cublas, handle, types
+
+
+def _batch_stride(a, what):
+    """A C-contiguous stack's matrices: (count, row length = leading dimension, elements
+    between consecutive matrices)."""
+    strides, shape = a.__cuda_array_interface__["strides"], tuple(a.shape)
+    if strides is not None and tuple(strides) != tuple(
+            int(np.prod(shape[i + 1:])) * a.dtype.itemsize for i in range(len(shape))):
+        raise ValueError(f"batched_matmul: {what} {shape} with strides {strides}: expected a "
+                         f"C-contiguous stack")
+    return int(np.prod(shape[:-2])), max(shape[-1], 1), shape[-2] * shape[-1]
+
+
+def gemm_strided_batched(a, b, out, trans_a=False, trans_b=False):
+    """out[i] (n, m) = op(a[i]) @ op(b[i]) on a GPU through cublasGemmStridedBatchedEx, for
+    C-contiguous stacks (..., rows, cols) with the same leading axes: gemm's types and
+    arithmetic (float32 operands into float32, 16-bit ones into their own dtype or float32;
+    CUBLAS_COMPUTE_32F, alpha 1, beta 0: each output a float32 sum rounded once), each
+    matrix read in place at its offset (count x rows x cols elements apart), one launch for
+    every (utterance, head) pair, on the compute stream."""
+    if tuple(a.shape[:-2]) != tuple(out.shape[:-2]) or tuple(b.shape[:-2]) != tuple(
+            out.shape[:-2]):
+        raise ValueError(f"batched_matmul: stacks {a.shape}, {b.shape} into {out.shape}: "
+                         f"expected the same leading axes")
+    n, m = out.shape[-2], out.shape[-1]
+    k = a.shape[-2] if trans_a else a.shape[-1]
+    count, ldo, so = _batch_stride(out, "out")
+    _, lda, sa = _batch_stride(a, "a")
+    _, ldb, sb = _batch_stride(b, "b")
+    if not (count and n and m):
+        return
+    if k == 0:
+        fill(out, 0)
+        return
+    cublas, handle, types = _cublas()
+    ctype, abtype = types[np.dtype(out.dtype)], types[np.dtype(a.dtype)]
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    # row-major stacks are cuBLAS's column-major transposes: out^T = op(b)^T op(a)^T each
+    cublas.gemmStridedBatchedEx(handle,
+                                cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
+                                cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
+                                m, n, k, one.ctypes.data, _ptr(b), abtype, ldb, sb,
+                                _ptr(a), abtype, lda, sa, zero.ctypes.data,
+                                _ptr(out), ctype, ldo, so, count, cublas.CUBLAS_COMPUTE_32F,
+                                cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
 
 
 def norm2(a):

@@ -320,9 +320,11 @@ def _to_bf16_cuda(src, dst):
 
 @cuda.jit
 def _scale_cuda(x, s):
+    """x *= s in float32: a 16-bit x (float16; uint16 bfloat16 bits, which a plain *= would
+    multiply as integers) widened and rounded once to its format."""
     i = cuda.grid(1)
     if i < x.size:
-        x[i] *= s
+        x[i] = stored(x, widen(x[i]) * s)
 
 
 @cuda.jit

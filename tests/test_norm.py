@@ -15,7 +15,8 @@ a))) with a = |mean| r (xh's absolute error term). The parameter sums: each term
 8u |dh| (|xh| + a), float64 sums, one final rounding. CPU and CUDA are each within these of
 the exact value, so within twice of each other. Instance norm is the same algebra over a
 sequence's steps instead of a row's channels: its bounds are the same formulas applied to
-each sequence's valid rows transposed (in_tols).
+each sequence's valid rows transposed (in_tols). No activation (IDENTITY, the Conformer's
+norms): ReLU's bounds (the identity is 1-Lipschitz, no exp) with dh = dy.
 """
 import os
 
@@ -24,7 +25,7 @@ import pytest
 
 from conftest import ptx_compiler, run_cuda_tests_in_child
 from hpcsgd.model import kernels_norm as KN
-from hpcsgd.model.kernels import NCHUNK, RELU, SIGMOID
+from hpcsgd.model.kernels import IDENTITY, NCHUNK, RELU, SIGMOID
 
 CHILD = os.environ.get("HPCSGD_CUDASIM_CHILD") == "1"
 U = 2.0 ** -24
@@ -52,14 +53,23 @@ def stats64(z):
 def forward_tol(z, gamma, beta, kind):
     mean, r, xh = stats64(z)
     tol = 8 * U * (np.abs(gamma) * (np.abs(xh) + np.abs(mean) * r) + np.abs(beta))
-    return tol if kind == RELU else tol / 4 + 4 * U * KN.ref_layer_norm(z, gamma, beta, kind)
+    if kind in (RELU, IDENTITY):
+        return tol
+    return tol / 4 + 4 * U * KN.ref_layer_norm(z, gamma, beta, kind)
+
+
+def dh_of(y, dy, kind):
+    """dLoss/dh float64 from the kernel's y (the activation's derivative taken from it)."""
+    y, dy = np.asarray(y, np.float64), np.asarray(dy, np.float64)
+    if kind == IDENTITY:
+        return dy
+    return dy * (y > 0) if kind == RELU else dy * y * (1 - y)
 
 
 def backward_tols(z, gamma, y, dy, kind):
     """(dz, dgamma, dbeta) tolerances, the activation's derivative taken from y."""
     mean, r, xh = stats64(z)
-    y, dy = y.astype(np.float64), dy.astype(np.float64)
-    dh = dy * (y > 0) if kind == RELU else dy * y * (1 - y)
+    dh = dh_of(y, dy, kind)
     g = np.abs(gamma * dh)
     a = np.abs(mean) * r
     t_dz = 16 * U * r * (g + g.mean(1, keepdims=True)
@@ -72,8 +82,7 @@ def backward_tols(z, gamma, y, dy, kind):
 def ref_backward(z, gamma, beta, y, dy, kind):
     """The reference backward with the activation's derivative taken from y (the kernel's)."""
     mean, r, xh = stats64(z)
-    y, dy = y.astype(np.float64), dy.astype(np.float64)
-    dh = dy * (y > 0) if kind == RELU else dy * y * (1 - y)
+    dh = dh_of(y, dy, kind)
     g = gamma.astype(np.float64) * dh
     dz = r * (g - g.mean(1, keepdims=True) - xh * (g * xh).mean(1, keepdims=True))
     return dz, (dh * xh).sum(0, keepdims=True), dh.sum(0, keepdims=True)
@@ -112,7 +121,7 @@ def in_tols(z, gamma, beta, y, dy, kind, nb, lengths):
             zs, ys, dys = z[rows].T, y[rows].T, dy[rows].T
             t_y[rows] = forward_tol(zs, gamma.T, beta.T, kind).T
             mean, r, xh = stats64(zs)
-            dh = dys * (ys > 0) if kind == RELU else dys.astype(np.float64) * ys * (1 - ys)
+            dh = dh_of(ys, dys, kind)
             g = np.abs(gamma.T * dh)
             a = np.abs(mean) * r
             t_dz[rows] = (16 * U * r * (g + g.mean(1, keepdims=True) + (np.abs(xh) + a) * (
@@ -148,7 +157,7 @@ def check_in(got, z, gamma, beta, dy, kind, nb, lengths, factor=1):
 
 
 if not CHILD:
-    @pytest.mark.parametrize("kind", [RELU, SIGMOID])
+    @pytest.mark.parametrize("kind", [RELU, SIGMOID, IDENTITY])
     def test_instance_norm_cpu_matches_reference_within_bound(kind):
         z, gamma, beta, dy, nb, lengths = seq_case(6)
         check_in(cpu_in(z, gamma, beta, dy, kind, nb, lengths), z, gamma, beta, dy, kind, nb,
@@ -176,7 +185,7 @@ if not CHILD:
         for a, b in zip(*out):
             np.testing.assert_array_equal(a, b)
 
-    @pytest.mark.parametrize("kind", [RELU, SIGMOID])
+    @pytest.mark.parametrize("kind", [RELU, SIGMOID, IDENTITY])
     def test_cpu_kernels_match_float64_reference_within_bound(kind):
         z, gamma, beta, dy = case(0)
         y, dz, gg, gb = cpu(z, gamma, beta, dy, kind)
@@ -270,7 +279,7 @@ else:
         KNC.layer_norm_backward(dev[0], y, dev[3], dev[1], y, gg, gb, stats, kind)  # dz over y
         return y_host, y.copy_to_host(), gg.copy_to_host(), gb.copy_to_host()
 
-    @pytest.mark.parametrize("kind,m", [(RELU, 23), (SIGMOID, 23), (RELU, 300)])
+    @pytest.mark.parametrize("kind,m", [(RELU, 23), (SIGMOID, 23), (RELU, 300), (IDENTITY, 23)])
     def test_float32_matches_reference_and_cpu(kind, m):
         """m = 300: more columns than a block's threads (strided), the column pass tiled."""
         z, gamma, beta, dy = case(4, n=19, m=m)
@@ -283,7 +292,7 @@ else:
             assert (np.abs(got - want) <= tol).all()
         y_c, dz_c, gg_c, gb_c = cpu(z, gamma, beta, dy, kind)
         assert (np.abs(y - y_c) <= 2 * tol_y).all()
-        if (y > 0).tolist() == (y_c > 0).tolist():   # the same activation mask
+        if kind != RELU or (y > 0).tolist() == (y_c > 0).tolist():   # the same ReLU mask
             for got, want, tol in zip((dz, gg, gb), (dz_c, gg_c, gb_c), tols):
                 assert (np.abs(got - want) <= 2 * tol).all()
 
@@ -293,8 +302,9 @@ else:
         _, _, gg, gb = run_cuda(z, gamma, beta, z.copy(), RELU)
         assert not gg.any() and not gb.any()
 
+    @pytest.mark.parametrize("kind", [RELU, IDENTITY])
     @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
-    def test_16bit_storage_is_the_float32_result_rounded_once(storage):
+    def test_16bit_storage_is_the_float32_result_rounded_once(storage, kind):
         """16-bit arrays in, the same float32 arithmetic on their values, one rounding at the
         store: bit for bit the float32 kernel's output on the widened inputs, rounded."""
         z, gamma, beta, dy = case(5, n=11, m=40)
@@ -304,8 +314,8 @@ else:
         else:
             to16, back, rnd = bf16_bits, bf16_values, bf16_bits
         args16 = [to16(a) for a in (z, gamma, beta, dy)]
-        y16, dz16, gg16, gb16 = run_cuda(*args16, RELU)
-        y32, dz32, gg32, gb32 = run_cuda(*[back(a) for a in args16], RELU)
+        y16, dz16, gg16, gb16 = run_cuda(*args16, kind)
+        y32, dz32, gg32, gb32 = run_cuda(*[back(a) for a in args16], kind)
         np.testing.assert_array_equal(y16, rnd(y32))
         np.testing.assert_array_equal(dz16, rnd(dz32))
         np.testing.assert_array_equal(gg16, gg32)   # float32 sums of the same values
@@ -323,7 +333,7 @@ else:
         KNC.instance_norm_backward(dev[0], y, dev[3], dev[1], y, gg, gb, kind, nb, lens, st)
         return y_host, y.copy_to_host(), gg.copy_to_host(), gb.copy_to_host()
 
-    @pytest.mark.parametrize("kind,m", [(RELU, 23), (SIGMOID, 40)])
+    @pytest.mark.parametrize("kind,m", [(RELU, 23), (SIGMOID, 40), (IDENTITY, 23)])
     def test_instance_norm_matches_reference_and_cpu(kind, m):
         """m = 40: more channels than a column tile of 32."""
         z, gamma, beta, dy, nb, lengths = seq_case(9, m=m)
@@ -332,7 +342,7 @@ else:
         cpu_out = cpu_in(z, gamma, beta, dy, kind, nb, lengths)
         tols = in_tols(z, gamma, beta, got[0], dy, kind, nb, lengths)
         assert (np.abs(got[0] - cpu_out[0]) <= 2 * tols[0]).all()
-        if (got[0] > 0).tolist() == (cpu_out[0] > 0).tolist():
+        if kind != RELU or (got[0] > 0).tolist() == (cpu_out[0] > 0).tolist():
             for a, b, tol in zip(got[1:], cpu_out[1:], tols[1:]):
                 assert (np.abs(a - b) <= 2 * tol).all()
 

@@ -34,12 +34,16 @@ utterance (model/kernels_dropout.py; a salt per block and module).
 Parameters are named where they live: enc.3.ff1.w1, enc.3.mhsa.wqkv, enc.3.conv.dw, enc.0.conv2.w.
 The kernels are model/kernels_conformer.py (with their float64 references), the norms'
 model/kernels_norm.py; everything element-wise goes through the device's ops (CpuOps; HalfOps
-under mixed precision and bf16 rounds every stored value). GPU ranks: not built yet (the
-config says so).
+under mixed precision and bf16 rounds every stored value). GPU ranks: the same code on
+CudaOps, whose CUDA twins are model/kernels_conformer_cuda.py and kernels_norm_cuda.py, the
+attention's products one cuBLAS strided-batched GEMM each (device.batched_matmul), a
+block's grown (nb, H, T, T) buffers on its device (the Network sets the block's `device`,
+`dtype` and `storage`).
 """
 import numpy as np
 
 from hpcsgd.device import assign, batched_matmul, matmul
+from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import kernels as K
 from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.layers import glorot_uniform
@@ -219,6 +223,9 @@ class ConformerBlock:
     # quantization-aware training: the block's input is the residual stream, which no GEMM
     # reads as it is (its GEMMs read layer norms' outputs): the Network leaves it float
     quantized_input = False
+    # where its grown buffers live: the Network sets its device, dtype and storage (the
+    # dtype of a training pass's buffers: 16-bit on GPU ranks under mixed or bf16)
+    takes_device = True
 
     def __init__(self, name, index, width, heads, ff, kernel, norm="ln"):
         if norm not in NORMS:
@@ -238,7 +245,9 @@ class ConformerBlock:
         self.output_range = (None, None)
         self.dropout = 0.0   # set by the Network (set_dropout)
         self.quant = None    # model.quantize.Quantizer under QAT of activations (it sets it)
-        self._att = {}       # the attention's grown buffers
+        self._att = {}       # the attention's grown buffers: (which, dtype) -> flat array
+        self.device = "cpu"                              # set by the Network
+        self.dtype = self.storage = np.dtype(np.float32)   # set by the Network
 
     def _n(self, part):
         return f"{self.name}.{part}"
@@ -304,12 +313,16 @@ class ConformerBlock:
         return ws[name][:lengths.rows].reshape(nb, self.heads, steps, self.dk)
 
     def _scores(self, ws, lengths, which, dtype):
-        """The (nb, H, T, T) buffer `which` (probabilities, or their gradient), grown."""
+        """The (nb, H, T, T) buffer `which` (probabilities, or their gradient) of the pass's
+        dtype (the storage in training, the model's in inference: one buffer each), grown
+        (doubled) on the layer's device."""
         need = lengths.nb * self.heads * lengths.steps ** 2
-        have = self._att.get(which)
-        if have is None or have.size < need or have.dtype != dtype:
-            have = self._att[which] = np.empty(max(need, 2 * (have.size if have is not None
-                                                               else 0)), dtype)
+        key = (which, np.dtype(dtype))
+        have = self._att.get(key)
+        if have is None or have.size < need:
+            size = max(need, 2 * (have.size if have is not None else 0), 1)
+            have = self._att[key] = (np.empty(size, dtype) if self.device == "cpu"
+                                     else cuda.device_array(size, dtype))
         return have[:need].reshape(lengths.nb, self.heads, lengths.steps, lengths.steps)
 
     def _drop(self, ops, x, drop, module):

@@ -43,7 +43,7 @@ from hpcsgd.device import as_device, fill, mul_rn, on_stream  # noqa: F401  (fil
 from hpcsgd.half import stored as S
 from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
-from hpcsgd.model.kernels import SIGMOID
+from hpcsgd.model.kernels import IDENTITY, SIGMOID
 from hpcsgd.model.kernels_dropout import keep_cuda
 
 ELEM_BLOCK = (32, 8)     # element-wise: 32 columns x 8 rows per block
@@ -101,9 +101,12 @@ def _bias_act_kernel(z, b, kind):
 
 @cuda.jit(device=True)
 def _act_grad(hv, dv, kind):
-    """dLoss/dz from the layer's output hv and dLoss/dh dv (float32)."""
+    """dLoss/dz from the layer's output hv and dLoss/dh dv (float32); IDENTITY (a norm
+    without activation, kernels_norm_cuda) passes dv through."""
     if kind == SIGMOID:
         return dv * (hv * (ONE - hv))
+    if kind == IDENTITY:
+        return dv
     return dv if hv > ZERO else ZERO
 
 

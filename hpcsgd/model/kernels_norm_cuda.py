@@ -1,5 +1,6 @@
 """CUDA counterparts of hpcsgd.model.kernels_norm: layer and instance normalization with their
-activation, for GPU ranks. Wrappers take Numba device arrays (or any __cuda_array_interface__ array) and
+activation (or none: kernels.IDENTITY, the Conformer's norms; its gradient passes dy through
+kernels_cuda._act_grad), for GPU ranks. Wrappers take Numba device arrays (or any __cuda_array_interface__ array) and
 launch on the compute stream without synchronizing.
 
 - The row statistics (_stats): one block per row, row_threads(M) threads (kernels_cuda); each
@@ -32,7 +33,7 @@ from hpcsgd.device import as_device, fill, mul_rn, on_stream
 from hpcsgd.half import stored as S
 from hpcsgd.half import widen as F
 from hpcsgd.lazy_cuda import cuda
-from hpcsgd.model.kernels import SIGMOID
+from hpcsgd.model.kernels import IDENTITY, SIGMOID
 from hpcsgd.model.kernels_cuda import (COL_TILE, ROW_THREADS, SUM_LANES, _act_grad,
                                        _elem_launch, _row_sum, _sum_lanes, column_sums_launch,
                                        row_threads)
@@ -67,6 +68,8 @@ def _forward_kernel(z, gamma, beta, y, kind):
         h = mul_rn(F(gamma[0, j]), mul_rn(F(z[i, j]) - mean, rstd)) + F(beta[0, j])
         if kind == SIGMOID:
             y[i, j] = S(y, ONE / (ONE + math.exp(-h)))
+        elif kind == IDENTITY:
+            y[i, j] = S(y, h)
         else:
             y[i, j] = S(y, max(h, ZERO))
 
@@ -212,6 +215,8 @@ def _in_forward_kernel(z, gamma, beta, y, nb, lengths, st, kind):
             h = mul_rn(F(gamma[0, j]), xh) + F(beta[0, j])
             if kind == SIGMOID:
                 y[i, j] = S(y, ONE / (ONE + math.exp(-h)))
+            elif kind == IDENTITY:
+                y[i, j] = S(y, h)
             else:
                 y[i, j] = S(y, max(h, ZERO))
 

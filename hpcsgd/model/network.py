@@ -131,6 +131,11 @@ class Network:
         self.rounding = ROUNDING[precision]   # None, "float16" or "bfloat16"
         self.half = self.rounding is not None   # a 16-bit float emulation (mixed or bf16)
         self.storage = storage_dtype(precision, device, self.dtype)
+        # a layer that grows buffers of its own (a Conformer block's attention products)
+        # makes them where the model's live
+        for layer in self.layers:
+            if getattr(layer, "takes_device", False):
+                layer.device, layer.dtype, layer.storage = device, self.dtype, self.storage
         self.acts, self.workspaces = self._pass_buffers(self.storage)
         # dLoss/dx of a layer's input: not of the model's, unless its clip values are learned
         first = 0 if self.quant and self.quant.learns_input(0) else 1

@@ -3,7 +3,7 @@ a layer's forward and backward are written once: the GEMMs (hpcsgd.device.matmul
 to these.
 
     CpuOps    the Numba CPU kernels of hpcsgd.model.kernels, with their preallocated scratch
-    CudaOps   the CUDA kernels of hpcsgd.model.kernels_cuda (GPU ranks)
+    CudaOps   the CUDA kernels of hpcsgd.model.kernels_cuda and its siblings (GPU ranks)
     GemmOnly  nothing at all: the step's GEMMs alone, the roofline `bench train` divides by
     HalfOps   mixed precision (float16) or bf16 around either of the first two: every value a
               GEMM or kernel stores as a 16-bit float is rounded to it in its float32 buffer
@@ -30,6 +30,7 @@ from hpcsgd.model import kernels_conformer as KF
 from hpcsgd.model import kernels_ctc as KCTC
 from hpcsgd.model import kernels_dropout as KD
 from hpcsgd.model import kernels_ctc_cuda as KCC   # compiled on first launch, by GPU models only
+from hpcsgd.model import kernels_conformer_cuda as KFC
 from hpcsgd.model import kernels_cuda as KC
 
 
@@ -336,6 +337,7 @@ class CudaOps:
         self.row_stats = zeros((max_batch, 2), np.float32, "cuda")   # float16 logits' rows
         self.norm_seq = None   # instance norm's scratch, made at its first use
         self.quant_part = None
+        self.rope_tables = {}   # dk -> the rotary (cos, sin) on the device, grown (rope)
         # a CUDA Graph's capture (hpcsgd/graphs.py): softmax_xent leaves the loss in the row
         # buffers and returns (None, None); read_loss(n) after the graph's launch reads it
         self.defer_loss = False
@@ -447,6 +449,79 @@ class CudaOps:
         if self.norm_seq is None or self.norm_seq.shape[0] < nb or self.norm_seq.shape[2] < m:
             self.norm_seq = zeros((max(nb, 1), 6, m), np.float64, "cuda")
         return self.norm_seq
+
+    # the Conformer's layers (model/conformer.py; model/kernels_conformer_cuda.py): CpuOps'
+    # signatures, a sequence's lengths on the device as instance norm's (_lengths)
+    def add_scaled(self, x, o, s, out):
+        """out <- x + s * o (a residual add; out may be x)."""
+        KFC.add_scaled(x, o, s, out)
+
+    def add_bias(self, z, b):
+        KFC.add_bias(z, b)
+
+    def bias_swish(self, z, b, y):
+        """z <- z + b (kept), y <- swish(z)."""
+        KFC.bias_swish(z, b, y)
+
+    def swish(self, z, y):
+        KFC.swish_forward(z, y)
+
+    def swish_backward(self, z, dy, dz):
+        """dz <- dy * swish'(z) (dz may be dy)."""
+        KFC.swish_backward(z, dy, dz)
+
+    def bias_glu(self, z, b, y):
+        """z (R, 2M) <- z + b (kept), y (R, M) <- GLU(z)."""
+        KFC.bias_glu(z, b, y)
+
+    def glu_backward(self, z, dy, dz):
+        KFC.glu_backward(z, dy, dz)
+
+    def depthwise(self, x, w, b, y, lengths, left):
+        """y <- the depthwise time convolution of x over each sequence's own steps."""
+        KFC.depthwise_forward(x, w, b, y, lengths.nb, self._lengths(lengths), left)
+
+    def depthwise_backward(self, x, dy, w, dx, gw, gb, lengths, left):
+        """No scratch: the taps' sums are a block per column tile and tap."""
+        KFC.depthwise_backward(x, dy, w, dx, gw, gb, lengths.nb, self._lengths(lengths), left)
+
+    def rope(self, steps, dk):
+        """The rotary embedding's (cos, sin) float32 device tables for at least `steps` steps,
+        grown as CpuOps.rope (doubled, 256 at least: a handful of copies a run). float32
+        whatever the storage: the kernels compute in float32, as HalfOps' emulation does."""
+        have = self.rope_tables.get(dk)
+        if have is None or len(have[0]) < steps:
+            grow = max(steps, 2 * len(have[0]) if have else 256)
+            have = tuple(cuda_module.to_device(t)
+                         for t in KF.rope_tables(grow, dk, np.float32))
+            self.rope_tables[dk] = have
+        return have
+
+    def to_heads(self, src, col, out, lengths, rotate, scale):
+        """out (nb, H, T, dk) <- src's columns col.. per utterance and head (rotary when
+        rotate), times scale; 0 past each utterance's end."""
+        cos, sin = self.rope(out.shape[2], out.shape[3])
+        KFC.to_heads(src, col, out, lengths.nb, out.shape[1], self._lengths(lengths), cos, sin,
+                     rotate, scale)
+
+    def from_heads(self, blocks, dst, col, lengths, rotate, scale):
+        """dst's columns col.. <- blocks laid back time-major (the rotation undone when
+        rotate), times scale; the padding rows 0."""
+        cos, sin = self.rope(blocks.shape[2], blocks.shape[3])
+        KFC.from_heads(blocks, dst, col, lengths.nb, self._lengths(lengths), cos, sin, rotate,
+                       scale)
+
+    def masked_softmax(self, s, p, lengths):
+        KFC.masked_softmax(s, p, self._lengths(lengths))
+
+    def masked_softmax_backward(self, p, dp, ds, lengths):
+        KFC.masked_softmax_backward(p, dp, ds, self._lengths(lengths))
+
+    def unfold2d(self, x, cols, nb, steps_in, steps_out, f_in, f_out, channels):
+        KFC.unfold2d(x, cols, nb, steps_in, steps_out, f_in, f_out, channels)
+
+    def fold2d(self, dcols, dx, nb, steps_in, steps_out, f_in, f_out, channels):
+        KFC.fold2d(dcols, dx, nb, steps_in, steps_out, f_in, f_out, channels)
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         """One block per utterance (model.kernels_ctc_cuda). The targets and the workspace
