@@ -107,6 +107,15 @@ def read_text(data_dir):
     return {utt: words for utt, words, _ in read_table(path, 1, "'utt word word ...'")}
 
 
+def read_genders(data_dir):
+    """{speaker: 'm' | 'f'} from the directory's optional spk2gender ({} without one)."""
+    path = os.path.join(data_dir, "spk2gender")
+    if not os.path.isfile(path):
+        return {}
+    return {spk: f[0].lower() for spk, f, _ in read_table(path, 2, "'spk m|f'")
+            if f[0].lower() in ("m", "f")}
+
+
 # ---------------------------------------------------------------- alignments
 
 def detect_format(path):

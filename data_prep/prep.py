@@ -1,10 +1,16 @@
-"""hpcsgd prep: Kaldi data directory (+ alignments) -> sharded HDF5 feature archive.
+"""hpcsgd prep: Kaldi data directory or LibriSpeech subset (+ alignments) -> sharded HDF5 archive.
 
     hpcsgd prep DATA_DIR OUT [--alignments ALI] [--labels labels.txt] [--tokens phones,chars,bpe]
                 [--speed-perturb 0.9,1.0,1.1] [--num-shards S] [options]
     hpcsgd prep ../shared/data/so762_dev runs/so762 --alignments ../shared/data/so762_dev/phones.ctm \\
         --labels ../shared/data/so762_dev/labels.txt --num-shards 4
     hpcsgd prep ../shared/data/so762_dev runs/so762_text --labels ../shared/data/so762_dev/labels.txt
+    hpcsgd prep LibriSpeech/train-clean-5 runs/ls --tokens bpe,chars \\
+        --speakers train_speakers.txt,dev_speakers.txt --cv-speakers dev_speakers.txt
+
+DATA_DIR is a Kaldi data directory (wav.scp, utt2spk, ...: data_prep/kaldi_dir.py) or a
+LibriSpeech subset in its own layout (<speaker>/<chapter>/*.flac + *.trans.txt:
+data_prep/librispeech.py).
 
 Alignments give frame labels (hybrid training); the data directory's `text` gives transcripts
 and token sequences (CTC, RNN-T: data_prep/tokens.py). Either suffices; with both, both are
@@ -30,10 +36,11 @@ from collections import Counter
 
 import numpy as np
 
-from data_prep import features, kaldi_dir, tokens
+from data_prep import features, kaldi_dir, librispeech, tokens
 from data_prep.kaldi_dir import BadUtterance
 from data_prep.split import deal_speakers, split_speakers
 from hpcsgd.data import archive
+from hpcsgd.decode import lexicon
 from hpcsgd.errors import UserError
 
 REPORT_SUFFIX = ".report.json"  # per-shard skip counts, summed by the index step
@@ -42,7 +49,8 @@ MAX_LISTED = 10                  # skipped utterances printed per reason (the re
 
 def add_arguments(p):
     p.add_argument("data_dir", nargs="?", metavar="DATA_DIR",
-                   help="Kaldi data directory: wav.scp, utt2spk, optional segments and text")
+                   help="Kaldi data directory (wav.scp, utt2spk, optional segments and text), or a "
+                        "LibriSpeech subset (<speaker>/<chapter>/*.flac + *.trans.txt)")
     p.add_argument("out", nargs="?", metavar="OUT", help="archive directory to write")
     p.add_argument("--alignments", metavar="PATH",
                    help="frame-label text, CTM file, or a directory of per-utterance segment files; "
@@ -86,8 +94,12 @@ def add_arguments(p):
                    help="write only this shard (default $SLURM_ARRAY_TASK_ID); run --write-index after")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="worker processes for feature extraction (default: all cores)")
-    p.add_argument("--cv-speakers", type=int, default=0,
-                   help="hold out N speakers: writes OUT/train and OUT/cv (speaker-disjoint)")
+    p.add_argument("--speakers", metavar="FILE[,FILE]",
+                   help="keep only these speakers (one id per line; several files are joined); "
+                        "a listed speaker the corpus lacks is an error")
+    p.add_argument("--cv-speakers", default="0", metavar="N|FILE[,FILE]",
+                   help="hold out speakers: N drawn at random (--seed), or the speakers listed in "
+                        "FILE; writes OUT/train and OUT/cv (speaker-disjoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the --cv-speakers draw")
     p.add_argument("--write-index", metavar="OUT",
                    help="final step: check skip reports and write OUT/index.json (and OUT/train, "
@@ -142,8 +154,9 @@ def run(args):
 def make_plan(args):
     config = features.extractor_config(args.features, args.num_mel_bins, args.num_ceps,
                                        args.sample_rate)
-    utts, problems = kaldi_dir.read_data_dir(args.data_dir)
-    text = kaldi_dir.read_text(args.data_dir)
+    keep = read_speaker_lists(args.speakers, "--speakers") if args.speakers else None
+    corpus = read_corpus(args.data_dir, keep)
+    utts, problems, text = corpus["utts"], corpus["problems"], corpus["text"]
     if args.alignments is None and text is None:
         raise UserError(f"{args.data_dir}: no `text` (transcripts: UTT WORD WORD ...) and no "
                         f"--alignments given: nothing to train on; give --alignments ALI (frame "
@@ -154,7 +167,9 @@ def make_plan(args):
         numeric = fmt == "frames" and all(t.isdigit() for labels in ali.values() for t in labels)
     else:   # text only: no frame labels; --labels still names the phones of the lexicon's tokens
         fmt, ali = None, None
-        symbols = archive.read_inventory(args.labels) if args.labels else []
+        wants_phones = args.tokens is not None and "phones" in args.tokens.split(",")
+        symbols = archive.read_inventory(args.labels) if args.labels else \
+            [tokens.SIL, *lexicon.ARPABET] if wants_phones and not args.token_inventory else []
         numeric = False
     label_ids = {str(i) if numeric else s: i for i, s in enumerate(symbols)}
     shift_s = features.FRAME_SHIFT_MS / 1000
@@ -168,13 +183,10 @@ def make_plan(args):
         weight = {s: len(us) for s, us in by_spk.items()}
     if not weight:
         raise UserError(f"{args.data_dir}: no utterances with both audio and speaker")
-    if args.cv_speakers:
-        train, cv = split_speakers(weight, args.cv_speakers, args.seed)
-    else:
-        train, cv = sorted(weight), []
+    train, cv = choose_cv(args, weight)
     train_utts = sorted(u for s in train for u in by_spk[s])   # the text inventories learn from
     train = train + add_speed_copies(parse_speeds(args.speed_perturb), train, utts, by_spk, weight)
-    if args.cv_speakers:
+    if cv:
         parts = [(os.path.join(args.out, "train"), train, args.num_shards),
                  (os.path.join(args.out, "cv"), cv, min(args.num_shards, len(cv)))]
     else:
@@ -186,7 +198,8 @@ def make_plan(args):
             shards.append({"dir": out_dir, "index": i, "num_shards": count,
                            "utts": [u for s in spks for u in sorted(by_spk[s])], "problems": []})
     shards[0]["problems"] = problems  # entries without speaker/audio: counted once, in shard 0
-    tok = plan_tokens(args, text, [" ".join(text.get(u, [])) for u in train_utts] if text else [],
+    tok = plan_tokens(args, text, corpus["text_path"],
+                      [" ".join(text.get(u, [])) for u in train_utts] if text else [],
                       symbols, ali is not None)
     if text is not None and not tok["needs_text"]:
         lacking = sum(1 for u, info in utts.items() if "src" not in info and u not in text)
@@ -201,9 +214,63 @@ def make_plan(args):
         "extractor_config": features.config_json(config), "frame_labels": ali is not None,
         "has_text": text is not None, "tokens": archive.token_attrs(tok["inventories"]),
     }
-    return {"config": config, "utts": utts, "fmt": fmt, "ali": ali, "symbols": symbols,
+    return {"config": config, "utts": utts, "gender": corpus["gender"], "fmt": fmt, "ali": ali, "symbols": symbols,
             "label_ids": label_ids, "tolerance": args.length_tolerance, "attrs": attrs,
             "text": text, "tokens": tok, "shards": shards, "archives": [p[0] for p in parts]}
+
+
+def read_corpus(data_dir, keep):
+    """The corpus in either layout -> {utts, problems, text, text_path, gender}; `keep` a set of
+    speaker ids (None: all), one the corpus lacks is an error."""
+    if librispeech.is_subset(data_dir):
+        utts, problems, text = librispeech.read_subset(data_dir, keep)
+        return {"utts": utts, "problems": problems, "text": text, "gender": librispeech.read_genders(data_dir),
+                "text_path": os.path.join(data_dir, "*/*/*" + librispeech.TRANS_SUFFIX)}
+    if os.path.isdir(data_dir) and not os.path.isfile(os.path.join(data_dir, "wav.scp")):
+        raise UserError(f"{data_dir}: neither a Kaldi data directory (wav.scp, utt2spk) nor a "
+                        f"LibriSpeech subset (<speaker>/<chapter>/*.flac and *.trans.txt)")
+    utts, problems = kaldi_dir.read_data_dir(data_dir)
+    if keep is not None:
+        present = {info["spk"] for info in utts.values()}
+        lacking = sorted(set(keep) - present)
+        if lacking:
+            raise UserError(f"--speakers: {len(lacking)} speakers are not in {data_dir}/utt2spk: "
+                            f"{' '.join(lacking[:10])}{' ...' if len(lacking) > 10 else ''}")
+        utts = {u: info for u, info in utts.items() if info["spk"] in keep}
+        problems = [p for p in problems if p[0] in utts]
+    return {"utts": utts, "problems": problems, "text": kaldi_dir.read_text(data_dir),
+            "text_path": os.path.join(data_dir, "text"), "gender": kaldi_dir.read_genders(data_dir)}
+
+
+def read_speaker_lists(option, flag):
+    """'a.txt,b.txt' -> the set of speaker ids listed (first field of each line)."""
+    speakers = set()
+    for path in option.split(","):
+        if not os.path.isfile(path):
+            raise UserError(f"{flag} {option}: {path} is not a file (one speaker id per line)")
+        with open(path, encoding="utf-8") as f:
+            speakers.update(line.split()[0] for line in f if line.split())
+    if not speakers:
+        raise UserError(f"{flag} {option}: lists no speaker")
+    return speakers
+
+
+def choose_cv(args, weight):
+    """-> (train, cv) speaker lists: --cv-speakers N draws N (seeded), FILE names them."""
+    option = str(args.cv_speakers)
+    if option.isdigit():
+        n = int(option)
+        return split_speakers(weight, n, args.seed) if n else (sorted(weight), [])
+    cv = read_speaker_lists(option, "--cv-speakers")
+    lacking = sorted(cv - set(weight))
+    if lacking:
+        raise UserError(f"--cv-speakers {option}: {len(lacking)} speakers have no usable "
+                        f"utterance in {args.data_dir}"
+                        f"{' (or are not in --speakers)' if args.speakers else ''}: "
+                        f"{' '.join(lacking[:10])}{' ...' if len(lacking) > 10 else ''}")
+    if len(cv) == len(weight):
+        raise UserError(f"--cv-speakers {option}: lists every speaker; none would be left to train on")
+    return sorted(s for s in weight if s not in cv), sorted(cv)
 
 
 def parse_speeds(option):
@@ -244,10 +311,9 @@ def add_speed_copies(factors, speakers, utts, by_spk, weight):
     return added
 
 
-def plan_tokens(args, text, train_text, symbols, have_ali):
+def plan_tokens(args, text, text_path, train_text, symbols, have_ali):
     """Which token kinds, their inventories (built from the training transcripts, or taken from
     --token-inventory) and what the workers need to encode an utterance."""
-    text_path = os.path.join(args.data_dir, "text")
     kinds = None
     if args.tokens is not None:
         kinds = [] if args.tokens.strip() == "none" else \
@@ -449,8 +515,10 @@ def write_one(plan, shard, results, elapsed):
             for k in plan["tokens"]["kinds"]}
     text = [r["text"] for _, r in good] if attrs["has_text"] else None
     path = os.path.join(shard["dir"], archive.shard_name(shard["index"]))
+    gender = plan["gender"]
     archive.write_shard(path, feats, labels, offsets, [u for u, _ in good], utt_spk, spk_ids,
-                        cmvn, counts, attrs, tokens=toks, text=text)
+                        cmvn, counts, attrs, tokens=toks, text=text,
+                        spk_gender=[gender.get(s, "") for s in spk_ids] if gender else None)
     reasons = Counter(reason for _, reason, _ in bad)
     report = {"shard": shard["index"], "num_shards": shard["num_shards"],
               "utterances": len(results) + len(shard["problems"]), "ok": len(good),

@@ -22,6 +22,8 @@ A shard holds whole speakers (so its per-speaker CMVN statistics are complete):
     utt_ids      (U,)   str
     utt_spk      (U,)   int32     index into spk_ids
     spk_ids      (S,)   str
+    spk_gender   (S,)   str       'm', 'f' or '' (unknown); optional: when the corpus says
+                                  (SPEAKERS.TXT, spk2gender)
     cmvn_stats   (S, 2, D+1) float64   Kaldi layout: row 0 = sums and frame count, row 1 = sums of squares
     label_counts (L,)   int64     frames per label (priors for hybrid decoding)
     attrs: format_version, feature_type, feature_dim, num_labels, label_inventory_hash,
@@ -126,10 +128,11 @@ def atomic_write_bytes(path, data):
 
 
 def write_shard(path, feats, labels, utt_offsets, utt_ids, utt_spk, spk_ids, cmvn_stats,
-                label_counts, attrs, tokens=None, text=None):
+                label_counts, attrs, tokens=None, text=None, spk_gender=None):
     """Write one shard atomically (temp name + fsync + rename). `attrs` holds SHARED_ATTRS
     (FORMAT1_DEFAULTS fill the format-2 ones not given); labels None when the archive has no
-    frame labels; tokens {kind: (ids, offsets)}; text one transcript string per utterance."""
+    frame labels; tokens {kind: (ids, offsets)}; text one transcript string per utterance;
+    spk_gender one of 'm', 'f', '' per speaker (None: not stored)."""
     feats = np.ascontiguousarray(feats, dtype=np.float32)
     num_frames, dim = feats.shape
     attrs = {**FORMAT1_DEFAULTS, **attrs}
@@ -166,6 +169,9 @@ def write_shard(path, feats, labels, utt_offsets, utt_ids, utt_spk, spk_ids, cmv
             f.create_dataset("utt_spk", data=np.asarray(utt_spk, dtype=np.int32))
             f.create_dataset("spk_ids", data=np.array(spk_ids, dtype=object),
                              dtype=h5py.string_dtype())
+            if spk_gender is not None:
+                f.create_dataset("spk_gender", data=np.array(list(spk_gender), dtype=object),
+                                 dtype=h5py.string_dtype())
             f.create_dataset("cmvn_stats", data=np.asarray(cmvn_stats, dtype=np.float64))
             f.create_dataset("label_counts", data=np.asarray(label_counts, dtype=np.int64))
             for key in SHARED_ATTRS:
@@ -279,6 +285,8 @@ def read_shard_meta(path):
                 "utt_ids": [u.decode() if isinstance(u, bytes) else u for u in f["utt_ids"][()]],
                 "utt_spk": f["utt_spk"][()],
                 "spk_ids": [s.decode() if isinstance(s, bytes) else s for s in f["spk_ids"][()]],
+                "spk_gender": ([s.decode() if isinstance(s, bytes) else s for s in f["spk_gender"][()]]
+                               if "spk_gender" in f else None),
                 "cmvn_stats": f["cmvn_stats"][()],
                 "label_counts": f["label_counts"][()],
                 "attrs": shard_attrs(f),

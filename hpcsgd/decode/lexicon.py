@@ -10,6 +10,11 @@ transcripts' spelling in the graph.
 """
 from hpcsgd.errors import UserError
 
+# CMUdict's 39 phones without stress, in the order of so762's labels.txt (after SIL): the
+# inventory of phone tokens spelt through CMUdict when no --labels names another
+ARPABET = ("AA AE AH AO AW AY B CH D DH EH ER EY F G HH IH IY JH K L M N NG OW OY P R S SH T "
+           "TH UH UW V W Y Z ZH").split()
+
 
 def strip_stress(phone):
     return phone.rstrip("012")
