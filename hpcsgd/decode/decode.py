@@ -23,7 +23,10 @@ reports each half of the speakers scored at the point the other half chose (held
 Writes OUT (default RUN_DIR/decode/<graph>_<archive>/, greedy_<archive>/ for --greedy,
 beam<K>_<archive>/ for an RNN-T's --beam-size K):
 hyp.txt and ref.txt (Kaldi `text`), per_utt.txt (ins del sub ref per utterance), scoring.txt
-(the lines printed) and result.json; all under temporary names, renamed.
+(the lines printed) and result.json; all under temporary names, renamed. With --ctm (CTC
+models) also hyp.ctm: each output word's (a phone model's phone's) start and duration from
+the model's emissions (hpcsgd/decode/timestamps.py); --ref-ctm FILE reports how far the
+starts of the correctly recognised words are from a reference CTM's (median, 90th percentile).
 """
 import json
 import os
@@ -34,7 +37,7 @@ import traceback
 import numpy as np
 
 from hpcsgd.data import archive
-from hpcsgd.decode import recognize, score, search
+from hpcsgd.decode import recognize, score, search, timestamps
 from hpcsgd.decode.rnnt import MAX_SYMBOLS
 from hpcsgd.errors import UserError
 from hpcsgd.model_io import add_device_argument
@@ -76,10 +79,37 @@ def add_arguments(parser):
                              f"times insertion penalty "
                              f"{','.join(map(str, recognize.TUNE_CTC_PENALTY))}); keep the "
                              f"best, and score each half of the speakers at the other's best")
+    parser.add_argument("--ctm", action="store_true",
+                        help="CTC models: also write OUT/hyp.ctm, each word's (phone's) start "
+                             "and duration from the emissions (greedy or the graph's best path)")
+    parser.add_argument("--ref-ctm", metavar="CTM",
+                        help="with --ctm: score the word starts against this CTM (e.g. a forced "
+                             "alignment's): median and 90th percentile error of the words "
+                             "recognised correctly")
     parser.add_argument("--sequences", choices=("chunks", "whole"), default="chunks",
                         help="hybrid sequence (LSTM) models: the training chunks, or whole "
                              "utterances")
     add_device_argument(parser)
+
+
+def word_times(args, meta, graph, index, hyps, runs, tokens):
+    """-> (hyp.ctm's text, the start-error summary against --ref-ctm or None)."""
+    from hpcsgd.model.encoder import time_stride
+    frame_s = time_stride(meta["model"]["encoder"]) * index["frame_shift_ms"] / 1000.0
+    prons = None
+    if tokens["kind"] == "phones" and graph is not None and graph.kind != "phones":
+        prons = timestamps.read_lexicon(os.path.join(graph.dir, "lexicon.txt"))
+    lines, spans = [], {}
+    for utt in sorted(hyps):
+        spans[utt] = timestamps.word_spans(hyps[utt], runs[utt], tokens["symbols"],
+                                           tokens["kind"], prons)
+        lines.append(timestamps.ctm_lines(utt, spans[utt], frame_s))
+    timing = None
+    if args.ref_ctm:
+        hyp_starts = {u: [(w, a * frame_s) for w, a, _ in s] for u, s in spans.items()}
+        timing = timestamps.timing_summary(
+            timestamps.start_errors(hyp_starts, timestamps.read_ctm(args.ref_ctm)))
+    return "".join(lines), timing
 
 
 def default_out(model_path, graph_dir, archive_dir):
@@ -136,6 +166,12 @@ def decode(args, comm):
     if args.beam_size is not None and (not rnnt_model or args.beam_size < 1):
         raise UserError(f"--beam-size {args.beam_size}: the beam search of RNN-T models, "
                         f"K >= 1 ({meta['path']} is a {meta['model'].get('type', 'dnn')} model)")
+    if (args.ctm or args.ref_ctm) and (not ctc_model or rnnt_model):
+        raise UserError(f"--ctm: word times from CTC emissions; {meta['path']} is a "
+                        f"{meta['model'].get('type', 'dnn')} model")
+    if args.ref_ctm and not os.path.isfile(args.ref_ctm):
+        raise UserError(f"--ref-ctm {args.ref_ctm}: no such file")
+    runs = {} if args.ctm or args.ref_ctm else None   # utt -> emitted token runs (timestamps)
     if graph is not None:
         graph.check_model(meta)
         graph.check_archive(index, args.data)
@@ -164,7 +200,7 @@ def decode(args, comm):
         hyps, search_s = (recognize.search_rnnt(model, params, logposts, tokens["symbols"],
                                                 tokens["kind"], args.beam_size)
                           if rnnt_model else
-                          recognize.greedy(logposts, tokens["symbols"], tokens["kind"]))
+                          recognize.greedy(logposts, tokens["symbols"], tokens["kind"], runs))
         not_final = 0
     else:
         if args.tune:
@@ -173,18 +209,19 @@ def decode(args, comm):
                                              folds=recognize.speaker_folds(args.data))
             scales, penalty = table[0][:2], table[0][2]
             decoder = decoder.with_penalty(penalty)
-        hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales)
+        hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales, runs)
         not_final = len(not_final)
     lengths = dict(recognize.utterance_frames(args.data))   # audio frames, not output rows
     frames = sum(lengths[utt] for utt, _ in logposts)
     sums = np.array([frames, search_s, forward_s, not_final], np.float64)
     from mpi4py import MPI
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
-    gathered = comm.gather(hyps, root=0)                 # small: token lists
+    gathered = comm.gather((hyps, runs), root=0)         # small: token lists
     if rank != 0:
         return 0
 
-    hyps = {utt: words for part in gathered for utt, words in part.items()}
+    hyps = {utt: words for part, _ in gathered for utt, words in part.items()}
+    runs = None if runs is None else {u: r for _, part in gathered for u, r in part.items()}
     total, per_utt = recognize.error_counts(refs, hyps)
     frames, search_s, forward_s, not_final = sums
     audio_s = frames * index["frame_shift_ms"] / 1000.0
@@ -233,6 +270,15 @@ def decode(args, comm):
         lines.append(f"{oov} of the {int(total[3])} reference words are not in the graph's "
                      f"vocabulary ({100 * oov / max(int(total[3]), 1):.2f}%: errors whatever "
                      f"the acoustic model says)")
+    ctm = timing = None
+    if runs is not None:
+        ctm, timing = word_times(args, meta, graph, index, hyps, runs, tokens)
+        lines.append(f"hyp.ctm: {sum(len(v) for v in hyps.values())} {unit} timed from the "
+                     f"emissions" + ("" if timing is None else
+                                     f"; start error against {args.ref_ctm} over the "
+                                     f"{timing['words']} {unit} recognised correctly: median "
+                                     f"{timing['median_ms']:.0f} ms, 90th percentile "
+                                     f"{timing['p90_ms']:.0f} ms, mean {timing['mean_ms']:.0f} ms"))
     finals = "" if graph is None else f"; {int(not_final)} ended in no final state"
     lines.append(f"{len(hyps)} utterances, {int(frames)} frames ({audio_s:.1f} s of audio) on "
                  f"{world} rank(s){finals}; {len(hyps) - len(per_utt)} without a reference "
@@ -256,7 +302,7 @@ def decode(args, comm):
               "max_active": args.max_active if graph is not None else None,
               "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
-              "oov_tokens": oov, "ci95": [low, high],
+              "oov_tokens": oov, "ci95": [low, high], "timing": timing,
               "ranks": world, "search_seconds": search_s, "forward_seconds": forward_s,
               "rtf_search": search_s / audio_s, "rtf_forward": forward_s / audio_s,
               "tuning": None if table is None else
@@ -274,6 +320,8 @@ def decode(args, comm):
         {utt: refs[utt] for utt in hyps if utt in refs}))
     archive.atomic_write_text(os.path.join(out, "per_utt.txt"), "".join(
         f"{utt} {c[0]} {c[1]} {c[2]} {c[3]}\n" for utt, c in sorted(per_utt.items())))
+    if ctm is not None:
+        archive.atomic_write_text(os.path.join(out, "hyp.ctm"), ctm)
     archive.atomic_write_text(os.path.join(out, "scoring.txt"), report)
     archive.atomic_write_text(os.path.join(out, "result.json"), json.dumps(result, indent=1) + "\n")
     print(f"decode: wrote {out}/ (hyp.txt, ref.txt, per_utt.txt, scoring.txt, result.json)")

@@ -16,7 +16,7 @@ import numpy as np
 
 from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data import archive
-from hpcsgd.decode import ctc, mkgraph, score, search
+from hpcsgd.decode import ctc, mkgraph, score, search, timestamps
 from hpcsgd.errors import UserError
 from hpcsgd.outputs import sequence_outputs, utterance_outputs
 
@@ -157,10 +157,11 @@ def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
     return mine, time.process_time() - t0
 
 
-def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
+def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=None):
     """-> ({utt: hypothesis tokens}, [the utterances that ended in no final state], search
     CPU seconds of this thread). A TLG takes the log-posteriors times the acoustic scale
-    (log_priors and prior_scale unused)."""
+    (log_priors and prior_scale unused). runs: a dict to fill with each utterance's emitted
+    token runs on the best path (TLG; hpcsgd/decode/timestamps.py)."""
     graph = decoder.graph
     hyps, not_final = {}, []
     t0 = time.thread_time()
@@ -170,7 +171,9 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
         else:
             scores = search.scaled_loglikelihoods(logpost, log_priors, acoustic_scale,
                                                   prior_scale, graph.states)
-        words, final, _ = decoder.decode(scores)
+        words, final, frame_tokens = decoder.decode(scores)
+        if runs is not None:
+            runs[utt] = timestamps.token_runs(frame_tokens)
         tokens = [graph.words[w] for w in words]
         if graph.kind == "phones":
             tokens = [t for t in tokens if t != mkgraph.SIL]
@@ -180,14 +183,17 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale):
     return hyps, not_final, time.thread_time() - t0
 
 
-def greedy(logposts, symbols, kind):
+def greedy(logposts, symbols, kind, runs=None):
     """CTC greedy search of every utterance -> ({utt: words, or phones for phone tokens},
-    search CPU seconds of this thread)."""
+    search CPU seconds of this thread). runs: a dict to fill with each utterance's emitted
+    token runs (hpcsgd/decode/timestamps.py)."""
     symbols = np.asarray(symbols, dtype=object)
     hyps = {}
     t0 = time.thread_time()
     for utt, logpost in logposts:
         hyps[utt] = ctc.tokens_to_words(symbols[ctc.greedy_search(logpost)], kind)
+        if runs is not None:
+            runs[utt] = timestamps.token_runs(np.asarray(logpost).argmax(axis=1))
     return hyps, time.thread_time() - t0
 
 
