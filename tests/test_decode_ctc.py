@@ -456,7 +456,7 @@ def test_decode_greedy_and_through_tlg_with_tuning(tiny, tmp_path, monkeypatch, 
     from hpcsgd import model_io, outputs
     meta = {"model": {"type": "ctc"}, "path": "stand-in",
             "tokens": {"kind": "chars", "inventory_hash": archive.inventory_hash(CHARS),
-                       "symbols": CHARS}}
+                       "symbols": CHARS}, "config": {"data.train": tiny["archive"]}}
     spelled = {}
     for utt, words in TRAIN.items():
         frames = spell(char_tokens(words))
@@ -482,6 +482,7 @@ def test_decode_greedy_and_through_tlg_with_tuning(tiny, tmp_path, monkeypatch, 
     assert "by CTC greedy search over chars tokens" in printed
     assert "%WER 10.00 [ 1 / 10, 0 ins, 0 del, 1 sub ]" in printed
     assert "%CER 5.26 [ 1 / 19, 0 ins, 0 del, 1 sub ]" in printed     # spaces not counted
+    assert "0 of the 10 reference words never occur in the training transcripts" in printed
     result = json.load(open(os.path.join(out, "result.json")))
     assert result["search"] == "greedy" and result["cer"]["errors"] == 1
     assert result["audio_seconds"] == pytest.approx(

@@ -270,6 +270,13 @@ def decode(args, comm):
         lines.append(f"{oov} of the {int(total[3])} reference words are not in the graph's "
                      f"vocabulary ({100 * oov / max(int(total[3]), 1):.2f}%: errors whatever "
                      f"the acoustic model says)")
+    elif graph is None and unit == "words":    # greedy: beside the training transcripts' words
+        train = (meta.get("config") or {}).get("data.train")
+        vocab = recognize.training_vocabulary(train)
+        if vocab is not None:
+            oov = sum(1 for u in per_utt for w in refs[u] if w not in vocab)
+            lines.append(f"{oov} of the {int(total[3])} reference words never occur in the "
+                         f"training transcripts ({train}): {100 * oov / max(int(total[3]), 1):.2f}%")
     ctm = timing = None
     if runs is not None:
         ctm, timing = word_times(args, meta, graph, index, hyps, runs, tokens)

@@ -131,6 +131,15 @@ def utterance_frames(archive_dir):
     return out
 
 
+def training_vocabulary(train_archive):
+    """The words of a training archive's transcripts, or None when it is not readable here
+    (a model trained elsewhere) or has none."""
+    if not train_archive or not os.path.isfile(os.path.join(train_archive, archive.INDEX_NAME)):
+        return None
+    text = mkgraph.archive_text(train_archive)
+    return None if text is None else {w for words in text.values() for w in words}
+
+
 def out_of_vocabulary(graph, refs, utts):
     """Reference tokens of `utts` the graph cannot output (each one an error whatever the
     acoustic model does)."""
