@@ -105,3 +105,61 @@ def test_a_narrow_beam_is_batched_like_one_utterance_at_a_time():
                                           Lengths([f]), beam=3)
         assert alone[0].tolist() == together[b].tolist()
         assert score[0] == pytest.approx(scores[b], abs=1e-12)
+
+
+# --- shallow fusion with a token n-gram (hpcsgd.decode.token_lm) ------------------------------
+
+SENTENCES = [["a", "b"], ["a", "b", "b"], ["b", "a"], ["a"], ["b", "b", "a", "b"]]
+
+
+def _token_lm(order, symbols=("<blk>", "a", "b")):
+    from hpcsgd.decode import lm
+    from hpcsgd.decode.token_lm import TokenLM
+    model = lm.estimate(SENTENCES, order)
+    return TokenLM(model, list(symbols)), model
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_token_lm_rows_are_the_arpa_models_log_probabilities(order):
+    """Every history up to order-1 tokens: row(h)[k] = ln 10 * lm.logprob(h + (k,)) (the
+    backoff reference), final(h) likewise for </s>; the blank column is 0."""
+    from hpcsgd.decode import lm as arpa
+    token_lm, model = _token_lm(order)
+    names = {1: "a", 2: "b"}
+    for n in range(order):
+        for ys in itertools.product((1, 2), repeat=n):
+            ctx = token_lm.context(ys)
+            h = tuple(["<s>", *[names[k] for k in ys]][-(order - 1):]) if order > 1 else ()
+            row = token_lm.row(ctx)
+            assert row[0] == 0
+            for k, w in names.items():
+                want = np.log(10) * arpa.logprob(model["ngrams"], h + (w,))
+                assert row[k] == pytest.approx(want, abs=1e-12)
+            want = np.log(10) * arpa.logprob(model["ngrams"], h + ("</s>",))
+            assert token_lm.final(ctx) == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("weight,bonus", [(0.5, 0.0), (1.0, 1.5), (2.0, 0.3)])
+def test_exhaustive_beam_with_fusion_maximises_the_fused_score(weight, bonus):
+    """The LM and the bonus depend on the token sequence only, so an exhaustive beam's
+    answer is the brute force's argmax of the summed acoustic probability + weight * (ln
+    P_lm(ys) + ln P_lm(</s> | ys)) + bonus * |ys|."""
+    v, frames = 3, [4]
+    layer, params = _model(v, 5, 5)
+    params.flat[...] *= 3
+    enc = np.random.default_rng(8).standard_normal((4, 5)).astype(np.float32)
+    token_lm, _ = _token_lm(2)
+    hyps, scores = search.beam_search(layer, params, enc, Lengths(frames), beam=v ** 4,
+                                      lm=token_lm, lm_weight=weight, bonus=bonus)
+    table = brute_force(layer, params, enc)
+
+    def lm_score(ys):
+        total = sum(token_lm.row(token_lm.context(ys[:i]))[k] for i, k in enumerate(ys))
+        return total + token_lm.final(token_lm.context(ys))
+    fused = {ys: logp + weight * lm_score(ys) + bonus * len(ys) for ys, logp in table.items()}
+    best = max(fused, key=fused.get)
+    assert tuple(hyps[0].tolist()) == best
+    assert scores[0] + weight * token_lm.final(token_lm.context(best)) == \
+        pytest.approx(fused[best], abs=1e-9)
+    plain, _ = search.beam_search(layer, params, enc, Lengths(frames), beam=v ** 4)
+    assert tuple(plain[0].tolist()) == max(table, key=table.get)

@@ -37,7 +37,7 @@ import traceback
 import numpy as np
 
 from hpcsgd.data import archive
-from hpcsgd.decode import recognize, score, search, timestamps
+from hpcsgd.decode import recognize, score, search, timestamps, token_lm
 from hpcsgd.decode.rnnt import MAX_SYMBOLS
 from hpcsgd.errors import UserError
 from hpcsgd.model_io import add_device_argument
@@ -79,6 +79,20 @@ def add_arguments(parser):
                              f"times insertion penalty "
                              f"{','.join(map(str, recognize.TUNE_CTC_PENALTY))}); keep the "
                              f"best, and score each half of the speakers at the other's best")
+    parser.add_argument("--lm-order", type=int, metavar="N",
+                        help="RNN-T --beam-size: shallow fusion with a token N-gram estimated "
+                             "from the model's training archive (its data.train tokens)")
+    parser.add_argument("--lm", metavar="ARPA",
+                        help="RNN-T --beam-size: shallow fusion with this ARPA n-gram over the "
+                             "model's token symbols instead")
+    parser.add_argument("--lm-weight", type=float, default=recognize.LM_WEIGHT,
+                        help="weight of the n-gram's log-probabilities in the beam search "
+                             "(--tune: tried from " + ",".join(map(str, recognize.TUNE_LM_WEIGHT))
+                             + ")")
+    parser.add_argument("--lm-bonus", type=float, default=recognize.LM_BONUS,
+                        help="with shallow fusion: a reward added to every token extension "
+                             "(--tune: tried from " + ",".join(map(str, recognize.TUNE_LM_BONUS))
+                             + ")")
     parser.add_argument("--ctm", action="store_true",
                         help="CTC models: also write OUT/hyp.ctm, each word's (phone's) start "
                              "and duration from the emissions (greedy or the graph's best path)")
@@ -180,11 +194,19 @@ def decode(args, comm):
         raise UserError(f"--greedy is for CTC models, and {meta['path']} is a hybrid model: "
                         f"give --graph GRAPH_DIR (hpcsgd mkgraph)")
     else:
-        if args.tune or args.acoustic_scale is not None or args.prior_scale is not None \
-                or args.insertion_penalty:
+        fusion = args.lm or args.lm_order
+        if (args.tune and not fusion) or args.acoustic_scale is not None \
+                or args.prior_scale is not None or args.insertion_penalty:
             raise UserError("--tune, --acoustic-scale, --prior-scale and --insertion-penalty "
-                            "weigh a graph search: greedy search has nothing to weigh")
+                            "weigh a graph search: greedy search has nothing to weigh (an "
+                            "RNN-T's --beam-size with --lm-order or --lm tunes --lm-weight)")
         unit, scales = ("phones" if tokens["kind"] == "phones" else "words"), None
+    lm = None
+    if args.lm or args.lm_order:
+        if not args.beam_size:
+            raise UserError("--lm-order/--lm: shallow fusion in the RNN-T beam search; give "
+                            "--beam-size K (a CTC model's LM is its graph: --graph)")
+        lm = token_lm.load(args.lm, args.lm_order, meta)
     check_archive(args.data, meta)     # features; labels (hybrid) or tokens (CTC)
     refs, ref_source = recognize.archive_references(
         unit, args.data, args.text, graph.info.get("text") if graph is not None else None)
@@ -194,11 +216,18 @@ def decode(args, comm):
                        insertion_penalty=args.insertion_penalty)
 
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
-    table = held_out = None
+    table = held_out = lm_table = None
     penalty = args.insertion_penalty
+    lm_weight, lm_bonus = args.lm_weight, args.lm_bonus
     if decoder is None:
+        if lm is not None and args.tune:
+            lm_table, held_out = recognize.tune_lm_weight(
+                model, params, logposts, tokens, args.beam_size, lm, refs, comm,
+                folds=recognize.speaker_folds(args.data))
+            lm_weight, lm_bonus = lm_table[0][:2]
         hyps, search_s = (recognize.search_rnnt(model, params, logposts, tokens["symbols"],
-                                                tokens["kind"], args.beam_size)
+                                                tokens["kind"], args.beam_size, lm, lm_weight,
+                                                lm_bonus)
                           if rnnt_model else
                           recognize.greedy(logposts, tokens["symbols"], tokens["kind"], runs))
         not_final = 0
@@ -230,11 +259,16 @@ def decode(args, comm):
     if table is not None:
         lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
         lines += recognize.tuning_lines(table, (*scales, penalty), name, held_out)
+    if lm_table is not None:
+        lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
+        lines += recognize.lm_tuning_lines(lm_table, (lm_weight, lm_bonus), name, held_out)
     if graph is None:
         lines.append(f"{args.model} on {args.data} by RNN-T "
                      + (f"modified beam search (beam {args.beam_size}, at most 1 symbol per "
                         f"frame)" if args.beam_size else
                         f"greedy search (at most {MAX_SYMBOLS} symbols per frame)")
+                     + ("" if lm is None else f", shallow fusion with {lm.source} at weight "
+                        f"{lm_weight:g}, token bonus {lm_bonus:g}")
                      + f" over {tokens['kind']} tokens" if rnnt_model
                      else f"{args.model} on {args.data} by CTC greedy search over "
                      f"{tokens['kind']} tokens (the best token per frame, repeats merged, "
@@ -310,6 +344,11 @@ def decode(args, comm):
               "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
               "oov_tokens": oov, "ci95": [low, high], "timing": timing,
+              "lm": None if lm is None else lm.source, "lm_weight": lm_weight if lm else None,
+              "lm_bonus": lm_bonus if lm else None,
+              "lm_tuning": None if lm_table is None else
+              [{"lm_weight": w, "lm_bonus": b, "error_rate": score.error_rate(c)}
+               for w, b, c in lm_table],
               "ranks": world, "search_seconds": search_s, "forward_seconds": forward_s,
               "rtf_search": search_s / audio_s, "rtf_forward": forward_s / audio_s,
               "tuning": None if table is None else
@@ -317,8 +356,9 @@ def decode(args, comm):
                 "error_rate": score.error_rate(c)} for a, b, p, c in table],
               "held_out": None if held_out is None else
               {**score.as_dict(name, held_out["counts"]),
-               "points": [{"acoustic_scale": a, "prior_scale": b, "insertion_penalty": p}
-                          for a, b, p in held_out["points"]]}}
+               "points": [{"lm_weight": pt[0], "lm_bonus": pt[1]} if lm_table is not None else
+                          {"acoustic_scale": pt[0], "prior_scale": pt[1],
+                           "insertion_penalty": pt[2]} for pt in held_out["points"]]}}
     out = args.out or default_out(args.model, args.graph or (
         f"beam{args.beam_size}" if args.beam_size else "greedy"), args.data)
     os.makedirs(out, exist_ok=True)

@@ -35,6 +35,14 @@ TUNE_CTC = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 4.0, 6.0, 10.0)
 # penalty): a CTC model through a phone n-gram deletes 5-10x more phones than it inserts on
 # so762, so the grid reaches into bonuses. Hybrid graphs keep 0 (their grid is 24 points)
 TUNE_CTC_PENALTY = (-3.0, -2.0, -1.0, 0.0, 1.0)
+# RNN-T shallow fusion with a token n-gram (hpcsgd/decode/token_lm.py): icefall's LM scales
+# for an RNN LM are 0.1-0.3; --tune picks one of these on the held-out speakers
+LM_WEIGHT = 0.3
+TUNE_LM_WEIGHT = (0.1, 0.2, 0.3, 0.5)
+# ... with a reward per token (the LM's log-probabilities are negative, the blank's are not
+# scored: without a reward fusion deletes; ESPnet's and Kannan et al.'s length bonus)
+LM_BONUS = 0.0
+TUNE_LM_BONUS = (0.0, 0.5, 1.0, 1.5, 2.0)
 
 
 def add_search_arguments(parser):
@@ -206,10 +214,11 @@ def greedy(logposts, symbols, kind, runs=None):
     return hyps, time.thread_time() - t0
 
 
-def search_rnnt(model, params, encs, symbols, kind, beam=None):
-    """RNN-T greedy search, or modified beam search with `beam` hypotheses (hpcsgd.decode.rnnt)
-    of every utterance's encoder projection -> ({utt: words, or phones}, search CPU seconds
-    of this thread)."""
+def search_rnnt(model, params, encs, symbols, kind, beam=None, lm=None, lm_weight=0.0,
+                bonus=0.0):
+    """RNN-T greedy search, or modified beam search with `beam` hypotheses (hpcsgd.decode.rnnt;
+    with a token n-gram `lm`, shallow fusion at lm_weight with a token bonus) of every utterance's encoder
+    projection -> ({utt: words, or phones}, search CPU seconds of this thread)."""
     from hpcsgd.decode import rnnt
     from hpcsgd.model.lengths import Lengths
     from hpcsgd.model.transducer import on_host
@@ -219,7 +228,8 @@ def search_rnnt(model, params, encs, symbols, kind, beam=None):
     t0 = time.thread_time()
     for utt, enc in encs:
         lengths = Lengths([len(enc)])
-        best = (rnnt.beam_search(layer, params, enc, lengths, beam)[0] if beam else
+        best = (rnnt.beam_search(layer, params, enc, lengths, beam, lm=lm,
+                                 lm_weight=lm_weight, bonus=bonus)[0] if beam else
                 rnnt.greedy_search(layer, params, enc, lengths))[0]
         hyps[utt] = ctc.tokens_to_words(symbols[best], kind)
     return hyps, time.thread_time() - t0
@@ -281,6 +291,50 @@ def tune(decoder, logposts, log_priors, refs, comm=None, grid=None, default=None
         held_out = {"counts": counts[picks[0], 0, :-1] + counts[picks[1], 1, :-1],
                     "points": [grid[i] for i in picks]}
     return table, held_out
+
+
+def tune_lm_weight(model, params, encs, tokens, beam, lm, refs, comm=None, folds=None,
+                   grid=None):
+    """The RNN-T beam search with shallow fusion at every (LM weight, token bonus) of the grid,
+    the counts summed over ranks -> ([(weight, bonus, counts)] best first: fewest errors,
+    then the smaller weight and bonus; held_out as tune's: each fold scored at the point the
+    other fold chose)."""
+    grid = grid or [(w, b) for w in TUNE_LM_WEIGHT for b in TUNE_LM_BONUS]
+    counts = np.zeros((len(grid), 2, len(score.FIELDS)), np.int64)
+    for i, (w, b) in enumerate(grid):
+        hyps, _ = search_rnnt(model, params, encs, tokens["symbols"], tokens["kind"], beam,
+                              lm, w, b)
+        for utt, c in error_counts(refs, hyps)[1].items():
+            counts[i, folds.get(utt, 0) if folds else 0] += c
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI
+        comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)     # cross-rank sync point
+
+    def ranked(c):
+        return sorted(range(len(grid)), key=lambda i: (c[i, :3].sum(), c[i, 5], grid[i]))
+    total = counts.sum(axis=1)
+    held_out = None
+    if folds and counts[:, 0, 3].max() > 0 and counts[:, 1, 3].max() > 0:
+        picks = [ranked(counts[:, 1 - f])[0] for f in (0, 1)]
+        held_out = {"counts": counts[picks[0], 0] + counts[picks[1], 1],
+                    "points": [grid[i] for i in picks]}
+    return [(*grid[i], total[i]) for i in ranked(total)], held_out
+
+
+def lm_tuning_lines(table, best, name, held_out=None):
+    """The (LM weight x token bonus) table as decode prints it; best the (weight, bonus)."""
+    bonuses = sorted({b for _, b, _ in table})
+    rate = {(w, b): score.error_rate(c) for w, b, c in table}
+    lines = [f"LM weight -> %{name} at token bonus " + " ".join(f"{b:>6g}" for b in bonuses)]
+    for w in sorted({w for w, _, _ in table}):
+        lines.append(f"  {w:<6g}" + " ".join(f"{rate[(w, b)]:6.2f}" for b in bonuses)
+                     + ("  <- best" if w == best[0] else ""))
+    if held_out is not None:
+        (w0, b0), (w1, b1) = held_out["points"]
+        lines.append(f"held out: %{name} {score.error_rate(held_out['counts']):.2f} with each "
+                     f"half of the speakers decoded at the point tuned on the other half (LM "
+                     f"weight {w0:g} and {w1:g}, token bonus {b0:g} and {b1:g})")
+    return lines
 
 
 def speaker_folds(archive_dir):

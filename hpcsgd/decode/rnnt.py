@@ -87,13 +87,17 @@ def _log_softmax(logits):
     return logits - (m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True)))
 
 
-def beam_search(layer, p, enc, lengths, beam=4, blank=0):
+def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0, bonus=0.0):
     """Modified beam search (icefall's modified_beam_search): at most one symbol per frame;
     at each frame every hypothesis of an utterance is extended by the blank or by a token,
     the `beam` best (hypothesis, token) pairs of the utterance kept, and equal token sequences
     merged (their probabilities added). Batched: the hypotheses of all utterances at a frame
-    are the rows of one joint GEMM and one predictor step. -> (one int64 token array per
-    utterance, its log-probability summed over the merged alignments)."""
+    are the rows of one joint GEMM and one predictor step. With a token n-gram `lm`
+    (hpcsgd/decode/token_lm.py), shallow fusion: every token extension also scores
+    lm_weight * ln P_lm(token | the hypothesis) + bonus (a token insertion reward: the LM's
+    log-probabilities are all negative and the blank pays none, so without one fusion
+    trades tokens for blanks), and the final ranking lm_weight * ln P_lm(</s> | it).
+    -> (one int64 token array per utterance, its score summed over the merged alignments)."""
     nb, frames = lengths.nb, lengths.lengths
     pred0, state0 = start_state(layer, p, 1)
     # per utterance: {tokens: [log-prob, pred (joint,), [(h, c) per LSTM layer]]}
@@ -105,6 +109,9 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0):
         encs = np.stack([enc[t * nb + b] for b, _ in keys])
         lp = _log_softmax(joint_logits(layer, p, encs, preds))
         scores = lp + np.array([hyps[b][ys][0] for b, ys in keys])[:, None]
+        if lm is not None:      # the blank column of an LM row is 0: not scored
+            scores += lm_weight * np.stack([lm.row(lm.context(ys)) for _, ys in keys])
+            scores[:, 1:] += bonus
         grow, first = [], 0   # (b, new tokens, row of its parent, score) of the kept pairs
         new = {b: {} for b in live}
         for b in live:
@@ -133,6 +140,7 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0):
                 new[b][ys][2] = [(h[i], c[i]) for h, c in state]
         for b in live:
             hyps[b] = new[b]
-    best = [max(h.items(), key=lambda item: item[1][0]) for h in hyps]
+    final = (lambda ys: 0.0) if lm is None else (lambda ys: lm_weight * lm.final(lm.context(ys)))
+    best = [max(h.items(), key=lambda item: item[1][0] + final(item[0])) for h in hyps]
     return ([np.asarray(ys, np.int64) for ys, _ in best],
             np.array([float(v[0]) for _, v in best]))
