@@ -1,6 +1,6 @@
 """Adam's moments at the end of two runs of one model, weight by weight: how much larger the
-second moment (and the first) of a 1-bit run is than a float32 run's (docs/results.md, "CTC
-models on so762": what the 1-bit runs lose).
+second moment (and the first) of a 1-bit run is than a float32 run's (experiments/ctc_so762.md,
+"1-bit SGD": what the 1-bit runs lose).
 
     python experiments/adam_moments.py runs/ctc/seed1_f32 runs/ctc/seed1_onebit_cold10
 

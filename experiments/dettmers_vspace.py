@@ -1,6 +1,6 @@
 """The Dettmers CPU encode's two code rules side by side, and an AVX2-gather variant of the
-v-keyed one (docs/benchmarks.md, "What did not pay"; docs/codecs.md, Dettmers' fifth and sixth
-passes).
+v-keyed one (experiments/benchmarks_history.md, "What did not pay"; docs/codecs.md, Dettmers'
+fifth and sixth passes).
 
 - package float64: `encode_cpu`, keys from x = v / s in float64 (`code_buckets`);
 - v-keyed: `encode_vspace_cpu`, keys from v's own float32 bits against the scale's thresholds

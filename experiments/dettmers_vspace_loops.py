@@ -1,7 +1,7 @@
 """Where the v-keyed Dettmers encode (`encode_vspace_cpu`) spends its time, its codes and
 residuals in one loop (the package's since 2026-11-26), and a prefetch that did not pay
-(docs/codecs.md, Dettmers' seventh pass; docs/benchmarks.md, "Codec kernels" and "What did not
-pay").
+(docs/codecs.md, Dettmers' seventh pass; experiments/benchmarks_history.md, "Codec kernels" and
+"What did not pay").
 
     python experiments/dettmers_vspace_loops.py              # the loops, from cache
     git show 976a906:hpcsgd/codecs/dettmers.py > /tmp/dettmers_old.py

@@ -2,7 +2,7 @@
 step (so762_ctc.yaml's second BLSTM layer: 512 inputs, 4 x 256 gates per direction) at one
 rank's rows of a 2 x 1 step (667 = 2000 frames stacked by 3) and of a 1-rank step (1333): GFLOP/s
 on one thread, the median of 7. On Intel (EMR) MKL is 1.15-1.3x OpenBLAS on these shapes,
-which is where PyTorch's 2 x 1 step passes hpcsgd's GEMM roofline (docs/benchmarks.md).
+which is where PyTorch's 2 x 1 step passes hpcsgd's GEMM roofline (experiments/ctc_step_bench.md).
 
     OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 python experiments/gemm_openblas_mkl.py
 (torch is a benchmark peer, not a dependency: pip install torch)

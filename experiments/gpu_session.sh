@@ -101,7 +101,7 @@ for k in 1 2; do
 done
 # issue 45: GPU mixed against GPU float32 at equal frames, with each scaler (the demo corpus:
 # so762's archive is not on the GPU machine)
-# (static at 256: summed gradients overflow 1024 at the start, docs/results.md)
+# (static at 256: summed gradients overflow 1024 at the start, experiments/precision_so762.md)
 for v in "float32 none" "mixed static train.loss_scale_init=256" "mixed backoff" \
          "mixed logmax" "bf16 none"; do
     set -- $v

@@ -1,6 +1,6 @@
 """hpcsgd's CTC model and its PyTorch peer (hpcsgd/bench/pytorch.py: CTCModel) on the same
 weights and padded batch, in float64: the loss and every parameter's gradient side by side
-(docs/results.md, "CTC models on so762": the normalized convolutions). PyTorch is a benchmark
+(experiments/ctc_so762.md: the normalized convolutions). PyTorch is a benchmark
 peer, not a dependency: `pip install torch==2.13.0`.
 
     python experiments/peer_gradients.py [ln|in|none]

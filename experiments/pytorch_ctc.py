@@ -7,7 +7,7 @@ training and nothing else (docs/results.md, "CTC models on so762").
 
 --batch-norm: every `conv ... in` of the encoder normalized as batch norm instead (each channel
 over the batch's valid steps, running statistics for the CV), which hpcsgd does not have: what
-DeepSpeech2 and Wave2Letter+ use, tried here before building it (docs/results.md).
+DeepSpeech2 and Wave2Letter+ use, tried here before building it (experiments/ctc_so762.md).
 --he-init: the convolutions' weights drawn as He et al. (kaiming_uniform_, ReLU gain) instead
 of PyTorch's default (a third of that variance); hpcsgd's rule is near He's.
 

@@ -21,7 +21,7 @@ STAGE=${STAGE:-all}
 INT4=(train.init_from=runs/rnnt/f32 train.epochs=4 optim.lr=2.5e-7 qat.weight_bits=4
       qat.activation_bits=4)
 # from scratch the transducer overfits so762 within a few epochs (its prediction network
-# learns the training sentences: docs/results.md), so the float32 run starts from the CTC
+# learns the training sentences: experiments/rnnt_so762.md), so the float32 run starts from the CTC
 # model's encoder (experiments/ctc_so762.sh's f32) and trains 10 epochs at half the rate;
 # ONLY=scratch: the run from scratch; chars: the character transducer
 if [ "$STAGE" != decode ]; then

@@ -125,7 +125,8 @@ def _run_on_one_core():
     process takes a core (the other test worker, another rank) the thread holding the GIL is
     descheduled while every other waits. Measured on 2 cores (Zen 3) beside two busy
     processes: `bench cuda`'s recording 54-56 -> 12 s, tests/test_model_cuda.py's simulator
-    run 128-131 -> 32-42 s; idle, the latter 24 -> 34-38 s (docs/benchmarks.md)."""
+    run 128-131 -> 32-42 s; idle, the latter 24 -> 34-38 s
+    (experiments/benchmarks_history.md)."""
     from numba.cuda.simulator.kernel import FakeCUDAKernel
     try:
         mask = sorted(os.sched_getaffinity(0))

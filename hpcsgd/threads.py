@@ -23,8 +23,8 @@ OpenBLAS needs for the next GEMM, and OpenBLAS's threads spin after every GEMM o
 the next Numba kernel needs. Measured, one process with 2 threads: the so762 model
 (440-1024x4-40, minibatch 256) 2,150 frames/s spinning, 9,090 with OpenMP passive, against
 9,220 for the step's GEMMs alone; the paper's 46M model 94-96% of its GEMM roofline with
-OpenMP passive, 97-100% with OpenBLAS's short timeout too (docs/benchmarks.md). `describe`
-says what was chosen and why for the log; `check` reads back what the pools really use.
+OpenMP passive, 97-100% with OpenBLAS's short timeout too (experiments/benchmarks_history.md).
+`describe` says what was chosen and why for the log; `check` reads back what the pools really use.
 When more ranks than cores share a node, each gets one thread and the run is still
 oversubscribed: MPICH ranks then need MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (a waiting rank yields
 its core), which must be set before MPI starts -- bin/demo and jobs/ set it; the trainer warns.

@@ -346,7 +346,7 @@ def test_a_text_only_corpus_trains_a_ctc_model_with_onebit_on_two_ranks(demo_tex
                                                                         tmp_path):
     """Real speech, no alignment anywhere: 2 ranks, the striped 1-bit exchange with error
     feedback after a float32 cold start through CTC's plateau (12 epochs; 1-bit from the
-    start stays in it far longer, docs/results.md), replicas checked every step. It learns
+    start stays in it far longer, experiments/ctc_so762.md), replicas checked every step. It learns
     in the 1-bit phase (its training loss falls by a tenth and more: 3.04 -> 2.54 on Zen 4),
     its held-out loss ends well below the first epoch's, and held-out phones are recognized."""
     run = str(tmp_path / "run")

@@ -77,7 +77,7 @@ class Conv1d:
         (PyTorch's Conv1d default, a third of He's for so762's W2L layers): the norm makes the
         forward pass blind to W's scale, but Adam's steps are not relative to it, so larger
         weights turn more slowly (on so762's W2L recipe with instance norms the two scales
-        gave the same first 6 epochs: docs/results.md)."""
+        gave the same first 6 epochs: experiments/ctc_so762.md)."""
         W = views[self.W]
         if self.g:
             a = 1.0 / np.sqrt(W.shape[0])

@@ -423,11 +423,11 @@ def small_matmul_nt(a, bt, out):
     columns (then 2 and 1 rows); the block's 4 rows of bt (4K values) stay in L1 while every
     row of a passes, so bt streams from memory once. OpenBLAS packs bt on every call and its
     kernels want M >= 16; at M = 5, K = 256, N = 1024 (a BLSTM step of 5 sequences) this is
-    1.3-1.4x the axpy-form kernel it replaced and 2-3.5x OpenBLAS (docs/benchmarks.md). The
-    LSTM's forward passes U^T (a copy a pass), its backward U itself. a is copied into a
-    C-contiguous buffer first (a few KB): the LSTM's rows are column slices of a wider
-    buffer, and on a strided a LLVM does not vectorize the sums (4-5x slower, measured); bt
-    and out must be C-contiguous to be fast."""
+    1.3-1.4x the axpy-form kernel it replaced and 2-3.5x OpenBLAS
+    (experiments/ctc_step_bench.md). The LSTM's forward passes U^T (a copy a pass), its
+    backward U itself. a is copied into a C-contiguous buffer first (a few KB): the LSTM's
+    rows are column slices of a wider buffer, and on a strided a LLVM does not vectorize the
+    sums (4-5x slower, measured); bt and out must be C-contiguous to be fast."""
     m, k_all = a.shape
     _product_columns(np.ascontiguousarray(a), bt, out, m, 0, bt.shape[0], k_all)
 
