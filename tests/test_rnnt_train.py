@@ -135,12 +135,33 @@ def test_eval_and_greedy_decode_agree(arch, tmp_path, tmp_path_factory):
     assert "RNN-T greedy search" in dec.stdout
     decoded = json.load(open(tmp_path / "dec" / "result.json"))
     assert abs(decoded["error_rate"] - 100 * result["token_error_rate"]) < 1e-9
-    beam = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "4", "--out",
-                                 str(tmp_path / "beam")], capture_output=True, text=True,
+    beam = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "4", "--nbest",
+                                 "--out", str(tmp_path / "beam")], capture_output=True, text=True,
                           env=env, timeout=120)
     assert beam.returncode == 0, beam.stderr
     assert "modified beam search (beam 4" in beam.stdout
     assert json.load(open(tmp_path / "beam" / "result.json"))["search"] == "beam 4"
+    # the n-best lists: at most 4 per utterance, scores falling, the first the hypothesis
+    best = dict(line.rstrip("\n").partition(" ")[::2] for line in open(tmp_path / "beam" / "hyp.txt"))
+    lists = {}
+    for line in open(tmp_path / "beam" / "nbest.txt"):
+        key, score, *words = line.split()
+        utt, rank = key.rsplit("-", 1)
+        lists.setdefault(utt, []).append((int(rank), float(score), " ".join(words)))
+    assert set(lists) == set(best)
+    for utt, entries in lists.items():
+        assert [r for r, _, _ in entries] == list(range(1, len(entries) + 1)) and len(entries) <= 4
+        assert all(a[1] >= b[1] for a, b in zip(entries, entries[1:]))
+        assert entries[0][2] == best[utt]
+    # shallow fusion with a token bigram of the training archive, tuned on halves of its speakers
+    fused = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "4", "--lm-order",
+                                  "2", "--tune", "--out", str(tmp_path / "fused")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert fused.returncode == 0, fused.stderr
+    assert "LM weight -> %PER at token bonus" in fused.stdout and "held out: %PER" in fused.stdout
+    got = json.load(open(tmp_path / "fused" / "result.json"))
+    assert got["lm"].startswith("a 2-gram of the phones tokens") and got["lm_weight"] > 0
+    assert got["error_rate"] == min(t["error_rate"] for t in got["lm_tuning"])
     bad = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "0"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "K >= 1" in bad.stderr

@@ -93,6 +93,9 @@ def add_arguments(parser):
                         help="with shallow fusion: a reward added to every token extension "
                              "(--tune: tried from " + ",".join(map(str, recognize.TUNE_LM_BONUS))
                              + ")")
+    parser.add_argument("--nbest", action="store_true",
+                        help="RNN-T --beam-size K: also write OUT/nbest.txt, the K hypotheses "
+                             "of each utterance's final beam with their scores, best first")
     parser.add_argument("--ctm", action="store_true",
                         help="CTC models: also write OUT/hyp.ctm, each word's (phone's) start "
                              "and duration from the emissions (greedy or the graph's best path)")
@@ -201,6 +204,9 @@ def decode(args, comm):
                             "weigh a graph search: greedy search has nothing to weigh (an "
                             "RNN-T's --beam-size with --lm-order or --lm tunes --lm-weight)")
         unit, scales = ("phones" if tokens["kind"] == "phones" else "words"), None
+    if args.nbest and not args.beam_size:
+        raise UserError("--nbest: the final beam of an RNN-T's --beam-size K search")
+    nbest = {} if args.nbest else None      # utt -> [(score, words)], best first
     lm = None
     if args.lm or args.lm_order:
         if not args.beam_size:
@@ -227,7 +233,7 @@ def decode(args, comm):
             lm_weight, lm_bonus = lm_table[0][:2]
         hyps, search_s = (recognize.search_rnnt(model, params, logposts, tokens["symbols"],
                                                 tokens["kind"], args.beam_size, lm, lm_weight,
-                                                lm_bonus)
+                                                lm_bonus, nbest)
                           if rnnt_model else
                           recognize.greedy(logposts, tokens["symbols"], tokens["kind"], runs))
         not_final = 0
@@ -245,12 +251,13 @@ def decode(args, comm):
     sums = np.array([frames, search_s, forward_s, not_final], np.float64)
     from mpi4py import MPI
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
-    gathered = comm.gather((hyps, runs), root=0)         # small: token lists
+    gathered = comm.gather((hyps, runs, nbest), root=0)  # small: token lists
     if rank != 0:
         return 0
 
-    hyps = {utt: words for part, _ in gathered for utt, words in part.items()}
-    runs = None if runs is None else {u: r for _, part in gathered for u, r in part.items()}
+    hyps = {utt: words for part, _, _ in gathered for utt, words in part.items()}
+    runs = None if runs is None else {u: r for _, part, _ in gathered for u, r in part.items()}
+    nbest = None if nbest is None else {u: r for _, _, part in gathered for u, r in part.items()}
     total, per_utt = recognize.error_counts(refs, hyps)
     frames, search_s, forward_s, not_final = sums
     audio_s = frames * index["frame_shift_ms"] / 1000.0
@@ -369,6 +376,10 @@ def decode(args, comm):
         f"{utt} {c[0]} {c[1]} {c[2]} {c[3]}\n" for utt, c in sorted(per_utt.items())))
     if ctm is not None:
         archive.atomic_write_text(os.path.join(out, "hyp.ctm"), ctm)
+    if nbest is not None:     # Kaldi's n-best keys: utt-1 the best
+        archive.atomic_write_text(os.path.join(out, "nbest.txt"), "".join(
+            f"{utt}-{i} {sc:.4f} {' '.join(words)}\n" for utt in sorted(nbest)
+            for i, (sc, words) in enumerate(nbest[utt], 1)))
     archive.atomic_write_text(os.path.join(out, "scoring.txt"), report)
     archive.atomic_write_text(os.path.join(out, "result.json"), json.dumps(result, indent=1) + "\n")
     print(f"decode: wrote {out}/ (hyp.txt, ref.txt, per_utt.txt, scoring.txt, result.json)")

@@ -215,10 +215,12 @@ def greedy(logposts, symbols, kind, runs=None):
 
 
 def search_rnnt(model, params, encs, symbols, kind, beam=None, lm=None, lm_weight=0.0,
-                bonus=0.0):
+                bonus=0.0, nbest=None):
     """RNN-T greedy search, or modified beam search with `beam` hypotheses (hpcsgd.decode.rnnt;
-    with a token n-gram `lm`, shallow fusion at lm_weight with a token bonus) of every utterance's encoder
-    projection -> ({utt: words, or phones}, search CPU seconds of this thread)."""
+    with a token n-gram `lm`, shallow fusion at lm_weight with a token bonus) of every
+    utterance's encoder projection -> ({utt: words, or phones}, search CPU seconds of this
+    thread). nbest: a dict to fill with each utterance's [(score, words)] of the final beam,
+    best first (beam search only)."""
     from hpcsgd.decode import rnnt
     from hpcsgd.model.lengths import Lengths
     from hpcsgd.model.transducer import on_host
@@ -228,9 +230,14 @@ def search_rnnt(model, params, encs, symbols, kind, beam=None, lm=None, lm_weigh
     t0 = time.thread_time()
     for utt, enc in encs:
         lengths = Lengths([len(enc)])
-        best = (rnnt.beam_search(layer, params, enc, lengths, beam, lm=lm,
-                                 lm_weight=lm_weight, bonus=bonus)[0] if beam else
-                rnnt.greedy_search(layer, params, enc, lengths))[0]
+        if beam:
+            ranked = rnnt.beam_search(layer, params, enc, lengths, beam, lm=lm,
+                                      lm_weight=lm_weight, bonus=bonus, nbest=beam)[0]
+            best = ranked[0][0]
+            if nbest is not None:
+                nbest[utt] = [(sc, ctc.tokens_to_words(symbols[ys], kind)) for ys, sc in ranked]
+        else:
+            best = rnnt.greedy_search(layer, params, enc, lengths)[0]
         hyps[utt] = ctc.tokens_to_words(symbols[best], kind)
     return hyps, time.thread_time() - t0
 

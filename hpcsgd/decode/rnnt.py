@@ -87,7 +87,8 @@ def _log_softmax(logits):
     return logits - (m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True)))
 
 
-def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0, bonus=0.0):
+def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0, bonus=0.0,
+                nbest=0):
     """Modified beam search (icefall's modified_beam_search): at most one symbol per frame;
     at each frame every hypothesis of an utterance is extended by the blank or by a token,
     the `beam` best (hypothesis, token) pairs of the utterance kept, and equal token sequences
@@ -97,7 +98,9 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0,
     lm_weight * ln P_lm(token | the hypothesis) + bonus (a token insertion reward: the LM's
     log-probabilities are all negative and the blank pays none, so without one fusion
     trades tokens for blanks), and the final ranking lm_weight * ln P_lm(</s> | it).
-    -> (one int64 token array per utterance, its score summed over the merged alignments)."""
+    -> (one int64 token array per utterance, its score summed over the merged alignments);
+    with nbest > 0: per utterance its `nbest` best (tokens, score) pairs, best first (the score
+    with the LM's </s> term), at most `beam`."""
     nb, frames = lengths.nb, lengths.lengths
     pred0, state0 = start_state(layer, p, 1)
     # per utterance: {tokens: [log-prob, pred (joint,), [(h, c) per LSTM layer]]}
@@ -141,6 +144,9 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0,
         for b in live:
             hyps[b] = new[b]
     final = (lambda ys: 0.0) if lm is None else (lambda ys: lm_weight * lm.final(lm.context(ys)))
-    best = [max(h.items(), key=lambda item: item[1][0] + final(item[0])) for h in hyps]
-    return ([np.asarray(ys, np.int64) for ys, _ in best],
-            np.array([float(v[0]) for _, v in best]))
+    ranked = [sorted(((ys, float(v[0]) + final(ys)) for ys, v in h.items()),
+                     key=lambda item: -item[1]) for h in hyps]
+    if nbest:
+        return [[(np.asarray(ys, np.int64), sc) for ys, sc in r[:nbest]] for r in ranked]
+    return ([np.asarray(r[0][0], np.int64) for r in ranked],
+            np.array([float(hyps[b][r[0][0]][0]) for b, r in enumerate(ranked)]))
