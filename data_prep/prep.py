@@ -20,6 +20,7 @@ alignments). Frame label convention: a segment [start, end) covers frames round(
 round(end/shift)-1 (data_prep/kaldi_dir.py, docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 2,
 no index.json) when more than --max-bad-fraction of all utterances were skipped.
 """
+import fnmatch
 import glob
 import json
 import math
@@ -107,6 +108,7 @@ def run(args):
         return 0
     if args.out is None:
         raise UserError("need DATA_DIR and OUT (and --alignments PATH, or a `text` in DATA_DIR)")
+    check_out_apart(args)
     plan = make_plan(args)
     only = args.shard_index
     if only is not None and not 0 <= only < args.num_shards:
@@ -138,6 +140,43 @@ def run(args):
 
 
 # ---------------------------------------------------------------- planning (cheap: no audio read)
+
+# what prep writes or removes in an archive directory (write_one, run, clean_stale, finish)
+WRITES = (archive.LABELS_NAME, archive.INDEX_NAME, archive.BPE_MODEL,
+          archive.token_inventory_name("*"), "shard-*.h5", "shard-*" + REPORT_SUFFIX, "*.tmp.*")
+
+
+def check_out_apart(args):
+    """Refuse an OUT that would write into prep's input (a later --labels DATA_DIR/labels.txt
+    would name other classes): OUT, or the OUT/train and OUT/cv that --cv-speakers writes
+    (and the index step reads whenever they exist), being DATA_DIR, the --alignments
+    directory or the --token-inventory archive; or an archive directory prep writes holding
+    an input file (--alignments, --labels, --lexicon) under a name it writes or removes.
+    Compared as real paths (symbolic links, `..`), before anything is read or written."""
+    out = os.path.realpath(args.out)
+    parts = [os.path.realpath(os.path.join(out, part)) for part in ("train", "cv")]
+    archives = [out] + parts
+    written = parts if args.cv_speakers else [out]
+    dirs = [("DATA_DIR", args.data_dir)]
+    files = []
+    for option, path in (("--alignments", args.alignments), ("--labels", args.labels),
+                         ("--lexicon", args.lexicon), ("--token-inventory", args.token_inventory)):
+        if path is not None:
+            (dirs if os.path.isdir(path) else files).append((option, path))
+    for what, path in dirs:
+        real = os.path.realpath(path)
+        if real in archives:
+            part = "" if real == out else f"/{('train', 'cv')[parts.index(real)]} (where " \
+                                         f"--cv-speakers writes and the index step reads an archive)"
+            raise UserError(f"OUT {args.out}{part} is the input {what} {path}: prep never "
+                            f"writes into its input; give another OUT")
+    for what, path in files:
+        real = os.path.realpath(path)
+        if os.path.dirname(real) in written and any(
+                fnmatch.fnmatch(os.path.basename(real), name) for name in WRITES):
+            raise UserError(f"OUT {args.out} would overwrite the input {what} {path}: prep "
+                            f"never writes into its input; give another OUT")
+
 
 def make_plan(args):
     config = features.extractor_config(args.features, args.num_mel_bins, args.num_ceps,

@@ -374,6 +374,45 @@ def test_piped_wav_scp_rejected(tmp_path, capsys):
     assert rc == 2 and "spk0-u09: piped command" in text
 
 
+def test_out_that_would_write_into_the_input_is_refused(tmp_path, capsys):
+    """OUT = DATA_DIR without --labels rewrote the corpus's labels.txt in another id order (a
+    later --labels DATA_DIR/labels.txt then meant other classes): refused before anything is
+    written, naming both paths; so are a symbolic link to DATA_DIR, a DATA_DIR that is
+    OUT/train of --cv-speakers, and an input file in OUT under a name prep writes. An OUT
+    inside DATA_DIR that overwrites nothing is fine."""
+    data = make_corpus(tmp_path / "data", n=4)
+    (data / "labels.txt").write_text("B 0\nA 1\nSIL 2\n")   # not the sorted order prep builds
+    before = {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}
+    os.symlink(data, tmp_path / "link")
+    (tmp_path / "outer").mkdir()
+    os.symlink(data, tmp_path / "outer" / "train")   # OUT/train of --cv-speakers is DATA_DIR
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "labels.txt").write_text("SIL 0\nA 1\nB 2\n")
+    refused = {   # OUT, options -> what the one-line error names
+        "same": (data, [], [f"OUT {data} is the input DATA_DIR {data}"]),
+        "link": (tmp_path / "link", [], [f"OUT {tmp_path / 'link'} is the input DATA_DIR"]),
+        "dots": (data / "wav" / "..", [], ["is the input DATA_DIR"]),
+        "cv part": (tmp_path / "outer", ["--cv-speakers", 1, "--labels", data / "labels.txt"],
+                    [f"OUT {tmp_path / 'outer'}/train", f"is the input DATA_DIR {data}"]),
+    }
+    for case, (out, options, named) in refused.items():
+        rc = prep(data, out, "--alignments", data / "ali.txt", "--jobs", 1, *options)
+        err = capsys.readouterr().err
+        assert rc == 2 and all(n in err for n in named) and len(err.splitlines()) == 1, (case, err)
+        assert "never writes into its input" in err
+    # the corpus is as it was: no file changed, none added
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file()} == before
+    rc = prep(data, tmp_path / "archive", "--alignments", data / "ali.txt", "--labels",
+              tmp_path / "archive" / "labels.txt", "--jobs", 1)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"would overwrite the input --labels {tmp_path / 'archive' / 'labels.txt'}" in err
+    assert os.listdir(tmp_path / "archive") == ["labels.txt"]
+    assert prep(data, data / "archive", "--alignments", data / "ali.txt", "--jobs", 1) == 0
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file() and "archive" not in
+            p.parts} == before
+    assert check_archive(str(data / "archive"))[0] == []
+
+
 def test_ctm_segments_file_and_built_numeric_inventory(tmp_path, capsys):
     data = make_corpus(tmp_path / "data", n=4, seconds=1.0, fmt="ctm")
     rc, text, out = run_bad(tmp_path, capsys)
