@@ -257,6 +257,11 @@ BAD_CASES = {
                       "spk0-u04.wav: no such file"),
     "unreadable audio": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b"RIFF garbage" * 10),
                          "unreadable audio", "spk0-u04"),
+    "empty file": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b""), "empty audio",
+                   "spk0-u04.wav: empty file (0 bytes)"),   # not libsndfile's "Format not recognised"
+    "directory": (lambda d: (os.unlink(d / "wav" / "spk0-u04.wav"),
+                             os.mkdir(d / "wav" / "spk0-u04.wav")), "unreadable audio",
+                  "spk0-u04.wav: a directory, not an audio file"),   # not "no such file"
     "sample rate": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(4000), 8000),
                     "sample rate", "sample rate 8000 Hz, expected --sample-rate 16000"),
     "empty audio": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(0), 16000),
