@@ -25,6 +25,7 @@ import glob
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ from hpcsgd.errors import UserError
 
 REPORT_SUFFIX = ".report.json"  # per-shard skip counts, summed by the index step
 MAX_LISTED = 10                  # skipped utterances printed per reason (the rest only counted)
+EXIT_INTERRUPTED = 130           # 128 + SIGINT, as the shell reports Ctrl-C
 
 
 def add_arguments(p):
@@ -101,6 +103,30 @@ def _env_int(name):
 
 
 def run(args):
+    try:
+        return prep(args)
+    except KeyboardInterrupt:   # Ctrl-C: one line, not the pool's tracebacks
+        return interrupted(args)
+
+
+def interrupted(args):
+    """After Ctrl-C: the workers are stopped (prep closes extract_all, which terminates the
+    pool; they ignore SIGINT themselves, so print nothing), this process's temp files in OUT
+    are removed, and every file left there is complete (each is written under a temp name and
+    renamed). One line on stderr; exit 130, the shell's code for Ctrl-C."""
+    out = args.out or args.write_index
+    dirs = {d for d in (args.out, args.write_index) if d}
+    dirs |= {os.path.join(d, part) for d in dirs for part in ("train", "cv")}
+    for d in dirs:
+        for path in glob.glob(os.path.join(glob.escape(d), f"*.tmp.{os.getpid()}")):
+            os.unlink(path)
+    print(f"prep: interrupted; workers stopped, nothing half-written"
+          f"{f' in {out}' if out else ''} (the files there are complete; no index until a "
+          f"run finishes): run the same command again to finish", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def prep(args):
     if args.data_dir is None:
         if not args.write_index:
             raise UserError("give DATA_DIR OUT [--alignments PATH], or --write-index OUT")
@@ -127,8 +153,12 @@ def run(args):
                                        plan["tokens"]["bpe_model"])
     t0 = time.time()
     totals = Counter()
-    for shard, results in extract_all(plan, todo, args.jobs):
-        totals.update(write_one(plan, shard, results, time.time() - t0))
+    shards = extract_all(plan, todo, args.jobs)
+    try:
+        for shard, results in shards:
+            totals.update(write_one(plan, shard, results, time.time() - t0))
+    finally:
+        shards.close()   # its pool terminated now, on Ctrl-C too (not when collected)
     wall = time.time() - t0
     if totals["utterances"]:
         print(f"prep: {totals['ok']} utterances ({totals['audio_s'] / 3600:.2f} h audio) in {wall:.1f} s "
@@ -368,6 +398,13 @@ _worker = {}
 WORKER_KEYS = ("config", "utts", "fmt", "ali", "symbols", "label_ids", "tolerance", "text", "tokens")
 
 
+def _init_pool_worker(plan):
+    # Ctrl-C reaches the whole process group: the parent stops the workers (terminate), and a
+    # worker's own KeyboardInterrupt would only print its traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(plan)
+
+
 def _init_worker(plan):
     _worker.clear()
     _worker.update(plan)
@@ -450,7 +487,7 @@ def extract_all(plan, todo, jobs):
     else:
         import multiprocessing
         ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = ctx.Pool(jobs, initializer=_init_worker, initargs=(worker_plan,))
+        pool = ctx.Pool(jobs, initializer=_init_pool_worker, initargs=(worker_plan,))
         results = pool.imap(extract_one, stream, chunksize=4)
     try:
         for shard in todo:

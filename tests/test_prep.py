@@ -468,6 +468,49 @@ def test_sigkill_midway_leaves_no_partial_shard_or_index(tmp_path):
     assert check_archive(str(out))[0] == []
 
 
+def test_ctrl_c_stops_the_workers_with_one_line_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) after the first shard:
+    one line instead of the pool's ~34 lines of tracebacks, exit 130, no process of the
+    group left, only complete files in OUT. 600 copies of a bundled recording, 30 shards.
+    With --jobs 1 the extraction runs in prep's own process, whose Ctrl-C must stay on."""
+    handler = signal.getsignal(signal.SIGINT)
+    small = make_corpus(tmp_path / "small", n=4)
+    assert prep(small, tmp_path / "small_out", "--alignments", small / "ali.txt", "--jobs", 1) == 0
+    assert signal.getsignal(signal.SIGINT) is handler
+    flac = os.path.join(DEMO, "so762", "flac", f"{REF_UTT}.flac")
+    data = tmp_path / "data"
+    data.mkdir()
+    utts = [f"spk{i % 30:02d}-u{i:04d}" for i in range(600)]
+    (data / "wav.scp").write_text("".join(f"{u} {flac}\n" for u in utts))
+    (data / "utt2spk").write_text("".join(f"{u} {u[:5]}\n" for u in utts))
+    (data / "text").write_text("".join(f"{u} A B\n" for u in utts))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcsgd.cli", "prep", str(data), str(out),
+                             "--num-shards", "30", "--jobs", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO)
+    for line in proc.stdout:
+        if "wrote" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rest, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 130, rest + err
+    assert err.splitlines() == [err.strip()] and "prep: interrupted" in err, err
+    assert f"nothing half-written in {out}" in err
+    with pytest.raises(ProcessLookupError):   # the workers ended with it
+        os.killpg(proc.pid, 0)
+    names = os.listdir(out)
+    assert "index.json" not in names and not [n for n in names if ".tmp." in n]
+    shards = [n for n in names if n.endswith(".h5")]
+    assert 1 <= len(shards) < 30
+    for n in shards:
+        assert archive.validate_shard(str(out / n)) == []
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "fsdd_dev")), reason="needs ../shared/data")
 def test_full_fsdd_six_missing_alignments(tmp_path, capsys):
     src = os.path.join(SHARED, "fsdd_dev")
