@@ -252,6 +252,12 @@ def open_run(cfg, grid):
     skipped = []   # auto: newer checkpoints that do not read back whole (collective)
     if cfg["train.resume"] == "auto":
         resume, skipped = checkpoint.newest_intact(run_dir, grid.world)
+        if resume is None and skipped:   # every checkpoint: not another run's, but broken
+            raise UserError(f"{run_dir}: none of its {len(skipped)} checkpoint(s) reads back "
+                            f"whole, so train.resume=auto has nothing to resume:\n"
+                            + "".join(f"  skipped {path}: {reason}\n" for path, reason in skipped)
+                            + f"copy them back whole, or start afresh: a new train.run_dir, or "
+                              f"move {checkpoint.checkpoint_dir(run_dir)} away")
     else:
         resume = None if cfg["train.resume"] == "none" else cfg["train.resume"]
     resume_frames = checkpoint.read_meta(resume)["frames"] if resume else None

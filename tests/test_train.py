@@ -350,6 +350,27 @@ def test_a_fresh_start_over_another_runs_checkpoints_is_refused(synth, tmp_path)
     assert checkpoint.latest(run)   # nothing deleted
 
 
+def test_a_run_dir_whose_checkpoints_are_all_broken_names_each_one(synth, tmp_path):
+    """Every checkpoint unreadable: not "checkpoints of another run ... or resume
+    (train.resume=auto)", which is already set, but each checkpoint skipped, with the file at
+    fault and why; nothing deleted."""
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run))
+    older, newest = checkpoint.all_checkpoints(run)
+    shared = os.path.join(newest, checkpoint.SHARED)
+    with open(shared, "r+b") as f:
+        f.truncate(os.path.getsize(shared) // 2)
+    os.unlink(os.path.join(older, checkpoint.MANIFEST))
+    proc = hpcsgd(*train_args(synth, run), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "none of its 2 checkpoint(s) reads back whole" in proc.stderr, proc.stderr
+    assert f"skipped {newest}: " in proc.stderr and f"({shared})" in proc.stderr
+    assert f"skipped {older}: No such file or directory " \
+           f"({os.path.join(older, checkpoint.MANIFEST)})" in proc.stderr
+    assert "another run" not in proc.stderr and "train.resume=auto)" not in proc.stderr
+    assert "Traceback" not in proc.stderr and os.path.isfile(shared)
+
+
 def test_an_error_is_in_the_rank_log_too(synth, tmp_path):
     run = str(tmp_path / "run")
     proc = hpcsgd(*train_args(synth, run, "optim.lr=10", "model.activation=relu",
