@@ -20,6 +20,33 @@ METRICS = "metrics.jsonl"
 LEFTOVERS = (METRICS, "logs", "timeline", "plots", "tensorboard")   # a run's, besides checkpoints
 
 
+def make_run_dir(run_dir):
+    """Create the run directory (and its parents) and check that a file can be written in it:
+    None, or why not in one line naming the path and the cause (an existing file, a
+    read-only file system, no permission), instead of the OSError's traceback."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        return f"train.run_dir {run_dir}: an existing file, not a directory; name a directory"
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as err:
+        return _cannot(run_dir, "create it", err)
+    probe = os.path.join(run_dir, f".write-test.{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as err:
+        return _cannot(run_dir, "write in it", err)
+    return None
+
+
+def _cannot(run_dir, what, err):
+    where = f" ({err.filename})" if err.filename and err.filename not in (run_dir, None) \
+        and not str(err.filename).startswith(os.path.join(run_dir, ".write-test.")) else ""
+    return (f"train.run_dir {run_dir}: cannot {what}: {err.strerror or err}{where}; name a "
+            f"directory this job can write")
+
+
 def prepare_run_dir(run_dir, resume_frames, has_checkpoints, modify):
     """Before a run opens its logs. Resuming (resume_frames: the checkpoint's frames): the
     metrics records of frames after the checkpoint are dropped -- they belong to the

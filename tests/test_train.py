@@ -371,6 +371,56 @@ def test_a_run_dir_whose_checkpoints_are_all_broken_names_each_one(synth, tmp_pa
     assert "Traceback" not in proc.stderr and os.path.isfile(shared)
 
 
+def test_a_run_dir_that_is_a_file_or_cannot_be_made_is_a_one_line_error(synth, tmp_path):
+    """Not the OSError's traceback (FileExistsError, [Errno 30] on a read-only file system):
+    one line naming the path and the cause."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a run\n")
+    for run, cause in ((afile, f"train.run_dir {afile}: an existing file, not a directory"),
+                       (afile / "run", f"train.run_dir {afile / 'run'}: cannot create it: "
+                                       f"Not a directory")):
+        proc = hpcsgd(*train_args(synth, run, "train.epochs=1"), check=False)
+        assert proc.returncode == 2 and proc.stderr.startswith(
+            f"hpcsgd train: rank 0: error: {cause}"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert afile.read_text() == "not a run\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_run_dir_in_a_read_only_directory_is_a_one_line_error(synth, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        for run, cause in ((locked / "run", "cannot create it: Permission denied"),
+                           (locked, "cannot write in it: Permission denied")):
+            proc = hpcsgd(*train_args(synth, run, "train.epochs=1"), check=False)
+            assert proc.returncode == 2 and proc.stderr.startswith(
+                f"hpcsgd train: rank 0: error: train.run_dir {run}: {cause}"), proc.stderr
+            assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    finally:
+        os.chmod(locked, 0o755)
+
+
+def test_a_read_only_file_system_is_named(tmp_path, monkeypatch):
+    """make_run_dir on the errors of a read-only file system (what a chmod cannot show to root)."""
+    import errno
+
+    from hpcsgd.metrics import make_run_dir
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path))
+
+    run = str(tmp_path / "run")
+    monkeypatch.setattr(os, "makedirs", read_only)
+    assert make_run_dir(run) == (f"train.run_dir {run}: cannot create it: Read-only file "
+                                 f"system ({tmp_path}); name a directory this job can write")
+    monkeypatch.undo()
+    os.makedirs(run)
+    monkeypatch.setattr("builtins.open", read_only)
+    assert make_run_dir(run).startswith(f"train.run_dir {run}: cannot write in it: Read-only")
+
+
 def test_an_error_is_in_the_rank_log_too(synth, tmp_path):
     run = str(tmp_path / "run")
     proc = hpcsgd(*train_args(synth, run, "optim.lr=10", "model.activation=relu",
