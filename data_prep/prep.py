@@ -197,7 +197,7 @@ def check_out_apart(args):
         real = os.path.realpath(path)
         if real in archives:
             part = "" if real == out else f"/{('train', 'cv')[parts.index(real)]} (where " \
-                                         f"--cv-speakers writes and the index step reads an archive)"
+                f"--cv-speakers writes and the index step reads an archive)"
             raise UserError(f"OUT {args.out}{part} is the input {what} {path}: prep never "
                             f"writes into its input; give another OUT")
     for what, path in files:

@@ -18,6 +18,7 @@ from hpcsgd.errors import UserError
 
 METRICS = "metrics.jsonl"
 LEFTOVERS = (METRICS, "logs", "timeline", "plots", "tensorboard")   # a run's, besides checkpoints
+WRITABLE = "name a directory this job can write"   # the hint of make_run_dir's errors
 
 
 def make_run_dir(run_dir):
@@ -28,23 +29,17 @@ def make_run_dir(run_dir):
         return f"train.run_dir {run_dir}: an existing file, not a directory; name a directory"
     try:
         os.makedirs(run_dir, exist_ok=True)
-    except OSError as err:
-        return _cannot(run_dir, "create it", err)
+    except OSError as err:   # the parent where it failed, when not run_dir itself
+        where = f" ({err.filename})" if err.filename not in (None, run_dir) else ""
+        return f"train.run_dir {run_dir}: cannot create it: {err.strerror}{where}; {WRITABLE}"
     probe = os.path.join(run_dir, f".write-test.{os.getpid()}")
     try:
         with open(probe, "w"):
             pass
         os.unlink(probe)
     except OSError as err:
-        return _cannot(run_dir, "write in it", err)
+        return f"train.run_dir {run_dir}: cannot write in it: {err.strerror}; {WRITABLE}"
     return None
-
-
-def _cannot(run_dir, what, err):
-    where = f" ({err.filename})" if err.filename and err.filename not in (run_dir, None) \
-        and not str(err.filename).startswith(os.path.join(run_dir, ".write-test.")) else ""
-    return (f"train.run_dir {run_dir}: cannot {what}: {err.strerror or err}{where}; name a "
-            f"directory this job can write")
 
 
 def prepare_run_dir(run_dir, resume_frames, has_checkpoints, modify):

@@ -257,11 +257,12 @@ BAD_CASES = {
                       "spk0-u04.wav: no such file"),
     "unreadable audio": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b"RIFF garbage" * 10),
                          "unreadable audio", "spk0-u04"),
+    # not libsndfile's "Format not recognised", and not "no such file" for a directory
     "empty file": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b""), "empty audio",
-                   "spk0-u04.wav: empty file (0 bytes)"),   # not libsndfile's "Format not recognised"
+                   "spk0-u04.wav: empty file (0 bytes)"),
     "directory": (lambda d: (os.unlink(d / "wav" / "spk0-u04.wav"),
                              os.mkdir(d / "wav" / "spk0-u04.wav")), "unreadable audio",
-                  "spk0-u04.wav: a directory, not an audio file"),   # not "no such file"
+                  "spk0-u04.wav: a directory, not an audio file"),
     "sample rate": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(4000), 8000),
                     "sample rate", "sample rate 8000 Hz, expected --sample-rate 16000"),
     "empty audio": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(0), 16000),
@@ -410,7 +411,8 @@ def test_out_that_would_write_into_the_input_is_refused(tmp_path, capsys):
     rc = prep(data, tmp_path / "archive", "--alignments", data / "ali.txt", "--labels",
               tmp_path / "archive" / "labels.txt", "--jobs", 1)
     err = capsys.readouterr().err
-    assert rc == 2 and f"would overwrite the input --labels {tmp_path / 'archive' / 'labels.txt'}" in err
+    labels = tmp_path / "archive" / "labels.txt"
+    assert rc == 2 and f"would overwrite the input --labels {labels}" in err
     assert os.listdir(tmp_path / "archive") == ["labels.txt"]
     assert prep(data, data / "archive", "--alignments", data / "ali.txt", "--jobs", 1) == 0
     assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file() and "archive" not in
