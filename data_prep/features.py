@@ -78,8 +78,13 @@ def num_frames(num_samples, sample_rate):
 
 def read_audio(utt, path, start, end, sample_rate):
     """Samples (float32, int16 range) of [start, end) seconds of `path`; BadUtterance on failure."""
-    if not os.path.isfile(path):   # libsndfile would only say "System error."
+    # what libsndfile would only call "System error." or "Format not recognised"
+    if os.path.isdir(path):
+        raise BadUtterance("unreadable audio", f"{utt}: {path}: a directory, not an audio file")
+    if not os.path.isfile(path):
         raise BadUtterance("unreadable audio", f"{utt}: {path}: no such file")
+    if os.path.getsize(path) == 0:
+        raise BadUtterance("empty audio", f"{utt}: {path}: empty file (0 bytes)")
     try:
         info = sf.info(path)
         if info.samplerate != sample_rate:

@@ -26,10 +26,12 @@ alignments). Frame label convention: a segment [start, end) covers frames round(
 round(end/shift)-1 (data_prep/kaldi_dir.py, docs/prep.md). Bad utterances are skipped and counted per reason; the index step fails (exit 2,
 no index.json) when more than --max-bad-fraction of all utterances were skipped.
 """
+import fnmatch
 import glob
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -45,6 +47,7 @@ from hpcsgd.errors import UserError
 
 REPORT_SUFFIX = ".report.json"  # per-shard skip counts, summed by the index step
 MAX_LISTED = 10                  # skipped utterances printed per reason (the rest only counted)
+EXIT_INTERRUPTED = 130           # 128 + SIGINT, as the shell reports Ctrl-C
 
 
 def add_arguments(p):
@@ -112,6 +115,30 @@ def _env_int(name):
 
 
 def run(args):
+    try:
+        return prep(args)
+    except KeyboardInterrupt:   # Ctrl-C: one line, not the pool's tracebacks
+        return interrupted(args)
+
+
+def interrupted(args):
+    """After Ctrl-C: the workers are stopped (prep closes extract_all, which terminates the
+    pool; they ignore SIGINT themselves, so print nothing), this process's temp files in OUT
+    are removed, and every file left there is complete (each is written under a temp name and
+    renamed). One line on stderr; exit 130, the shell's code for Ctrl-C."""
+    out = args.out or args.write_index
+    dirs = {d for d in (args.out, args.write_index) if d}
+    dirs |= {os.path.join(d, part) for d in dirs for part in ("train", "cv")}
+    for d in dirs:
+        for path in glob.glob(os.path.join(glob.escape(d), f"*.tmp.{os.getpid()}")):
+            os.unlink(path)
+    print(f"prep: interrupted; workers stopped, nothing half-written"
+          f"{f' in {out}' if out else ''} (the files there are complete; no index until a "
+          f"run finishes): run the same command again to finish", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def prep(args):
     if args.data_dir is None:
         if not args.write_index:
             raise UserError("give DATA_DIR OUT [--alignments PATH], or --write-index OUT")
@@ -119,6 +146,7 @@ def run(args):
         return 0
     if args.out is None:
         raise UserError("need DATA_DIR and OUT (and --alignments PATH, or a `text` in DATA_DIR)")
+    check_out_apart(args)
     plan = make_plan(args)
     only = args.shard_index
     if only is not None and not 0 <= only < args.num_shards:
@@ -137,8 +165,12 @@ def run(args):
                                        plan["tokens"]["bpe_model"])
     t0 = time.time()
     totals = Counter()
-    for shard, results in extract_all(plan, todo, args.jobs):
-        totals.update(write_one(plan, shard, results, time.time() - t0))
+    shards = extract_all(plan, todo, args.jobs)
+    try:
+        for shard, results in shards:
+            totals.update(write_one(plan, shard, results, time.time() - t0))
+    finally:
+        shards.close()   # its pool terminated now, on Ctrl-C too (not when collected)
     wall = time.time() - t0
     if totals["utterances"]:
         print(f"prep: {totals['ok']} utterances ({totals['audio_s'] / 3600:.2f} h audio) in {wall:.1f} s "
@@ -150,6 +182,43 @@ def run(args):
 
 
 # ---------------------------------------------------------------- planning (cheap: no audio read)
+
+# what prep writes or removes in an archive directory (write_one, run, clean_stale, finish)
+WRITES = (archive.LABELS_NAME, archive.INDEX_NAME, archive.BPE_MODEL,
+          archive.token_inventory_name("*"), "shard-*.h5", "shard-*" + REPORT_SUFFIX, "*.tmp.*")
+
+
+def check_out_apart(args):
+    """Refuse an OUT that would write into prep's input (a later --labels DATA_DIR/labels.txt
+    would name other classes): OUT, or the OUT/train and OUT/cv that --cv-speakers writes
+    (and the index step reads whenever they exist), being DATA_DIR, the --alignments
+    directory or the --token-inventory archive; or an archive directory prep writes holding
+    an input file (--alignments, --labels, --lexicon) under a name it writes or removes.
+    Compared as real paths (symbolic links, `..`), before anything is read or written."""
+    out = os.path.realpath(args.out)
+    parts = [os.path.realpath(os.path.join(out, part)) for part in ("train", "cv")]
+    archives = [out] + parts
+    written = parts if args.cv_speakers else [out]
+    dirs = [("DATA_DIR", args.data_dir)]
+    files = []
+    for option, path in (("--alignments", args.alignments), ("--labels", args.labels),
+                         ("--lexicon", args.lexicon), ("--token-inventory", args.token_inventory)):
+        if path is not None:
+            (dirs if os.path.isdir(path) else files).append((option, path))
+    for what, path in dirs:
+        real = os.path.realpath(path)
+        if real in archives:
+            part = "" if real == out else f"/{('train', 'cv')[parts.index(real)]} (where " \
+                f"--cv-speakers writes and the index step reads an archive)"
+            raise UserError(f"OUT {args.out}{part} is the input {what} {path}: prep never "
+                            f"writes into its input; give another OUT")
+    for what, path in files:
+        real = os.path.realpath(path)
+        if os.path.dirname(real) in written and any(
+                fnmatch.fnmatch(os.path.basename(real), name) for name in WRITES):
+            raise UserError(f"OUT {args.out} would overwrite the input {what} {path}: prep "
+                            f"never writes into its input; give another OUT")
+
 
 def make_plan(args):
     config = features.extractor_config(args.features, args.num_mel_bins, args.num_ceps,
@@ -395,6 +464,13 @@ _worker = {}
 WORKER_KEYS = ("config", "utts", "fmt", "ali", "symbols", "label_ids", "tolerance", "text", "tokens")
 
 
+def _init_pool_worker(plan):
+    # Ctrl-C reaches the whole process group: the parent stops the workers (terminate), and a
+    # worker's own KeyboardInterrupt would only print its traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(plan)
+
+
 def _init_worker(plan):
     _worker.clear()
     _worker.update(plan)
@@ -477,7 +553,7 @@ def extract_all(plan, todo, jobs):
     else:
         import multiprocessing
         ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = ctx.Pool(jobs, initializer=_init_worker, initargs=(worker_plan,))
+        pool = ctx.Pool(jobs, initializer=_init_pool_worker, initargs=(worker_plan,))
         results = pool.imap(extract_one, stream, chunksize=4)
     try:
         for shard in todo:

@@ -194,11 +194,13 @@ def verify(path, ranks=None):
     """None when the checkpoint at `path` reads back whole -- its manifest, shared.h5 and the
     rank files of `ranks` (None: all), every dataset read to its last byte -- else why not
     (a truncated or corrupt file, named)."""
+    name = path
     try:
         if not os.path.isdir(path):   # format 1: one file
             files = [path]
         else:
-            with open(os.path.join(path, MANIFEST)) as f:
+            name = os.path.join(path, MANIFEST)   # named in the reason if it is what fails
+            with open(name) as f:
                 manifest = json.load(f)
             files = [os.path.join(path, SHARED)] + [
                 os.path.join(path, rank_file(r)) for r in range(manifest["world"])
@@ -207,7 +209,7 @@ def verify(path, ranks=None):
             with h5py.File(name, "r") as f:
                 f.visititems(lambda _, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)
     except (OSError, KeyError, ValueError, RuntimeError) as err:
-        return f"{_reason(err)} ({name if 'name' in locals() else path})"
+        return f"{_reason(err)} ({name})"
     return None
 
 

@@ -18,6 +18,28 @@ from hpcsgd.errors import UserError
 
 METRICS = "metrics.jsonl"
 LEFTOVERS = (METRICS, "logs", "timeline", "plots", "tensorboard")   # a run's, besides checkpoints
+WRITABLE = "name a directory this job can write"   # the hint of make_run_dir's errors
+
+
+def make_run_dir(run_dir):
+    """Create the run directory (and its parents) and check that a file can be written in it:
+    None, or why not in one line naming the path and the cause (an existing file, a
+    read-only file system, no permission), instead of the OSError's traceback."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        return f"train.run_dir {run_dir}: an existing file, not a directory; name a directory"
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as err:   # the parent where it failed, when not run_dir itself
+        where = f" ({err.filename})" if err.filename not in (None, run_dir) else ""
+        return f"train.run_dir {run_dir}: cannot create it: {err.strerror}{where}; {WRITABLE}"
+    probe = os.path.join(run_dir, f".write-test.{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as err:
+        return f"train.run_dir {run_dir}: cannot write in it: {err.strerror}; {WRITABLE}"
+    return None
 
 
 def prepare_run_dir(run_dir, resume_frames, has_checkpoints, modify):

@@ -46,7 +46,7 @@ from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import assign, to_host
 from hpcsgd.errors import UserError
 from hpcsgd.evaluate import evaluate, evaluate_ctc
-from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
+from hpcsgd.metrics import RunLog, format_eta, make_run_dir, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.encoder import describe as encoder_describe
 from hpcsgd.model.encoder import time_stride
@@ -249,9 +249,19 @@ def open_run(cfg, grid):
     earlier attempt left: metrics.prepare_run_dir), every rank's log with the threads it
     runs, its watchdog, its timeline, and on GPU ranks the GPU bound to it."""
     run_dir = cfg["train.run_dir"]
+    # rank 0 makes it; every rank refuses one that cannot be written, with rank 0's reason
+    problem = grid.world.bcast(make_run_dir(run_dir) if grid.rank == 0 else None, root=0)
+    if problem:
+        raise UserError(problem)
     skipped = []   # auto: newer checkpoints that do not read back whole (collective)
     if cfg["train.resume"] == "auto":
         resume, skipped = checkpoint.newest_intact(run_dir, grid.world)
+        if resume is None and skipped:   # every checkpoint: not another run's, but broken
+            raise UserError(f"{run_dir}: none of its {len(skipped)} checkpoint(s) reads back "
+                            f"whole, so train.resume=auto has nothing to resume:\n"
+                            + "".join(f"  skipped {path}: {reason}\n" for path, reason in skipped)
+                            + f"copy them back whole, or start afresh: a new train.run_dir, or "
+                              f"move {checkpoint.checkpoint_dir(run_dir)} away")
     else:
         resume = None if cfg["train.resume"] == "none" else cfg["train.resume"]
     resume_frames = checkpoint.read_meta(resume)["frames"] if resume else None

@@ -183,6 +183,34 @@ def test_a_run_moves_mid_epoch_from_2_to_3_ranks(arch, tmp_path):
     assert_moves_from_2_to_3_ranks(options, arch, tmp_path)
 
 
+def test_a_resume_on_another_rank_count_trains_the_same_batches_not_the_same_bits(
+        arch, tmp_path, tmp_path_factory):
+    """What the docs promise of a resume at another rank count (docs/training.md): a CTC
+    model's global batches do not depend on the ranks, so a float32 allreduce run stopped
+    mid-epoch on 2 ranks and resumed on 1 trains the rest of the epoch's batches, every frame
+    once, and ends within float32 rounding of the 2-rank run's float64 trajectory -- as close
+    as the uninterrupted run is, not bit for bit (its partial sums add in another order; the
+    same rank count is bit for bit: test_striped_onebit_resumes_bit_exactly_mid_epoch)."""
+    cut = str(tmp_path / "cut")
+    for K, stop in ((2, 1500), (1, 0)):
+        proc = run_train(K, options(arch, f"train.run_dir={cut}",
+                                    f"train.stop_after_frames={stop}"), timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if K == 2:
+            meta = checkpoint.read_meta(checkpoint.latest(cut))
+            assert meta["epoch"] == 0 and 0 < sum(meta["offsets"])
+    assert "re-dealt from 2 to 1 ranks" in open(os.path.join(cut, "logs", "rank0000.log")).read()
+    epochs = [json.loads(line) for line in open(os.path.join(cut, "metrics.jsonl"))
+              if json.loads(line)["kind"] == "epoch"]
+    assert [e["frames"] for e in epochs] == [json.load(open(os.path.join(arch, "index.json")))
+                                             ["total_frames"]]
+    ref32 = reference(2, "float", arch, tmp_path)["params"]
+    ref64 = reference(2, "float", arch, tmp_path, float64=True)["params"]
+    resumed, full = arrays(cut)["params"], arrays(train(2, arch, tmp_path_factory))["params"]
+    assert_float32_close(full, ref32, ref64)
+    assert_float32_close(resumed, ref32, ref64)
+
+
 @pytest.mark.parametrize("extra", [
     ("train.probe_every_frames=2000", "train.probe_frames=900", "train.probe_max_minibatch=1800"),
     ("exchange.aggregation=striped", "exchange.codec=kbit", "exchange.bits=mqgrad",

@@ -257,6 +257,12 @@ BAD_CASES = {
                       "spk0-u04.wav: no such file"),
     "unreadable audio": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b"RIFF garbage" * 10),
                          "unreadable audio", "spk0-u04"),
+    # not libsndfile's "Format not recognised", and not "no such file" for a directory
+    "empty file": (lambda d: (d / "wav" / "spk0-u04.wav").write_bytes(b""), "empty audio",
+                   "spk0-u04.wav: empty file (0 bytes)"),
+    "directory": (lambda d: (os.unlink(d / "wav" / "spk0-u04.wav"),
+                             os.mkdir(d / "wav" / "spk0-u04.wav")), "unreadable audio",
+                  "spk0-u04.wav: a directory, not an audio file"),
     "sample rate": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(4000), 8000),
                     "sample rate", "sample rate 8000 Hz, expected --sample-rate 16000"),
     "empty audio": (lambda d: sf.write(d / "wav" / "spk0-u04.wav", np.zeros(0), 16000),
@@ -374,6 +380,46 @@ def test_piped_wav_scp_rejected(tmp_path, capsys):
     assert rc == 2 and "spk0-u09: piped command" in text
 
 
+def test_out_that_would_write_into_the_input_is_refused(tmp_path, capsys):
+    """OUT = DATA_DIR without --labels rewrote the corpus's labels.txt in another id order (a
+    later --labels DATA_DIR/labels.txt then meant other classes): refused before anything is
+    written, naming both paths; so are a symbolic link to DATA_DIR, a DATA_DIR that is
+    OUT/train of --cv-speakers, and an input file in OUT under a name prep writes. An OUT
+    inside DATA_DIR that overwrites nothing is fine."""
+    data = make_corpus(tmp_path / "data", n=4)
+    (data / "labels.txt").write_text("B 0\nA 1\nSIL 2\n")   # not the sorted order prep builds
+    before = {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}
+    os.symlink(data, tmp_path / "link")
+    (tmp_path / "outer").mkdir()
+    os.symlink(data, tmp_path / "outer" / "train")   # OUT/train of --cv-speakers is DATA_DIR
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "labels.txt").write_text("SIL 0\nA 1\nB 2\n")
+    refused = {   # OUT, options -> what the one-line error names
+        "same": (data, [], [f"OUT {data} is the input DATA_DIR {data}"]),
+        "link": (tmp_path / "link", [], [f"OUT {tmp_path / 'link'} is the input DATA_DIR"]),
+        "dots": (data / "wav" / "..", [], ["is the input DATA_DIR"]),
+        "cv part": (tmp_path / "outer", ["--cv-speakers", 1, "--labels", data / "labels.txt"],
+                    [f"OUT {tmp_path / 'outer'}/train", f"is the input DATA_DIR {data}"]),
+    }
+    for case, (out, options, named) in refused.items():
+        rc = prep(data, out, "--alignments", data / "ali.txt", "--jobs", 1, *options)
+        err = capsys.readouterr().err
+        assert rc == 2 and all(n in err for n in named) and len(err.splitlines()) == 1, (case, err)
+        assert "never writes into its input" in err
+    # the corpus is as it was: no file changed, none added
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file()} == before
+    rc = prep(data, tmp_path / "archive", "--alignments", data / "ali.txt", "--labels",
+              tmp_path / "archive" / "labels.txt", "--jobs", 1)
+    err = capsys.readouterr().err
+    labels = tmp_path / "archive" / "labels.txt"
+    assert rc == 2 and f"would overwrite the input --labels {labels}" in err
+    assert os.listdir(tmp_path / "archive") == ["labels.txt"]
+    assert prep(data, data / "archive", "--alignments", data / "ali.txt", "--jobs", 1) == 0
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file() and "archive" not in
+            p.parts} == before
+    assert check_archive(str(data / "archive"))[0] == []
+
+
 def test_ctm_segments_file_and_built_numeric_inventory(tmp_path, capsys):
     data = make_corpus(tmp_path / "data", n=4, seconds=1.0, fmt="ctm")
     rc, text, out = run_bad(tmp_path, capsys)
@@ -422,6 +468,49 @@ def test_sigkill_midway_leaves_no_partial_shard_or_index(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True)
     assert not [n for n in os.listdir(out) if ".tmp." in n]
     assert check_archive(str(out))[0] == []
+
+
+def test_ctrl_c_stops_the_workers_with_one_line_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) after the first shard:
+    one line instead of the pool's ~34 lines of tracebacks, exit 130, no process of the
+    group left, only complete files in OUT. 600 copies of a bundled recording, 30 shards.
+    With --jobs 1 the extraction runs in prep's own process, whose Ctrl-C must stay on."""
+    handler = signal.getsignal(signal.SIGINT)
+    small = make_corpus(tmp_path / "small", n=4)
+    assert prep(small, tmp_path / "small_out", "--alignments", small / "ali.txt", "--jobs", 1) == 0
+    assert signal.getsignal(signal.SIGINT) is handler
+    flac = os.path.join(DEMO, "so762", "flac", f"{REF_UTT}.flac")
+    data = tmp_path / "data"
+    data.mkdir()
+    utts = [f"spk{i % 30:02d}-u{i:04d}" for i in range(600)]
+    (data / "wav.scp").write_text("".join(f"{u} {flac}\n" for u in utts))
+    (data / "utt2spk").write_text("".join(f"{u} {u[:5]}\n" for u in utts))
+    (data / "text").write_text("".join(f"{u} A B\n" for u in utts))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcsgd.cli", "prep", str(data), str(out),
+                             "--num-shards", "30", "--jobs", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO)
+    for line in proc.stdout:
+        if "wrote" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rest, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 130, rest + err
+    assert err.splitlines() == [err.strip()] and "prep: interrupted" in err, err
+    assert f"nothing half-written in {out}" in err
+    with pytest.raises(ProcessLookupError):   # the workers ended with it
+        os.killpg(proc.pid, 0)
+    names = os.listdir(out)
+    assert "index.json" not in names and not [n for n in names if ".tmp." in n]
+    shards = [n for n in names if n.endswith(".h5")]
+    assert 1 <= len(shards) < 30
+    for n in shards:
+        assert archive.validate_shard(str(out / n)) == []
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "fsdd_dev")), reason="needs ../shared/data")

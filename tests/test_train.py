@@ -350,6 +350,77 @@ def test_a_fresh_start_over_another_runs_checkpoints_is_refused(synth, tmp_path)
     assert checkpoint.latest(run)   # nothing deleted
 
 
+def test_a_run_dir_whose_checkpoints_are_all_broken_names_each_one(synth, tmp_path):
+    """Every checkpoint unreadable: not "checkpoints of another run ... or resume
+    (train.resume=auto)", which is already set, but each checkpoint skipped, with the file at
+    fault and why; nothing deleted."""
+    run = str(tmp_path / "run")
+    hpcsgd(*train_args(synth, run))
+    older, newest = checkpoint.all_checkpoints(run)
+    shared = os.path.join(newest, checkpoint.SHARED)
+    with open(shared, "r+b") as f:
+        f.truncate(os.path.getsize(shared) // 2)
+    os.unlink(os.path.join(older, checkpoint.MANIFEST))
+    proc = hpcsgd(*train_args(synth, run), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "none of its 2 checkpoint(s) reads back whole" in proc.stderr, proc.stderr
+    assert f"skipped {newest}: " in proc.stderr and f"({shared})" in proc.stderr
+    assert f"skipped {older}: No such file or directory " \
+           f"({os.path.join(older, checkpoint.MANIFEST)})" in proc.stderr
+    assert "another run" not in proc.stderr and "train.resume=auto)" not in proc.stderr
+    assert "Traceback" not in proc.stderr and os.path.isfile(shared)
+
+
+def test_a_run_dir_that_is_a_file_or_cannot_be_made_is_a_one_line_error(synth, tmp_path):
+    """Not the OSError's traceback (FileExistsError, [Errno 30] on a read-only file system):
+    one line naming the path and the cause."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a run\n")
+    for run, cause in ((afile, f"train.run_dir {afile}: an existing file, not a directory"),
+                       (afile / "run", f"train.run_dir {afile / 'run'}: cannot create it: "
+                                       f"Not a directory")):
+        proc = hpcsgd(*train_args(synth, run, "train.epochs=1"), check=False)
+        assert proc.returncode == 2 and proc.stderr.startswith(
+            f"hpcsgd train: rank 0: error: {cause}"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert afile.read_text() == "not a run\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_run_dir_in_a_read_only_directory_is_a_one_line_error(synth, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        for run, cause in ((locked / "run", "cannot create it: Permission denied"),
+                           (locked, "cannot write in it: Permission denied")):
+            proc = hpcsgd(*train_args(synth, run, "train.epochs=1"), check=False)
+            assert proc.returncode == 2 and proc.stderr.startswith(
+                f"hpcsgd train: rank 0: error: train.run_dir {run}: {cause}"), proc.stderr
+            assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    finally:
+        os.chmod(locked, 0o755)
+
+
+def test_a_read_only_file_system_is_named(tmp_path, monkeypatch):
+    """make_run_dir on the errors of a read-only file system (what a chmod cannot show to root)."""
+    import errno
+
+    from hpcsgd.metrics import make_run_dir
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path))
+
+    run = str(tmp_path / "run")
+    monkeypatch.setattr(os, "makedirs", read_only)
+    assert make_run_dir(run) == (f"train.run_dir {run}: cannot create it: Read-only file "
+                                 f"system ({tmp_path}); name a directory this job can write")
+    monkeypatch.undo()
+    os.makedirs(run)
+    monkeypatch.setattr("builtins.open", read_only)
+    assert make_run_dir(run).startswith(f"train.run_dir {run}: cannot write in it: Read-only")
+
+
 def test_an_error_is_in_the_rank_log_too(synth, tmp_path):
     run = str(tmp_path / "run")
     proc = hpcsgd(*train_args(synth, run, "optim.lr=10", "model.activation=relu",
