@@ -198,7 +198,7 @@ def check_out_apart(args):
     out = os.path.realpath(args.out)
     parts = [os.path.realpath(os.path.join(out, part)) for part in ("train", "cv")]
     archives = [out] + parts
-    written = parts if args.cv_speakers else [out]
+    written = parts if str(args.cv_speakers) != "0" else [out]   # N or a speaker list
     dirs = [("DATA_DIR", args.data_dir)]
     files = []
     for option, path in (("--alignments", args.alignments), ("--labels", args.labels),
