@@ -16,10 +16,6 @@ from hpcsgd.families import FAMILIES, family
 # key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, a tuple
 # of allowed values, or (lo, hi, names): a number in range or one of the names. Types: int,
 # float, str, bool, list (of ints).
-# the model types trained on whole utterances against token sequences (until their callers
-# ask the family: hpcsgd/families/)
-UTTERANCE_MODELS = tuple(name for name, fam in FAMILIES.items() if fam.UTTERANCES)
-
 DEFAULTS = {
     # --- data ---
     "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
