@@ -41,7 +41,7 @@ from hpcsgd.data import archive
 from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import assign, to_host
 from hpcsgd.errors import UserError
-from hpcsgd.families import family, of_model
+from hpcsgd.families import DEFAULT, family, of_model
 from hpcsgd.metrics import RunLog, format_eta, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.encoder import describe as encoder_describe
@@ -394,7 +394,7 @@ def init_from(model, params, path, static):
     _, source, meta = load_model(path)
     tokens = static.get("tokens")
     # all of it, or (an RNN-T from a CTC checkpoint) its encoder: the family's rule
-    theirs_type = meta["model"].get("type", "dnn")
+    theirs_type = meta["model"].get("type", DEFAULT)
     encoder_only = of_model(model.describe).init_from_part(theirs_type, meta["path"]) == "encoder"
     if not encoder_only and "encoder" in model.describe and \
             meta["model"].get("encoder") != model.describe["encoder"]:

@@ -41,12 +41,16 @@ would store in 16 bits: every GEMM's and kernel's output here (enc, pred, h, the
 loss's scaled gradient, dh, denc, dpred) and, through model.ops.HalfOps, the prediction
 network's LSTM kernels; the loss runs in float32 on the 16-bit logits, as CTC's.
 
-GPU ranks (device "cuda"): every buffer on the device, the element-wise kernels
-kernels_joint_cuda's, the loss kernels_rnnt_cuda's; a batch's index arrays copied once per
+The element-wise work and the loss go through `ops` like every layer's (model/ops.py:
+add_row, embed, embed_backward, zero_padding, joint_forward, joint_backward, add_into,
+rnnt_loss): CpuOps runs kernels_joint's and kernels_rnnt's kernels, CudaOps their CUDA twins,
+GemmOnly nothing (bench train's roofline).
+
+GPU ranks (device "cuda"): every buffer on the device; a batch's index arrays copied once per
 (sub-)batch, the losses read back once per sub-batch. Under mixed or bf16 the values above
 are stored in 16 bits (`storage`: h and the logits too -- the joint's memory halved), while
 denc and dpred are float32 sums rounded once into 16-bit storage at the end. Searches of a
-GPU model run on the host (on_host).
+GPU model run on the host (on_host), through the layer's own start, step and joint_logits.
 """
 import numpy as np
 
