@@ -11,13 +11,11 @@ import yaml
 
 from hpcsgd.data import BLOCK_FRAMES, BUFFER_FRAMES
 from hpcsgd.errors import UserError
+from hpcsgd.families import FAMILIES, family
 
 # key: (default, type, constraint, comment). constraint: None, (lo, hi) inclusive, a tuple
 # of allowed values, or (lo, hi, names): a number in range or one of the names. Types: int,
 # float, str, bool, list (of ints).
-# the model types trained on whole utterances against token sequences (UtteranceLoader)
-UTTERANCE_MODELS = ("ctc", "rnnt")
-
 DEFAULTS = {
     # --- data ---
     "data.train": ("", str, None, "training archive (the OUT of hpcsgd prep); required"),
@@ -50,7 +48,7 @@ DEFAULTS = {
     "data.specaug_time_ratio": (0.2, float, (0.0, 1.0),
                                 "specaugment: a time mask covers at most this share of the utterance"),
     # --- model ---
-    "model.type": ("dnn", str, ("dnn", "lstm", "tdnn", "ctc", "rnnt"),
+    "model.type": ("dnn", str, tuple(FAMILIES),
                    "dnn: spliced frames through Dense layers; lstm: (B)LSTM layers over chunks "
                    "(data.chunk, data.left_context, data.right_context); tdnn: model.encoder's "
                    "layers (time convolutions, LSTMs) over chunks; ctc: model.encoder over "
@@ -412,56 +410,17 @@ def load(path=None, overrides=()):
                         "from each rank's float32 gradient; it needs optim.type=adam, and "
                         "optim.adam_freeze_variance=false (the codec's error never enters a "
                         "local second moment: nothing to freeze it against)")
-    if config["model.type"] in ("lstm", "tdnn"):
-        if config["train.minibatch"] < config["data.chunk"]:
-            raise UserError(f"config key train.minibatch: {config['train.minibatch']} frames is "
-                            f"less than one chunk (data.chunk={config['data.chunk']})")
-    if config["model.type"] in ("tdnn",) + UTTERANCE_MODELS:
-        from hpcsgd.model.encoder import parse_spec, time_stride
-        if not config["model.encoder"]:
-            raise UserError(f"config key model.encoder: model.type={config['model.type']} needs "
-                            f"its encoder's layers, e.g. ['conv 256 k5 s2', 'blstm 320'] "
-                            f"(jobs/configs/so762_ctc.yaml)")
-        try:
-            for k, spec in enumerate(config["model.encoder"]):
-                if parse_spec(spec)["kind"] in ("stack", "conv2d") and k:
-                    raise ValueError(f"encoder layer {spec!r}: frame stacking and the Conv2d "
-                                     f"subsampling read the features: the first layer only")
-        except ValueError as err:
-            raise UserError(f"config key model.encoder: {err}") from None
-        check_conformer(config)
-        if config["model.type"] == "tdnn" and time_stride(config["model.encoder"]) != 1:
-            raise UserError("config key model.encoder: a tdnn frame classifier keeps every "
-                            "frame's label, so its layers need stride 1 (model.type=ctc "
-                            "subsamples)")
-    if config["model.type"] == "rnnt":
-        check_rnnt(config)
-    if config["model.dropout"] and config["model.type"] not in UTTERANCE_MODELS:
-        raise UserError(f"config key model.dropout: models of whole utterances only "
-                        f"(model.type={'|'.join(UTTERANCE_MODELS)}): a mask is a function of "
-                        f"the utterance and the position in it, which frame and chunk batches "
-                        f"do not carry (model.type={config['model.type']})")
-    if config["model.frame_ce"] and config["model.type"] != "ctc":
-        raise UserError(f"config key model.frame_ce: a head of the CTC model (model.type=ctc); "
-                        f"model.type={config['model.type']} "
-                        + ("trains on frame labels already" if config["model.type"] not in
-                           UTTERANCE_MODELS else "has no such head"))
-    if config["model.type"] in UTTERANCE_MODELS:
-        if config["model.parallel"] > 1:
-            raise UserError(f"config keys model.parallel and model.type={config['model.type']}: model parallelism "
-                            "splits the DNN's layers by output columns over a group; a CTC "
-                            "encoder's LSTMs would need an all-gather of the hidden state at "
-                            "every time step and its convolutions a halo exchange, so it is not "
-                            "split: train data-parallel (model.parallel=1)")
-        if config["train.cuda_graphs"]:
-            raise UserError(f"config keys train.cuda_graphs and model.type={config['model.type']}: a batch of whole "
-                            "utterances has a new shape (utterances x longest) nearly every "
-                            "step, and a CUDA Graph replays one shape; set "
-                            "train.cuda_graphs=false")
+    # the model family's own rules (hpcsgd/families/: encoder, chunks, heads, what a model of
+    # whole utterances does not train with)
+    family(config["model.type"]).check_config(config)
     if config["model.parallel"] > 1:
-        for key, want in (("model.type", "dnn"), ("train.precision", "float32"),
+        splits = "|".join(name for name, fam in FAMILIES.items() if fam.SPLITS)
+        fits = {"model.type": family(config["model.type"]).SPLITS,
+                "train.precision": config["train.precision"] == "float32",
+                "train.device": config["train.device"] == "cpu"}
+        for key, want in (("model.type", splits), ("train.precision", "float32"),
                           ("train.device", "cpu")):
-            if config[key] != want:
+            if not fits[key]:
                 raise UserError(f"config keys model.parallel={config['model.parallel']} and "
                                 f"{key}={config[key]}: model parallelism needs {key}={want}")
         if qat_of(config):
@@ -491,6 +450,7 @@ def overlap_blocker(config):
     """Why the overlapped allreduce (exchange.overlap) cannot run with this config, or None.
     It sends each layer's gradient as the backward pass finishes it, so nothing may change
     the gradient after the backward pass, and the model must say when a layer is done."""
+    model = family(config["model.type"])   # its family may have a reason of its own
     reasons = (
         (config["exchange.aggregation"] != "allreduce",
          "the striped exchange encodes the whole gradient with its codec after the backward "
@@ -516,32 +476,8 @@ def overlap_blocker(config):
          "gradients after the backward pass (qat.*)"),
         (config["model.parallel"] > 1, "a split model's layers exchange inside the pass "
          "(model.parallel=1)"),
-        (config["model.type"] == "rnnt", "the transducer's backward pass does not report its "
-         "layers as it finishes them"))
+        (model.OVERLAP_BLOCKER is not None, model.OVERLAP_BLOCKER))
     return next((why for blocked, why in reasons if blocked), None)
-
-
-def check_conformer(config):
-    """What an encoder with Conformer layers (conv2d, conformer: model/conformer.py) trains
-    with so far; every refusal says why."""
-    from hpcsgd.model.encoder import parse_spec
-    kinds = {parse_spec(spec)["kind"] for spec in config["model.encoder"]}
-    if not kinds & {"conv2d", "conformer"}:
-        return
-    if config["model.type"] not in UTTERANCE_MODELS:
-        raise UserError(f"config key model.encoder: conv2d and conformer layers are the "
-                        f"encoder of whole utterances (the self-attention spans one, the "
-                        f"subsampling shortens it): model.type=ctc or rnnt, not "
-                        f"{config['model.type']}")
-
-
-def check_rnnt(config):
-    """What an RNN-T model trains with so far, and its prediction network's layers."""
-    from hpcsgd.model.transducer import predictor_layers
-    try:
-        predictor_layers(0, 2, config["model.embed"], config["model.predictor"])
-    except ValueError as err:
-        raise UserError(f"config key model.predictor: {err}") from None
 
 
 def qat_of(config):
@@ -558,9 +494,11 @@ def qat_of(config):
 
 
 def first_layer_float(config):
-    """qat.first_layer resolved: auto is float for an RNN-T (the paper), quantized else."""
+    """qat.first_layer resolved: auto is the family's (float for an RNN-T: the paper),
+    quantized else."""
     choice = config["qat.first_layer"]
-    return choice == "float" or (choice == "auto" and config["model.type"] == "rnnt")
+    return choice == "float" or (choice == "auto"
+                                 and family(config["model.type"]).FIRST_LAYER_FLOAT)
 
 
 def dump(config):

@@ -17,9 +17,9 @@ import os
 import h5py
 import numpy as np
 
+from hpcsgd.families import of_model
 from hpcsgd.model_io import EVAL_BATCH, add_device_argument, check_archive, load_model
-from hpcsgd.outputs import (ctc_outputs, log_priors, longest_utterance, sequence_outputs,
-                            utterance_outputs)
+from hpcsgd.outputs import longest_utterance
 
 
 def add_arguments(parser):
@@ -41,22 +41,13 @@ def run(args):
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
                                      if whole else EVAL_BATCH, device=args.device)
     check_archive(args.data, meta)
-    if meta["model"].get("type") == "rnnt":
-        raise UserError(f"{meta['path']} is an RNN-T model: it has no per-frame posteriors to "
-                        f"write (its joint scores a frame only with a token history); "
-                        f"recognize with `hpcsgd decode --greedy`")
-    priors = log_priors(meta["label_counts"])
-    context, cmvn = meta["data"]["context"], meta["data"]["cmvn"]
-    if meta["model"].get("type") == "ctc":   # whole utterances, over tokens and the blank
-        outputs = ctc_outputs(model, params, args.data, meta["data"], args.output)
-    elif model.recurrent:
-        outputs = sequence_outputs(model, params, args.data, meta["data"], cmvn, args.output,
-                                   priors, whole)
-        print(f"infer: {'whole utterances' if whole else 'the training chunks'} "
-              f"(--sequences {'whole' if whole else 'chunks'})")
-    else:
-        outputs = utterance_outputs(model, params, args.data, context, cmvn, args.output,
-                                    priors)
+    # the family's outputs: a frame classifier's per frame (its chunks or whole utterances),
+    # a CTC model's over tokens and the blank; an RNN-T has none to write (refused)
+    fam = of_model(meta["model"])
+    outputs = fam.outputs(model, params, args.data, meta, args.output, whole)
+    note = fam.infer_note(model, whole)
+    if note:
+        print(note)
     pid = os.getpid()
     h5_tmp, ark_tmp, scp_tmp = (f"{args.out}.h5.tmp.{pid}", f"{args.out}.ark.tmp.{pid}",
                                 f"{args.out}.scp.tmp.{pid}")

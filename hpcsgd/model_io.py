@@ -20,15 +20,15 @@ import h5py
 import numpy as np
 
 from hpcsgd import checkpoint
-from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data import archive
+from hpcsgd.data.sequences import sequence_steps  # noqa: F401 (eval, infer, decode read it here)
 from hpcsgd.device import DEVICES, assign
 from hpcsgd.errors import UserError
+from hpcsgd.families import of_model
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
 
 EVAL_BATCH = 1024
-CTC_EVAL_ROWS = 16384   # a CTC model's passes: whole utterances (164 s at 10 ms) and batches
 FORMAT = "hpcsgd-int"   # an exported model's attrs["format"]
 
 
@@ -99,8 +99,8 @@ def load_model(path, max_batch=EVAL_BATCH, device="cpu", comm=None):
     arrays, meta = checkpoint.load(path, names=("params",))   # not the per-rank residuals
     if "params" not in arrays:
         raise UserError(f"checkpoint {path}: no 'params' dataset")
-    if meta["model"].get("type") in UTTERANCE_MODELS:   # whole utterances in a pass
-        max_batch = max(max_batch, CTC_EVAL_ROWS)
+    # the family's fewest rows a pass needs (models of whole utterances: the longest and more)
+    max_batch = max(max_batch, of_model(meta["model"]).EVAL_ROWS)
     model = build(meta["model"], max_batch=max_batch, device=device)
     model.steps = sequence_steps(meta["data"])
     params = model.new_params()
@@ -110,14 +110,6 @@ def load_model(path, max_batch=EVAL_BATCH, device="cpu", comm=None):
     assign(params.flat, arrays["params"])
     meta["path"] = path
     return model, params, meta
-
-
-def sequence_steps(data):
-    """A sequence model's training sequence length (left context + chunk + right context)
-    from the checkpoint's data meta; None for a frame model."""
-    if "chunk" not in data:
-        return None
-    return data["left_context"] + data["chunk"] + data["right_context"]
 
 
 def check_archive(archive_dir, meta):
@@ -161,8 +153,7 @@ def load_exported(path, max_batch, device="cpu"):
         with h5py.File(path, "r") as f:
             meta = json.loads(f.attrs["meta"])
             bits = int(f.attrs["bits"])
-            if meta["model"].get("type") in UTTERANCE_MODELS:   # whole utterances in a pass
-                max_batch = max(max_batch, CTC_EVAL_ROWS)
+            max_batch = max(max_batch, of_model(meta["model"]).EVAL_ROWS)
             model = build(meta["model"], max_batch=max_batch, device=device)
             params = FlatParams(model.specs, model.dtype)   # on the host
             for spec in model.specs:

@@ -33,23 +33,18 @@ from typing import NamedTuple
 import numpy as np
 
 from hpcsgd import checkpoint, config, jit, loss_scale, optim, tensorboard, threads
-from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.bitwidth import BitWidth
 from hpcsgd.comm.exchange import adaptive_bits, cold_start, make_exchange, set_bits, set_cold_start
 from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.grid import Grid
 from hpcsgd.data import archive
-from hpcsgd.data.loader import FrameLoader, batch_split
-from hpcsgd.data.sequences import SequenceLoader
-from hpcsgd.data.utterances import SpecAugment, UtteranceLoader
 from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import assign, to_host
 from hpcsgd.errors import UserError
-from hpcsgd.evaluate import evaluate, evaluate_ctc
+from hpcsgd.families import DEFAULT, family, of_model
 from hpcsgd.metrics import RunLog, format_eta, make_run_dir, prepare_run_dir
 from hpcsgd.model import build
 from hpcsgd.model.encoder import describe as encoder_describe
-from hpcsgd.model.encoder import time_stride
 from hpcsgd.model.flat import FlatParams
 from hpcsgd.model.network import ROUNDING
 from hpcsgd.model.parallel import ModelGroup, from_whole, group_of, whole_size, whole_specs
@@ -164,7 +159,7 @@ def train(cfg, comm, stop):
 
     # --- epochs of steps, each ending in a replica check, CV and a checkpoint ----------------
     window = Window(log, time.perf_counter(), comm_blocking, state.bitwidth, step.scaler,
-                    criterion(cfg))
+                    family(cfg["model.type"]))
     while progress["epoch"] < cfg["train.epochs"]:
         epoch = progress["epoch"]
         rank_frames = loader.epoch_frames(epoch, progress["deal"])
@@ -304,64 +299,16 @@ def open_loader(cfg, grid):
     if probing and global_batch > cap:
         raise UserError(f"config key train.minibatch: {global_batch} is above "
                         f"train.probe_max_minibatch={cap} (automatic minibatch size)")
-    if cfg["model.type"] in UTTERANCE_MODELS:    # whole utterances with their token sequences
-        spec = None
-        if cfg["data.specaugment"]:
-            spec = SpecAugment(cfg["data.specaug_freq_masks"], cfg["data.specaug_freq_width"],
-                               cfg["data.specaug_time_masks"], cfg["data.specaug_time_width"],
-                               cfg["data.specaug_time_ratio"])
-        loader = UtteranceLoader(cfg["data.train"], grid.data_rank, grid.data_size,
-                                 tokens=cfg["data.tokens"], cmvn=cfg["data.cmvn"],
-                                 seed=cfg["train.seed"], minibatch=global_batch,
-                                 max_minibatch=cap if probing else global_batch,
-                                 max_frames=cfg["data.max_frames"],
-                                 bucket_frames=cfg["data.bucket_frames"], spec=spec,
-                                 prefetch=cfg["data.prefetch"], sortagrad=cfg["data.sortagrad"],
-                                 label_stride=time_stride(cfg["model.encoder"])
-                                 if cfg["model.frame_ce"] else 0)
-    elif cfg["model.type"] in ("lstm", "tdnn"):   # whole chunks; rows = chunks x steps
-        chunk = cfg["data.chunk"]
-        if global_batch < grid.data_size * chunk:
-            raise UserError(f"config key train.minibatch: {global_batch} frames is less than "
-                            f"one chunk of data.chunk={chunk} frames per rank ({grid.data_size} "
-                            f"ranks)")
-        steps = cfg["data.left_context"] + chunk + cfg["data.right_context"]
-        slots = int(batch_split(cap if probing else global_batch, grid.data_size, chunk)[0])
-        loader = SequenceLoader(cfg["data.train"], grid.data_rank, grid.data_size, chunk=chunk,
-                                left_context=cfg["data.left_context"],
-                                right_context=cfg["data.right_context"], cmvn=cfg["data.cmvn"],
-                                seed=cfg["train.seed"], max_batch=slots // chunk * steps,
-                                block_frames=cfg["data.block_frames"],
-                                buffer_frames=cfg["data.buffer_frames"],
-                                prefetch=cfg["data.prefetch"])
-    else:
-        max_local = int(batch_split(cap if probing else global_batch, grid.data_size)[0])
-        loader = FrameLoader(cfg["data.train"], grid.data_rank, grid.data_size,
-                             context=cfg["data.context"], cmvn=cfg["data.cmvn"],
-                             seed=cfg["train.seed"], max_batch=max_local,
-                             block_frames=cfg["data.block_frames"],
-                             buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
+    # frames, chunks or whole utterances: the family's loader
+    fam = family(cfg["model.type"])
+    loader = fam.make_loader(cfg, grid, cap if probing else global_batch)
     if cfg["data.cv"]:
         cv_index = archive.read_index(cfg["data.cv"])
-        if cfg["model.type"] in UTTERANCE_MODELS:
-            kind = cfg["data.tokens"]
-            archive.read_tokens(cfg["data.cv"], kind, cv_index)   # there, and consistent
-            if cv_index["tokens"][kind]["inventory_hash"] != \
-                    loader.index["tokens"][kind]["inventory_hash"]:
-                raise UserError(f"{cfg['data.cv']}: its {kind} token inventory differs from the "
-                                f"training archive {cfg['data.train']}'s; prep both in one "
-                                f"`hpcsgd prep --cv-speakers`, or the held-out set with "
-                                f"--token-inventory {cfg['data.train']}")
-        elif cv_index["label_inventory_hash"] != loader.index["label_inventory_hash"]:
-            raise UserError(f"{cfg['data.cv']}: labels differ from the training archive "
-                            f"{cfg['data.train']}; prep both with the same labels.txt")
+        fam.check_cv(cfg, cv_index, loader)   # its labels or tokens are the training archive's
         if cv_index["feature_dim"] != loader.index["feature_dim"]:
             raise UserError(f"{cfg['data.cv']}: feature dim {cv_index['feature_dim']} differs "
                             f"from the training archive's {loader.index['feature_dim']}")
-    if not loader.index["frame_labels"] and cfg["model.type"] not in UTTERANCE_MODELS:
-        raise UserError(f"{cfg['data.train']}: an archive without frame labels (prepped "
-                        f"without --alignments) trains sequence models only: "
-                        f"model.type=ctc or rnnt with data.tokens={', '.join(loader.index['tokens']) or '?'}")
+    fam.check_train(cfg, loader)   # it has what the family trains on (frame labels)
     return loader
 
 
@@ -372,26 +319,21 @@ def build_state(cfg, grid, loader, timeline):
     timed blocking once (the reference that turns the exposed time into an overlap; None
     without)."""
     device, db = cfg["train.device"], cfg["exchange.double_buffering"]
+    fam = family(cfg["model.type"])
     shape = model_shape(cfg, loader)
     try:
         # model parallelism: every layer split over this rank's model group
         group = ModelGroup(grid.model, cfg["model.activation_codec"],
                            cfg["model.activation_block"]) if grid.model_size > 1 else None
-        utterances = cfg["model.type"] in UTTERANCE_MODELS
-        model = build(shape, max_batch=max(loader.max_rows if utterances else loader.max_batch,
-                                           1024), device=device,
-                      precision=cfg["train.precision"], group=group,
-                      max_sequences=loader.max_sequences if utterances else None)
+        rows, sequences = fam.model_rows(loader)   # the largest batch the loader deals
+        model = build(shape, max_batch=max(rows, 1024), device=device,
+                      precision=cfg["train.precision"], group=group, max_sequences=sequences)
     except ValueError as err:   # a combination the config's per-key checks cannot see
         raise UserError(f"model {describe_model(shape)}: {err}") from None
     model.steps = getattr(loader, "steps", None)   # lstm: the sequence length of a chunk
     if cfg["model.dropout"]:   # a training setting, not the model's: not in its description
         model.set_dropout(cfg["model.dropout"])
-    if cfg["model.frame_ce"]:   # the head's weight: a training setting too (its size is not)
-        model.layers[-1].frame_ce = cfg["model.frame_ce"]
-    if cfg["model.type"] == "rnnt":   # the transducer's training settings (not the model's)
-        model.layers[-1].fastemit_lambda = cfg["rnnt.fastemit_lambda"]
-        model.layers[-1].joint_budget = cfg["rnnt.joint_memory_mb"] << 20
+    fam.training_settings(model, cfg)   # the output layer's (CTC's frame CE head, RNN-T's)
     if cfg["train.cuda_graphs"]:   # before the first pass: its buffers' stream is set here
         model.use_cuda_graphs()
     params = model.new_params()
@@ -404,17 +346,13 @@ def build_state(cfg, grid, loader, timeline):
     step = Step(model, params, grads, opt, ex, db, cfg["exchange.progress"], timeline, device,
                 scaler=scaler, clip=cfg["train.clip_gradient_norm"], unit=loader.unit,
                 halve=loader.halves)
-    tokens = {}
-    if cfg["model.type"] in UTTERANCE_MODELS:   # what decode and eval check an archive or graph against
-        kind = cfg["data.tokens"]
-        tokens = {"tokens": {"kind": kind, "symbols": loader.symbols,
-                             "inventory_hash": loader.index["tokens"][kind]["inventory_hash"]}}
     state = TrainState(grid, params, opt, ex, step, loader, {
         "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
         "data": {"context": loader.context, "cmvn": cfg["data.cmvn"],
-                 "feature_dim": loader.feature_dim, **sequence_meta(cfg)},
+                 "feature_dim": loader.feature_dim, **fam.data_meta(cfg)},
         "label_counts": label_counts(loader.index).tolist(), "config": cfg,
-        "aggregation": cfg["exchange.aggregation"], **tokens})
+        "aggregation": cfg["exchange.aggregation"],
+        **fam.static_meta(cfg, loader)})   # tokens: what decode and eval check against
     # the adaptive bit width (exchange.bits = oland_raj | mqgrad): a decision every T steps
     state.bitwidth = BitWidth(cfg, grid.data) if adaptive_bits(cfg) else None
     if state.bitwidth and cfg["exchange.bits"] == "oland_raj":
@@ -426,28 +364,7 @@ def model_shape(cfg, loader):
     """The model the config names, as the builder's arguments (hpcsgd.model.build): what the
     checkpoint's meta keeps."""
     qat = config.qat_of(cfg)
-    qat = {"qat": qat} if qat else {}
-    if cfg["model.type"] == "ctc":
-        head = {"frame_labels": int(loader.index["num_labels"])} if cfg["model.frame_ce"] else {}
-        return {"type": "ctc", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
-                "num_tokens": loader.num_labels, "activation": cfg["model.activation"], **qat,
-                **head}
-    if cfg["model.type"] == "rnnt":
-        return {"type": "rnnt", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
-                "num_tokens": loader.num_labels, "predictor": cfg["model.predictor"],
-                "embed": cfg["model.embed"], "joint": cfg["model.joint"],
-                "joint_mode": cfg["model.joint_mode"], "activation": cfg["model.activation"],
-                **qat}
-    if cfg["model.type"] == "tdnn":
-        return {"type": "tdnn", "input_dim": loader.input_dim, "encoder": cfg["model.encoder"],
-                "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}
-    if cfg["model.type"] == "lstm":
-        return {"type": "lstm", "input_dim": loader.input_dim, "cells": cfg["model.cells"],
-                "num_labels": loader.num_labels, "bidirectional": cfg["model.bidirectional"],
-                "bottleneck": cfg["model.bottleneck"], "activation": cfg["model.activation"],
-                **qat}
-    return {"input_dim": loader.input_dim, "hidden": cfg["model.hidden"],
-            "num_labels": loader.num_labels, "activation": cfg["model.activation"], **qat}
+    return family(cfg["model.type"]).shape(cfg, loader, {"qat": qat} if qat else {})
 
 
 def resume_or_start(cfg, run, state):
@@ -486,11 +403,9 @@ def init_from(model, params, path, static):
     was taken from it, when not everything)."""
     _, source, meta = load_model(path)
     tokens = static.get("tokens")
-    ours, theirs_type = model.describe.get("type", "dnn"), meta["model"].get("type", "dnn")
-    encoder_only = ours == "rnnt" and theirs_type == "ctc"
-    if ours == "rnnt" and theirs_type not in ("ctc", "rnnt"):
-        raise UserError(f"train.init_from {meta['path']}: a {theirs_type} model; an RNN-T "
-                        f"starts from a CTC checkpoint's encoder or from an RNN-T checkpoint")
+    # all of it, or (an RNN-T from a CTC checkpoint) its encoder: the family's rule
+    theirs_type = meta["model"].get("type", DEFAULT)
+    encoder_only = of_model(model.describe).init_from_part(theirs_type, meta["path"]) == "encoder"
     if not encoder_only and "encoder" in model.describe and \
             meta["model"].get("encoder") != model.describe["encoder"]:
         theirs = meta["model"].get("encoder") or []
@@ -672,7 +587,7 @@ def end_of_epoch(cfg, run, state, steps, epoch_totals, t_epoch, run_frames):
           else None)
     run.timeline.span("cross_validation", t0, time.perf_counter())
     log_epoch(run.log, epoch, progress, totals, time.perf_counter() - t_epoch,
-              learning_rate(cfg, progress, run_frames), cv, criterion(cfg))
+              learning_rate(cfg, progress, run_frames), cv, family(cfg["model.type"]))
     log_clipped(run.log, step)
     state.end_epoch(cv["frame_accuracy"] if cv else None)
     save_checkpoint(cfg, run, state)
@@ -684,11 +599,7 @@ def finish(cfg, run, state, steps):
     if state.bitwidth:
         run.log.info(f"bit width: {state.bitwidth.bits} at the end; the controller took "
                      f"{state.bitwidth.seconds:.4f} s over {steps} steps")
-    if cfg["model.type"] == "rnnt":
-        joint = state.step.model.layers[-1]
-        run.log.info(f"rnnt: the joint's largest sub-batch held {joint.high_water / 2**20:.1f} "
-                     f"MiB of hidden values and logits (rnnt.joint_memory_mb="
-                     f"{cfg['rnnt.joint_memory_mb']})")
+    family(cfg["model.type"]).finish(run.log, cfg, state.step.model)
     run.log.info(f"training done: {state.progress['frames']:,} frames; checkpoints in "
                  f"{checkpoint.checkpoint_dir(run_dir)}; `hpcsgd plot {run_dir}` draws the "
                  f"curves")
@@ -697,52 +608,8 @@ def finish(cfg, run, state, steps):
 
 def describe_model(shape):
     """One line: 440-512-512-40 sigmoid, 40-BLSTM 320x3-40, or
-    40-[conv 256 k5 s2, blstm 320 x3]-CTC 41 relu."""
-    if shape.get("type") in ("ctc", "rnnt", "tdnn"):
-        head = f" + frame CE {shape['frame_labels']}" if shape.get("frame_labels") else ""
-        out = (f"CTC {shape['num_tokens']}{head}" if shape["type"] == "ctc"
-               else f"RNN-T[{encoder_describe(shape['predictor'])}, embed {shape['embed']}, "
-                    f"joint {shape['joint']} {shape['joint_mode']}] {shape['num_tokens']}"
-               if shape["type"] == "rnnt" else str(shape["num_labels"]))
-        # the activation only where a convolution or a dense layer has one
-        act = any(spec.split()[0] in ("conv", "dense") for spec in shape["encoder"])
-        return (f"{shape['input_dim']}-[{encoder_describe(shape['encoder'])}]-{out}"
-                + (f" {shape['activation']}" if act else "") + describe_qat(shape.get("qat")))
-    if shape.get("type") == "lstm":
-        kind = "BLSTM" if shape["bidirectional"] else "LSTM"
-        cells = shape["cells"]
-        same = len(set(cells)) == 1
-        body = f"{kind} {cells[0]}x{len(cells)}" if same else f"{kind} {'-'.join(map(str, cells))}"
-        bottleneck = "".join(f"-{b}" for b in shape["bottleneck"])
-        return (f"{shape['input_dim']}-{body}{bottleneck}-{shape['num_labels']}"
-                + (f" {shape['activation']}" if shape["bottleneck"] else "")
-                + describe_qat(shape.get("qat")))
-    return (f"{shape['input_dim']}-{'-'.join(map(str, shape['hidden']))}-{shape['num_labels']} "
-            f"{shape['activation']}") + describe_qat(shape.get("qat"))
-
-
-def describe_qat(qat):
-    """', QAT weights sawb/4 activations bac/4' (nothing for a float model)."""
-    if not qat:
-        return ""
-    return (f", QAT weights {qat['weights']}/{qat['weight_bits']} activations "
-            f"{qat['activations']}/{qat['activation_bits']}")
-
-
-def sequence_meta(cfg):
-    """lstm/tdnn: how the training sequences were cut (inference and CV use the same);
-    ctc: whole utterances of which token kind."""
-    if cfg["model.type"] in UTTERANCE_MODELS:
-        return {"tokens": cfg["data.tokens"]}
-    if cfg["model.type"] not in ("lstm", "tdnn"):
-        return {}
-    return {"chunk": cfg["data.chunk"], "left_context": cfg["data.left_context"],
-            "right_context": cfg["data.right_context"]}
-
-
-def criterion(cfg):
-    """What the training sums are: cross-entropy and correct frames, or CTC and tokens."""
-    return cfg["model.type"] if cfg["model.type"] in UTTERANCE_MODELS else "ce"
+    40-[conv 256 k5 s2, blstm 320 x3]-CTC 41 relu (the family's describe)."""
+    return of_model(shape).describe(shape)
 
 
 def log_start(log, cfg, grid, loader, state, ex):
@@ -761,8 +628,8 @@ def log_start(log, cfg, grid, loader, state, ex):
                  f"{grid.model_rank} of data rank {grid.data_rank}, its layers hold "
                  f"{state.params.size:,} of the model's {parameters:,} parameters "
                  f"(model.parallel), activations {cfg['model.activation_codec']} between them")
-    share = ("whole utterances, balanced over the ranks" if cfg["model.type"] in UTTERANCE_MODELS else
-             f"{batch_split(minibatch, grid.data_size, loader.unit)[grid.data_rank]} here")
+    fam = family(cfg["model.type"])
+    share = fam.share(minibatch, grid, loader)
     log.info(f"{grid.size} rank(s), minibatch {minibatch} ({share}, "
              f"pid {os.getpid()} on {socket.gethostname()}), model "
              f"{describe_model(model_shape(cfg, loader))} ({parameters:,} parameters), "
@@ -770,8 +637,7 @@ def log_start(log, cfg, grid, loader, state, ex):
              f"{aggregation}{' + ' + cfg['exchange.codec'] if aggregation == 'striped' else ''} "
              f"on {cfg['train.device']} ({ex.transport}), train "
              f"{loader.index['total_frames']:,} frames ({loader.index['hours']:.2f} h)")
-    if cfg["model.type"] in UTTERANCE_MODELS:
-        log_utterances(log, cfg, loader)
+    fam.log_data(log, cfg, loader)   # the utterances and tokens of a model of utterances
     if getattr(ex, "overlap", False):
         mb = ", ".join(f"{(hi - lo) * 4 / 2**20:.3g}" for lo, hi in ex.buckets)
         log.info(f"overlapped allreduce: {len(ex.buckets)} bucket(s) of {mb} MiB, top layer "
@@ -803,78 +669,19 @@ def log_start(log, cfg, grid, loader, state, ex):
                device=cfg["train.device"], transport=ex.transport, config=cfg)
 
 
-def log_utterances(log, cfg, loader):
-    """ctc, rnnt: the tokens trained, the utterances left out (data.max_frames) and those no
-    CTC alignment fits after the encoder's subsampling (they train with zero loss), by name."""
-    kind, stride = cfg["data.tokens"], time_stride(cfg["model.encoder"])
-    tokens = loader.token_lengths()
-    frames = loader.lengths[loader.kept]
-    log.info(f"{cfg['model.type']}: {len(loader.kept):,} utterances of {kind} tokens "
-             f"({loader.num_labels - 1} "
-             f"and the blank), {tokens.sum():,} tokens, {frames.sum() / max(tokens.sum(), 1):.1f} "
-             f"frames per token before the encoder's {stride}x subsampling; length buckets "
-             f"of {loader.bucket_frames:,} frames, at most {loader.max_rows:,} padded rows a "
-             f"rank" + (", SpecAugment on" if loader.spec else ""))
-    if loader.dropped:
-        names = ", ".join(f"{u} ({n})" for u, n in loader.dropped[:5])
-        log.info(f"left out {len(loader.dropped)} utterances longer than data.max_frames="
-                 f"{cfg['data.max_frames']} frames: {names}"
-                 + (" ..." if len(loader.dropped) > 5 else ""))
-    check_kernels(cfg, log, loader, stride)
-    short = loader.too_short(stride) if cfg["model.type"] == "ctc" else []
-    if short:
-        log.info(f"warning: {len(short)} utterances have fewer frames after the {stride}x "
-                 f"subsampling than their {kind} tokens need (tokens + repeated neighbours): "
-                 f"CTC has no alignment for them, they train with zero loss: "
-                 f"{', '.join(short[:5])}{' ...' if len(short) > 5 else ''}")
-
-
-def check_kernels(cfg, log, loader, stride):
-    """A Conformer block's depthwise kernel against the utterances after the subsampling: longer
-    than the longest, a configuration mistake (every output reads mostly zeros past the
-    utterance: refused, named); longer than some, a warning naming them."""
-    from hpcsgd.model.encoder import parse_spec
-    kernels = [parse_spec(s)["kernel"] for s in cfg["model.encoder"]
-               if parse_spec(s)["kind"] == "conformer"]
-    if not kernels or not len(loader.kept):
-        return
-    kernel = max(kernels)
-    steps = -(-loader.lengths[loader.kept] // stride)
-    if kernel > steps.max():
-        raise UserError(f"config key model.encoder: a depthwise kernel of {kernel} steps is "
-                        f"longer than the longest utterance of {cfg['data.train']} after the "
-                        f"{stride}x subsampling ({int(steps.max())} steps: "
-                        f"{loader.utt_ids[loader.kept[int(np.argmax(steps))]]}); use a kernel "
-                        f"of at most {int(steps.max()) - 1 + int(steps.max()) % 2} (odd)")
-    short = [loader.utt_ids[u] for u, n in zip(loader.kept, steps) if n < kernel]
-    if short:
-        log.info(f"warning: {len(short)} utterances are shorter than the depthwise kernel "
-                 f"({kernel}) after the {stride}x subsampling (the convolution reads zeros past "
-                 f"their ends, as for every utterance's edges): {', '.join(short[:5])}"
-                 f"{' ...' if len(short) > 5 else ''}")
-
-
 def crossed(before, after, every):
     """Whether a step from `before` to `after` frames crossed a multiple of `every` (0: never)."""
     return bool(every) and after // every != before // every
 
 
 def cross_validate(cfg, model, params, grid, watchdog):
-    """The CV archive's sums over the data ranks (hpcsgd/evaluate.py), and the share of its
-    most frequent label (the majority-class baseline); a CTC model's loss and greedy token
-    error rate, its `frame_accuracy` (what the newbob schedule compares) 1 - that rate."""
+    """The CV archive's sums over the data ranks (the family's: frame CE and accuracy with the
+    majority-class baseline, or a model of utterances' loss and greedy token error rate with
+    1 - that rate as its `frame_accuracy`, what the newbob schedule compares)."""
     beat = lambda: watchdog.beat("cross-validation")   # noqa: E731
-    if cfg["model.type"] in UTTERANCE_MODELS:
-        cv = evaluate_ctc(model, params, cfg["data.cv"],
-                          {"tokens": cfg["data.tokens"], "cmvn": cfg["data.cmvn"]},
-                          grid.data_rank, grid.data_size, grid.data, heartbeat=beat)
-        cv["frame_accuracy"] = 1.0 - cv["token_error_rate"]
-        return cv
-    cv = evaluate(model, params, cfg["data.cv"], cfg["data.context"], cfg["data.cmvn"],
-                  grid.data_rank, grid.data_size, grid.data, heartbeat=beat,
-                  sequences=sequence_meta(cfg))
-    cv["majority"] = cv["confusion"].sum(axis=1).max() / max(cv["frames"], 1)
-    return cv
+    fam = family(cfg["model.type"])
+    data = {"context": cfg["data.context"], "cmvn": cfg["data.cmvn"], **fam.data_meta(cfg)}
+    return fam.cross_validate(cfg, model, params, grid, data, beat)
 
 
 def log_clipped(log, step):
@@ -886,29 +693,12 @@ def log_clipped(log, step):
         step.clipped = step.clip_seen = 0
 
 
-def log_epoch(log, epoch, progress, totals, seconds, lr, cv, criterion="ce"):
+def log_epoch(log, epoch, progress, totals, seconds, lr, cv, fam):
+    """The epoch's line and metrics record: the family names its sums (fam.epoch_measures)."""
     record = {"epoch": epoch, "frames": progress["frames"],
               "train_ce": totals[0] / max(totals[2], 1), "seconds": seconds, "lr": lr}
-    if criterion != "ce":   # per token (and per frame, as train_ce): ctc or rnnt
-        record[f"train_{criterion}_per_token"] = totals[0] / max(totals[1], 1)
-        line = (f"epoch {epoch} done in {seconds:.1f} s: train {criterion} "
-                f"{record[f'train_{criterion}_per_token']:.4f}/token")
-    else:
-        record["train_frame_accuracy"] = totals[1] / max(totals[2], 1)
-        line = (f"epoch {epoch} done in {seconds:.1f} s: train ce {record['train_ce']:.4f} acc "
-                f"{100 * record['train_frame_accuracy']:.2f}%")
-    if cv is not None and criterion != "ce":
-        record.update({f"cv_{criterion}_per_token": cv["per_token"]}, cv_ce=cv["per_frame"],
-                      cv_token_error_rate=cv["token_error_rate"],
-                      cv_skipped_utterances=cv["skipped"])
-        line += (f" | cv {criterion} {cv['per_token']:.4f}/token, greedy token error rate "
-                 f"{100 * cv['token_error_rate']:.2f}% [{cv['ins']} ins, {cv['del']} del, "
-                 f"{cv['sub']} sub / {cv['tokens']}]")
-    elif cv is not None:
-        record.update(cv_ce=cv["ce"], cv_frame_accuracy=cv["frame_accuracy"],
-                      cv_majority=cv["majority"])
-        line += (f" | cv ce {cv['ce']:.4f} acc {100 * cv['frame_accuracy']:.2f}% "
-                 f"(majority class {100 * cv['majority']:.2f}%)")
+    measures, line = fam.epoch_measures(epoch, seconds, totals, cv)
+    record.update(measures)
     log.info(line)
     log.record("epoch", **record)
 
@@ -920,10 +710,9 @@ class Window:
     window began; line() writes the log line and the metrics record and starts the next
     window."""
 
-    def __init__(self, log, t0, comm_blocking=None, bitwidth=None, scaler=None,
-                 criterion="ce"):
+    def __init__(self, log, t0, comm_blocking, bitwidth, scaler, fam):
         self.log, self.t0, self.sums, self.steps = log, t0, np.zeros(7), 0
-        self.criterion = criterion
+        self.family = fam   # the model's family: it names the sums (fam.window_measures)
         self.first = 0   # the run's steps when this window began
         # reported beside the sums: double buffering's blocking communication time, the
         # adaptive bit width, the loss scaler (each None when off)
@@ -944,26 +733,12 @@ class Window:
         comm_blocking, bitwidth, scaler = self.comm_blocking, self.bitwidth, self.scaler
         done, total = int(sum(progress["offsets"])), int(rank_frames.sum())
         fps = totals[2] / max(now - self.t0, 1e-9)
-        ce, acc = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
         bits = {}
         if bitwidth:   # the width now, and the controller's share of the time so far
             bits = {"bits": bitwidth.bits, "bits_controller_s": bitwidth.seconds}
         if scaler:     # the loss scale now, and the steps skipped on an overflow so far
             bits.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
-        if self.criterion != "ce":   # loss per token, and per frame (the divergence check's)
-            name = self.criterion
-            measures = {"ce": ce, f"{name}_per_token": totals[0] / max(totals[1], 1),
-                        "skipped_utterances": int(totals[3])}
-            shown = (f"{name} {measures[f'{name}_per_token']:.4f}/token ({ce:.4f}/frame)"
-                     + (f"  {int(totals[3])} skipped" if totals[3] else ""))
-            if totals[5]:   # the frame CE head (model.frame_ce): per output step
-                measures.update(frame_ce=totals[4] / totals[5],
-                                frame_accuracy=totals[6] / totals[5])
-                shown += (f"  frame ce {measures['frame_ce']:.4f} acc "
-                          f"{100 * measures['frame_accuracy']:.2f}%")
-        else:
-            measures = {"ce": ce, "frame_accuracy": acc}
-            shown = f"ce {ce:.4f}  acc {100 * acc:.2f}%"
+        measures, shown = self.family.window_measures(totals)
         self.log.info(f"epoch {epoch} {done:,}/{total:,} frames  {shown}  "
                       f"lr {lr:.3g}  {fps:,.0f} frames/s  "
                       + (f"bits {bits['bits']}  " if bitwidth else "")
@@ -1041,10 +816,8 @@ def check_divergence(cfg, totals, num_labels, where):
     factor = cfg["train.diverged_ce_factor"]
     ce, frames = totals[0] / max(totals[2], 1), int(totals[2])
     limit = factor * math.log(max(num_labels, 2))
-    what, unit = "cross-entropy", "frame"
-    if cfg["model.type"] in UTTERANCE_MODELS:   # untrained: about ln(V) per OUTPUT frame
-        ce *= time_stride(cfg["model.encoder"])
-        what, unit = f"the {cfg['model.type'].upper()} loss", "output frame"
+    # untrained: about ln(V) per frame, or per OUTPUT frame of a subsampling encoder
+    ce, what, unit = family(cfg["model.type"]).divergence(cfg, ce)
     if factor and frames and ce > limit:
         raise UserError(f"{where}: training diverged: {what} is {ce:.4g} nats/{unit} over "
                         f"the last {frames:,} frames, above train.diverged_ce_factor {factor:g} x "

@@ -35,6 +35,14 @@ from hpcsgd.data.splice import apply_cmvn
 from hpcsgd.errors import UserError
 
 
+def sequence_steps(data):
+    """A sequence model's training sequence length (left context + chunk + right context)
+    from the checkpoint's data meta; None for a frame model."""
+    if "chunk" not in data:
+        return None
+    return data["left_context"] + data["chunk"] + data["right_context"]
+
+
 def chunk_counts(lengths, chunk):
     """Chunks of each utterance of the given lengths: ceil(L / chunk)."""
     return -(-np.asarray(lengths, np.int64) // chunk)

@@ -40,6 +40,7 @@ from hpcsgd.data import archive
 from hpcsgd.decode import recognize, score, search, timestamps, token_lm
 from hpcsgd.decode.rnnt import MAX_SYMBOLS
 from hpcsgd.errors import UserError
+from hpcsgd.families import of_model
 from hpcsgd.model_io import add_device_argument
 
 ABORT_FORWARD_S = 0.5    # a failing rank's last words reach the launcher before MPI_Abort
@@ -165,7 +166,7 @@ def run(args):
 
 def decode(args, comm):
     from hpcsgd.model_io import EVAL_BATCH, check_archive, load_model
-    from hpcsgd.outputs import log_priors, longest_utterance
+    from hpcsgd.outputs import longest_utterance
     rank, world = comm.Get_rank(), comm.Get_size()
     # every input checked on every rank before the first collective: a bad one stops them all
     graph = search.Graph(args.graph) if args.graph else None
@@ -173,17 +174,16 @@ def decode(args, comm):
     whole = args.sequences == "whole"
     model, params, meta = load_model(args.model, max(EVAL_BATCH, longest_utterance(args.data))
                                      if whole else EVAL_BATCH, device=args.device, comm=comm)
-    ctc_model = recognize.is_ctc(meta)   # CTC or RNN-T: tokens, no priors
-    rnnt_model = meta["model"].get("type") == "rnnt"
-    tokens = meta["tokens"] if ctc_model else None
-    if graph is not None and rnnt_model:
+    fam = of_model(meta["model"])   # what it outputs (frame labels or tokens), how it is searched
+    tokens = meta["tokens"] if fam.UTTERANCES else None
+    if graph is not None and "graph" not in fam.SEARCHES:
         raise UserError(f"{meta['path']} is an RNN-T model: its prediction network is its "
                         f"language model, searched by --greedy or --beam-size (a graph weighs "
                         f"per-frame posteriors, which a transducer does not give)")
-    if args.beam_size is not None and (not rnnt_model or args.beam_size < 1):
+    if args.beam_size is not None and ("beam" not in fam.SEARCHES or args.beam_size < 1):
         raise UserError(f"--beam-size {args.beam_size}: the beam search of RNN-T models, "
                         f"K >= 1 ({meta['path']} is a {meta['model'].get('type', 'dnn')} model)")
-    if (args.ctm or args.ref_ctm) and (not ctc_model or rnnt_model):
+    if (args.ctm or args.ref_ctm) and not fam.TIMESTAMPS:
         raise UserError(f"--ctm: word times from CTC emissions; {meta['path']} is a "
                         f"{meta['model'].get('type', 'dnn')} model")
     if args.ref_ctm and not os.path.isfile(args.ref_ctm):
@@ -193,7 +193,7 @@ def decode(args, comm):
         graph.check_model(meta)
         graph.check_archive(index, args.data)
         unit, scales = recognize.unit(graph), recognize.scales(graph, args)
-    elif not ctc_model:
+    elif "greedy" not in fam.SEARCHES:
         raise UserError(f"--greedy is for CTC models, and {meta['path']} is a hybrid model: "
                         f"give --graph GRAPH_DIR (hpcsgd mkgraph)")
     else:
@@ -216,7 +216,7 @@ def decode(args, comm):
     check_archive(args.data, meta)     # features; labels (hybrid) or tokens (CTC)
     refs, ref_source = recognize.archive_references(
         unit, args.data, args.text, graph.info.get("text") if graph is not None else None)
-    priors = None if ctc_model else log_priors(meta["label_counts"])
+    priors = fam.priors(meta)   # a hybrid's label priors; None: searched as they are
     decoder = None if graph is None else \
         search.Decoder(graph, beam=args.beam, max_active=args.max_active,
                        insertion_penalty=args.insertion_penalty)
@@ -231,11 +231,8 @@ def decode(args, comm):
                 model, params, logposts, tokens, args.beam_size, lm, refs, comm,
                 folds=recognize.speaker_folds(args.data))
             lm_weight, lm_bonus = lm_table[0][:2]
-        hyps, search_s = (recognize.search_rnnt(model, params, logposts, tokens["symbols"],
-                                                tokens["kind"], args.beam_size, lm, lm_weight,
-                                                lm_bonus, nbest)
-                          if rnnt_model else
-                          recognize.greedy(logposts, tokens["symbols"], tokens["kind"], runs))
+        hyps, search_s = fam.search(model, params, logposts, tokens, args.beam_size, lm=lm,
+                                    lm_weight=lm_weight, bonus=lm_bonus, nbest=nbest, runs=runs)
         not_final = 0
     else:
         if args.tune:
@@ -270,17 +267,11 @@ def decode(args, comm):
         lines.append(f"tuned on {args.data} ({len(per_utt)} utterances):")
         lines += recognize.lm_tuning_lines(lm_table, (lm_weight, lm_bonus), name, held_out)
     if graph is None:
-        lines.append(f"{args.model} on {args.data} by RNN-T "
-                     + (f"modified beam search (beam {args.beam_size}, at most 1 symbol per "
-                        f"frame)" if args.beam_size else
-                        f"greedy search (at most {MAX_SYMBOLS} symbols per frame)")
+        lines.append(f"{args.model} on {args.data} by "
+                     f"{fam.describe_search(args.beam_size, tokens['kind'])}"
                      + ("" if lm is None else f", shallow fusion with {lm.source} at weight "
-                        f"{lm_weight:g}, token bonus {lm_bonus:g}")
-                     + f" over {tokens['kind']} tokens" if rnnt_model
-                     else f"{args.model} on {args.data} by CTC greedy search over "
-                     f"{tokens['kind']} tokens (the best token per frame, repeats merged, "
-                     f"blanks dropped)")
-    elif ctc_model:
+                        f"{lm_weight:g}, token bonus {lm_bonus:g}"))
+    elif graph.topology == "ctc":   # a TLG (graph.check_model: the model's is a CTC model)
         lines.append(f"{args.model} on {args.data} through {args.graph} ({graph.kind}, CTC over "
                      f"{tokens['kind']} tokens): acoustic scale {scales[0]:g}, "
                      f"insertion penalty {penalty:g}, beam "

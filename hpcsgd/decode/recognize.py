@@ -14,11 +14,10 @@ import time
 
 import numpy as np
 
-from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data import archive
-from hpcsgd.decode import ctc, mkgraph, score, search, timestamps
+from hpcsgd.decode import mkgraph, score, search, timestamps
 from hpcsgd.errors import UserError
-from hpcsgd.outputs import sequence_outputs, utterance_outputs
+from hpcsgd.families import family, of_model
 
 # (acoustic scale, prior scale) per graph kind, tuned with the float32 recipe on so762's 13
 # held-out speakers (docs/decode.md): a phone bigram is a weak LM and wants the acoustics
@@ -66,11 +65,6 @@ def add_search_arguments(parser):
     parser.add_argument("--beam", type=float, default=search.BEAM, help="decoder beam")
     parser.add_argument("--max-active", type=int, default=search.MAX_ACTIVE,
                         help="most tokens alive per frame")
-
-
-def is_ctc(meta):
-    """A model over tokens of whole utterances (CTC, or RNN-T), not a hybrid's senones."""
-    return meta["model"].get("type") in UTTERANCE_MODELS
 
 
 def scales(graph, args):
@@ -157,21 +151,10 @@ def out_of_vocabulary(graph, refs, utts):
 
 def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
     """This rank's share of the archive as [(utt, (T, P) log-posteriors)] (archive order),
-    and the CPU seconds the acoustic model took (all of this process's threads). A CTC
-    model's (T', V) token log-posteriors come from hpcsgd.outputs.ctc_posteriors."""
-    if is_ctc(meta):
-        from hpcsgd.outputs import ctc_posteriors
-        return ctc_posteriors(model, params, meta, archive_dir, rank=rank, world=world)
-    data = meta["data"]
-    t0 = time.process_time()
-    if model.recurrent:
-        outputs = sequence_outputs(model, params, archive_dir, data, data["cmvn"], "logpost",
-                                   None, whole, rank=rank, world=world)
-    else:
-        outputs = utterance_outputs(model, params, archive_dir, data["context"], data["cmvn"],
-                                    "logpost", None, rank=rank, world=world)
-    mine = [(utt, values.copy()) for utt, values in outputs]
-    return mine, time.process_time() - t0
+    and the CPU seconds the acoustic model took (all of this process's threads): the model
+    family's (a CTC model's (T', V) token log-posteriors; an RNN-T's encoder projections)."""
+    return of_model(meta["model"]).posteriors(model, params, meta, archive_dir, rank, world,
+                                              whole)
 
 
 def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=None):
@@ -198,48 +181,6 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=N
         if not final:
             not_final.append(utt)
     return hyps, not_final, time.thread_time() - t0
-
-
-def greedy(logposts, symbols, kind, runs=None):
-    """CTC greedy search of every utterance -> ({utt: words, or phones for phone tokens},
-    search CPU seconds of this thread). runs: a dict to fill with each utterance's emitted
-    token runs (hpcsgd/decode/timestamps.py)."""
-    symbols = np.asarray(symbols, dtype=object)
-    hyps = {}
-    t0 = time.thread_time()
-    for utt, logpost in logposts:
-        hyps[utt] = ctc.tokens_to_words(symbols[ctc.greedy_search(logpost)], kind)
-        if runs is not None:
-            runs[utt] = timestamps.token_runs(np.asarray(logpost).argmax(axis=1))
-    return hyps, time.thread_time() - t0
-
-
-def search_rnnt(model, params, encs, symbols, kind, beam=None, lm=None, lm_weight=0.0,
-                bonus=0.0, nbest=None):
-    """RNN-T greedy search, or modified beam search with `beam` hypotheses (hpcsgd.decode.rnnt;
-    with a token n-gram `lm`, shallow fusion at lm_weight with a token bonus) of every
-    utterance's encoder projection -> ({utt: words, or phones}, search CPU seconds of this
-    thread). nbest: a dict to fill with each utterance's [(score, words)] of the final beam,
-    best first (beam search only)."""
-    from hpcsgd.decode import rnnt
-    from hpcsgd.model.lengths import Lengths
-    from hpcsgd.model.transducer import on_host
-    symbols = np.asarray(symbols, dtype=object)
-    hyps = {}
-    layer, params, _ = on_host(model, params)   # fake-quantized under QAT; GPU: on the host
-    t0 = time.thread_time()
-    for utt, enc in encs:
-        lengths = Lengths([len(enc)])
-        if beam:
-            ranked = rnnt.beam_search(layer, params, enc, lengths, beam, lm=lm,
-                                      lm_weight=lm_weight, bonus=bonus, nbest=beam)[0]
-            best = ranked[0][0]
-            if nbest is not None:
-                nbest[utt] = [(sc, ctc.tokens_to_words(symbols[ys], kind)) for ys, sc in ranked]
-        else:
-            best = rnnt.greedy_search(layer, params, enc, lengths)[0]
-        hyps[utt] = ctc.tokens_to_words(symbols[best], kind)
-    return hyps, time.thread_time() - t0
 
 
 def error_counts(refs, hyps):
@@ -309,8 +250,8 @@ def tune_lm_weight(model, params, encs, tokens, beam, lm, refs, comm=None, folds
     grid = grid or [(w, b) for w in TUNE_LM_WEIGHT for b in TUNE_LM_BONUS]
     counts = np.zeros((len(grid), 2, len(score.FIELDS)), np.int64)
     for i, (w, b) in enumerate(grid):
-        hyps, _ = search_rnnt(model, params, encs, tokens["symbols"], tokens["kind"], beam,
-                              lm, w, b)
+        hyps, _ = family("rnnt").search(model, params, encs, tokens, beam, lm=lm, lm_weight=w,
+                                        bonus=b)
         for utt, c in error_counts(refs, hyps)[1].items():
             counts[i, folds.get(utt, 0) if folds else 0] += c
     if comm is not None and comm.Get_size() > 1:
@@ -386,14 +327,13 @@ def recognize_archive(model, params, meta, archive_dir, graph_dir, args, comm=No
     plus the scales and the search's real-time factor per core; "cer" for a CTC model with
     chars or bpe tokens). Under several ranks (comm) each decodes its share and rank 0
     scores the gathered hypotheses (the others get None)."""
-    from hpcsgd.outputs import log_priors
     rank, world = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     graph = search.Graph(graph_dir)
     graph.check_model(meta)
     index = archive.read_index(archive_dir)
     graph.check_archive(index, archive_dir)
     refs = references(graph, archive_dir, args.text)
-    priors = None if is_ctc(meta) else log_priors(meta["label_counts"])
+    priors = of_model(meta["model"]).priors(meta)   # a hybrid's; None: searched as they are
     penalty = getattr(args, "insertion_penalty", 0.0)
     decoder = search.Decoder(graph, beam=args.beam, max_active=args.max_active,
                              insertion_penalty=penalty)

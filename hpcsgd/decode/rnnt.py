@@ -8,53 +8,28 @@ runs the prediction network one token at a time and the joint on (enc_t, pred):
         k = blank: next frame; else emit k, pred <- the predictor advanced by k
 
 All utterances of a batch step together (the ones still emitting at this frame are the
-rows of one small GEMM). The predictor's step is kernels_lstm's float64 reference step, on
-the layer's weights: the same function the LSTM kernels are tested against.
+rows of one small GEMM). The prediction network's step and the joint are the trained layer's
+own (model/transducer.py: Transducer.start, step, joint_logits; its LSTMs' LSTM.step): this
+module holds the searches, not a copy of the model.
 """
 import numpy as np
-
-from hpcsgd.model.kernels_joint import ADD
-from hpcsgd.model.kernels_lstm import ref_forward_step
-from hpcsgd.model.kernels_quant import ref_fake_quant
-from hpcsgd.model.quantize import symmetric_grid
 
 MAX_SYMBOLS = 3   # symbols one frame may emit (icefall's default max_sym_per_frame is 1-3)
 
 
 def predictor_step(layer, p, tokens, state):
-    """The predictor advanced by one token per row: tokens (n,) int; state: per LSTM layer
-    (h, c) arrays (n, cells). -> (pred (n, joint) float64, the new state). p: the weights
-    passes run on (Network.pass_weights); under quantization-aware training the LSTMs' inputs
-    above the first and their hidden state go through the fixed grids training used."""
-    x = np.asarray(p[layer.E], np.float64)[tokens]
-    new = []
-    for k, (lstm, (h, c)) in enumerate(zip(layer.pred, state)):
-        if k and layer.input_bits:
-            x = _on_grid(x, symmetric_grid(1.0, layer.input_bits))
-        h_in = h if lstm.hidden_grid is None else _on_grid(h, lstm.hidden_grid)
-        _, c, h = ref_forward_step(x @ p[lstm.W], h_in @ p[lstm.U[0]], p[lstm.b], c)
-        new.append((h, c))
-        x = h
-    return x @ p[layer.Wp] + p[layer.bp], new
-
-
-def _on_grid(x, grid):
-    """x fake-quantized on a grid (kernels_quant's reference arithmetic, in float32 as the
-    training kernels compute it)."""
-    return ref_fake_quant(np.asarray(x, np.float32), grid.step, grid.inv, grid.klo,
-                          grid.khi).astype(np.float64)
+    """The predictor advanced by one token per row (Transducer.step)."""
+    return layer.step(p, tokens, state)
 
 
 def start_state(layer, p, n):
-    """The predictor after the start symbol (the blank) for n utterances."""
-    state = [(np.zeros((n, lstm.cells)), np.zeros((n, lstm.cells))) for lstm in layer.pred]
-    return predictor_step(layer, p, np.zeros(n, np.int64), state)
+    """The predictor after the start symbol (the blank) for n utterances (Transducer.start)."""
+    return layer.start(p, n)
 
 
 def joint_logits(layer, p, enc, pred):
-    """Logits (n, V) of rows of enc and pred (n, joint) each."""
-    h = np.tanh(enc + pred if layer.mode == ADD else enc * pred)
-    return h @ p[layer.Wo] + p[layer.bo]
+    """Logits (n, V) of rows of enc and pred (n, joint) each (Transducer.joint_logits)."""
+    return layer.joint_logits(p, enc, pred)
 
 
 def greedy_search(layer, p, enc, lengths, max_symbols=MAX_SYMBOLS, blank=0):

@@ -30,7 +30,8 @@ import numpy as np
 
 from hpcsgd.device import matmul, zero
 from hpcsgd.model.flat import ParamSpec
-from hpcsgd.model.kernels_lstm import GATES, SMALL_ROWS
+from hpcsgd.model.kernels_lstm import GATES, SMALL_ROWS, ref_forward_step
+from hpcsgd.model.kernels_quant import ref_fake_quant
 from hpcsgd.model.layers import Dense, SoftmaxOutput, glorot_uniform
 from hpcsgd.model.network import Network
 from hpcsgd.model.ops import lstm_backward_step, lstm_forward_step
@@ -144,6 +145,16 @@ class LSTM:
             if progress is not None and s in (steps // 2, steps - 1):   # the exchange in flight
                 progress()
 
+    def step(self, p, x, h, c):
+        """One time step of a forward layer from its state (h, c) (n, cells) for the rows x
+        (n, n_in), in float64 on the host: what a search advances one token at a time
+        (model/transducer.py: Transducer.step). The arithmetic is kernels_lstm's reference
+        step, the one the layer's kernels are tested against; under quantization-aware
+        training h_{t-1} goes through the layer's hidden grid as in training. -> (h, c)."""
+        h_in = h if self.hidden_grid is None else on_grid(h, self.hidden_grid)
+        _, c, h = ref_forward_step(x @ p[self.W], h_in @ p[self.U[0]], p[self.b], c)
+        return h, c
+
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
         hc = self.cells
         nb, steps, bs = lengths.nb, lengths.steps, lengths.batch_sizes
@@ -214,6 +225,13 @@ class LSTM:
             lstm_backward_step(ops, args, hc, ws["xs"])
             if progress is not None and s % 8 == 7:   # the layers above: their buckets in flight
                 progress()
+
+
+def on_grid(x, grid):
+    """x fake-quantized on a grid (kernels_quant's reference arithmetic, in float32 as the
+    training kernels compute it), back in float64."""
+    return ref_fake_quant(np.asarray(x, np.float32), grid.step, grid.inv, grid.klo,
+                          grid.khi).astype(np.float64)
 
 
 def lstm_layers(input_dim, cells, num_labels, bidirectional=True, bottleneck=(),

@@ -30,6 +30,10 @@ from hpcsgd.model import kernels_conformer as KF
 from hpcsgd.model import kernels_ctc as KCTC
 from hpcsgd.model import kernels_dropout as KD
 from hpcsgd.model import kernels_ctc_cuda as KCC   # compiled on first launch, by GPU models only
+from hpcsgd.model import kernels_joint as KJ
+from hpcsgd.model import kernels_joint_cuda as KJC
+from hpcsgd.model import kernels_rnnt as KR
+from hpcsgd.model import kernels_rnnt_cuda as KRC
 from hpcsgd.model import kernels_conformer_cuda as KFC
 from hpcsgd.model import kernels_cuda as KC
 
@@ -274,6 +278,47 @@ class CpuOps:
             self.ctc_scratch = (np.empty(grow, np.float32), np.empty(grow, np.float32),
                                 np.empty(rows, np.float64), np.empty(rows, np.uint8))
         return self.ctc_scratch
+
+    # the RNN-T's prediction network, joint and loss (model/transducer.py: the layer stores
+    # its own 16-bit values, so HalfOps rounds nothing around these). shape: (nb, pos, frames,
+    # u1s, row offsets, b0, b1, mode) of a group of utterances (model/kernels_joint.py)
+    def add_row(self, x, b):
+        """x (rows, m) += b (1, m)."""
+        KJ.add_bias(x, b)
+
+    def add_into(self, x, y):
+        """x += y (same shape)."""
+        KJ.add_into(x, y)
+
+    def embed(self, table, tok, out):
+        """out's rows <- table's rows tok (a zero row where tok is -1)."""
+        KJ.embed(table, tok, out)
+
+    def embed_backward(self, dy, tok, g):
+        """g <- dy's rows summed into the rows tok of the table's gradient."""
+        KJ.embed_backward(dy, tok, g)
+
+    def zero_padding(self, x, tok):
+        """x's rows where tok is -1 (the padding) <- 0."""
+        KJ.zero_padding(x, tok)
+
+    def joint_forward(self, enc, pred, shape, h, longest):
+        """h <- tanh(enc_t (+|*) pred_u) of every lattice node of the group; longest: the most
+        nodes of one utterance (what a GPU launch is sized by)."""
+        KJ.joint_forward(enc, pred, *shape, h)
+
+    def joint_backward(self, dh, h, enc, pred, shape, denc, dpred, most):
+        """denc, dpred += dLoss/denc, dLoss/dpred of the group from dh (overwritten); most:
+        (nodes, the most frames, the most targets + 1 of one utterance: GPU launch sizes)."""
+        KJ.joint_backward(dh, h, enc, pred, *shape, denc, dpred)
+
+    def rnnt_loss(self, z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss, ok,
+                  fastemit_lambda):
+        """The fused RNN-T loss (model.kernels_rnnt): z <- scale * dLoss/dz in place. Returns
+        (the group's loss summed, unscaled; its utterances with an alignment)."""
+        KR.rnnt_loss_grad(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss,
+                          ok, fastemit_lambda)
+        return float(np.sum(loss)), int(np.sum(ok))
 
     def fake_quant(self, x, out, grid):
         """out <- x on the grid (model.quantize.Grid; out may be x); a grid of vectors
@@ -556,6 +601,45 @@ class CudaOps:
                 sizes, (np.int32, np.int64, np.float32, np.float32, np.float64, np.uint8)))
         return self.ctc_scratch
 
+    # the RNN-T's (CpuOps's notes): model.kernels_joint_cuda, model.kernels_rnnt_cuda
+    def add_row(self, x, b):
+        KJC.add_bias(x, b)
+
+    def add_into(self, x, y):
+        KJC.add_into(x, y)
+
+    def embed(self, table, tok, out):
+        KJC.embed(table, tok, out)
+
+    def embed_backward(self, dy, tok, g):
+        KJC.embed_backward(dy, tok, g)
+
+    def zero_padding(self, x, tok):
+        KJC.zero_padding(x, tok)
+
+    def joint_forward(self, enc, pred, shape, h, longest):
+        KJC.joint_forward(enc, pred, *shape, h, longest)
+
+    def joint_backward(self, dh, h, enc, pred, shape, denc, dpred, most):
+        n, longest_t, longest_u = most
+        KJC.joint_backward(dh, h, n, enc, pred, *shape, denc, dpred, longest_t, longest_u)
+
+    def rnnt_loss(self, z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss, ok,
+                  fastemit_lambda):
+        """Each row's log-sum-exp kept apart (z may be 16-bit); the losses and feasibility
+        read back (device -> host copies: a sync point, as CTC's loss read)."""
+        KRC.rnnt_loss_grad(z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss,
+                           ok, fastemit_lambda, lse=self._rnnt_lse(len(z)))
+        return float(np.sum(loss.copy_to_host())), int(np.sum(ok.copy_to_host()))
+
+    def _rnnt_lse(self, rows):
+        """The loss's per-row log-sum-exp workspace (float32), grown to the largest group."""
+        have = getattr(self, "rnnt_lse", None)
+        if have is None or len(have) < rows:
+            self.rnnt_lse = zeros(max(rows, 2 * len(have) if have is not None else 1),
+                                  np.float32, "cuda")
+        return self.rnnt_lse[:rows]
+
     def fake_quant(self, x, out, grid):
         if np.ndim(grid.step):   # per column: the vectors go to the device (a small copy)
             KC.fake_quant_channels(x, out, grid.step, grid.inv, grid.klo, grid.khi)
@@ -588,7 +672,6 @@ class CudaOps:
 class GemmOnly:
     """Every element-wise kernel skipped: a step of GEMMs alone, into the step's buffers (the
     recurrent products included, as the device's ops compute them)."""
-    gemm_only = True   # a layer that calls kernels itself (the RNN-T's joint) skips them too
 
     def step_product(self, a, w, out, trans_b=False, wt=None):
         if isinstance(a, np.ndarray):
@@ -665,6 +748,34 @@ class GemmOnly:
 
     def ctc_loss(self, z, b, targets, lengths, gb, scale=1.0):
         return 0.0, 0, 0
+
+    def add_row(self, x, b):
+        pass
+
+    def add_into(self, x, y):
+        pass
+
+    def embed(self, table, tok, out):
+        pass
+
+    def embed_backward(self, dy, tok, g):
+        pass
+
+    def zero_padding(self, x, tok):
+        pass
+
+    def joint_forward(self, enc, pred, shape, h, longest):
+        pass
+
+    def joint_backward(self, dh, h, enc, pred, shape, denc, dpred, most):
+        pass
+
+    def rnnt_loss(self, z, frames, ids, tgt_offsets, row_offsets, scale, alpha, beta, loss, ok,
+                  fastemit_lambda):
+        return 0.0, len(ok)   # nothing skipped: every utterance counts as scored
+
+    def round(self, x, out):   # the 16-bit storage's rounding (HalfOps.round)
+        pass
 
     def add_scaled(self, x, o, s, out):
         pass
@@ -888,6 +999,32 @@ class HalfOps:
         self.store(z)
         self.store(gb)
         return out
+
+    # the RNN-T's kernels: the transducer stores its own values (model/transducer.py: _store),
+    # so nothing is rounded around them here
+    def add_row(self, x, b):
+        self.ops.add_row(x, b)
+
+    def add_into(self, x, y):
+        self.ops.add_into(x, y)
+
+    def embed(self, table, tok, out):
+        self.ops.embed(table, tok, out)
+
+    def embed_backward(self, dy, tok, g):
+        self.ops.embed_backward(dy, tok, g)
+
+    def zero_padding(self, x, tok):
+        self.ops.zero_padding(x, tok)
+
+    def joint_forward(self, enc, pred, shape, h, longest):
+        self.ops.joint_forward(enc, pred, shape, h, longest)
+
+    def joint_backward(self, dh, h, enc, pred, shape, denc, dpred, most):
+        self.ops.joint_backward(dh, h, enc, pred, shape, denc, dpred, most)
+
+    def rnnt_loss(self, *args):
+        return self.ops.rnnt_loss(*args)
 
     # the Conformer's layers: GEMM outputs rounded before a kernel reads them, a kernel's
     # outputs after it wrote them; parameter gradients are float32 sums

@@ -41,12 +41,16 @@ would store in 16 bits: every GEMM's and kernel's output here (enc, pred, h, the
 loss's scaled gradient, dh, denc, dpred) and, through model.ops.HalfOps, the prediction
 network's LSTM kernels; the loss runs in float32 on the 16-bit logits, as CTC's.
 
-GPU ranks (device "cuda"): every buffer on the device, the element-wise kernels
-kernels_joint_cuda's, the loss kernels_rnnt_cuda's; a batch's index arrays copied once per
+The element-wise work and the loss go through `ops` like every layer's (model/ops.py:
+add_row, embed, embed_backward, zero_padding, joint_forward, joint_backward, add_into,
+rnnt_loss): CpuOps runs kernels_joint's and kernels_rnnt's kernels, CudaOps their CUDA twins,
+GemmOnly nothing (bench train's roofline).
+
+GPU ranks (device "cuda"): every buffer on the device; a batch's index arrays copied once per
 (sub-)batch, the losses read back once per sub-batch. Under mixed or bf16 the values above
 are stored in 16 bits (`storage`: h and the logits too -- the joint's memory halved), while
 denc and dpred are float32 sums rounded once into 16-bit storage at the end. Searches of a
-GPU model run on the host (on_host).
+GPU model run on the host (on_host), through the layer's own start, step and joint_logits.
 """
 import numpy as np
 
@@ -54,12 +58,11 @@ from hpcsgd.device import assign, matmul, zero, zeros
 from hpcsgd.lazy_cuda import cuda
 from hpcsgd.model import kernels_joint as KJ
 from hpcsgd.model import kernels_rnnt as KR
-from hpcsgd.model import kernels_rnnt_cuda as KRC
 from hpcsgd.model.encoder import encoder_layers, parse_spec
 from hpcsgd.model.flat import ParamSpec
 from hpcsgd.model.layers import glorot_uniform
 from hpcsgd.model.lengths import Lengths
-from hpcsgd.model.lstm import LSTM
+from hpcsgd.model.lstm import LSTM, on_grid
 from hpcsgd.model.network import Network
 from hpcsgd.model.quantize import symmetric_grid
 
@@ -155,7 +158,7 @@ class Transducer:
         matmul(x, p[self.W], z)
         if progress is not None:
             progress()
-        self._k().add_bias(z, p[self.b])
+        ops.add_row(z, p[self.b])
         _store(ops, z)
 
     def posteriors(self, p, z, ops, log=True):
@@ -172,13 +175,6 @@ class Transducer:
                 progress()
 
     # ---- scratch and the device ------------------------------------------------------------
-
-    def _k(self):
-        """The joint's and embedding's kernels where the layer's arrays live."""
-        if self.device == "cuda":
-            from hpcsgd.model import kernels_joint_cuda as KJC
-            return KJC
-        return KJ
 
     def _get(self, name, rows, cols, dtype=None):
         """A (rows, cols) view of the scratch array `name` (the model's dtype unless told),
@@ -238,10 +234,10 @@ class Transducer:
     def predict(self, p, tok, lengths, ops):
         """pred (rows, joint) of the predictor over the input tokens `tok` (time-major; -1:
         padding, a zero input and output row). Keeps each layer's output for backward."""
-        rows, k_ = len(tok), self._k()
+        rows = len(tok)
         tok_at = self._ints("tok", tok)
         x = self._get("pred_in", rows, self.embed, self.storage)
-        k_.embed(p[self.E], tok_at, x)
+        ops.embed(p[self.E], tok_at, x)
         ws = self._pred_ws(rows)
         for k, layer in enumerate(self.pred):
             x = self._quantized_input(k, x, ops)
@@ -250,8 +246,8 @@ class Transducer:
             x = y
         pred = self._get("pred", rows, self.joint, self.storage)
         matmul(x, p[self.Wp], pred)
-        k_.add_bias(pred, p[self.bp])
-        k_.zero_padding(pred, tok_at)
+        ops.add_row(pred, p[self.bp])
+        ops.zero_padding(pred, tok_at)
         _store(ops, pred)
         return pred
 
@@ -276,8 +272,8 @@ class Transducer:
             layer.backward(p, g, x, y, dy, dx, ops, None, ws=ws[k], lengths=lengths)
             dy = dx
         # the embedding's rows, scattered back (tok's copy on the device: predict's)
-        self._k().embed_backward(dy, self._buf["tok"][:rows, 0] if self.device == "cuda"
-                                 else tok, g[self.E])
+        ops.embed_backward(dy, self._buf["tok"][:rows, 0] if self.device == "cuda" else tok,
+                           g[self.E])
 
     def _quantized_input(self, k, x, ops):
         """Predictor layer k's input as its GEMM reads it: above the first layer, under QAT,
@@ -288,6 +284,37 @@ class Transducer:
         out = self._get(f"pred_q{k}", len(x), x.shape[1], self.storage)
         ops.fake_quant(x, out, symmetric_grid(1.0, self.input_bits, x.dtype))
         return out
+
+    # ---- search: the prediction network one token at a time, the joint of rows -------------
+
+    def start(self, p, n):
+        """The prediction network after the start symbol (the blank) for n hypotheses ->
+        (pred (n, joint) float64, its state: per LSTM layer (h, c) (n, cells))."""
+        state = [(np.zeros((n, lstm.cells)), np.zeros((n, lstm.cells))) for lstm in self.pred]
+        return self.step(p, np.zeros(n, np.int64), state)
+
+    def step(self, p, tokens, state):
+        """The prediction network advanced by one token per row: tokens (n,) int; state as
+        start's. -> (pred (n, joint) float64, the new state). p: the weights the passes run on
+        (Network.pass_weights); under quantization-aware training each LSTM layer's input above
+        the first goes through the fixed grid training used (input_bits), its hidden state
+        through its own (LSTM.step). Float64 on the host: the searches' arithmetic (the
+        reference the kernels of predict are tested against), one row per hypothesis."""
+        x = np.asarray(p[self.E], np.float64)[tokens]
+        new = []
+        for k, (lstm, (h, c)) in enumerate(zip(self.pred, state)):
+            if k and self.input_bits:
+                x = on_grid(x, symmetric_grid(1.0, self.input_bits))
+            h, c = lstm.step(p, x, h, c)
+            new.append((h, c))
+            x = h
+        return x @ p[self.Wp] + p[self.bp], new
+
+    def joint_logits(self, p, enc, pred):
+        """The joint's logits (n, V) of rows of enc and pred (n, joint) each: the same
+        combination (joint_mode), tanh and output layer as the loss's lattice nodes."""
+        h = np.tanh(enc + pred if self.mode == KJ.ADD else enc * pred)
+        return h @ p[self.Wo] + p[self.bo]
 
     # ---- the joint and the loss -----------------------------------------------------------
 
@@ -316,7 +343,6 @@ class Transducer:
         u1 = np.diff(offsets) + 1
         order, pos, plen, tok = self.predictor_batch(ids, offsets)
         pred = self.predict(p, tok, plen, ops)
-        k_, cuda_ = self._k(), self.device == "cuda"
         denc = self._get("denc", len(z), self.joint)
         dpred = self._get("dpred", len(tok), self.joint)
         for a in (denc, dpred, g[self.Wo], g[self.bo]):
@@ -330,7 +356,6 @@ class Transducer:
         ids_at = self._ints("ids", ids.astype(np.int32))
         offsets_at = self._ints("offsets", offsets.astype(np.int64))
         total, feasible = 0.0, 0
-        gemm_only = getattr(ops, "gemm_only", False)   # bench train's roofline: GEMMs alone
         groups = self.groups(frames, u1)
         half = self.storage != self.dtype   # GPU ranks' 16-bit storage
         for b0, b1 in groups:
@@ -346,61 +371,46 @@ class Transducer:
             logits = self._get("logits", n, self.num_tokens, self.storage)
             offs_at = self._ints("offs", offs)
             shape = (nb, pos_at, frames_at, u1_at, offs_at, b0, b1, self.mode)
-            if not gemm_only:
-                if cuda_:
-                    k_.joint_forward(z, pred, *shape, h, int(np.max(np.diff(rows))))
-                else:
-                    k_.joint_forward(z, pred, *shape, h)
+            ops.joint_forward(z, pred, shape, h, int(np.max(np.diff(rows))))
             _store(ops, h)
             matmul(h, p[self.Wo], logits)
-            if not gemm_only:
-                k_.add_bias(logits, p[self.bo])
-                _store(ops, logits)   # 16-bit logits in, the loss in float32
-                alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
-                beta = self._get("beta", n, 1, np.float32)[:, 0]
-                loss = self._get("loss", b1 - b0, 1, np.float64)[:, 0]
-                ok = self._get("ok", b1 - b0, 1, np.uint8)[:, 0]
-                loss_args = (logits, frames_at[b0:b1], ids_at, offsets_at[b0:b1 + 1],
-                             self._ints("rows", rows), scale, alpha, beta, loss, ok,
-                             self.fastemit_lambda)
-                if cuda_:   # each row's log-sum-exp kept apart: z may be 16-bit
-                    KRC.rnnt_loss_grad(*loss_args,
-                                       lse=self._get("lse", n, 1, np.float32)[:, 0])
-                else:
-                    KR.rnnt_loss_grad(*loss_args)
-                # a GPU rank: one device -> host copy each (a sync point, as CTC's loss read)
-                total += float(np.sum(loss.copy_to_host() if cuda_ else loss))
-                feasible += int(np.sum(ok.copy_to_host() if cuda_ else ok))
+            ops.add_row(logits, p[self.bo])
+            _store(ops, logits)   # 16-bit logits in, the loss in float32
+            alpha = self._get("alpha", n, 1, np.float32)[:, 0]   # the kernel's workspaces
+            beta = self._get("beta", n, 1, np.float32)[:, 0]
+            loss = self._get("loss", b1 - b0, 1, np.float64)[:, 0]
+            ok = self._get("ok", b1 - b0, 1, np.uint8)[:, 0]
+            # a GPU rank reads the losses back: a sync point, as CTC's loss read
+            group_loss, group_ok = ops.rnnt_loss(
+                logits, frames_at[b0:b1], ids_at, offsets_at[b0:b1 + 1],
+                self._ints("rows", rows), scale, alpha, beta, loss, ok, self.fastemit_lambda)
+            total += group_loss
+            feasible += group_ok
             _store(ops, logits)   # the scaled gradient, rounded once
             # one group (the usual case): the output layer's gradients written in place
             one = len(groups) == 1
             matmul(h, logits, gWo if one else gWo_part, trans_a=True)
             ops.column_sums(logits, gbo if one else gbo_part)
             if not one:
-                k_.add_into(gWo, gWo_part)
-                k_.add_into(gbo, gbo_part)
+                ops.add_into(gWo, gWo_part)
+                ops.add_into(gbo, gbo_part)
             dh = self._get("dh", n, self.joint, self.storage)
             matmul(logits, p[self.Wo], dh, trans_b=True)
             _store(ops, dh)
-            if not gemm_only:
-                if cuda_:
-                    k_.joint_backward(dh, h, n, z, pred, *shape, denc, dpred,
-                                      int(frames[b0:b1].max()), int(u1[b0:b1].max()))
-                else:
-                    k_.joint_backward(dh, h, z, pred, *shape, denc, dpred)
+            ops.joint_backward(dh, h, z, pred, shape, denc, dpred,
+                               (n, int(frames[b0:b1].max()), int(u1[b0:b1].max())))
         _store(ops, dpred)
         if half:   # the float32 sums rounded once into the 16-bit arrays the GEMMs read
             dpred16 = self._get("dpred16", len(tok), self.joint, self.storage)
-            if not gemm_only:
-                ops.round(dpred, dpred16)
-                ops.round(denc, z)
+            ops.round(dpred, dpred16)
+            ops.round(denc, z)
             dpred = dpred16
         else:
             assign(z, denc)
         self._predict_backward(p, g, tok, plen, dpred, ops)
         _store(ops, z)
         ops.column_sums(z, g[self.b])
-        self.skipped += 0 if gemm_only else nb - feasible
+        self.skipped += nb - feasible
         return total, len(ids)
 
 

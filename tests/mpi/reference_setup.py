@@ -9,10 +9,10 @@ the distance of the float32 reference to it (tests/conftest.py: assert_float32_c
 import numpy as np
 
 from hpcsgd import optim
-from hpcsgd.config import UTTERANCE_MODELS
 from hpcsgd.data.loader import FrameLoader, batch_split
 from hpcsgd.data.sequences import SequenceLoader
 from hpcsgd.data.utterances import PAD_SLACK, Targets, UtteranceLoader
+from hpcsgd.families import family
 from hpcsgd.model import build as build_model
 from hpcsgd.train import model_shape
 
@@ -34,7 +34,7 @@ def build(cfg, K, dtype=np.float32, local=False):
     """(batch_of, loaders, model, params, opt) for the config `cfg` and K ranks (local: the
     caller keeps a per-rank optimizer state itself)."""
     gb = cfg["train.minibatch"]
-    if cfg["model.type"] in UTTERANCE_MODELS:   # K loaders of whole utterances; one batch of all theirs
+    if family(cfg["model.type"]).UTTERANCES:   # K loaders of whole utterances; one batch of all theirs
         steps, batch_of = None, None
         loaders = [UtteranceLoader(cfg["data.train"], r, K, tokens=cfg["data.tokens"],
                                    cmvn=cfg["data.cmvn"], seed=cfg["train.seed"], minibatch=gb,
