@@ -37,13 +37,17 @@ def test_hand_made_outputs_give_the_known_path():
     enc[np.arange(len(best)), best] = 3
     lengths = Lengths([len(best)])
     tokens = [k for k in best if k]
-    got = search.greedy_search(layer, params, enc, lengths, max_symbols=1)[0]
+    emitted = []
+    got = search.greedy_search(layer, params, enc, lengths, max_symbols=1, emitted=emitted)[0]
     assert got.tolist() == tokens
+    assert emitted[0].tolist() == [t for t, k in enumerate(best) if k]   # the frames' tokens
     got = search.greedy_search(layer, params, enc, lengths)[0]
     assert got.tolist() == [k for k in tokens for _ in range(search.MAX_SYMBOLS)]
     for beam in (1, 4, 8):
-        hyp, _ = search.beam_search(layer, params, enc, lengths, beam)
+        emitted = []
+        hyp, _ = search.beam_search(layer, params, enc, lengths, beam, emitted=emitted)
         assert hyp[0].tolist() == tokens
+        assert emitted[0].tolist() == [t for t, k in enumerate(best) if k]
 
 
 def brute_force(layer, params, enc_b):

@@ -136,8 +136,8 @@ def test_eval_and_greedy_decode_agree(arch, tmp_path, tmp_path_factory):
     decoded = json.load(open(tmp_path / "dec" / "result.json"))
     assert abs(decoded["error_rate"] - 100 * result["token_error_rate"]) < 1e-9
     beam = subprocess.run(cli + ["decode", run, "--data", arch, "--beam-size", "4", "--nbest",
-                                 "--out", str(tmp_path / "beam")], capture_output=True, text=True,
-                          env=env, timeout=120)
+                                 "--ctm", "--out", str(tmp_path / "beam")], capture_output=True,
+                          text=True, env=env, timeout=120)
     assert beam.returncode == 0, beam.stderr
     assert "modified beam search (beam 4" in beam.stdout
     assert json.load(open(tmp_path / "beam" / "result.json"))["search"] == "beam 4"
@@ -149,6 +149,11 @@ def test_eval_and_greedy_decode_agree(arch, tmp_path, tmp_path_factory):
         utt, rank = key.rsplit("-", 1)
         lists.setdefault(utt, []).append((int(rank), float(score), " ".join(words)))
     assert set(lists) == set(best)
+    # a CTM line per hypothesis phone, its start on the encoder's frames, in each one's order
+    ctm = [line.split() for line in open(tmp_path / "beam" / "hyp.ctm")]
+    assert [(u, p) for u, _, _, _, p in ctm] == [(u, p) for u in sorted(best)
+                                                   for p in best[u].split()]
+    assert all(float(s) >= 0 and float(d) > 0 for _, _, s, d, _ in ctm)
     for utt, entries in lists.items():
         assert [r for r, _, _ in entries] == list(range(1, len(entries) + 1)) and len(entries) <= 4
         assert all(a[1] >= b[1] for a, b in zip(entries, entries[1:]))

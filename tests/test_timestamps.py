@@ -90,4 +90,4 @@ def test_decode_writes_the_ctm_and_scores_it(tiny, tmp_path, monkeypatch, capsys
     meta["model"] = {"type": "dnn"}
     assert cli.main(["decode", "stand-in", "--data", tiny["archive"], "--graph", tiny["phones"],
                      "--ctm"]) == 2
-    assert "--ctm: word times from CTC emissions" in capsys.readouterr().err
+    assert "--ctm: word times from CTC or RNN-T emissions" in capsys.readouterr().err

@@ -98,8 +98,9 @@ def add_arguments(parser):
                         help="RNN-T --beam-size K: also write OUT/nbest.txt, the K hypotheses "
                              "of each utterance's final beam with their scores, best first")
     parser.add_argument("--ctm", action="store_true",
-                        help="CTC models: also write OUT/hyp.ctm, each word's (phone's) start "
-                             "and duration from the emissions (greedy or the graph's best path)")
+                        help="CTC and RNN-T models: also write OUT/hyp.ctm, each word's (phone's) "
+                             "start and duration from the emissions (greedy, the graph's best "
+                             "path, the beam's best hypothesis)")
     parser.add_argument("--ref-ctm", metavar="CTM",
                         help="with --ctm: score the word starts against this CTM (e.g. a forced "
                              "alignment's): median and 90th percentile error of the words "
@@ -184,7 +185,7 @@ def decode(args, comm):
         raise UserError(f"--beam-size {args.beam_size}: the beam search of RNN-T models, "
                         f"K >= 1 ({meta['path']} is a {meta['model'].get('type', 'dnn')} model)")
     if (args.ctm or args.ref_ctm) and not fam.TIMESTAMPS:
-        raise UserError(f"--ctm: word times from CTC emissions; {meta['path']} is a "
+        raise UserError(f"--ctm: word times from CTC or RNN-T emissions; {meta['path']} is a "
                         f"{meta['model'].get('type', 'dnn')} model")
     if args.ref_ctm and not os.path.isfile(args.ref_ctm):
         raise UserError(f"--ref-ctm {args.ref_ctm}: no such file")

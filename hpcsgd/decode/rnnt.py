@@ -32,12 +32,14 @@ def joint_logits(layer, p, enc, pred):
     return layer.joint_logits(p, enc, pred)
 
 
-def greedy_search(layer, p, enc, lengths, max_symbols=MAX_SYMBOLS, blank=0):
+def greedy_search(layer, p, enc, lengths, max_symbols=MAX_SYMBOLS, blank=0, emitted=None):
     """enc (T*nb, joint): the batch's encoder projection, time-major, of these Lengths ->
-    one int64 token array per utterance."""
+    one int64 token array per utterance. emitted: a list to fill with each utterance's
+    emission frame of every token (word timestamps)."""
     nb, frames = lengths.nb, lengths.lengths
     pred, state = start_state(layer, p, nb)
     hyps = [[] for _ in range(nb)]
+    at = [[] for _ in range(nb)]
     for t in range(int(frames.max()) if nb else 0):
         rows = np.flatnonzero(frames > t)
         for _ in range(max_symbols):
@@ -50,10 +52,13 @@ def greedy_search(layer, p, enc, lengths, max_symbols=MAX_SYMBOLS, blank=0):
                 break
             for b, k in zip(rows, best):
                 hyps[b].append(int(k))
+                at[b].append(t)
             out, new = predictor_step(layer, p, best, [(h[rows], c[rows]) for h, c in state])
             pred[rows] = out
             for (h, c), (h1, c1) in zip(state, new):
                 h[rows], c[rows] = h1, c1
+    if emitted is not None:
+        emitted[:] = [np.asarray(a, np.int64) for a in at]
     return [np.asarray(h, np.int64) for h in hyps]
 
 
@@ -63,7 +68,7 @@ def _log_softmax(logits):
 
 
 def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0, bonus=0.0,
-                nbest=0):
+                nbest=0, emitted=None):
     """Modified beam search (icefall's modified_beam_search): at most one symbol per frame;
     at each frame every hypothesis of an utterance is extended by the blank or by a token,
     the `beam` best (hypothesis, token) pairs of the utterance kept, and equal token sequences
@@ -75,11 +80,13 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0,
     trades tokens for blanks), and the final ranking lm_weight * ln P_lm(</s> | it).
     -> (one int64 token array per utterance, its score summed over the merged alignments);
     with nbest > 0: per utterance its `nbest` best (tokens, score) pairs, best first (the score
-    with the LM's </s> term), at most `beam`."""
+    with the LM's </s> term), at most `beam`. emitted: a list to fill with the best
+    hypothesis' emission frame of every token (of its most probable merged alignment)."""
     nb, frames = lengths.nb, lengths.lengths
     pred0, state0 = start_state(layer, p, 1)
-    # per utterance: {tokens: [log-prob, pred (joint,), [(h, c) per LSTM layer]]}
-    hyps = [{(): [0.0, pred0[0], [(h[0], c[0]) for h, c in state0]]} for _ in range(nb)]
+    # per utterance: {tokens: [log-prob, pred (joint,), [(h, c) per LSTM layer], the frame
+    # each token was emitted at (of the best alignment merged into it)]}
+    hyps = [{(): [0.0, pred0[0], [(h[0], c[0]) for h, c in state0], ()]} for _ in range(nb)]
     for t in range(int(frames.max()) if nb else 0):
         live = [b for b in range(nb) if frames[b] > t]
         keys = [(b, ys) for b in live for ys in hyps[b]]
@@ -104,7 +111,7 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0,
                 elif k == blank:
                     new[b][ys] = [block[flat], *hyps[b][keys[row][1]][1:]]
                 else:
-                    new[b][ys] = [block[flat], None, None]
+                    new[b][ys] = [block[flat], None, None, hyps[b][keys[row][1]][3] + (t,)]
                     grow.append((b, ys, row, k))
             first += n
         if grow:   # the predictor advanced by each new token, one batched step
@@ -121,6 +128,8 @@ def beam_search(layer, p, enc, lengths, beam=4, blank=0, lm=None, lm_weight=0.0,
     final = (lambda ys: 0.0) if lm is None else (lambda ys: lm_weight * lm.final(lm.context(ys)))
     ranked = [sorted(((ys, float(v[0]) + final(ys)) for ys, v in h.items()),
                      key=lambda item: -item[1]) for h in hyps]
+    if emitted is not None:
+        emitted[:] = [np.asarray(hyps[b][r[0][0]][3], np.int64) for b, r in enumerate(ranked)]
     if nbest:
         return [[(np.asarray(ys, np.int64), sc) for ys, sc in r[:nbest]] for r in ranked]
     return ([np.asarray(r[0][0], np.int64) for r in ranked],

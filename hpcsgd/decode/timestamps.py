@@ -11,7 +11,8 @@ a at frames 0-1, b at frame 3. A hypothesis word spans the runs that spell it:
             of one of its pronunciations in the graph's lexicon.txt
 
 so a word starts at its first run's first frame and ends after its last run's last frame. An
-RNN-T emits each token at one encoder frame: a run of one frame. Output frame t of a model
+RNN-T emits each token at one encoder frame (its greedy search's, or the best alignment
+merged into the beam search's hypothesis): a run of one frame. Output frame t of a model
 that subsamples by s covers audio [t s, (t + 1) s) frame shifts. CTC's emissions are peaky
 (one or two frames per token), so a word's duration is from its first to its last token
 emission, shorter than the word as a forced alignment times it; its start is what the

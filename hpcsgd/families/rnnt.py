@@ -15,7 +15,7 @@ OVERLAP_BLOCKER = ("the transducer's backward pass does not report its layers as
                    "finishes them")   # exchange.overlap
 CRITERION = "rnnt"         # the training sums: [loss, tokens, frames, utterances skipped]
 SEARCHES = ("greedy", "beam")   # decode: its own searches; a graph weighs per-frame posteriors
-TIMESTAMPS = False   # decode --ctm: its searches do not return emission frames yet
+TIMESTAMPS = True    # decode --ctm: each token at the frame the search emitted it
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -160,13 +160,14 @@ def search(model, params, encs, tokens, beam=None, lm=None, lm_weight=0.0, bonus
     with a token n-gram `lm`, shallow fusion at lm_weight with a token bonus) of every
     utterance's encoder projection -> ({utt: words, or phones}, search CPU seconds of this
     thread). nbest: a dict to fill with each utterance's [(score, words)] of the final beam,
-    best first (beam search only)."""
+    best first (beam search only); runs: with each one's emitted tokens as runs of one frame
+    (hpcsgd/decode/timestamps.py)."""
     import time
 
     import numpy as np
 
     from hpcsgd.decode import ctc as ctc_search
-    from hpcsgd.decode import rnnt
+    from hpcsgd.decode import rnnt, timestamps
     from hpcsgd.model.lengths import Lengths
     from hpcsgd.model.transducer import on_host
     symbols = np.asarray(tokens["symbols"], dtype=object)
@@ -176,15 +177,19 @@ def search(model, params, encs, tokens, beam=None, lm=None, lm_weight=0.0, bonus
     t0 = time.thread_time()
     for utt, enc in encs:
         lengths = Lengths([len(enc)])
+        emitted = []    # the frame of each emitted token (timestamps)
         if beam:
             ranked = rnnt.beam_search(layer, params, enc, lengths, beam, lm=lm,
-                                      lm_weight=lm_weight, bonus=bonus, nbest=beam)[0]
+                                      lm_weight=lm_weight, bonus=bonus, nbest=beam,
+                                      emitted=emitted)[0]
             best = ranked[0][0]
             if nbest is not None:
                 nbest[utt] = [(score, words(ys)) for ys, score in ranked]
         else:
-            best = rnnt.greedy_search(layer, params, enc, lengths)[0]
+            best = rnnt.greedy_search(layer, params, enc, lengths, emitted=emitted)[0]
         hyps[utt] = words(best)
+        if runs is not None:
+            runs[utt] = timestamps.emission_runs(best, emitted[0])
     return hyps, time.thread_time() - t0
 
 
