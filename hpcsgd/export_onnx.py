@@ -1,0 +1,383 @@
+"""`hpcsgd export RUN --onnx OUT_DIR`: a CTC model as an ONNX graph that leaves hpcsgd --
+decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio.
+
+    hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--stats TRAIN_ARCHIVE]
+
+OUT_DIR/model.onnx   the graph (opset 17), float32 weights. Inputs and outputs are those of
+                     icefall's zipformer CTC export, which sherpa-onnx's zipformer_ctc loader
+                     reads (sherpa-onnx/csrc/offline-zipformer-ctc-model.cc):
+                       x              float32 (N, T, D)   fbank frames, batch-major
+                       x_lens         int64   (N,)        frames of each utterance
+                       log_probs      float32 (N, T', V)  log-posteriors, column 0 the blank
+                       log_probs_len  int64   (N,)        T' of each: ceil(frames / stride)
+OUT_DIR/tokens.txt   sherpa-onnx's `symbol id` table: <blk> 0 (its greedy search takes the
+                     blank's id from that symbol), the rest as spelled below.
+
+Why that loader: NeMo's (from_nemo_ctc) overwrites the feature options with librosa's mel
+filters and a Hann window, which no Kaldi fbank model can match, and puts the blank last;
+WeNet's forces dither 1 and decodes one stream at a time. The zipformer CTC loader takes the
+graph as it is: batch-major features, the lengths, blank anywhere (from tokens.txt), and
+leaves the feature options to the caller. Its one fixed assumption, a subsampling factor of
+4, only scales the timestamps sherpa-onnx reports (× 40 ms per output step).
+
+The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
+  normalisation  (x - mean) * inv_std with GLOBAL statistics (the training archive's speakers'
+                 CMVN stats summed), then the padding frames zeroed: hpcsgd normalises per
+                 speaker, which a recognizer of single utterances cannot (docs/export.md
+                 says what this costs). sherpa-onnx pads a batch with log(1e-10); the mask
+                 makes that invisible, as hpcsgd's zero padding is.
+  stack K        zero-pad T to a multiple of K, reshape (N, T/K, K*D)
+  conv F kK sS dD [ln|in]
+                 Conv over (N, C, T), pads (p, (K-1)D - p) with p = (K-1)D // 2: T' = ceil(T/S)
+                 output steps, each reading its input steps t'S - p + jD (zero outside);
+                 W (K*C, F) -> (F, C, K); LayerNormalization over channels, or instance norm
+                 over each utterance's valid steps (masked sums), then ReLU or sigmoid
+  blstm/lstm H   ONNX LSTM (time-major), gates reordered from hpcsgd's i f g o to ONNX's
+                 i o f c; W (C, 4H) -> (4H, C), U (H, 4H) -> R (4H, H), b -> Wb, Rb = 0;
+                 sequence_lens per utterance (the backward direction starts at each one's own
+                 end, as hpcsgd's does); output [forward | backward]
+  dense F        MatMul + bias + activation
+  output         MatMul + bias, LogSoftmax over the tokens
+Every encoder layer's output is masked past its utterance's length, as the Network does, so a
+padded batch gives each utterance what it gives alone.
+
+Not exported yet (refused with the layer or model named): the Conformer front end and blocks,
+RNN-T models, models trained with quantized weights or activations (no QDQ nodes yet),
+hybrid frame classifiers (they need a decoding graph and priors, not a CTC search).
+"""
+import json
+import os
+
+import numpy as np
+
+from hpcsgd.data import archive
+from hpcsgd.data.splice import cmvn_from_stats
+from hpcsgd.decode.ctc import SPACE, WORD_START
+from hpcsgd.errors import UserError
+from hpcsgd.model.conv import Conv1d, StackFrames
+from hpcsgd.model.kernels_lstm import GATES
+from hpcsgd.model.kernels_norm import EPS
+from hpcsgd.model.layers import Dense
+from hpcsgd.model.lstm import LSTM
+
+OPSET = 17       # LayerNormalization is 17; ONNX Runtime and sherpa-onnx's bundled one run it
+IR_VERSION = 8   # the IR of opset 17's release, so older runtimes load the file too
+ONNX_GATES = [0, 3, 1, 2]   # hpcsgd's gate blocks i f g o, taken in ONNX's order i o f c
+# sherpa-onnx's FeatureExtractorConfig: the options its Python constructor takes, and the
+# defaults of those it does not (sherpa-onnx/csrc/features.h), which hpcsgd's must equal
+SHERPA_FIXED = {"frame_shift_ms": 10.0, "frame_length_ms": 25.0, "preemph_coeff": 0.97,
+                "remove_dc_offset": True, "window_type": "povey", "round_to_power_of_two": True}
+
+
+class Graph:
+    """The nodes and initializers of the graph being built, and fresh names for its values."""
+
+    def __init__(self):
+        from onnx import helper, numpy_helper
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes, self.inits, self.count = [], [], 0
+
+    def name(self, hint):
+        self.count += 1
+        return f"{hint}_{self.count}"
+
+    def const(self, array, hint="c"):
+        name = self.name(hint)
+        self.inits.append(self.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def op(self, op_type, inputs, hint=None, outputs=1, **attrs):
+        names = [self.name(hint or op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), names, **attrs))
+        return names[0] if outputs == 1 else names
+
+
+def steps(g, x):
+    """The time dimension of (N, T, C) x, as a scalar int64."""
+    return g.op("Gather", [g.op("Shape", [x]), g.const(np.int64(1))], axis=0)
+
+
+def strided(g, lens, stride):
+    """ceil(lens / stride): what a stride-s layer leaves of each utterance (model.lengths)."""
+    if stride == 1:
+        return lens
+    return g.op("Div", [g.op("Add", [lens, g.const(np.array([stride - 1], np.int64))]),
+                        g.const(np.array([stride], np.int64))], hint="lens")
+
+
+def valid(g, x, lens):
+    """(N, T, 1) float32: 1 at each utterance's steps, 0 on the padding past its length."""
+    t = g.op("Range", [g.const(np.int64(0)), steps(g, x), g.const(np.int64(1))])
+    inside = g.op("Less", [g.op("Unsqueeze", [t, g.const(np.array([0], np.int64))]),
+                           g.op("Unsqueeze", [lens, g.const(np.array([1], np.int64))])])
+    return g.op("Unsqueeze", [g.op("Cast", [inside], to=1), g.const(np.array([2], np.int64))],
+                hint="mask")
+
+
+def masked(g, x, lens):
+    return g.op("Mul", [x, valid(g, x, lens)], hint="masked")
+
+
+def activation(g, x, name):
+    return g.op({"relu": "Relu", "sigmoid": "Sigmoid"}[name], [x])
+
+
+def stack(g, x, lens, layer):
+    """Frame stacking: rows t' = [x_{t'k} .. x_{t'k+k-1}], zeros past the end."""
+    k = layer.k
+    t = g.op("Shape", [x], start=1, end=2)
+    pad = g.op("Mod", [g.op("Sub", [g.const(np.array([k], np.int64)),
+                                    g.op("Mod", [t, g.const(np.array([k], np.int64))])]),
+                       g.const(np.array([k], np.int64))])
+    zeros = g.const(np.zeros(1, np.int64))
+    pads = g.op("Concat", [zeros, zeros, zeros, zeros, pad, zeros], axis=0)
+    x = g.op("Pad", [x, pads])
+    return g.op("Reshape", [x, g.const(np.array([0, -1, k * layer.n_in], np.int64))],
+                hint="stacked"), strided(g, lens, k)
+
+
+def conv(g, x, lens, layer, p, act):
+    """A centred 1-D convolution (model/conv.py), its norm and activation."""
+    k, c, f, d = layer.kernel, layer.n_in, layer.n_out, layer.dilation
+    w = np.ascontiguousarray(p[layer.W].reshape(k, c, f).transpose(2, 1, 0), np.float32)
+    inputs = [g.op("Transpose", [x], perm=[0, 2, 1]), g.const(w, layer.W)]
+    if not layer.norm:
+        inputs.append(g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b))
+    z = g.op("Conv", inputs, kernel_shape=[k], strides=[layer.stride], dilations=[d],
+             pads=[layer.left, (k - 1) * d - layer.left], hint="conv")
+    z = g.op("Transpose", [z], perm=[0, 2, 1])
+    lens = strided(g, lens, layer.stride)
+    gain = g.const(p[layer.g].reshape(-1).astype(np.float32), layer.g) if layer.norm else None
+    shift = g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b) if layer.norm else None
+    if layer.norm == "ln":
+        z = g.op("LayerNormalization", [z, gain, shift], axis=-1, epsilon=EPS)
+    elif layer.norm == "in":   # each channel over the utterance's valid steps
+        m = valid(g, z, lens)
+        count = g.op("Unsqueeze", [g.op("Cast", [lens], to=1),
+                                   g.const(np.array([1, 2], np.int64))])
+        axis = g.const(np.array([1], np.int64))
+        mean = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [z, m]), axis], keepdims=1), count])
+        dev = g.op("Mul", [g.op("Sub", [z, mean]), m])
+        var = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [dev, dev]), axis], keepdims=1),
+                           count])
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, g.const(np.float32(EPS))])])])
+        z = g.op("Add", [g.op("Mul", [g.op("Mul", [dev, inv]), gain]), shift])
+    return activation(g, z, act), lens
+
+
+def lstm(g, x, lens, layer, p):
+    """An LSTM layer (model/lstm.py) as ONNX's LSTM, time-major inside."""
+    h, dirs = layer.cells, layer.dirs
+    order = np.concatenate([np.arange(q * h, (q + 1) * h) for q in ONNX_GATES])
+    W, R, B = [], [], []
+    for d in range(dirs):
+        cols = slice(d * GATES * h, (d + 1) * GATES * h)
+        W.append(p[layer.W][:, cols][:, order].T)
+        R.append(p[layer.U[d]][:, order].T)
+        B.append(np.concatenate([p[layer.b][0, cols][order], np.zeros(GATES * h)]))
+    as32 = lambda parts: np.ascontiguousarray(np.stack(parts), np.float32)   # noqa: E731
+    seq = g.op("Cast", [lens], to=6)   # ONNX's sequence_lens are int32
+    y = g.op("LSTM", [g.op("Transpose", [x], perm=[1, 0, 2]), g.const(as32(W), layer.W),
+                      g.const(as32(R), "R" + layer.W[1:]), g.const(as32(B), layer.b), seq],
+             hidden_size=h, direction="bidirectional" if dirs == 2 else "forward", hint="lstm")
+    y = g.op("Transpose", [y], perm=[2, 0, 1, 3])   # (T, dirs, N, H) -> (N, T, dirs, H)
+    return g.op("Reshape", [y, g.const(np.array([0, 0, dirs * h], np.int64))]), lens
+
+
+def dense(g, x, lens, layer, p, act):
+    y = g.op("Add", [g.op("MatMul", [x, g.const(p[layer.W].astype(np.float32), layer.W)]),
+                     g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b)])
+    return activation(g, y, act), lens
+
+
+def unsupported(model, meta_path):
+    """Why this model cannot be exported yet (None: it can)."""
+    describe = model.describe
+    kind = describe.get("type", "dnn")
+    if kind in ("dnn", "lstm", "tdnn"):
+        return (f"{meta_path}: a hybrid {kind} model (frame posteriors over HMM states): it "
+                f"needs a decoding graph and the label priors (hpcsgd mkgraph, hpcsgd decode "
+                f"--graph), not a CTC search; only CTC models are exported to ONNX")
+    if kind != "ctc":
+        return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
+                f"covers CTC models only)")
+    qat = describe.get("qat") or {}
+    if qat.get("weights", "none") != "none" or qat.get("activations", "none") != "none":
+        return (f"{meta_path}: not yet exported: a quantization-aware model ({qat}); its "
+                f"fake-quantized weights and activations need ONNX QDQ nodes")
+    for text, layer in zip(describe["encoder"], model.layers):
+        if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense)):
+            return (f"{meta_path}: not yet exported: encoder layer {text!r} (the ONNX export "
+                    f"covers stack, conv, lstm, blstm and dense layers)")
+    return None
+
+
+def graph(model, params, mean, inv_std, name="hpcsgd_ctc"):
+    """The ONNX ModelProto of a CTC model (its layers and float32 parameters) with the
+    normalisation (x - mean) * inv_std folded in front."""
+    import onnx
+    from onnx import TensorProto, helper
+    g, act = Graph(), model.describe["activation"]
+    p = {name: np.asarray(params[name]) for name in params.views}
+    x = g.op("Mul", [g.op("Sub", ["x", g.const(np.asarray(mean, np.float32).reshape(-1),
+                                                "cmvn_mean")]),
+                     g.const(np.asarray(inv_std, np.float32).reshape(-1), "cmvn_inv_std")],
+             hint="normalized")
+    lens = "x_lens"
+    x = masked(g, x, lens)
+    for layer in model.layers[:-1]:
+        if isinstance(layer, StackFrames):
+            x, lens = stack(g, x, lens, layer)
+        elif isinstance(layer, Conv1d):
+            x, lens = conv(g, x, lens, layer, p, act)
+        elif isinstance(layer, LSTM):
+            x, lens = lstm(g, x, lens, layer, p)
+        else:
+            x, lens = dense(g, x, lens, layer, p, act)
+        x = masked(g, x, lens)
+    out = model.layers[-1]
+    z = g.op("Add", [g.op("MatMul", [x, g.const(p[out.W].astype(np.float32), out.W)]),
+                     g.const(p[out.b].reshape(-1).astype(np.float32), out.b)], hint="logits")
+    g.nodes.append(helper.make_node("LogSoftmax", [z], ["log_probs"], axis=-1))
+    g.nodes.append(helper.make_node("Identity", [lens], ["log_probs_len"]))
+    dim = model.input_dim
+    graph_ = helper.make_graph(
+        g.nodes, name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T", dim]),
+         helper.make_tensor_value_info("x_lens", TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("log_probs", TensorProto.FLOAT,
+                                       ["N", "T_out", model.num_labels]),
+         helper.make_tensor_value_info("log_probs_len", TensorProto.INT64, ["N"])],
+        g.inits)
+    proto = helper.make_model(graph_, producer_name="hpcsgd",
+                              opset_imports=[helper.make_opsetid("", OPSET)])
+    proto.ir_version = IR_VERSION
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def global_cmvn(archive_dir, cmvn):
+    """(mean, inv_std, speakers, frames) of an archive's per-speaker CMVN statistics summed
+    over all its speakers: the one normalisation a recognizer of single utterances can apply.
+    cmvn: the model's data.cmvn (none, mean, meanvar)."""
+    index = archive.read_index(archive_dir)
+    total, speakers = None, 0
+    for s in index["shards"]:
+        stats = archive.read_shard_meta(os.path.join(index["dir"], s["file"]))["cmvn_stats"]
+        total = stats.sum(axis=0) if total is None else total + stats.sum(axis=0)
+        speakers += len(stats)
+    dim = total.shape[1] - 1
+    if cmvn == "none":
+        return np.zeros(dim, np.float32), np.ones(dim, np.float32), speakers, int(total[0, -1])
+    shift, scale = cmvn_from_stats(total[None], cmvn == "meanvar")
+    return -shift[0], scale[0], speakers, int(total[0, -1])
+
+
+def sherpa_tokens(symbols, kind):
+    """tokens.txt lines for sherpa-onnx, whose text is the symbols joined, a leading `▁` read
+    as a space: phones each get one (text = the phones separated by spaces), the chars'
+    `<space>` becomes `▁` (text = the words), BPE pieces stay as they are."""
+    lines = []
+    for i, sym in enumerate(symbols):
+        if i == 0:
+            sym = archive.BLANK
+        elif kind == "phones":
+            sym = WORD_START + sym
+        elif kind == "chars" and sym == SPACE:
+            sym = WORD_START
+        if not sym or any(ch.isspace() for ch in sym):
+            raise UserError(f"token {i} {sym!r}: sherpa-onnx's tokens.txt cannot hold a "
+                            f"symbol with white space")
+        lines.append(f"{sym} {i}")
+    return "\n".join(lines) + "\n"
+
+
+def feature_options(extractor):
+    """sherpa-onnx's FeatureExtractorConfig arguments that give hpcsgd's fbank, from the
+    archive's extractor config; a UserError naming an option it cannot set."""
+    if extractor.get("feature_type") != "fbank":
+        raise UserError(f"features {extractor.get('feature_type')!r}: sherpa-onnx's Python "
+                        f"feature config computes fbank only (its MFCC switch is internal)")
+    for key, want in SHERPA_FIXED.items():
+        if extractor.get(key) != want:
+            raise UserError(f"feature option {key}={extractor.get(key)!r}: sherpa-onnx's "
+                            f"FeatureExtractorConfig fixes it at {want!r} (not settable from "
+                            f"Python)")
+    return {"sampling_rate": int(extractor["sample_rate"]),
+            "feature_dim": int(extractor["num_mel_bins"]),
+            "low_freq": float(extractor["low_freq"]), "high_freq": float(extractor["high_freq"]),
+            "dither": float(extractor["dither"]),
+            # sherpa-onnx scales [-1, 1] samples by 32768 when False: hpcsgd's int16 range
+            "normalize_samples": float(extractor["audio_scale"]) != 32768.0,
+            "snip_edges": bool(extractor["snip_edges"])}
+
+
+def sherpa_code(out_dir, options):
+    """The Python that loads what export() wrote into sherpa-onnx, with hpcsgd's fbank."""
+    feat = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    model, tokens = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
+    return f"""import sherpa_onnx
+from sherpa_onnx.lib._sherpa_onnx import OfflineRecognizer   # takes the whole config
+config = sherpa_onnx.OfflineRecognizerConfig(
+    feat_config=sherpa_onnx.FeatureExtractorConfig({feat}),
+    model_config=sherpa_onnx.OfflineModelConfig(
+        zipformer_ctc=sherpa_onnx.OfflineZipformerCtcModelConfig(model={model!r}),
+        tokens={tokens!r}, num_threads=1),
+    decoding_method="greedy_search")
+recognizer = OfflineRecognizer(config)
+# per utterance: float samples in [-1, 1] at {options['sampling_rate']} Hz (soundfile.read)
+#   s = recognizer.create_stream(); s.accept_waveform({options['sampling_rate']}, samples)
+#   recognizer.decode_stream(s); print(s.result.text)
+"""
+
+
+def export(path, out_dir, stats=None, say=print):
+    """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
+    checkpoint), normalised with the global statistics of the archive `stats` (default: the
+    run's training archive). Returns {"model", "tokens", "options", "code", "frames",
+    "speakers"}."""
+    try:
+        import onnx
+    except ImportError:
+        raise UserError("--onnx needs the onnx package (pip install onnx; the test extra "
+                        "has it)") from None
+    from hpcsgd.model_io import load_model
+    if not os.path.exists(path):
+        raise UserError(f"{path}: no such run directory or checkpoint")
+    model, params, meta = load_model(path, max_batch=8)
+    why = unsupported(model, meta["path"])
+    if why:
+        raise UserError(why)
+    tokens = meta.get("tokens") or {}
+    if len(tokens.get("symbols") or ()) != model.num_labels:
+        raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
+                        f"the checkpoint's meta")
+    stats = stats or meta["config"]["data.train"]
+    index = archive.read_index(stats)
+    extractor = json.loads(index["extractor_config"])
+    if index["feature_dim"] != model.input_dim:
+        raise UserError(f"--stats {stats}: {index['feature_dim']}-dim features, the model "
+                        f"reads {model.input_dim}")
+    options = feature_options(extractor)
+    mean, inv_std, speakers, frames = global_cmvn(stats, meta["data"]["cmvn"])
+    proto = graph(model, params, mean, inv_std)
+    from hpcsgd.model.encoder import time_stride
+    onnx.helper.set_model_props(proto, {
+        # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by this key
+        "model_type": "zipformer2_ctc", "model_author": "hpcsgd",
+        "vocab_size": str(model.num_labels), "blank_id": "0",
+        "subsampling_factor": str(time_stride(model.describe["encoder"])),
+        "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
+        "normalize_type": "global " + meta["data"]["cmvn"],
+        "cmvn_source": f"{os.path.abspath(stats)}: {speakers} speakers, {frames} frames",
+        "extractor_config": json.dumps(extractor, sort_keys=True),
+        "sherpa_feat_config": json.dumps(options, sort_keys=True),
+        "checkpoint": os.path.abspath(meta["path"])})
+    os.makedirs(out_dir, exist_ok=True)
+    model_path, tokens_path = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
+    tmp = model_path + ".tmp"
+    onnx.save(proto, tmp)
+    os.replace(tmp, model_path)   # nothing half-written under the final name
+    archive.atomic_write_text(tokens_path, sherpa_tokens(tokens["symbols"], tokens["kind"]))
+    return {"model": model_path, "tokens": tokens_path, "options": options,
+            "code": sherpa_code(out_dir, options), "frames": frames, "speakers": speakers}
