@@ -1,0 +1,80 @@
+"""What the ONNX export's global CMVN costs (docs/export.md): a CTC model's greedy error rate
+on a held-out archive with hpcsgd's per-speaker CMVN (what it was trained with, `hpcsgd decode
+--greedy`), with the exported graph (the training archive's statistics summed over its
+speakers, folded into the graph; run by onnxruntime on the archive's raw features), and with
+each utterance normalised by its own statistics (what a recognizer of one utterance could do
+instead; hpcsgd's forward).
+
+    python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE]
+
+TRAIN_ARCHIVE defaults to the run's data.train. Prints a Kaldi %WER/%PER line per system and
+how many utterances' hypotheses differ from the per-speaker ones.
+"""
+import os
+import sys
+
+import numpy as np
+
+from hpcsgd import export_onnx
+from hpcsgd.data import archive
+from hpcsgd.data.splice import VAR_FLOOR
+from hpcsgd.decode import recognize, score
+from hpcsgd.model_io import load_model
+from hpcsgd.outputs import ctc_outputs
+
+
+def raw_utterances(archive_dir):
+    """(utt, (T, D) float32 features as prep wrote them, no CMVN), archive order (an archive
+    without frame labels too, which the loader's iter_utterances wants)."""
+    index = archive.read_index(archive_dir)
+    for shard in index["shards"]:
+        path = os.path.join(index["dir"], shard["file"])
+        meta = archive.read_shard_meta(path)
+        with archive.open_shard(path) as f:
+            feats = f["feats"][()]
+        offsets = meta["utt_offsets"]
+        for u, utt in enumerate(meta["utt_ids"]):
+            yield utt, feats[offsets[u]:offsets[u + 1]]
+
+
+def main(run, cv, train=None):
+    import onnxruntime as ort
+    model, params, meta = load_model(run)
+    kind = meta["tokens"]["kind"]
+    symbols = meta["tokens"]["symbols"]
+    unit = "phones" if kind == "phones" else "words"
+    refs, _ = recognize.archive_references(unit, cv)
+    train = train or meta["config"]["data.train"]
+    mean, inv_std, speakers, frames = export_onnx.global_cmvn(train, meta["data"]["cmvn"])
+    session = ort.InferenceSession(export_onnx.graph(model, params, mean, inv_std)
+                                   .SerializeToString(), providers=["CPUExecutionProvider"])
+    per_speaker, _ = recognize.greedy(ctc_outputs(model, params, cv, meta["data"]), symbols,
+                                      kind)
+    onnx_logposts, own_logposts = [], []
+    for utt, feats in raw_utterances(cv):
+        x = np.ascontiguousarray(feats, np.float32)
+        log_probs, _ = session.run(None, {"x": x[None], "x_lens": np.array([len(x)])})
+        onnx_logposts.append((utt, log_probs[0]))
+        mu = x.mean(axis=0, dtype=np.float64)
+        sd = np.sqrt(np.maximum(x.var(axis=0, dtype=np.float64), VAR_FLOOR))
+        own = np.ascontiguousarray((x - mu) / sd, np.float32)
+        own_logposts.append((utt, np.array(model.forward(params, own, len(own),
+                                                         lengths=[len(own)]))))
+    name = "PER" if unit == "phones" else "WER"
+    print(f"{run} on {cv} ({len(per_speaker)} utterances); global statistics of {train}: "
+          f"{speakers} speakers, {frames} frames")
+    for label, hyps in (("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
+                        ("global CMVN (the ONNX export, onnxruntime)",
+                         recognize.greedy(onnx_logposts, symbols, kind)[0]),
+                        ("per-utterance CMVN (hpcsgd forward)",
+                         recognize.greedy(own_logposts, symbols, kind)[0])):
+        total, _ = recognize.error_counts(refs, hyps)
+        differ = sum(hyps[u] != per_speaker[u] for u in per_speaker)
+        print(f"{label}: {score.kaldi_lines(name, total).splitlines()[0]}; "
+              f"{differ} hypotheses differ from per-speaker")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4):
+        sys.exit(__doc__)
+    main(*sys.argv[1:])
