@@ -1,9 +1,8 @@
 """What the ONNX export's global CMVN costs (docs/export.md): a CTC model's greedy error rate
 on a held-out archive with hpcsgd's per-speaker CMVN (what it was trained with, `hpcsgd decode
---greedy`), with the exported graph (the training archive's statistics summed over its
-speakers, folded into the graph; run by onnxruntime on the archive's raw features), and with
-each utterance normalised by its own statistics (what a recognizer of one utterance could do
-instead; hpcsgd's forward).
+--greedy`), and with the exported graph (onnxruntime on the archive's raw features) under
+each --cmvn: global (the training archive's statistics summed over its speakers) and
+utterance (each utterance by its own statistics).
 
     python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE]
 
@@ -17,7 +16,6 @@ import numpy as np
 
 from hpcsgd import export_onnx
 from hpcsgd.data import archive
-from hpcsgd.data.splice import VAR_FLOOR
 from hpcsgd.decode import recognize, score
 from hpcsgd.model_io import load_model
 from hpcsgd.outputs import ctc_outputs
@@ -46,28 +44,25 @@ def main(run, cv, train=None):
     refs, _ = recognize.archive_references(unit, cv)
     train = train or meta["config"]["data.train"]
     mean, inv_std, speakers, frames = export_onnx.global_cmvn(train, meta["data"]["cmvn"])
-    session = ort.InferenceSession(export_onnx.graph(model, params, mean, inv_std)
-                                   .SerializeToString(), providers=["CPUExecutionProvider"])
+    sessions = [ort.InferenceSession(export_onnx.graph(model, params, mean, inv_std, how)
+                                     .SerializeToString(), providers=["CPUExecutionProvider"])
+                for how in (None, meta["data"]["cmvn"])]
     per_speaker, _ = recognize.greedy(ctc_outputs(model, params, cv, meta["data"]), symbols,
                                       kind)
-    onnx_logposts, own_logposts = [], []
+    logposts = ([], [])
     for utt, feats in raw_utterances(cv):
         x = np.ascontiguousarray(feats, np.float32)
-        log_probs, _ = session.run(None, {"x": x[None], "x_lens": np.array([len(x)])})
-        onnx_logposts.append((utt, log_probs[0]))
-        mu = x.mean(axis=0, dtype=np.float64)
-        sd = np.sqrt(np.maximum(x.var(axis=0, dtype=np.float64), VAR_FLOOR))
-        own = np.ascontiguousarray((x - mu) / sd, np.float32)
-        own_logposts.append((utt, np.array(model.forward(params, own, len(own),
-                                                         lengths=[len(own)]))))
+        for session, out in zip(sessions, logposts):
+            log_probs, _ = session.run(None, {"x": x[None], "x_lens": np.array([len(x)])})
+            out.append((utt, log_probs[0]))
     name = "PER" if unit == "phones" else "WER"
     print(f"{run} on {cv} ({len(per_speaker)} utterances); global statistics of {train}: "
           f"{speakers} speakers, {frames} frames")
     for label, hyps in (("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
-                        ("global CMVN (the ONNX export, onnxruntime)",
-                         recognize.greedy(onnx_logposts, symbols, kind)[0]),
-                        ("per-utterance CMVN (hpcsgd forward)",
-                         recognize.greedy(own_logposts, symbols, kind)[0])):
+                        ("--cmvn global (the ONNX export, onnxruntime)",
+                         recognize.greedy(logposts[0], symbols, kind)[0]),
+                        ("--cmvn utterance (the ONNX export, onnxruntime)",
+                         recognize.greedy(logposts[1], symbols, kind)[0])):
         total, _ = recognize.error_counts(refs, hyps)
         differ = sum(hyps[u] != per_speaker[u] for u in per_speaker)
         print(f"{label}: {score.kaldi_lines(name, total).splitlines()[0]}; "

@@ -3,7 +3,7 @@ or a CTC model as ONNX, for recognizers outside hpcsgd (hpcsgd/export_onnx.py, d
 
     hpcsgd export RUN_DIR|CHECKPOINT --int8|--int4 --out MODEL.h5
     hpcsgd eval MODEL.h5 --data ARCHIVE          (and infer: the integer weights)
-    hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR [--stats TRAIN_ARCHIVE]
+    hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR [--cmvn global|utterance] [--stats ARCHIVE]
 
 Every weight matrix W is written as its grid's integer codes k (int8; --int4: two's-complement
 nibbles packed two per byte, the first value in the low nibble) and its step s, so that
@@ -49,7 +49,12 @@ def add_arguments(parser):
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
     parser.add_argument("--stats", metavar="ARCHIVE",
                         help="--onnx: the archive whose speakers' CMVN statistics, summed, "
-                             "normalise every utterance (default: the run's data.train)")
+                             "normalise every utterance, and whose feature options the "
+                             "recognizer must use (default: the run's data.train)")
+    parser.add_argument("--cmvn", choices=("global", "utterance"), default=None,
+                        help="--onnx: normalise with the summed statistics of --stats "
+                             "(default), or each utterance with its own (docs/export.md: "
+                             "what each costs against training's per-speaker CMVN)")
 
 
 def codes_of(wq, grid):
@@ -115,8 +120,9 @@ def export(path, out, bits, say=print):
 def run(args):
     if args.onnx:
         return run_onnx(args)
-    if args.stats:
-        raise UserError("--stats: for --onnx only (the integer export keeps hpcsgd's CMVN)")
+    if args.stats or args.cmvn:
+        raise UserError("--stats, --cmvn: for --onnx only (the integer export keeps hpcsgd's "
+                        "CMVN)")
     if not args.out:
         raise UserError(f"--int{args.bits}: name the exported file with --out MODEL.h5")
     if not args.out.endswith((".h5", ".hdf5")):
@@ -132,9 +138,8 @@ def run_onnx(args):
     from hpcsgd import export_onnx
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
-    done = export_onnx.export(args.model, args.onnx, args.stats)
-    print(f"wrote {done['model']} and {done['tokens']} (normalised with the global CMVN of "
-          f"{done['speakers']} speakers, {done['frames']:,} frames)")
+    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global")
+    print(f"wrote {done['model']} and {done['tokens']} (normalised with {done['cmvn']})")
     print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
           "window, int16-range samples):\n")
     print(done["code"])

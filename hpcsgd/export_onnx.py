@@ -1,7 +1,8 @@
 """`hpcsgd export RUN --onnx OUT_DIR`: a CTC model as an ONNX graph that leaves hpcsgd --
 decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio.
 
-    hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--stats TRAIN_ARCHIVE]
+    hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
+                                                          [--stats TRAIN_ARCHIVE]
 
 OUT_DIR/model.onnx   the graph (opset 17), float32 weights. Inputs and outputs are those of
                      icefall's zipformer CTC export, which sherpa-onnx's zipformer_ctc loader
@@ -21,11 +22,13 @@ leaves the feature options to the caller. Its one fixed assumption, a subsamplin
 4, only scales the timestamps sherpa-onnx reports (× 40 ms per output step).
 
 The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
-  normalisation  (x - mean) * inv_std with GLOBAL statistics (the training archive's speakers'
-                 CMVN stats summed), then the padding frames zeroed: hpcsgd normalises per
-                 speaker, which a recognizer of single utterances cannot (docs/export.md
-                 says what this costs). sherpa-onnx pads a batch with log(1e-10); the mask
-                 makes that invisible, as hpcsgd's zero padding is.
+  normalisation  hpcsgd normalises per speaker, which a recognizer of single utterances
+                 cannot (docs/export.md measures what each substitute costs). --cmvn global
+                 (default): (x - mean) * inv_std with the training archive's speakers' CMVN
+                 stats summed; --cmvn utterance: each utterance by its own mean (and
+                 variance, floored as hpcsgd's CMVN floors it) over its valid frames. Then
+                 the padding frames are zeroed: sherpa-onnx pads a batch with log(1e-10),
+                 and the mask makes that invisible, as hpcsgd's zero padding is.
   stack K        zero-pad T to a multiple of K, reshape (N, T/K, K*D)
   conv F kK sS dD [ln|in]
                  Conv over (N, C, T), pads (p, (K-1)D - p) with p = (K-1)D // 2: T' = ceil(T/S)
@@ -51,7 +54,7 @@ import os
 import numpy as np
 
 from hpcsgd.data import archive
-from hpcsgd.data.splice import cmvn_from_stats
+from hpcsgd.data.splice import VAR_FLOOR, cmvn_from_stats
 from hpcsgd.decode.ctc import SPACE, WORD_START
 from hpcsgd.errors import UserError
 from hpcsgd.model.conv import Conv1d, StackFrames
@@ -118,6 +121,35 @@ def masked(g, x, lens):
     return g.op("Mul", [x, valid(g, x, lens)], hint="masked")
 
 
+def deviations(g, x, lens):
+    """Each channel of each utterance over its valid steps: (x - mean) with the padding 0,
+    and the variance (N, 1, C) (two passes, as hpcsgd's norms compute them)."""
+    m = valid(g, x, lens)
+    count = g.op("Unsqueeze", [g.op("Cast", [lens], to=1), g.const(np.array([1, 2], np.int64))])
+    axis = g.const(np.array([1], np.int64))
+    mean = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [x, m]), axis], keepdims=1), count])
+    dev = g.op("Mul", [g.op("Sub", [x, mean]), m])
+    var = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [dev, dev]), axis], keepdims=1), count])
+    return dev, var
+
+
+def normalize(g, x, lens, mean, inv_std, utterance):
+    """The features normalised, the padding zeroed: (x - mean) * inv_std with global
+    statistics, or utterance "mean"/"meanvar": each utterance by its own statistics (its
+    mean, and 1 / sqrt(its variance floored as hpcsgd's CMVN floors it))."""
+    if utterance is None:
+        x = g.op("Mul", [g.op("Sub", [x, g.const(np.asarray(mean, np.float32).reshape(-1),
+                                                   "cmvn_mean")]),
+                         g.const(np.asarray(inv_std, np.float32).reshape(-1), "cmvn_inv_std")],
+                 hint="normalized")
+        return masked(g, x, lens)
+    dev, var = deviations(g, masked(g, x, lens), lens)
+    if utterance == "mean":
+        return dev
+    var = g.op("Max", [var, g.const(np.float32(VAR_FLOOR))])
+    return g.op("Div", [dev, g.op("Sqrt", [var])], hint="normalized")
+
+
 def activation(g, x, name):
     return g.op({"relu": "Relu", "sigmoid": "Sigmoid"}[name], [x])
 
@@ -152,14 +184,7 @@ def conv(g, x, lens, layer, p, act):
     if layer.norm == "ln":
         z = g.op("LayerNormalization", [z, gain, shift], axis=-1, epsilon=EPS)
     elif layer.norm == "in":   # each channel over the utterance's valid steps
-        m = valid(g, z, lens)
-        count = g.op("Unsqueeze", [g.op("Cast", [lens], to=1),
-                                   g.const(np.array([1, 2], np.int64))])
-        axis = g.const(np.array([1], np.int64))
-        mean = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [z, m]), axis], keepdims=1), count])
-        dev = g.op("Mul", [g.op("Sub", [z, mean]), m])
-        var = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [dev, dev]), axis], keepdims=1),
-                           count])
+        dev, var = deviations(g, z, lens)
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, g.const(np.float32(EPS))])])])
         z = g.op("Add", [g.op("Mul", [g.op("Mul", [dev, inv]), gain]), shift])
     return activation(g, z, act), lens
@@ -212,19 +237,16 @@ def unsupported(model, meta_path):
     return None
 
 
-def graph(model, params, mean, inv_std, name="hpcsgd_ctc"):
+def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc"):
     """The ONNX ModelProto of a CTC model (its layers and float32 parameters) with the
-    normalisation (x - mean) * inv_std folded in front."""
+    normalisation in front: (x - mean) * inv_std, or with utterance "mean" or "meanvar" each
+    utterance's own statistics (normalize())."""
     import onnx
     from onnx import TensorProto, helper
     g, act = Graph(), model.describe["activation"]
     p = {name: np.asarray(params[name]) for name in params.views}
-    x = g.op("Mul", [g.op("Sub", ["x", g.const(np.asarray(mean, np.float32).reshape(-1),
-                                                "cmvn_mean")]),
-                     g.const(np.asarray(inv_std, np.float32).reshape(-1), "cmvn_inv_std")],
-             hint="normalized")
     lens = "x_lens"
-    x = masked(g, x, lens)
+    x = normalize(g, "x", lens, mean, inv_std, utterance)
     for layer in model.layers[:-1]:
         if isinstance(layer, StackFrames):
             x, lens = stack(g, x, lens, layer)
@@ -331,11 +353,17 @@ recognizer = OfflineRecognizer(config)
 """
 
 
-def export(path, out_dir, stats=None, say=print):
+CMVN_CHOICES = ("global", "utterance")
+
+
+def export(path, out_dir, stats=None, cmvn="global"):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
-    checkpoint), normalised with the global statistics of the archive `stats` (default: the
-    run's training archive). Returns {"model", "tokens", "options", "code", "frames",
-    "speakers"}."""
+    checkpoint). cmvn "global": normalised with the statistics of the archive `stats`
+    (default: the run's training archive) summed over its speakers; "utterance": each
+    utterance with its own (the archive then gives only the feature options). Returns
+    {"model", "tokens", "options", "code", "frames", "speakers", "cmvn"}."""
+    if cmvn not in CMVN_CHOICES:
+        raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
         import onnx
     except ImportError:
@@ -359,8 +387,13 @@ def export(path, out_dir, stats=None, say=print):
         raise UserError(f"--stats {stats}: {index['feature_dim']}-dim features, the model "
                         f"reads {model.input_dim}")
     options = feature_options(extractor)
-    mean, inv_std, speakers, frames = global_cmvn(stats, meta["data"]["cmvn"])
-    proto = graph(model, params, mean, inv_std)
+    kind = meta["data"]["cmvn"]   # none, mean or meanvar: what training applied per speaker
+    mean, inv_std, speakers, frames = global_cmvn(stats, kind)
+    utterance = kind if cmvn == "utterance" and kind != "none" else None
+    proto = graph(model, params, mean, inv_std, utterance)
+    how = (f"each utterance's own {kind} statistics" if utterance else
+           f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
+           f"{frames} frames")
     from hpcsgd.model.encoder import time_stride
     onnx.helper.set_model_props(proto, {
         # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by this key
@@ -368,8 +401,7 @@ def export(path, out_dir, stats=None, say=print):
         "vocab_size": str(model.num_labels), "blank_id": "0",
         "subsampling_factor": str(time_stride(model.describe["encoder"])),
         "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
-        "normalize_type": "global " + meta["data"]["cmvn"],
-        "cmvn_source": f"{os.path.abspath(stats)}: {speakers} speakers, {frames} frames",
+        "cmvn": how,
         "extractor_config": json.dumps(extractor, sort_keys=True),
         "sherpa_feat_config": json.dumps(options, sort_keys=True),
         "checkpoint": os.path.abspath(meta["path"])})
@@ -380,4 +412,4 @@ def export(path, out_dir, stats=None, say=print):
     os.replace(tmp, model_path)   # nothing half-written under the final name
     archive.atomic_write_text(tokens_path, sherpa_tokens(tokens["symbols"], tokens["kind"]))
     return {"model": model_path, "tokens": tokens_path, "options": options,
-            "code": sherpa_code(out_dir, options), "frames": frames, "speakers": speakers}
+            "code": sherpa_code(out_dir, options), "cmvn": how}

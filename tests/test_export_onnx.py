@@ -70,6 +70,39 @@ def test_onnx_log_probs_equal_the_forward_pass(encoder):
     np.testing.assert_allclose(alone[0], log_probs[1, :out_lengths[1]], atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["mean", "meanvar"])
+def test_per_utterance_cmvn_in_the_graph(kind):
+    """--cmvn utterance: the graph normalises each utterance of a padded batch by its own
+    statistics over its valid frames, as hpcsgd's CMVN would with that utterance as the
+    speaker (data/splice.py: cmvn_from_stats), the forward after it as above."""
+    from hpcsgd.data.splice import cmvn_from_stats
+    describe = {"type": "ctc", "input_dim": 40, "encoder": ENCODERS[0], "num_tokens": 7,
+                "activation": "relu"}
+    model = build(describe, max_batch=256)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    rng = np.random.default_rng(2)
+    lengths = [23, 14]
+    raw = np.full((2, 23, 40), -23.025850929940457, np.float32)
+    normed32, normed64 = np.zeros((2, 23, 40), np.float32), np.zeros((2, 23, 40))
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(rng.normal(5, 2, 40), rng.uniform(0.5, 3, 40), (n, 40))
+        x = raw[b, :n].astype(np.float64)
+        stats = np.stack([np.append(x.sum(0), n), np.append((x * x).sum(0), 0)])[None]
+        shift, scale = cmvn_from_stats(stats, kind == "meanvar")
+        normed32[b, :n] = (raw[b, :n] + shift[0]) * scale[0]
+        std = np.sqrt(x.var(0)) if kind == "meanvar" else 1.0
+        normed64[b, :n] = (x - x.mean(0)) / std
+    proto = export_onnx.graph(model, params, utterance=kind)
+    session = ort.InferenceSession(proto.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    log_probs, out_lengths = session.run(None, {"x": raw, "x_lens": np.array(lengths)})
+    ref32 = hpcsgd_outputs(describe, params, normed32, lengths, np.float32)
+    ref64 = hpcsgd_outputs(describe, params, normed64, lengths, np.float64)
+    for b in range(2):
+        assert_float32_close(log_probs[b, :out_lengths[b]], ref32[b], ref64[b])
+
+
 def test_tokens_for_sherpa_onnx():
     """<blk> at 0; a phone gets sherpa-onnx's word-start mark (its text: phones separated by
     spaces), the chars' <space> becomes the mark itself, BPE pieces stay as they are."""
@@ -146,6 +179,42 @@ def test_sherpa_onnx_decodes_the_audio_as_hpcsgd_does(exported, demo_tokens):
     assert sum(map(len, global_hyps.values())) > 20   # not an all-blank model
     differ = sum(global_hyps[u] != speaker_hyps[u] for u in global_hyps)
     print(f"global vs per-speaker CMVN: {differ} of {len(global_hyps)} greedy hypotheses differ")
+
+
+def test_sherpa_onnx_with_per_utterance_cmvn(exported, demo_tokens, tmp_path):
+    """--cmvn utterance: sherpa-onnx recognizes each held-out file as hpcsgd's greedy search
+    does on the archive's features normalised by the utterance's own statistics."""
+    import soundfile as sf
+
+    from hpcsgd.data.loader import iter_utterances
+    from hpcsgd.data.splice import cmvn_from_stats
+    from hpcsgd.decode import ctc
+    from hpcsgd.model_io import load_model
+    run, _, _ = exported
+    done = export_onnx.export(run, str(tmp_path / "onnx"), cmvn="utterance")
+    assert done["cmvn"] == "each utterance's own meanvar statistics"
+    names = {}
+    exec(done["code"], names)
+    recognizer = names["recognizer"]
+    model, params, meta = load_model(run)
+    symbols = np.array(meta["tokens"]["symbols"])
+    demo = os.path.join(REPO, "data_prep", "demo", "so762")
+    audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
+    emitted = 0
+    for utt, feats, _ in iter_utterances(f"{demo_tokens}/cv", cmvn="none", shuffle=False):
+        x = feats.astype(np.float64)
+        stats = np.stack([np.append(x.sum(0), len(x)), np.append((x * x).sum(0), 0)])[None]
+        shift, scale = cmvn_from_stats(stats, True)
+        x = np.ascontiguousarray((feats + shift[0]) * scale[0], np.float32)
+        want = list(symbols[ctc.greedy_search(model.forward(params, x, len(x),
+                                                            lengths=[len(x)]))])
+        samples, rate = sf.read(os.path.join(demo, audio[utt]), dtype="float32")
+        s = recognizer.create_stream()
+        s.accept_waveform(rate, samples)
+        recognizer.decode_stream(s)
+        assert s.result.text.split() == want, utt
+        emitted += len(want)
+    assert emitted > 20
 
 
 def test_the_export_writes_what_sherpa_onnx_reads(exported):
