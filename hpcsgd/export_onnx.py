@@ -380,7 +380,12 @@ def export(path, out_dir, stats=None, cmvn="global"):
     if len(tokens.get("symbols") or ()) != model.num_labels:
         raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
                         f"the checkpoint's meta")
-    stats = stats or meta["config"]["data.train"]
+    if not stats:
+        stats = meta["config"]["data.train"]
+        if not os.path.isdir(stats):
+            raise UserError(f"{meta['path']}: its training archive {stats} (data.train, "
+                            f"relative to where it trained) is not there: name the archive "
+                            f"for the statistics and feature options with --stats")
     index = archive.read_index(stats)
     extractor = json.loads(index["extractor_config"])
     if index["feature_dim"] != model.input_dim:

@@ -270,6 +270,12 @@ def test_models_it_cannot_export_are_named(describe, words, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_missing_training_archive_asks_for_stats(tmp_path):
+    run = fake_run(tmp_path / "run", {**CTC, "encoder": ["blstm 3"]})
+    with pytest.raises(UserError, match="its training archive nowhere .* with --stats"):
+        export_onnx.export(run, str(tmp_path / "out"))
+
+
 def test_bad_command_lines_are_named(tmp_path):
     cli = [sys.executable, "-m", "hpcsgd.cli", "export"]
     missing = str(tmp_path / "no_run")
