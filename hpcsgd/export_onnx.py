@@ -40,13 +40,21 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
                  sequence_lens per utterance (the backward direction starts at each one's own
                  end, as hpcsgd's does); output [forward | backward]
   dense F        MatMul + bias + activation
+  conv2d C D     the Conformer's front end: the features as a (N, 1, T, F) image, two 3x3
+                 stride-2 Convs padded by 1 with ReLU, (N, C, T/4, F/4) -> (N, T/4, F/4*C),
+                 MatMul to D
+  conformer ...  LayerNormalization, the macaron feed-forwards with swish, rotary attention
+                 (hpcsgd's float64-computed tables, ROPE_STEPS rows stored once: a longer
+                 utterance fails at the Slice) with the padding's keys masked, GLU, a
+                 grouped Conv as the depthwise convolution over the masked steps, its layer
+                 or instance norm, the final layer norm
   output         MatMul + bias, LogSoftmax over the tokens
 Every encoder layer's output is masked past its utterance's length, as the Network does, so a
 padded batch gives each utterance what it gives alone.
 
-Not exported yet (refused with the layer or model named): the Conformer front end and blocks,
-RNN-T models, models trained with quantized weights or activations (no QDQ nodes yet),
-hybrid frame classifiers (they need a decoding graph and priors, not a CTC search).
+Not exported yet (refused with the model named): RNN-T models, models trained with quantized
+weights or activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding
+graph and priors, not a CTC search).
 """
 import json
 import os
@@ -57,7 +65,9 @@ from hpcsgd.data import archive
 from hpcsgd.data.splice import VAR_FLOOR, cmvn_from_stats
 from hpcsgd.decode.ctc import SPACE, WORD_START
 from hpcsgd.errors import UserError
+from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
+from hpcsgd.model.kernels_conformer import rope_tables
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model.kernels_norm import EPS
 from hpcsgd.model.layers import Dense
@@ -65,6 +75,7 @@ from hpcsgd.model.lstm import LSTM
 
 OPSET = 17       # LayerNormalization is 17; ONNX Runtime and sherpa-onnx's bundled one run it
 IR_VERSION = 8   # the IR of opset 17's release, so older runtimes load the file too
+ROPE_STEPS = 8192   # a Conformer's longest utterance: output steps (328 s at 40 ms a step)
 ONNX_GATES = [0, 3, 1, 2]   # hpcsgd's gate blocks i f g o, taken in ONNX's order i o f c
 # sherpa-onnx's FeatureExtractorConfig: the options its Python constructor takes, and the
 # defaults of those it does not (sherpa-onnx/csrc/features.h), which hpcsgd's must equal
@@ -79,6 +90,7 @@ class Graph:
         from onnx import helper, numpy_helper
         self.helper, self.numpy_helper = helper, numpy_helper
         self.nodes, self.inits, self.count = [], [], 0
+        self.cache = {}   # initializers shared by layers (the rotary tables)
 
     def name(self, hint):
         self.count += 1
@@ -95,9 +107,9 @@ class Graph:
         return names[0] if outputs == 1 else names
 
 
-def steps(g, x):
-    """The time dimension of (N, T, C) x, as a scalar int64."""
-    return g.op("Gather", [g.op("Shape", [x]), g.const(np.int64(1))], axis=0)
+def steps(g, x, axis=1):
+    """The time dimension of (N, T, C) x (or its axis `axis`), as a scalar int64."""
+    return g.op("Gather", [g.op("Shape", [x]), g.const(np.int64(axis))], axis=0)
 
 
 def strided(g, lens, stride):
@@ -108,12 +120,13 @@ def strided(g, lens, stride):
                         g.const(np.array([stride], np.int64))], hint="lens")
 
 
-def valid(g, x, lens):
-    """(N, T, 1) float32: 1 at each utterance's steps, 0 on the padding past its length."""
-    t = g.op("Range", [g.const(np.int64(0)), steps(g, x), g.const(np.int64(1))])
+def valid(g, x, lens, time=1, axes=(2,)):
+    """float32 1 at each utterance's steps, 0 on the padding past its length: (N, T) (T the
+    size of x's axis `time`) with size-1 axes inserted at `axes`: (N, T, 1) by default."""
+    t = g.op("Range", [g.const(np.int64(0)), steps(g, x, time), g.const(np.int64(1))])
     inside = g.op("Less", [g.op("Unsqueeze", [t, g.const(np.array([0], np.int64))]),
                            g.op("Unsqueeze", [lens, g.const(np.array([1], np.int64))])])
-    return g.op("Unsqueeze", [g.op("Cast", [inside], to=1), g.const(np.array([2], np.int64))],
+    return g.op("Unsqueeze", [g.op("Cast", [inside], to=1), g.const(np.array(axes, np.int64))],
                 hint="mask")
 
 
@@ -209,6 +222,128 @@ def lstm(g, x, lens, layer, p):
     return g.op("Reshape", [y, g.const(np.array([0, 0, dirs * h], np.int64))]), lens
 
 
+def frontend(g, x, lens, layer, p):
+    """The Conformer's Conv2d subsampling (model/conformer.py): the features as a one-channel
+    (time, frequency) image, two 3x3 stride-2 convolutions padded by 1 with ReLU (unfold2d's
+    taps: W (9*Cin, C) -> (C, Cin, 3, 3)), the first's output zeroed past each utterance's
+    steps, then (N, C, T/4, F/4) -> (N, T/4, F/4*C) and the linear map."""
+    n, c = layer.name, layer.channels
+
+    def conv2d(x, part, c_in):
+        w = p[f"{n}.{part}.w"].reshape(3, 3, c_in, c).transpose(3, 2, 0, 1)
+        y = g.op("Conv", [x, g.const(np.ascontiguousarray(w, np.float32), f"{n}.{part}.w"),
+                          g.const(p[f"{n}.{part}.b"].reshape(-1).astype(np.float32))],
+                 kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+        return g.op("Relu", [y])
+
+    image = g.op("Unsqueeze", [x, g.const(np.array([1], np.int64))])   # (N, 1, T, F)
+    a1 = conv2d(image, "conv1", 1)
+    mid = strided(g, lens, 2)
+    a1 = g.op("Mul", [a1, valid(g, a1, mid, time=2, axes=[1, 3])])
+    a2 = conv2d(a1, "conv2", c)
+    flat = g.op("Reshape", [g.op("Transpose", [a2], perm=[0, 2, 3, 1]),
+                            g.const(np.array([0, 0, -1], np.int64))])
+    return linear(g, flat, p, f"{n}.out"), strided(g, mid, 2)
+
+
+def linear(g, x, p, name):
+    """x @ p[name.w] + p[name.b]."""
+    return g.op("Add", [g.op("MatMul", [x, g.const(p[f"{name}.w"].astype(np.float32),
+                                                   f"{name}.w")]),
+                        g.const(p[f"{name}.b"].reshape(-1).astype(np.float32), f"{name}.b")])
+
+
+def layer_norm(g, x, p, name):
+    return g.op("LayerNormalization", [x, g.const(p[f"{name}.g"].reshape(-1).astype(np.float32)),
+                                       g.const(p[f"{name}.b"].reshape(-1).astype(np.float32))],
+                axis=-1, epsilon=EPS)
+
+
+def swish(g, x):
+    return g.op("Mul", [x, g.op("Sigmoid", [x])])
+
+
+def rotary(g, x, cos, sin, half):
+    """The rotary embedding of (N, H, T, dk) head blocks: each (a, b) pair of the first and
+    second halves turned by the step's angle, as kernels_conformer.to_heads turns them."""
+    a = g.op("Slice", [x, g.const(np.array([0], np.int64)), g.const(np.array([half], np.int64)),
+                       g.const(np.array([-1], np.int64))])
+    b = g.op("Slice", [x, g.const(np.array([half], np.int64)),
+                       g.const(np.array([2 * half], np.int64)), g.const(np.array([-1], np.int64))])
+    return g.op("Concat", [g.op("Sub", [g.op("Mul", [a, cos]), g.op("Mul", [b, sin])]),
+                           g.op("Add", [g.op("Mul", [b, cos]), g.op("Mul", [a, sin])])], axis=-1)
+
+
+def block(g, x, lens, layer, p):
+    """A Conformer block (model/conformer.py): the macaron feed-forwards, rotary self-attention
+    over each utterance's own steps (the padding's keys masked), the convolution module (GLU,
+    a depthwise convolution reading only the utterance's steps, its norm, swish), the final
+    layer norm."""
+    n = lambda part: f"{layer.name}.{part}"   # noqa: E731
+    d, h, dk = layer.n_in, layer.heads, layer.dk
+
+    def ff(x, part):
+        y = linear(g, swish(g, linear(g, layer_norm(g, x, p, n(f"{part}.ln")), p,
+                                      n(f"{part}.w1"))), p, n(f"{part}.w2"))
+        return g.op("Add", [x, g.op("Mul", [y, g.const(np.float32(0.5))])])
+
+    x = ff(x, "ff1")
+    qkv = linear(g, layer_norm(g, x, p, n("mhsa.ln")), p, n("mhsa.qkv"))
+    # the rotary tables of hpcsgd (float64 angles rounded once: kernels_conformer.rope_tables),
+    # ROPE_STEPS rows stored once per head width, the utterance's first T taken: float32
+    # angles would drift from them at long T, and sherpa-onnx's runtime has no float64 Cos
+    if ("rope", dk) not in g.cache:
+        cos, sin = rope_tables(ROPE_STEPS, dk, np.float32)
+        g.cache["rope", dk] = g.const(cos, f"rope_cos_{dk}"), g.const(sin, f"rope_sin_{dk}")
+    t = g.op("Unsqueeze", [steps(g, x), g.const(np.array([0], np.int64))])
+    cos, sin = (g.op("Slice", [table, g.const(np.array([0], np.int64)), t,
+                               g.const(np.array([0], np.int64))]) for table in g.cache["rope", dk])
+
+    def heads(part, rotate, scale):
+        y = g.op("Slice", [qkv, g.const(np.array([part * d], np.int64)),
+                           g.const(np.array([(part + 1) * d], np.int64)),
+                           g.const(np.array([-1], np.int64))])
+        y = g.op("Transpose", [g.op("Reshape", [y, g.const(np.array([0, 0, h, dk], np.int64))])],
+                 perm=[0, 2, 1, 3])
+        if rotate:
+            y = rotary(g, y, cos, sin, dk // 2)
+        return g.op("Mul", [y, g.const(np.float32(scale))]) if scale != 1 else y
+
+    q, k, v = heads(0, True, 1.0 / np.sqrt(dk)), heads(1, True, 1), heads(2, False, 1)
+    scores = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
+    keys = g.op("Cast", [valid(g, x, lens, axes=[1, 2])], to=9)   # (N, 1, 1, T) bool
+    scores = g.op("Where", [keys, scores, g.const(np.float32(-np.inf))])
+    att = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
+    att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]),
+                           g.const(np.array([0, 0, d], np.int64))])
+    x = g.op("Add", [x, linear(g, att, p, n("mhsa.out"))])
+    # the convolution module
+    z = linear(g, layer_norm(g, x, p, n("conv.ln")), p, n("conv.w1"))
+    half = [g.op("Slice", [z, g.const(np.array([a], np.int64)), g.const(np.array([b], np.int64)),
+                           g.const(np.array([-1], np.int64))]) for a, b in ((0, d), (d, 2 * d))]
+    u = masked(g, g.op("Mul", [half[0], g.op("Sigmoid", [half[1]])]), lens)
+    w = p[n("conv.dw.w")].T.reshape(d, 1, layer.kernel)
+    c = g.op("Conv", [g.op("Transpose", [u], perm=[0, 2, 1]),
+                      g.const(np.ascontiguousarray(w, np.float32), n("conv.dw.w")),
+                      g.const(p[n("conv.dw.b")].reshape(-1).astype(np.float32))],
+             kernel_shape=[layer.kernel], group=d,
+             pads=[layer.left, layer.kernel - 1 - layer.left])
+    c = g.op("Transpose", [c], perm=[0, 2, 1])
+    if layer.norm == "ln":
+        c = layer_norm(g, c, p, n("conv.norm"))
+    else:
+        dev, var = deviations(g, c, lens)
+        inv_std = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var,
+                                                                 g.const(np.float32(EPS))])])])
+        c = g.op("Add", [g.op("Mul", [g.op("Mul", [dev, inv_std]),
+                                      g.const(p[n("conv.norm.g")].reshape(-1)
+                                              .astype(np.float32))]),
+                         g.const(p[n("conv.norm.b")].reshape(-1).astype(np.float32))])
+    x = g.op("Add", [x, linear(g, swish(g, c), p, n("conv.w2"))])
+    x = ff(x, "ff2")
+    return layer_norm(g, x, p, n("ln")), lens
+
+
 def dense(g, x, lens, layer, p, act):
     y = g.op("Add", [g.op("MatMul", [x, g.const(p[layer.W].astype(np.float32), layer.W)]),
                      g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b)])
@@ -231,9 +366,10 @@ def unsupported(model, meta_path):
         return (f"{meta_path}: not yet exported: a quantization-aware model ({qat}); its "
                 f"fake-quantized weights and activations need ONNX QDQ nodes")
     for text, layer in zip(describe["encoder"], model.layers):
-        if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense)):
+        if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense, Conv2dSubsampling,
+                                  ConformerBlock)):
             return (f"{meta_path}: not yet exported: encoder layer {text!r} (the ONNX export "
-                    f"covers stack, conv, lstm, blstm and dense layers)")
+                    f"covers stack, conv, lstm, blstm, dense, conv2d and conformer layers)")
     return None
 
 
@@ -254,6 +390,10 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
             x, lens = conv(g, x, lens, layer, p, act)
         elif isinstance(layer, LSTM):
             x, lens = lstm(g, x, lens, layer, p)
+        elif isinstance(layer, Conv2dSubsampling):
+            x, lens = frontend(g, x, lens, layer, p)
+        elif isinstance(layer, ConformerBlock):
+            x, lens = block(g, x, lens, layer, p)
         else:
             x, lens = dense(g, x, lens, layer, p, act)
         x = masked(g, x, lens)
