@@ -6,8 +6,9 @@ utterance (each utterance by its own statistics).
 
     python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE]
 
-TRAIN_ARCHIVE defaults to the run's data.train. Prints a Kaldi %WER/%PER line per system and
-how many utterances' hypotheses differ from the per-speaker ones.
+TRAIN_ARCHIVE defaults to the run's data.train. Prints a Kaldi %WER/%PER line per system, how
+many utterances' hypotheses differ from the per-speaker ones, and the bootstrap probability
+(Kaldi's compute-wer-bootci, paired over utterances) that the system is better than them.
 """
 import os
 import sys
@@ -64,9 +65,14 @@ def main(run, cv, train=None):
                         ("--cmvn utterance (the ONNX export, onnxruntime)",
                          recognize.greedy(logposts[1], symbols, kind)[0])):
         total, _ = recognize.error_counts(refs, hyps)
+        scored = [u for u in per_speaker if u in refs]
+        (low, high), better = score.bootstrap([refs[u] for u in scored],
+                                              [per_speaker[u] for u in scored],
+                                              [hyps[u] for u in scored])
         differ = sum(hyps[u] != per_speaker[u] for u in per_speaker)
         print(f"{label}: {score.kaldi_lines(name, total).splitlines()[0]}; "
-              f"{differ} hypotheses differ from per-speaker")
+              f"{differ} hypotheses differ from per-speaker, P(better than per-speaker) "
+              f"{better:.3f} (bootstrap, per-speaker's 95% interval {low:.1f}-{high:.1f})")
 
 
 if __name__ == "__main__":
