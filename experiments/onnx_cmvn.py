@@ -4,9 +4,11 @@ on a held-out archive with hpcsgd's per-speaker CMVN (what it was trained with, 
 each --cmvn: global (the training archive's statistics summed over its speakers) and
 utterance (each utterance by its own statistics).
 
-    python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE]
+    python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE [DATA_DIR]]
 
-TRAIN_ARCHIVE defaults to the run's data.train. Prints a Kaldi %WER/%PER line per system, how
+TRAIN_ARCHIVE defaults to the run's data.train. With DATA_DIR (the Kaldi data directory the
+archive was prepped from: its wav.scp of plain file paths), also the export under --cmvn
+global decoded by sherpa-onnx from the audio files, with the call `hpcsgd export` prints. Prints a Kaldi %WER/%PER line per system, how
 many utterances' hypotheses differ from the per-speaker ones, and the bootstrap probability
 (Kaldi's compute-wer-bootci, paired over utterances) that the system is better than them.
 """
@@ -36,7 +38,28 @@ def raw_utterances(archive_dir):
             yield utt, feats[offsets[u]:offsets[u + 1]]
 
 
-def main(run, cv, train=None):
+def sherpa_hyps(run, train, data_dir, utts):
+    """{utt: words or phones} of sherpa-onnx decoding the audio of utts (--cmvn global)."""
+    import tempfile
+
+    import soundfile as sf
+    with tempfile.TemporaryDirectory(prefix="onnx_cmvn_") as out:   # loaded, then removed
+        done = export_onnx.export(run, out, train)
+        names = {}
+        exec(done["code"], names)
+        recognizer = names["recognizer"]
+    audio = dict(line.split(maxsplit=1) for line in open(os.path.join(data_dir, "wav.scp")))
+    hyps = {}
+    for utt in utts:
+        samples, rate = sf.read(os.path.join(data_dir, audio[utt].strip()), dtype="float32")
+        stream = recognizer.create_stream()
+        stream.accept_waveform(rate, samples)
+        recognizer.decode_stream(stream)
+        hyps[utt] = stream.result.text.split()
+    return hyps
+
+
+def main(run, cv, train=None, data_dir=None):
     import onnxruntime as ort
     model, params, meta = load_model(run)
     kind = meta["tokens"]["kind"]
@@ -59,11 +82,15 @@ def main(run, cv, train=None):
     name = "PER" if unit == "phones" else "WER"
     print(f"{run} on {cv} ({len(per_speaker)} utterances); global statistics of {train}: "
           f"{speakers} speakers, {frames} frames")
-    for label, hyps in (("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
-                        ("--cmvn global (the ONNX export, onnxruntime)",
-                         recognize.greedy(logposts[0], symbols, kind)[0]),
-                        ("--cmvn utterance (the ONNX export, onnxruntime)",
-                         recognize.greedy(logposts[1], symbols, kind)[0])):
+    systems = [("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
+               ("--cmvn global (the ONNX export, onnxruntime)",
+                recognize.greedy(logposts[0], symbols, kind)[0]),
+               ("--cmvn utterance (the ONNX export, onnxruntime)",
+                recognize.greedy(logposts[1], symbols, kind)[0])]
+    if data_dir:
+        systems.append(("--cmvn global, sherpa-onnx from the audio files",
+                        sherpa_hyps(run, train, data_dir, list(per_speaker))))
+    for label, hyps in systems:
         total, _ = recognize.error_counts(refs, hyps)
         scored = [u for u in per_speaker if u in refs]
         (low, high), better = score.bootstrap([refs[u] for u in scored],
@@ -76,6 +103,6 @@ def main(run, cv, train=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4):
+    if len(sys.argv) not in (3, 4, 5):
         sys.exit(__doc__)
     main(*sys.argv[1:])
