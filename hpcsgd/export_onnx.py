@@ -45,7 +45,7 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
                  MatMul to D
   conformer ...  LayerNormalization, the macaron feed-forwards with swish, rotary attention
                  (hpcsgd's float64-computed tables, ROPE_STEPS rows stored once: a longer
-                 utterance fails at the Slice) with the padding's keys masked, GLU, a
+                 utterance fails in the runtime) with the padding's keys masked, GLU, a
                  grouped Conv as the depthwise convolution over the masked steps, its layer
                  or instance norm, the final layer norm
   output         MatMul + bias, LogSoftmax over the tokens
@@ -67,6 +67,7 @@ from hpcsgd.decode.ctc import SPACE, WORD_START
 from hpcsgd.errors import UserError
 from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
+from hpcsgd.model.encoder import time_stride
 from hpcsgd.model.kernels_conformer import rope_tables
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model.kernels_norm import EPS
@@ -539,7 +540,6 @@ def export(path, out_dir, stats=None, cmvn="global"):
     how = (f"each utterance's own {kind} statistics" if utterance else
            f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
            f"{frames} frames")
-    from hpcsgd.model.encoder import time_stride
     onnx.helper.set_model_props(proto, {
         # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by this key
         "model_type": "zipformer2_ctc", "model_author": "hpcsgd",
