@@ -1,7 +1,9 @@
-"""`hpcsgd export`: a model's weights as integers with their scales, for integer inference.
+"""`hpcsgd export`: a model's weights as integers with their scales, for integer inference;
+or a CTC model as ONNX, for recognizers outside hpcsgd (hpcsgd/export_onnx.py, docs/export.md).
 
     hpcsgd export RUN_DIR|CHECKPOINT --int8|--int4 --out MODEL.h5
     hpcsgd eval MODEL.h5 --data ARCHIVE          (and infer: the integer weights)
+    hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR [--cmvn global|utterance] [--stats ARCHIVE]
 
 Every weight matrix W is written as its grid's integer codes k (int8; --int4: two's-complement
 nibbles packed two per byte, the first value in the low nibble) and its step s, so that
@@ -30,7 +32,8 @@ from hpcsgd.model_io import FORMAT, load_model, pack_int4
 
 EXAMPLES = """examples:
   hpcsgd export runs/qat4 --int4 --out runs/qat4/model_int4.h5
-  hpcsgd eval runs/qat4/model_int4.h5 --data runs/demo/archive/cv"""
+  hpcsgd eval runs/qat4/model_int4.h5 --data runs/demo/archive/cv
+  hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx     (then the sherpa-onnx call it prints)"""
 
 
 def add_arguments(parser):
@@ -40,7 +43,18 @@ def add_arguments(parser):
                        help="8-bit codes (int8)")
     width.add_argument("--int4", action="store_const", const=4, dest="bits",
                        help="4-bit codes, two per byte")
-    parser.add_argument("--out", required=True, help="the exported model (HDF5)")
+    width.add_argument("--onnx", metavar="OUT_DIR",
+                       help="a CTC model as OUT_DIR/model.onnx and tokens.txt for sherpa-onnx "
+                            "(float32, the normalisation inside: --cmvn; docs/export.md)")
+    parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
+    parser.add_argument("--stats", metavar="ARCHIVE",
+                        help="--onnx: the archive whose speakers' CMVN statistics, summed, "
+                             "normalise every utterance, and whose feature options the "
+                             "recognizer must use (default: the run's data.train)")
+    parser.add_argument("--cmvn", choices=("global", "utterance"), default=None,
+                        help="--onnx: normalise with the summed statistics of --stats "
+                             "(default), or each utterance with its own (docs/export.md: "
+                             "what each costs against training's per-speaker CMVN)")
 
 
 def codes_of(wq, grid):
@@ -104,10 +118,29 @@ def export(path, out, bits, say=print):
 
 
 def run(args):
+    if args.onnx:
+        return run_onnx(args)
+    if args.stats or args.cmvn:
+        raise UserError("--stats, --cmvn: for --onnx only (the integer export keeps hpcsgd's "
+                        "CMVN)")
+    if not args.out:
+        raise UserError(f"--int{args.bits}: name the exported file with --out MODEL.h5")
     if not args.out.endswith((".h5", ".hdf5")):
         raise UserError(f"--out {args.out}: expected an .h5 file name")
     sizes = export(args.model, args.out, args.bits)
     print(f"wrote {args.out}: weights {sizes['weights']:,} bytes as int{args.bits} "
           f"({sizes['float32'] / max(sizes['weights'], 1):.1f}x smaller than float32's "
           f"{sizes['float32']:,}); file {sizes['file']:,} bytes")
+    return 0
+
+
+def run_onnx(args):
+    from hpcsgd import export_onnx
+    if args.out:
+        raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
+    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global")
+    print(f"wrote {done['model']} and {done['tokens']} (normalised with {done['cmvn']})")
+    print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
+          "window, int16-range samples):\n")
+    print(done["code"])
     return 0

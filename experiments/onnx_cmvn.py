@@ -1,0 +1,108 @@
+"""What the ONNX export's global CMVN costs (docs/export.md): a CTC model's greedy error rate
+on a held-out archive with hpcsgd's per-speaker CMVN (what it was trained with, `hpcsgd decode
+--greedy`), and with the exported graph (onnxruntime on the archive's raw features) under
+each --cmvn: global (the training archive's statistics summed over its speakers) and
+utterance (each utterance by its own statistics).
+
+    python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE [DATA_DIR]]
+
+TRAIN_ARCHIVE defaults to the run's data.train. With DATA_DIR (the Kaldi data directory the
+archive was prepped from: its wav.scp of plain file paths), also the export under --cmvn
+global decoded by sherpa-onnx from the audio files, with the call `hpcsgd export` prints. Prints a Kaldi %WER/%PER line per system, how
+many utterances' hypotheses differ from the per-speaker ones, and the bootstrap probability
+(Kaldi's compute-wer-bootci, paired over utterances) that the system is better than them.
+"""
+import os
+import sys
+
+import numpy as np
+
+from hpcsgd import export_onnx
+from hpcsgd.data import archive
+from hpcsgd.decode import recognize, score
+from hpcsgd.model_io import load_model
+from hpcsgd.outputs import ctc_outputs
+
+
+def raw_utterances(archive_dir):
+    """(utt, (T, D) float32 features as prep wrote them, no CMVN), archive order (an archive
+    without frame labels too, which the loader's iter_utterances wants)."""
+    index = archive.read_index(archive_dir)
+    for shard in index["shards"]:
+        path = os.path.join(index["dir"], shard["file"])
+        meta = archive.read_shard_meta(path)
+        with archive.open_shard(path) as f:
+            feats = f["feats"][()]
+        offsets = meta["utt_offsets"]
+        for u, utt in enumerate(meta["utt_ids"]):
+            yield utt, feats[offsets[u]:offsets[u + 1]]
+
+
+def sherpa_hyps(run, train, data_dir, utts):
+    """{utt: words or phones} of sherpa-onnx decoding the audio of utts (--cmvn global)."""
+    import tempfile
+
+    import soundfile as sf
+    with tempfile.TemporaryDirectory(prefix="onnx_cmvn_") as out:   # loaded, then removed
+        done = export_onnx.export(run, out, train)
+        names = {}
+        exec(done["code"], names)
+        recognizer = names["recognizer"]
+    audio = dict(line.split(maxsplit=1) for line in open(os.path.join(data_dir, "wav.scp")))
+    hyps = {}
+    for utt in utts:
+        samples, rate = sf.read(os.path.join(data_dir, audio[utt].strip()), dtype="float32")
+        stream = recognizer.create_stream()
+        stream.accept_waveform(rate, samples)
+        recognizer.decode_stream(stream)
+        hyps[utt] = stream.result.text.split()
+    return hyps
+
+
+def main(run, cv, train=None, data_dir=None):
+    import onnxruntime as ort
+    model, params, meta = load_model(run)
+    kind = meta["tokens"]["kind"]
+    symbols = meta["tokens"]["symbols"]
+    unit = "phones" if kind == "phones" else "words"
+    refs, _ = recognize.archive_references(unit, cv)
+    train = train or meta["config"]["data.train"]
+    mean, inv_std, speakers, frames = export_onnx.global_cmvn(train, meta["data"]["cmvn"])
+    sessions = [ort.InferenceSession(export_onnx.graph(model, params, mean, inv_std, how)
+                                     .SerializeToString(), providers=["CPUExecutionProvider"])
+                for how in (None, meta["data"]["cmvn"])]
+    per_speaker, _ = recognize.greedy(ctc_outputs(model, params, cv, meta["data"]), symbols,
+                                      kind)
+    logposts = ([], [])
+    for utt, feats in raw_utterances(cv):
+        x = np.ascontiguousarray(feats, np.float32)
+        for session, out in zip(sessions, logposts):
+            log_probs, _ = session.run(None, {"x": x[None], "x_lens": np.array([len(x)])})
+            out.append((utt, log_probs[0]))
+    name = "PER" if unit == "phones" else "WER"
+    print(f"{run} on {cv} ({len(per_speaker)} utterances); global statistics of {train}: "
+          f"{speakers} speakers, {frames} frames")
+    systems = [("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
+               ("--cmvn global (the ONNX export, onnxruntime)",
+                recognize.greedy(logposts[0], symbols, kind)[0]),
+               ("--cmvn utterance (the ONNX export, onnxruntime)",
+                recognize.greedy(logposts[1], symbols, kind)[0])]
+    if data_dir:
+        systems.append(("--cmvn global, sherpa-onnx from the audio files",
+                        sherpa_hyps(run, train, data_dir, list(per_speaker))))
+    for label, hyps in systems:
+        total, _ = recognize.error_counts(refs, hyps)
+        scored = [u for u in per_speaker if u in refs]
+        (low, high), better = score.bootstrap([refs[u] for u in scored],
+                                              [per_speaker[u] for u in scored],
+                                              [hyps[u] for u in scored])
+        differ = sum(hyps[u] != per_speaker[u] for u in per_speaker)
+        print(f"{label}: {score.kaldi_lines(name, total).splitlines()[0]}; "
+              f"{differ} hypotheses differ from per-speaker, P(better than per-speaker) "
+              f"{better:.3f} (bootstrap, per-speaker's 95% interval {low:.1f}-{high:.1f})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4, 5):
+        sys.exit(__doc__)
+    main(*sys.argv[1:])

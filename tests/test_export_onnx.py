@@ -1,0 +1,321 @@
+"""`hpcsgd export --onnx`: the graph's log-posteriors against hpcsgd's forward pass (float32
+and float64) on padded batches; a tiny CTC model trained on the bundled demo corpus, exported,
+and decoded by sherpa-onnx from the FLAC files as hpcsgd decodes the archive's features; and
+the models it refuses, named."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_float32_close, run_train
+from hpcsgd import checkpoint, export_onnx
+from hpcsgd.errors import UserError
+from hpcsgd.model import build
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+ENCODERS = [["stack 3", "conv 8 k3 s2", "blstm 5", "lstm 4"],
+            ["conv 6 k4 s3 ln", "conv 5 k5 d2 in", "dense 9", "blstm 3"],
+            ["conv2d 3 16", "conformer 16 h4 f32 k5 in", "conformer 16 h2 f24 k3"]]
+
+
+def hpcsgd_outputs(describe, params32, x, lengths, dtype):
+    """Each utterance's (T', V) log-posteriors from hpcsgd's forward in `dtype`, the batch
+    time-major with zero padding as the loader makes it."""
+    model = build(describe, max_batch=256, dtype=dtype)
+    params = model.new_params()
+    params.flat[...] = params32.flat
+    T, nb = max(lengths), len(lengths)
+    rows = np.zeros((T, nb, x.shape[2]), dtype)
+    for b, n in enumerate(lengths):
+        rows[:n, b] = x[b, :n]
+    out = np.array(model.forward(params, rows.reshape(T * nb, -1), T * nb, lengths=lengths))
+    out_lengths = model.out_lengths(T * nb, lengths)
+    return [out[np.arange(n) * nb + b] for b, n in enumerate(out_lengths.lengths)]
+
+
+@pytest.mark.parametrize("encoder", ENCODERS, ids=["stack-conv-blstm-lstm", "ln-in-dense",
+                                                    "conformer"])
+def test_onnx_log_probs_equal_the_forward_pass(encoder):
+    """Two utterances of 61 and 14 frames in one padded batch (the padding filled with
+    sherpa-onnx's log(1e-10), which the graph must ignore), normalised by the graph with a
+    mean and scale: onnxruntime's log-posteriors are as far from hpcsgd's float64 forward as
+    hpcsgd's float32 forward is (conftest.assert_float32_close), utterance by utterance."""
+    describe = {"type": "ctc", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
+                "activation": "relu"}
+    model = build(describe, max_batch=256)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    rng = np.random.default_rng(0)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    lengths = [61, 14]
+    raw = np.full((2, 61, 40), -23.025850929940457, np.float32)
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    proto = export_onnx.graph(model, params, mean, inv_std)
+    session = ort.InferenceSession(proto.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    log_probs, out_lengths = session.run(None, {"x": raw, "x_lens": np.array(lengths)})
+    ref32 = hpcsgd_outputs(describe, params, (raw - mean) * inv_std, lengths, np.float32)
+    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
+    ref64 = hpcsgd_outputs(describe, params, x64, lengths, np.float64)
+    assert out_lengths.tolist() == [len(r) for r in ref32]
+    for b in range(2):
+        assert_float32_close(log_probs[b, :out_lengths[b]], ref32[b], ref64[b])
+    # one utterance alone gives what it gives in the batch
+    alone, _ = session.run(None, {"x": raw[1:, :14], "x_lens": np.array([14])})
+    np.testing.assert_allclose(alone[0], log_probs[1, :out_lengths[1]], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mean", "meanvar"])
+def test_per_utterance_cmvn_in_the_graph(kind):
+    """--cmvn utterance: the graph normalises each utterance of a padded batch by its own
+    statistics over its valid frames, as hpcsgd's CMVN would with that utterance as the
+    speaker (data/splice.py: cmvn_from_stats), the forward after it as above."""
+    from hpcsgd.data.splice import cmvn_from_stats
+    describe = {"type": "ctc", "input_dim": 40, "encoder": ENCODERS[0], "num_tokens": 7,
+                "activation": "relu"}
+    model = build(describe, max_batch=256)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    rng = np.random.default_rng(2)
+    lengths = [23, 14]
+    raw = np.full((2, 23, 40), -23.025850929940457, np.float32)
+    normed32, normed64 = np.zeros((2, 23, 40), np.float32), np.zeros((2, 23, 40))
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(rng.normal(5, 2, 40), rng.uniform(0.5, 3, 40), (n, 40))
+        x = raw[b, :n].astype(np.float64)
+        stats = np.stack([np.append(x.sum(0), n), np.append((x * x).sum(0), 0)])[None]
+        shift, scale = cmvn_from_stats(stats, kind == "meanvar")
+        normed32[b, :n] = (raw[b, :n] + shift[0]) * scale[0]
+        std = np.sqrt(x.var(0)) if kind == "meanvar" else 1.0
+        normed64[b, :n] = (x - x.mean(0)) / std
+    proto = export_onnx.graph(model, params, utterance=kind)
+    session = ort.InferenceSession(proto.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    log_probs, out_lengths = session.run(None, {"x": raw, "x_lens": np.array(lengths)})
+    ref32 = hpcsgd_outputs(describe, params, normed32, lengths, np.float32)
+    ref64 = hpcsgd_outputs(describe, params, normed64, lengths, np.float64)
+    for b in range(2):
+        assert_float32_close(log_probs[b, :out_lengths[b]], ref32[b], ref64[b])
+
+
+def test_tokens_for_sherpa_onnx():
+    """<blk> at 0; a phone gets sherpa-onnx's word-start mark (its text: phones separated by
+    spaces), the chars' <space> becomes the mark itself, BPE pieces stay as they are."""
+    assert export_onnx.sherpa_tokens(["<blk>", "AA", "B"], "phones") == \
+        "<blk> 0\n\u2581AA 1\n\u2581B 2\n"
+    assert export_onnx.sherpa_tokens(["<blk>", "<space>", "a"], "chars") == \
+        "<blk> 0\n\u2581 1\na 2\n"
+    assert export_onnx.sherpa_tokens(["<blk>", "\u2581the", "s"], "bpe") == \
+        "<blk> 0\n\u2581the 1\ns 2\n"
+
+
+@pytest.fixture(scope="module")
+def exported(demo_tokens, tmp_path_factory):
+    """A tiny phone CTC model (stack 3, conv 32 k3, blstm 48, a frame CE head to leave CTC's
+    all-blank plateau sooner) trained 20 epochs on the demo corpus' 32 training speakers (about
+    30 s), exported with `hpcsgd export --onnx`: (run, out_dir, the command's stdout)."""
+    pytest.importorskip("sherpa_onnx")
+    base = tmp_path_factory.mktemp("onnx_export")
+    run, out = str(base / "run"), str(base / "onnx")
+    proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
+                         f"train.run_dir={run}", "model.type=ctc",
+                         "model.encoder=[stack 3, conv 32 k3, blstm 48]", "data.tokens=phones",
+                         "model.frame_ce=0.5", "train.minibatch=2000", "train.epochs=20",
+                         "optim.type=adam", "optim.lr=5e-6", "optim.momentum_tc=0",
+                         "schedule.type=constant"], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--onnx", out],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    return run, out, cli.stdout
+
+
+def hpcsgd_greedy(run, cv, normalize):
+    """{utt: phones} of hpcsgd's greedy search on the archive's raw features normalised by
+    normalize(feats) (float64 -> float32), archive order."""
+    from hpcsgd.data.loader import iter_utterances
+    from hpcsgd.decode import ctc
+    from hpcsgd.model_io import load_model
+    model, params, meta = load_model(run)
+    symbols = np.array(meta["tokens"]["symbols"])
+    hyps = {}
+    for utt, feats, _ in iter_utterances(cv, cmvn="none", shuffle=False):
+        x = np.ascontiguousarray(normalize(feats.astype(np.float64)), np.float32)
+        hyps[utt] = list(symbols[ctc.greedy_search(model.forward(params, x, len(x),
+                                                                 lengths=[len(x)]))])
+    return hyps
+
+
+def global_normalize(train):
+    mean, inv_std, _, _ = export_onnx.global_cmvn(train, "meanvar")
+    return lambda x: (x.astype(np.float32) - mean) * inv_std
+
+
+def utterance_normalize(x):
+    from hpcsgd.data.splice import cmvn_from_stats
+    stats = np.stack([np.append(x.sum(0), len(x)), np.append((x * x).sum(0), 0)])[None]
+    shift, scale = cmvn_from_stats(stats, True)
+    return (x.astype(np.float32) + shift[0]) * scale[0]
+
+
+def assert_sherpa_onnx_agrees(code, want, batch=False):
+    """The recognizer `code` builds (what `hpcsgd export` prints) recognizes each demo FLAC
+    file of `want`'s utterances as `want` says, one stream at a time (and with batch, all in
+    one padded batch too)."""
+    import soundfile as sf
+    names = {}
+    exec(code, names)   # the printed call, as a user would paste it
+    recognizer = names["recognizer"]
+    demo = os.path.join(REPO, "data_prep", "demo", "so762")
+    audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
+    streams = []
+    for utt in want:
+        samples, rate = sf.read(os.path.join(demo, audio[utt]), dtype="float32")
+        one, batched = recognizer.create_stream(), recognizer.create_stream()
+        for s in (one, batched):
+            s.accept_waveform(rate, samples)
+        recognizer.decode_stream(one)
+        assert one.result.text.split() == want[utt], utt
+        streams.append(batched)
+    if batch:
+        recognizer.decode_streams(streams)
+        assert [s.result.text.split() for s in streams] == list(want.values())
+    assert sum(map(len, want.values())) > 20   # not an all-blank model
+
+
+def test_sherpa_onnx_decodes_the_audio_as_hpcsgd_does(exported, demo_tokens):
+    """sherpa-onnx, loaded by the code `hpcsgd export` prints, recognizes each held-out FLAC
+    file (its own fbank from the audio, the global CMVN inside the graph) as hpcsgd's greedy
+    search does on the archive's features normalised with the same global statistics, one
+    stream at a time and in one padded batch of 40. Against `hpcsgd decode --greedy`
+    (per-speaker CMVN, what the model was trained with) the hypotheses differ: the count is
+    printed."""
+    from hpcsgd.decode import ctc
+    from hpcsgd.model_io import load_model
+    from hpcsgd.outputs import ctc_outputs
+    run, out, stdout = exported
+    cv = f"{demo_tokens}/cv"
+    want = hpcsgd_greedy(run, cv, global_normalize(f"{demo_tokens}/train"))
+    assert_sherpa_onnx_agrees(stdout[stdout.index("import sherpa_onnx"):], want, batch=True)
+    model, params, meta = load_model(run)
+    symbols = np.array(meta["tokens"]["symbols"])
+    per_speaker = {utt: list(symbols[ctc.greedy_search(lp)])
+                   for utt, lp in ctc_outputs(model, params, cv, meta["data"])}
+    differ = sum(want[u] != per_speaker[u] for u in want)
+    print(f"global vs per-speaker CMVN: {differ} of {len(want)} greedy hypotheses differ")
+
+
+def test_sherpa_onnx_with_per_utterance_cmvn(exported, demo_tokens, tmp_path):
+    """--cmvn utterance: sherpa-onnx recognizes each held-out file as hpcsgd's greedy search
+    does on the archive's features normalised by the utterance's own statistics."""
+    run, _, _ = exported
+    done = export_onnx.export(run, str(tmp_path / "onnx"), cmvn="utterance")
+    assert done["cmvn"] == "each utterance's own meanvar statistics"
+    assert_sherpa_onnx_agrees(done["code"],
+                              hpcsgd_greedy(run, f"{demo_tokens}/cv", utterance_normalize))
+
+
+def test_sherpa_onnx_runs_a_conformer_graph(demo_tokens, tmp_path):
+    """An (untrained, so never all-blank) Conformer CTC model over the demo's 40-dim fbank and
+    phones: sherpa-onnx's runtime runs its graph (the front end, rotary attention, the
+    depthwise convolution with an instance norm) to hpcsgd's hypotheses."""
+    pytest.importorskip("sherpa_onnx")
+    from hpcsgd.data import archive
+    train = f"{demo_tokens}/train"
+    symbols = archive.read_tokens(train, "phones")
+    run = fake_run(tmp_path / "run", {
+        "type": "ctc", "input_dim": 40, "num_tokens": len(symbols), "activation": "relu",
+        "encoder": ["conv2d 4 32", "conformer 32 h4 f64 k7", "conformer 32 h4 f64 k7 in"]},
+        symbols)
+    done = export_onnx.export(run, str(tmp_path / "onnx"), stats=train)
+    assert_sherpa_onnx_agrees(done["code"],
+                              hpcsgd_greedy(run, f"{demo_tokens}/cv", global_normalize(train)),
+                              batch=True)
+
+
+def test_the_export_writes_what_sherpa_onnx_reads(exported):
+    """tokens.txt is the model's inventory with <blk> at 0; the graph's inputs, outputs and
+    metadata are the zipformer CTC loader's, and the feature options are recorded."""
+    import onnx
+    run, out, stdout = exported
+    lines = open(os.path.join(out, "tokens.txt")).read().splitlines()
+    meta = checkpoint.read_meta(checkpoint.latest(run))
+    assert lines[0] == "<blk> 0" and len(lines) == len(meta["tokens"]["symbols"])
+    proto = onnx.load(os.path.join(out, "model.onnx"))
+    assert [i.name for i in proto.graph.input] == ["x", "x_lens"]
+    assert [o.name for o in proto.graph.output] == ["log_probs", "log_probs_len"]
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert props["model_type"] == "zipformer2_ctc" and props["subsampling_factor"] == "3"
+    assert props["vocab_size"] == str(len(lines))
+    feat = json.loads(props["sherpa_feat_config"])
+    assert feat["snip_edges"] is True and feat["dither"] == 0 and not feat["normalize_samples"]
+    assert json.loads(props["extractor_config"])["window_type"] == "povey"
+    assert "snip_edges=True" in stdout and "OfflineZipformerCtcModelConfig" in stdout
+
+
+def fake_run(path, describe, symbols=None):
+    """A run directory with one checkpoint of a freshly initialised `describe` model, its
+    tokens `symbols` (default 5 made-up phones)."""
+    model = build(describe, max_batch=64)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(0))
+    symbols = symbols or ["<blk>"] + [f"p{i}" for i in range(1, 5)]
+    meta = {"model": describe, "data": {"context": 0, "cmvn": "meanvar", "feature_dim": 4},
+            "config": {"data.train": "nowhere"}, "label_inventory_hash": "-",
+            "tokens": {"kind": "phones", "symbols": symbols, "inventory_hash": "-"}}
+    checkpoint.save(str(path), 1, {"params": params.flat}, meta)
+    return str(path)
+
+
+CTC = {"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu"}
+
+
+@pytest.mark.parametrize("describe, words", [
+    ({"type": "dnn", "input_dim": 4, "hidden": [6], "num_labels": 5, "activation": "relu"},
+     "hybrid dnn model"),
+    ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8}},
+     "not yet exported: a quantization-aware model"),
+    ({**CTC, "type": "rnnt", "encoder": ["blstm 3"], "predictor": ["lstm 4"], "embed": 4,
+      "joint": 6}, "not yet exported: model type 'rnnt'"),
+], ids=["hybrid", "qat", "rnnt"])
+def test_models_it_cannot_export_are_named(describe, words, tmp_path):
+    run = fake_run(tmp_path / "run", describe)
+    with pytest.raises(UserError, match=words):
+        export_onnx.export(run, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_layer_without_an_onnx_form_is_named():
+    """A layer the graph builder does not know (every encoder kind has one today: a stand-in
+    plays the next one) is refused by its spec."""
+    from types import SimpleNamespace
+    model = build({**CTC, "encoder": ["blstm 3"]})
+    stand_in = SimpleNamespace(describe={**model.describe, "encoder": ["mystery 3"]},
+                               layers=[object()] + model.layers[1:])
+    assert "not yet exported: encoder layer 'mystery 3'" in \
+        export_onnx.unsupported(stand_in, "RUN")
+
+
+def test_a_missing_training_archive_asks_for_stats(tmp_path):
+    run = fake_run(tmp_path / "run", {**CTC, "encoder": ["blstm 3"]})
+    with pytest.raises(UserError, match="its training archive nowhere .* with --stats"):
+        export_onnx.export(run, str(tmp_path / "out"))
+
+
+def test_bad_command_lines_are_named(tmp_path):
+    cli = [sys.executable, "-m", "hpcsgd.cli", "export"]
+    missing = str(tmp_path / "no_run")
+    for args, words in (([missing, "--onnx", str(tmp_path / "o")],
+                         f"{missing}: no such run directory"),
+                        ([missing, "--onnx", "o", "--out", "m.h5"], "--out is for --int8"),
+                        ([missing, "--int8"], "--out MODEL.h5")):
+        proc = subprocess.run(cli + args, capture_output=True, text=True, timeout=120,
+                              cwd=REPO)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
