@@ -20,6 +20,7 @@ import numpy as np
 from hpcsgd import export_onnx
 from hpcsgd.data import archive
 from hpcsgd.decode import recognize, score
+from hpcsgd.families import family
 from hpcsgd.model_io import load_model
 from hpcsgd.outputs import ctc_outputs
 
@@ -63,7 +64,6 @@ def main(run, cv, train=None, data_dir=None):
     import onnxruntime as ort
     model, params, meta = load_model(run)
     kind = meta["tokens"]["kind"]
-    symbols = meta["tokens"]["symbols"]
     unit = "phones" if kind == "phones" else "words"
     refs, _ = recognize.archive_references(unit, cv)
     train = train or meta["config"]["data.train"]
@@ -71,8 +71,9 @@ def main(run, cv, train=None, data_dir=None):
     sessions = [ort.InferenceSession(export_onnx.graph(model, params, mean, inv_std, how)
                                      .SerializeToString(), providers=["CPUExecutionProvider"])
                 for how in (None, meta["data"]["cmvn"])]
-    per_speaker, _ = recognize.greedy(ctc_outputs(model, params, cv, meta["data"]), symbols,
-                                      kind)
+    greedy = family("ctc").search     # CTC greedy search: (model, params, outputs, tokens)
+    per_speaker, _ = greedy(None, None, ctc_outputs(model, params, cv, meta["data"]),
+                            meta["tokens"])
     logposts = ([], [])
     for utt, feats in raw_utterances(cv):
         x = np.ascontiguousarray(feats, np.float32)
@@ -84,9 +85,9 @@ def main(run, cv, train=None, data_dir=None):
           f"{speakers} speakers, {frames} frames")
     systems = [("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
                ("--cmvn global (the ONNX export, onnxruntime)",
-                recognize.greedy(logposts[0], symbols, kind)[0]),
+                greedy(None, None, logposts[0], meta["tokens"])[0]),
                ("--cmvn utterance (the ONNX export, onnxruntime)",
-                recognize.greedy(logposts[1], symbols, kind)[0])]
+                greedy(None, None, logposts[1], meta["tokens"])[0])]
     if data_dir:
         systems.append(("--cmvn global, sherpa-onnx from the audio files",
                         sherpa_hyps(run, train, data_dir, list(per_speaker))))
