@@ -491,7 +491,11 @@ def test_ctrl_c_stops_the_workers_with_one_line_and_exit_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "hpcsgd.cli", "prep", str(data), str(out),
                              "--num-shards", "150", "--jobs", "2"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO,
+                            # a job started in the background by a non-interactive shell ignores
+                            # SIGINT, and an ignored signal stays ignored across exec: give prep
+                            # a terminal's default, as an interactive shell does
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
         if "wrote" in line:
             break
