@@ -14,6 +14,7 @@ file is not LibriSpeech's.
 import glob
 import os
 
+from data_prep import kaldi_dir
 from hpcsgd.errors import UserError
 
 TRANS_SUFFIX = ".trans.txt"
@@ -87,19 +88,13 @@ def read_genders(subset_dir):
 
 
 def _read_trans(path, prefix):
+    """A chapter's trans.txt -> {utt: [words]} (kaldi_dir's table reader: a repeated id is fatal)."""
     lines = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            utt = parts[0]
-            if not utt.startswith(prefix):
-                raise UserError(f"{path}:{lineno}: utterance id {utt!r} is not of this chapter "
-                                f"(expected {prefix}<n>)")
-            if utt in lines:
-                raise UserError(f"{path}:{lineno}: utterance {utt} a second time")
-            lines[utt] = parts[1:]
+    for utt, words, lineno in kaldi_dir.read_table(path, 1, "'<utt-id> WORDS ...'"):
+        if not utt.startswith(prefix):
+            raise UserError(f"{path}:{lineno}: utterance id {utt!r} is not of this chapter "
+                            f"(expected {prefix}<n>)")
+        lines[utt] = words
     return lines
 
 

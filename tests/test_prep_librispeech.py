@@ -140,4 +140,13 @@ def test_refusals_name_the_speaker_or_the_directory(tmp_path, capsys):
     assert "--cv-speakers" in (e := capsys.readouterr().err) and "163" in e and "--speakers" in e
     assert prep(ROOT, tmp_path / "c", "--tokens", "chars") == 2
     assert "neither a Kaldi data directory" in capsys.readouterr().err
+    data = corrupt(tmp_path)      # a transcript file that is not LibriSpeech's: fatal, named
+    trans = data / "460" / "172359" / "460-172359.trans.txt"
+    first = trans.read_text().splitlines()[0]
+    trans.write_text(trans.read_text() + first + "\n")
+    assert prep(data, tmp_path / "d", "--tokens", "chars") == 2
+    assert f"{trans}:5: duplicate utterance/recording id" in capsys.readouterr().err
+    trans.write_text(trans.read_text().replace(first.split()[0], "460-999999-0000", 1))
+    assert prep(data, tmp_path / "e", "--tokens", "chars") == 2
+    assert "is not of this chapter (expected 460-172359-<n>)" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "a") or not os.listdir(tmp_path / "a")
