@@ -27,6 +27,7 @@ from hpcsgd.errors import UserError
 from hpcsgd.families import of_model
 from hpcsgd.model import build
 from hpcsgd.model.flat import FlatParams
+from hpcsgd.model.legacy_names import legacy_names
 
 EVAL_BATCH = 1024
 FORMAT = "hpcsgd-int"   # an exported model's attrs["format"]
@@ -156,16 +157,21 @@ def load_exported(path, max_batch, device="cpu"):
             max_batch = max(max_batch, of_model(meta["model"]).EVAL_ROWS)
             model = build(meta["model"], max_batch=max_batch, device=device)
             params = FlatParams(model.specs, model.dtype)   # on the host
+            legacy = legacy_names(model.layers)   # a file written before today's names
+
+            def stored(kind, name):
+                key = f"{kind}/{name}"
+                return key if key in f or name not in legacy else f"{kind}/{legacy[name]}"
             for spec in model.specs:
                 if spec.name in model.quant.weights:
-                    d = f[f"int/{spec.name}"]
+                    d = f[stored("int", spec.name)]
                     size = spec.shape[0] * spec.shape[1]
                     codes = unpack_int4(d[()], size) if bits == 4 else d[()].reshape(-1)
-                    step = (f[f"step/{spec.name}"][()] if f"step/{spec.name}" in f
+                    step = (f[stored("step", spec.name)][()] if stored("step", spec.name) in f
                             else np.float32(d.attrs["step"]))
                     params[spec.name][...] = codes.astype(np.float32).reshape(spec.shape) * step
                 else:
-                    params[spec.name][...] = f[f"float/{spec.name}"][()]
+                    params[spec.name][...] = f[stored("float", spec.name)][()]
     except (OSError, KeyError, ValueError) as err:
         raise UserError(f"exported model {path}: unreadable ({err})") from None
     if device != "cpu":

@@ -347,8 +347,8 @@ else:
             if device == "cpu":
                 model.init(params, np.random.default_rng(1))
                 bias = np.random.default_rng(7).standard_normal(8).astype(np.float32) * 0.3
-                params.views["b0"][...] = bias[:5]
-                params.views["b1"][...] = bias[5:]
+                params.views["enc.0.b"][...] = bias[:5]
+                params.views["out.b"][...] = bias[5:]
             else:   # the CPU's master weights
                 params.flat.copy_to_device(out["cpu"]["params"])
             ce, _ = model.forward_backward(params, grads, x, y, n)
@@ -376,7 +376,8 @@ else:
             return o.astype(np.float64)
         specs = dnn(6, [5], 3, "relu", max_batch=n, precision="bf16").new_params()
         specs.flat[...] = cpu["w16"]
-        W0, b0, W1, b1 = (specs.views[k].astype(np.float64) for k in ("W0", "b0", "W1", "b1"))
+        W0, b0, W1, b1 = (specs.views[k].astype(np.float64) for k in ("enc.0.w", "enc.0.b",
+                                                                  "out.w", "out.b"))
         x16 = cpu["x16"]
         onehot = np.eye(3)[y]
         z1 = r(x16 @ W0)
@@ -396,15 +397,15 @@ else:
         e_p = p * np.expm1(2 * E) + kernel
         e_dz2 = rounded(e_p, dz2)
         bound = {
-            "W1": rounded(e_h1.T @ (A(dz2) + e_dz2) + A(h1).T @ e_dz2
+            "out.w": rounded(e_h1.T @ (A(dz2) + e_dz2) + A(h1).T @ e_dz2
                           + gamma(n) * A(h1).T @ A(dz2), h1.T @ dz2),
-            "b1": rounded(e_p.sum(0, keepdims=True) + gamma(n) * A(p - onehot).sum(0), dz2.sum(0)),
+            "out.b": rounded(e_p.sum(0, keepdims=True) + gamma(n) * A(p - onehot).sum(0), dz2.sum(0)),
         }
         e_dx = rounded(e_dz2 @ A(W1).T + gamma(3) * A(dz2) @ A(W1).T, dx)
         flip = A(z1 + b0) <= e_z1 + 2.0 ** -23 * A(z1 + b0)  # ReLU's mask may differ there
         e_dz1 = e_dx + flip * (A(dx) + e_dx)
-        bound["W0"] = rounded(A(x16).T @ e_dz1 + gamma(n) * A(x16).T @ A(dz1), x16.T @ dz1)
-        bound["b0"] = rounded(e_dz1.sum(0, keepdims=True) + gamma(n) * A(dz1).sum(0),
+        bound["enc.0.w"] = rounded(A(x16).T @ e_dz1 + gamma(n) * A(x16).T @ A(dz1), x16.T @ dz1)
+        bound["enc.0.b"] = rounded(e_dz1.sum(0, keepdims=True) + gamma(n) * A(dz1).sum(0),
                               dz1.sum(0, keepdims=True))
         want = {}
         for flat, key in ((gpu["grads"], "gpu"), (cpu["grads"], "cpu")):

@@ -10,8 +10,8 @@ from hpcsgd.model.flat import FlatParams, ParamSpec, matrices
 
 def test_layout_flat_views_and_codec_columns():
     lay = layout(6, [5, 4], 3)
-    assert lay == [("W0", (6, 5)), ("b0", (1, 5)), ("W1", (5, 4)), ("b1", (1, 4)),
-                   ("W2", (4, 3)), ("b2", (1, 3))]
+    assert lay == [("enc.0.w", (6, 5)), ("enc.0.b", (1, 5)), ("enc.1.w", (5, 4)),
+                   ("enc.1.b", (1, 4)), ("out.w", (4, 3)), ("out.b", (1, 3))]
     p = FlatParams(lay)
     assert p.flat.dtype == np.float32 and p.size == 6 * 5 + 5 + 5 * 4 + 4 + 4 * 3 + 3
     p.flat[:] = np.arange(p.size)
@@ -49,7 +49,8 @@ def test_parameters_are_grouped_by_how_they_are_exchanged():
     p.views["clip"][...] = 7
     np.testing.assert_array_equal(p.flat[16:18], [7, 7])
     # a DNN declares only codec parameters: its order is its declaration order
-    assert [m.name for m in matrices(layout(6, [5], 3))] == ["W0", "b0", "W1", "b1"]
+    assert [m.name for m in matrices(layout(6, [5], 3))] == ["enc.0.w", "enc.0.b", "out.w",
+                                                              "out.b"]
 
 
 def test_bad_specs_are_refused():

@@ -51,7 +51,7 @@ def test_the_head_adds_its_cross_entropy_gradient_to_every_weight():
                                        for m in params.matrices if m.name in head])].any()
     net.layers[-1].frame_ce = 0.7
     rng, base, h = np.random.default_rng(1), params.flat.copy(), 1e-4
-    for name in ("W1", "U1f", "W2", "Wf3", "bf3"):
+    for name in ("enc.1.w", "enc.1.u_fwd", "enc.2.w", "out.ce.w", "out.ce.b"):
         direction = np.zeros_like(base)
         m = next(m for m in params.matrices if m.name == name)
         direction[m.offset:m.offset + m.size] = rng.standard_normal(m.size)

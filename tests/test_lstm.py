@@ -202,10 +202,10 @@ def test_forward_equals_the_sequence_definition(bidirectional):
     net.forward(params, x, T * B)
     layer = net.layers[0]
     g = 4 * H
-    want = [KL.ref_lstm(x, params[layer.W][:, :g], params["U0f"], params["b0"][:, :g], T)]
+    W, b = params[layer.W], params[layer.b]
+    want = [KL.ref_lstm(x, W[:, :g], params[layer.U[0]], b[:, :g], T)]
     if bidirectional:
-        want.append(KL.ref_lstm(x, params[layer.W][:, g:], params["U0b"], params["b0"][:, g:],
-                                T, reverse=True))
+        want.append(KL.ref_lstm(x, W[:, g:], params[layer.U[1]], b[:, g:], T, reverse=True))
     np.testing.assert_allclose(net.acts[0][:T * B], np.hstack(want), rtol=1e-13, atol=1e-14)
 
 
@@ -236,7 +236,7 @@ def test_gradient_matches_finite_differences(bidirectional):
         # central differences: O(eps^2) truncation, ~1e-16 * CE / eps rounding (~1e-9)
         worst = max(worst, abs(fd - grads.flat[i]) - 1e-6 * abs(fd))
     assert worst < 1e-8, worst
-    assert np.abs(grads["U0f"]).max() > 1e-4 and np.abs(grads["U1f"]).max() > 1e-4
+    assert all(np.abs(grads[layer.U[0]]).max() > 1e-4 for layer in net.layers[:2])
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
@@ -251,8 +251,8 @@ def test_input_gradient_of_a_layer_matches_finite_differences(bidirectional):
     upper = lstm(width, [H], V, bidirectional, [5], "sigmoid", steps=T, max_batch=64,
                  dtype=np.float64)
     up = upper.new_params()
-    rename = {"W0": "W1", "U0f": "U1f", "U0b": "U1b", "b0": "b1", "W1": "W2", "b1": "b2",
-              "W2": "W3", "b2": "b3"}
+    theirs = [s.name for s in net.specs[-len(upper.specs):]]   # net's layers 1, 2, output
+    rename = dict(zip([s.name for s in upper.specs], theirs))
     for name in up.views:                       # layer 1 of `net` is layer 0 of `upper`
         up[name][...] = params[rename[name]]
     grads = net.new_params()

@@ -188,7 +188,7 @@ def test_tiny_model_learns_separable_problem(act):
 
 
 def test_flop_count_of_the_paper_model():
-    assert layout(440, [2048] * 7, 9304)[-1] == ("b7", (1, 9304))
+    assert layout(440, [2048] * 7, 9304)[-1] == ("out.b", (1, 9304))
     n = sum(a * b for _, (a, b) in layout(440, [2048] * 7, 9304))
     assert 45e6 < n < 46e6                        # the paper's "46M"
     assert gemm_flop_per_frame(440, [2048] * 7, 9304) == 2 * (3 * (n - 2048 * 7 - 9304) - 440 * 2048)

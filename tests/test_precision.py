@@ -149,7 +149,7 @@ def test_a_power_of_two_static_scale_in_float32_changes_no_bit(exchange, scale):
 
 def test_a_non_finite_gradient_without_a_scaler_is_still_an_error():
     model, params, opt, ex, step = setup(exchange="onebit")
-    params.views["W2"][0, 0] = np.inf
+    params.views["out.w"][0, 0] = np.inf
     with pytest.raises(Exception, match="(?i)non-finite|nan|inf"):
         run_steps(step, steps=1)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import TrainerRuns, latest_arrays, make_archive, run_train
+from hpcsgd.model.legacy_names import legacy_names
 from hpcsgd.model_io import load_model, pack_int4, unpack_int4
 
 # INT4 weights with SAWB, INT4 inputs with learned ranges (the features' start narrow enough
@@ -39,6 +40,7 @@ def options(arch, *extra):
 RUNS = TrainerRuns(options, timeout=120)
 train, reference, arrays = RUNS.train, RUNS.reference, latest_arrays
 CLI = [sys.executable, "-m", "hpcsgd.cli"]
+WEIGHTS = ("enc.0.w", "enc.1.w", "out.w")   # the DNN's weight matrices
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
 
 
@@ -95,7 +97,7 @@ def test_a_qat_run_with_onebit_sgd_resumes_bit_exactly(double_buffering, arch, t
     for name in full:
         np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
     clips = clip_values(full_run)
-    assert clips["clip_in0"][0, 1] != 1.0 and clips["clip_W0"][0, 0] > 0   # they learned
+    assert clips["clip_in0"][0, 1] != 1.0 and clips["clip_enc.0.w"][0, 0] > 0   # they learned
 
 
 def test_fine_tuning_starts_from_the_float_weights_with_a_linear_decay(arch, tmp_path,
@@ -131,7 +133,8 @@ def test_fine_tuning_starts_from_the_float_weights_with_a_linear_decay(arch, tmp
                                                    "model.hidden=[24]",
                                                    f"train.init_from={source}"),
                          capture_output=True, text=True, env=ENV, timeout=120)
-    assert bad.returncode == 2 and "parameter W1 (24, 5) not in the checkpoint" in bad.stderr
+    assert bad.returncode == 2
+    assert "parameter out.w (24, 5) not in the checkpoint (there: (16, 5))" in bad.stderr
 
 
 def test_a_sawb_width_without_coefficients_is_a_config_error(arch, tmp_path):
@@ -150,6 +153,29 @@ def test_int4_codes_pack_two_per_byte():
     np.testing.assert_array_equal(unpack_int4(packed, 7), codes)
 
 
+def test_an_integer_file_with_the_old_parameter_names_still_loads(arch, tmp_path,
+                                                                  tmp_path_factory):
+    """A file `hpcsgd export --int4` wrote before the parameters were named by where they live
+    (W0, b0, W1 ... clip_W0): the same weights as today's file (hpcsgd/model/legacy_names.py)."""
+    run = train(1, arch, tmp_path_factory, *QAT)
+    out, old = str(tmp_path / "model.h5"), str(tmp_path / "old.h5")
+    proc = subprocess.run(CLI + ["export", run, "--int4", "--out", out], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model, params, _ = load_model(out)
+    legacy = legacy_names(model.layers)
+    assert legacy["enc.0.w"] == "W0" and legacy["out.b"] == "b2"
+    assert legacy["clip_enc.1.w"] == "clip_W1"
+    with h5py.File(out) as f, h5py.File(old, "w") as g:
+        g.attrs.update(f.attrs)
+        for kind in f:
+            for name in f[kind]:
+                f.copy(f[kind][name], g, f"{kind}/{legacy.get(name, name)}")
+        assert sorted(g["int"]) == ["W0", "W1", "W2"]
+    _, again, _ = load_model(old)
+    np.testing.assert_array_equal(again.flat, params.flat)
+
+
 @pytest.mark.parametrize("width", ["--int4", "--int8"])
 def test_the_exported_integer_model_evaluates_as_the_fake_quantized_one(width, arch, tmp_path,
                                                                         tmp_path_factory):
@@ -160,10 +186,11 @@ def test_the_exported_integer_model_evaluates_as_the_fake_quantized_one(width, a
     assert proc.returncode == 0, proc.stderr
     bits = int(width[-1])
     with h5py.File(out) as f:
-        assert f["int/W0"].dtype == (np.uint8 if bits == 4 else np.int8)
-        sizes = [int(np.prod(f[f"int/{w}"].attrs["shape"])) for w in ("W0", "W1", "W2")]
-        stored = [f[f"int/{w}"].nbytes for w in ("W0", "W1", "W2")]
-        assert sorted(f["float"]) == ["b0", "b1", "b2", "clip_in0", "clip_in1", "clip_in2"]
+        assert f["int/enc.0.w"].dtype == (np.uint8 if bits == 4 else np.int8)
+        sizes = [int(np.prod(f[f"int/{w}"].attrs["shape"])) for w in WEIGHTS]
+        stored = [f[f"int/{w}"].nbytes for w in WEIGHTS]
+        assert sorted(f["float"]) == ["clip_in0", "clip_in1", "clip_in2", "enc.0.b", "enc.1.b",
+                                      "out.b"]
     assert sizes == [20 * 24, 24 * 16, 16 * 5]   # 5 spliced frames of 4 features in
     assert stored == [(n + 1) // 2 if bits == 4 else n for n in sizes]
     results = []
@@ -198,8 +225,8 @@ def test_a_clip_value_per_output_unit_trains_exports_and_evaluates_as_trained(ar
                           text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
     with h5py.File(out) as f:
-        assert f["step/W0"].shape == (24,) and len(np.unique(f["step/W0"][()])) > 1
-        assert "step" not in f["int/W0"].attrs
+        assert f["step/enc.0.w"].shape == (24,) and len(np.unique(f["step/enc.0.w"][()])) > 1
+        assert "step" not in f["int/enc.0.w"].attrs
     results = [evaluate(model, arch, tmp_path) for model in (run, out)]
     assert results[0]["ce"] == results[1]["ce"]
     assert results[0]["frame_accuracy"] == results[1]["frame_accuracy"]

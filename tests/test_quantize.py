@@ -114,9 +114,9 @@ def test_a_clip_value_per_output_unit():
                                       "weight_scale": "channel"}}, max_batch=8)
         params = model.new_params()
         model.init(params, np.random.default_rng(0))
-        params["W0"][...] = W[:DNN["input_dim"], :DNN["hidden"][0]]
+        params["enc.0.w"][...] = W[:DNN["input_dim"], :DNN["hidden"][0]]
         model.quant.quantize_weights(params, model.wq, model.ops)
-        for name in ("W0", "W1"):
+        for name in ("enc.0.w", "enc.1.w"):
             w, wq = params[name], model.wq[name]
             for j in range(w.shape[1]):
                 col = np.ascontiguousarray(w[:, j:j + 1])
@@ -125,12 +125,12 @@ def test_a_clip_value_per_output_unit():
                 want = quantized(col, Q.symmetric_grid(alpha, 4))
                 assert np.array_equal(wq[:, j:j + 1], want), (rule, name, j)
             assert len(np.unique(wq)) > 15     # more levels than one grid of 15 has
-        assert not model.wq["W0"][:, 7].any()
-        again = np.empty_like(model.wq["W0"])
-        grid = model.quant.w_grids["W0"]
-        KQ.fake_quant_channels(model.wq["W0"], again, grid.step, grid.inv, grid.klo, grid.khi)
-        assert np.array_equal(again, model.wq["W0"])                        # idempotent
-        assert np.array_equal(again, KQ.ref_fake_quant(model.wq["W0"], grid.step, grid.inv,
+        assert not model.wq["enc.0.w"][:, 7].any()
+        again = np.empty_like(model.wq["enc.0.w"])
+        grid = model.quant.w_grids["enc.0.w"]
+        KQ.fake_quant_channels(model.wq["enc.0.w"], again, grid.step, grid.inv, grid.klo, grid.khi)
+        assert np.array_equal(again, model.wq["enc.0.w"])                        # idempotent
+        assert np.array_equal(again, KQ.ref_fake_quant(model.wq["enc.0.w"], grid.step, grid.inv,
                                                        grid.klo, grid.khi))
     with pytest.raises(ValueError, match="learned clip per"):
         Q.check({"weights": "pact", "weight_scale": "channel"})
@@ -202,7 +202,7 @@ def test_a_qat_network_computes_the_float_networks_gradient_at_the_quantized_wei
         for name in flat_params.views:
             flat_params[name][...] = model.wq[name]
         flat_model.forward_backward(flat_params, flat_grads, x, y, 30)
-        for name in ("W0", "W1", "W2"):
+        for name in ("enc.0.w", "enc.1.w", "out.w"):
             W, want = params[name], flat_grads[name].copy()
             assert not np.array_equal(model.wq[name], W)   # really quantized
             if rule == "pact":
@@ -214,7 +214,7 @@ def test_a_qat_network_computes_the_float_networks_gradient_at_the_quantized_wei
                         + model.quant.clip_decay * 30 * np.float64(alpha))
                 assert grads[f"clip_{name}"][0, 0] == pytest.approx(clip, rel=1e-6)
             np.testing.assert_array_equal(grads[name], want, err_msg=f"{rule} {name}")
-        for name in ("b0", "b1", "b2"):
+        for name in ("enc.0.b", "enc.1.b", "out.b"):
             np.testing.assert_array_equal(grads[name], flat_grads[name])
 
 

@@ -38,7 +38,7 @@ def _batch(seed=0, nb=4, v=7):
 
 
 def _layer(mode, v=7, n_in=6, seed=1):
-    layer = Transducer(0, n_in, v, ["lstm 5"], embed=4, joint=6, joint_mode=mode)
+    layer = Transducer(n_in, v, ["lstm 5"], embed=4, joint=6, joint_mode=mode)
     params = FlatParams(as_specs(layer.specs()), np.float32)
     layer.init(params.views, np.random.default_rng(seed))
     rng = np.random.default_rng(seed + 1)

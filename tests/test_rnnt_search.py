@@ -15,7 +15,7 @@ from hpcsgd.model.transducer import Transducer
 
 
 def _model(v, joint, seed, mode="add"):
-    layer = Transducer(0, 4, v, ["lstm 3"], embed=2, joint=joint, joint_mode=mode)
+    layer = Transducer(4, v, ["lstm 3"], embed=2, joint=joint, joint_mode=mode)
     params = FlatParams(as_specs(layer.specs()), np.float32)
     layer.init(params.views, np.random.default_rng(seed))
     return layer, params

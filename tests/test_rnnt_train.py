@@ -240,7 +240,8 @@ def test_an_rnnt_starts_from_a_ctc_checkpoints_encoder(arch, tmp_path):
     what = init_from(model, params, ctc, {"tokens": {"kind": "phones", "inventory_hash": "?"}})
     assert "its encoder's layers" in what
     encoder_names = {s.name for layer in model.layers[:-1] for s in layer.specs()}
-    assert encoder_names == {"W0", "b0", "W1", "U1f", "U1b", "b1"}   # conv; BLSTM
+    assert encoder_names == {"enc.0.w", "enc.0.b", "enc.1.w", "enc.1.u_fwd", "enc.1.u_bwd",
+                             "enc.1.b"}   # conv; BLSTM
     for spec in model.specs:
         want = src[spec.name] if spec.name in encoder_names else fresh[spec.name]
         np.testing.assert_array_equal(params[spec.name], want, err_msg=spec.name)
@@ -283,7 +284,8 @@ def test_int4_qat_keeps_the_joint_float_and_its_export_decodes_the_same(arch, tm
     meta = checkpoint.read_meta(checkpoint.latest(run))
     assert meta["model"]["qat"]["first_layer"] == "float"
     model = build(meta["model"])
-    assert sorted(model.quant.weights) == ["E2", "U1b", "U1f", "U2p0f", "W1", "W2p0"]
+    assert sorted(model.quant.weights) == ["enc.1.u_bwd", "enc.1.u_fwd", "enc.1.w", "pred.embed",
+                                           "pred.lstm.0.u", "pred.lstm.0.w"]
     assert model.quant.rules[0] == "none" and model.quant.rules[2] == "none"
     assert model.layers[-1].pred[0].hidden_grid is not None
     epochs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))
@@ -311,4 +313,4 @@ def test_int4_qat_keeps_the_joint_float_and_its_export_decodes_the_same(arch, tm
                                 "qat.activation_bits=4", "qat.first_layer=quantized"),
                      timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "W0" in build(checkpoint.read_meta(checkpoint.latest(naive))["model"]).quant.weights
+    assert "enc.0.w" in build(checkpoint.read_meta(checkpoint.latest(naive))["model"]).quant.weights

@@ -112,7 +112,8 @@ def test_tdnn_gradient_by_finite_differences(norm):
         g = net.new_params()
         return net.forward_backward(params, g, x, y, len(y))[0]
 
-    names = ("W0", "b0", "W1", "b1", "W3") + (("g0", "g1") if norm else ())
+    names = ("enc.0.w", "enc.0.b", "enc.1.w", "enc.1.b", "out.w") + (
+        ("enc.0.norm.g", "enc.1.norm.g") if norm else ())
     assert set(names) <= {spec.name for spec in net.specs}
     for name in names:
         view, flat = params[name], params[name].reshape(-1)
@@ -139,7 +140,7 @@ def _padded(seqs, D):
 
 def _sequence_net(encoder, D, V):
     layers, width = encoder_layers(D, encoder, "relu")
-    return Network(layers + [SoftmaxOutput(len(layers), width, V)], 256, np.float64)
+    return Network(layers + [SoftmaxOutput("out", width, V)], 256, np.float64)
 
 
 @pytest.mark.parametrize("encoder", [["conv 5 k3", "blstm 3", "dense 4"],

@@ -26,7 +26,7 @@ def check_config(config):
     from hpcsgd.model.transducer import predictor_layers
     ctc.check_encoder(config)
     try:
-        predictor_layers(0, 2, config["model.embed"], config["model.predictor"])
+        predictor_layers(2, config["model.embed"], config["model.predictor"])
     except ValueError as err:
         raise UserError(f"config key model.predictor: {err}") from None
     if config["model.frame_ce"]:

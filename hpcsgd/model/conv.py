@@ -2,10 +2,10 @@
 convolution of DeepSpeech2's front end, Wav2Letter's stack and Kaldi's TDNN layers, and frame
 stacking. Each is a GEMM over unfolded frames (model.kernels_seq: unfold, fold).
 
-Conv1d(index, C, F, kernel k, stride s, dilation d): output step t' of a sequence reads its
+Conv1d(name, C, F, kernel k, stride s, dilation d): output step t' of a sequence reads its
 input steps t'*s - p + j*d, j = 0..k-1, p = (k-1)*d // 2 (centred; outside the sequence the
-input is zero), so a sequence of L steps gives ceil(L / s). Parameters W{index} (k*C, F) and
-b{index} (1, F): a codec column of W is the fan-out of one input channel at one tap. Forward:
+input is zero), so a sequence of L steps gives ceil(L / s). Parameters {name}.w (k*C, F) and
+{name}.b (1, F): a codec column of W is the fan-out of one input channel at one tap. Forward:
 cols = unfold(x) (T'*nb, k*C), y = f(cols @ W + b); the unfolded input is kept for the
 backward's dW = cols^T @ dz, whose buffer then takes dcols = dz @ W^T, folded into dx. Costs
 per output row: 2 k C F FLOP forward, as much for dW and for dX; the workspace is k times
@@ -19,7 +19,7 @@ output steps instead (instance norm: batch norm's statistics over one utterance)
 output z is kept in a workspace for the backward (rows x F more), which recomputes the
 statistics from it; the norm's backward writes dz over y, then the GEMMs as above.
 
-StackFrames(index, C, k): row t' = [x_{t'k}, ..., x_{t'k+k-1}] (zeros past the end): a
+StackFrames(name, C, k): row t' = [x_{t'k}, ..., x_{t'k+k-1}] (zeros past the end): a
 subsampling by k without parameters, the input of the next layer k*C wide.
 
 Padding: the Network zeroes the padded rows of every sequence layer's output and input
@@ -40,18 +40,18 @@ class Conv1d:
     """A 1-D convolution over time with an activation (ReLU or sigmoid)."""
     sequence = True   # Network passes its input's Lengths and its workspace
 
-    def __init__(self, index, n_in, n_out, kernel, stride=1, dilation=1, activation="relu",
+    def __init__(self, name, n_in, n_out, kernel, stride=1, dilation=1, activation="relu",
                  norm=None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
         if min(kernel, stride, dilation) < 1:
             raise ValueError(f"convolution: kernel {kernel}, stride {stride}, dilation "
                              f"{dilation} must all be >= 1")
-        self.W, self.b = f"W{index}", f"b{index}"
+        self.W, self.b = f"{name}.w", f"{name}.b"
         if norm not in NORMS:
             raise ValueError(f"convolution norm {norm!r}: expected one of {NORMS}")
         self.norm = norm
-        self.g = f"g{index}" if norm else None   # the norm's gain (gamma)
+        self.g = f"{name}.norm.g" if norm else None   # the norm's gain (gamma)
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.kernel, self.stride, self.dilation = int(kernel), int(stride), int(dilation)
         self.left = (self.kernel - 1) * self.dilation // 2
@@ -140,7 +140,7 @@ class StackFrames:
     """Frame stacking: every k consecutive steps of a sequence as one (subsampling by k)."""
     sequence = True
 
-    def __init__(self, index, n_in, k):
+    def __init__(self, name, n_in, k):
         if k < 1:
             raise ValueError(f"frame stacking by {k}: expected >= 1")
         self.n_in, self.k = int(n_in), int(k)

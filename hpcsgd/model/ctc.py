@@ -42,13 +42,13 @@ class CTCOutput(SoftmaxOutput):
     criterion is the CTC loss of a batch's token targets."""
     tokens = True   # its loss reads a batch's token targets at the output's Lengths
 
-    def __init__(self, index, n_in, num_tokens, frame_labels=0):
-        super().__init__(index, n_in, num_tokens)
+    def __init__(self, name, n_in, num_tokens, frame_labels=0):
+        super().__init__(name, n_in, num_tokens)
         self.skipped = 0   # utterances without an alignment (zero loss), since pop_skipped
         # the frame CE head: its width (0: none) and its weight in training (model.frame_ce,
         # set by the trainer; 0: the head is carried but not trained)
         self.frame_labels, self.frame_ce = int(frame_labels), 0.0
-        self.Wf, self.bf = f"Wf{index}", f"bf{index}"
+        self.Wf, self.bf = f"{name}.ce.w", f"{name}.ce.b"
         self.gemm_macs = self.n_in * (self.n_out + self.frame_labels)
         # since pop_frame_ce: the head's CE summed (nats), frames with a label, argmax hits
         self.frame_stats = np.zeros(3)
@@ -124,7 +124,7 @@ class CTCOutput(SoftmaxOutput):
 
 def ctc_layers(input_dim, encoder, num_tokens, activation="relu", frame_labels=0):
     layers, n_in = encoder_layers(input_dim, encoder, activation)
-    return layers + [CTCOutput(len(layers), n_in, num_tokens, frame_labels)]
+    return layers + [CTCOutput("out", n_in, num_tokens, frame_labels)]
 
 
 def ctc(input_dim, encoder, num_tokens, activation="relu", max_batch=8192, dtype=np.float32,

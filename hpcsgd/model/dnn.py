@@ -2,8 +2,8 @@
 layers: Dense hidden layers (sigmoid or ReLU) and a softmax output over the labels.
 
 Shape key: D = input dim (spliced features, e.g. 11*40 = 440), H_l = units of hidden layer l,
-V = num_labels (senones), L = hidden layers. Parameters "W0", "b0", ..., "W{L}", "b{L}"; W_l
-is (n_in, n_out) and y = x @ W_l + b_l, b_l is (1, n_out). A codec column is a row W_l[j, :]
+V = num_labels (senones), L = hidden layers. Parameters "enc.0.w", "enc.0.b", ..., "out.w",
+"out.b"; W_l is (n_in, n_out) and y = x @ W_l + b_l, b_l is (1, n_out). A codec column is a row W_l[j, :]
 (the fan-out of input unit j), contiguous in memory; a bias is one codec column. Costs per
 frame: 2 * sum(n_in * n_out) FLOP forward, the same for dW, and the same less the first layer
 for dX (~276 MFLOP for the paper's 46M model).
@@ -21,12 +21,11 @@ def dnn_layers(input_dim, hidden, num_labels, activation="sigmoid", group=None):
     over it (hpcsgd/model/parallel.py)."""
     dims = [int(input_dim), *[int(h) for h in hidden], int(num_labels)]
     pairs = list(enumerate(zip(dims[:-2], dims[1:-1])))
-    last = len(dims) - 2
     if group is not None and group.size > 1:
-        return ([SplitDense(l, n_in, n_out, activation, group) for l, (n_in, n_out) in pairs]
-                + [SplitSoftmax(last, dims[-2], dims[-1], group)])
-    return ([Dense(l, n_in, n_out, activation) for l, (n_in, n_out) in pairs]
-            + [SoftmaxOutput(last, dims[-2], dims[-1])])
+        return ([SplitDense(f"enc.{l}", n_in, n_out, activation, group)
+                 for l, (n_in, n_out) in pairs] + [SplitSoftmax("out", dims[-2], dims[-1], group)])
+    return ([Dense(f"enc.{l}", n_in, n_out, activation) for l, (n_in, n_out) in pairs]
+            + [SoftmaxOutput("out", dims[-2], dims[-1])])
 
 
 def dnn(input_dim, hidden, num_labels, activation="sigmoid", max_batch=1024,

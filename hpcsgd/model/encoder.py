@@ -82,40 +82,40 @@ def parse_spec(text):
                      f"'conformer D hH fF kK [ln|in]' (model/encoder.py)")
 
 
-def encoder_layers(input_dim, specs, activation="relu", first_index=0):
+def encoder_layers(input_dim, specs, activation="relu"):
     """The layers of the specs over input_dim features -> (layers, their output width).
-    Parameter names continue from first_index (W{i}, b{i}, U{i}f ...)."""
+    Layer k's parameters are named enc.k.* (enc.0.w, enc.3.u_fwd, enc.5.mhsa.qkv.w)."""
     layers, n_in = [], int(input_dim)
     for k, text in enumerate(specs):
         spec = parse_spec(text)
-        index = first_index + len(layers)
+        name = f"enc.{k}"
         kind = spec["kind"]
         if kind == "stack":
             if k:
                 raise ValueError(f"encoder layer {text!r}: frame stacking is the first layer "
                                  f"only (it stacks the input frames)")
-            layers.append(StackFrames(index, n_in, spec["units"]))
+            layers.append(StackFrames(name, n_in, spec["units"]))
         elif kind == "conv2d":
             if k:
                 raise ValueError(f"encoder layer {text!r}: the Conv2d subsampling is the "
                                  f"first layer only (it reads the features as time x "
                                  f"frequency)")
-            layers.append(Conv2dSubsampling(f"enc.{k}", n_in, spec["channels"], spec["units"]))
+            layers.append(Conv2dSubsampling(name, n_in, spec["channels"], spec["units"]))
         elif kind == "conformer":
             if n_in != spec["units"]:
                 raise ValueError(f"encoder layer {text!r}: a Conformer block of width "
                                  f"{spec['units']} reads {n_in} values a frame (the layer "
                                  f"below's output); widths must match (e.g. 'conv2d C "
                                  f"{spec['units']}' in front)")
-            layers.append(ConformerBlock(f"enc.{k}", k, spec["units"], spec["heads"],
+            layers.append(ConformerBlock(name, k, spec["units"], spec["heads"],
                                          spec["ff"], spec["kernel"], spec["norm"]))
         elif kind == "conv":
-            layers.append(Conv1d(index, n_in, spec["units"], spec["kernel"], spec["stride"],
+            layers.append(Conv1d(name, n_in, spec["units"], spec["kernel"], spec["stride"],
                                  spec["dilation"], activation, spec["norm"]))
         elif kind in ("blstm", "lstm"):
-            layers.append(LSTM(index, n_in, spec["units"], bidirectional=kind == "blstm"))
+            layers.append(LSTM(name, n_in, spec["units"], bidirectional=kind == "blstm"))
         else:
-            layers.append(Dense(index, n_in, spec["units"], activation))
+            layers.append(Dense(name, n_in, spec["units"], activation))
         n_in = layers[-1].n_out
     return layers, n_in
 
@@ -155,5 +155,5 @@ def tdnn(input_dim, encoder, num_labels, activation="relu", steps=40, max_batch=
                  "encoder": [" ".join(str(e).split()) for e in encoder],
                  "num_labels": int(num_labels), "activation": activation,
                  **({"qat": dict(qat)} if qat else {})}
-    return Network(layers + [SoftmaxOutput(len(layers), n_in, num_labels)], max_batch, dtype,
+    return Network(layers + [SoftmaxOutput("out", n_in, num_labels)], max_batch, dtype,
                    device, describe_, precision, steps=steps, qat=qat)

@@ -55,13 +55,13 @@ def _linear_backward(W, gW, x, dz, dx, progress):
 class Dense:
     """A hidden layer, y = f(x @ W + b), f sigmoid or ReLU; the bias and activation are one
     fused kernel forward, their derivative and the bias gradient one fused kernel backward.
-    Parameters W{index} (n_in, n_out) and b{index} (1, n_out); a codec column of W is the
-    fan-out of one input unit."""
+    Parameters {name}.w (n_in, n_out) and {name}.b (1, n_out), name the layer's place (enc.2);
+    a codec column of W is the fan-out of one input unit."""
 
-    def __init__(self, index, n_in, n_out, activation="sigmoid"):
+    def __init__(self, name, n_in, n_out, activation="sigmoid"):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
-        self.W, self.b = f"W{index}", f"b{index}"
+        self.W, self.b = f"{name}.w", f"{name}.b"
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.activation, self.kind = activation, ACTIVATIONS[activation]
         self.gemm_macs = self.n_in * self.n_out
@@ -92,10 +92,11 @@ class SoftmaxOutput:
     """The output layer: logits z = x @ W + b over the labels (senones), softmax, and the
     cross-entropy against frame labels. forward() computes x @ W only; the bias is added
     inside the fused loss (training) or log-softmax (inference) kernel, one pass over the
-    logits instead of two. Plain Glorot init, b = 0."""
+    logits instead of two. Plain Glorot init, b = 0. Parameters {name}.w and {name}.b (out.w,
+    out.b)."""
 
-    def __init__(self, index, n_in, n_out):
-        self.W, self.b = f"W{index}", f"b{index}"
+    def __init__(self, name, n_in, n_out):
+        self.W, self.b = f"{name}.w", f"{name}.b"
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.gemm_macs = self.n_in * self.n_out
 

@@ -47,10 +47,11 @@ class LSTM:
     output_range = (-1.0, 1.0)   # h = o tanh(c)
     hidden_grid = None   # quantization-aware training: h_{t-1}'s grid (model.quantize)
 
-    def __init__(self, index, n_in, cells, bidirectional=True):
+    def __init__(self, name, n_in, cells, bidirectional=True):
         self.dirs = 2 if bidirectional else 1
-        self.W, self.b = f"W{index}", f"b{index}"
-        self.U = [f"U{index}f", f"U{index}b"][:self.dirs]
+        self.W, self.b = f"{name}.w", f"{name}.b"
+        # the recurrent weights: one matrix per direction
+        self.U = [f"{name}.u_fwd", f"{name}.u_bwd"] if bidirectional else [f"{name}.u"]
         self.n_in, self.cells = int(n_in), int(cells)
         self.n_out = self.dirs * self.cells
         self.width = self.dirs * GATES * self.cells        # gate columns of both directions
@@ -240,12 +241,12 @@ def lstm_layers(input_dim, cells, num_labels, bidirectional=True, bottleneck=(),
     (`activation`), then the softmax output."""
     layers, n_in = [], int(input_dim)
     for c in cells:
-        layers.append(LSTM(len(layers), n_in, c, bidirectional))
+        layers.append(LSTM(f"enc.{len(layers)}", n_in, c, bidirectional))
         n_in = layers[-1].n_out
     for width in bottleneck:
-        layers.append(Dense(len(layers), n_in, width, activation))
+        layers.append(Dense(f"enc.{len(layers)}", n_in, width, activation))
         n_in = int(width)
-    return layers + [SoftmaxOutput(len(layers), n_in, num_labels)]
+    return layers + [SoftmaxOutput("out", n_in, num_labels)]
 
 
 def lstm(input_dim, cells, num_labels, bidirectional=True, bottleneck=(), activation="relu",

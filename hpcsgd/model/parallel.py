@@ -214,11 +214,11 @@ class ModelGroup:
 
 
 class _Columns:
-    """What both split layers share: this rank's columns [lo, hi) of W{index} (n_in, n_out)
-    and b{index} (1, n_out), and the input gradient's Reduce_scatter."""
+    """What both split layers share: this rank's columns [lo, hi) of {name}.w (n_in, n_out)
+    and {name}.b (1, n_out), and the input gradient's Reduce_scatter."""
 
-    def __init__(self, index, n_in, n_out, group):
-        self.W, self.b = f"W{index}", f"b{index}"
+    def __init__(self, name, n_in, n_out, group):
+        self.W, self.b = f"{name}.w", f"{name}.b"
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.group = group
         self.bounds = split_columns(self.n_out, group.size)        # my columns of W
@@ -226,7 +226,7 @@ class _Columns:
         self.lo, self.hi = int(self.bounds[group.rank]), int(self.bounds[group.rank + 1])
         self.cols = self.hi - self.lo
         if self.cols < 1:
-            raise ValueError(f"layer {index}: {self.n_out} outputs over {group.size} model "
+            raise ValueError(f"layer {name}: {self.n_out} outputs over {group.size} model "
                              f"ranks leave rank {group.rank} none; use model.parallel <= "
                              f"{self.n_out}")
         self.gemm_macs = self.n_in * self.cols
@@ -263,7 +263,7 @@ class _Columns:
 
 class SplitDense(_Columns):
     """A hidden layer split by output columns (see the module docstring): the same parameters
-    as layers.Dense (W{index}, b{index}), this rank's columns of them. Its output buffer (the
+    as layers.Dense ({name}.w, {name}.b), this rank's columns of them. Its output buffer (the
     Network's acts) holds the whole gathered y; its own slice f(x W_j + b_j) is in ws."""
 
     def __init__(self, index, n_in, n_out, activation, group):

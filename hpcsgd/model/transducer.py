@@ -70,7 +70,7 @@ JOINT_MODES = tuple(KJ.MODES)
 DEFAULT_JOINT_BUDGET = 256 << 20   # bytes of h and z per joint group (rnnt.joint_memory_mb)
 
 
-def predictor_layers(index, num_tokens, embed, specs):
+def predictor_layers(num_tokens, embed, specs):
     """The prediction network's LSTM layers over an embedding of `embed` values: forward
     ("lstm H") layers only -- it runs over the tokens emitted so far, so it must be causal."""
     layers, n_in = [], int(embed)
@@ -80,16 +80,17 @@ def predictor_layers(index, num_tokens, embed, specs):
             raise ValueError(f"prediction network layer {text!r}: 'lstm H' layers only (it "
                              f"reads the tokens emitted so far: causal, no convolution, no "
                              f"backward direction)")
-        layers.append(LSTM(f"{index}p{k}", n_in, spec["units"], bidirectional=False))
+        layers.append(LSTM(f"pred.lstm.{k}", n_in, spec["units"], bidirectional=False))
         n_in = layers[-1].n_out
     return layers, n_in
 
 
 class Transducer:
     """The output layer of an RNN-T model: the encoder's joint projection (its forward), the
-    prediction network and the joint (its loss). Parameters W{i}/b{i} (encoder projection),
-    E{i} (token embedding, row 0 the blank as the start symbol), the predictor's LSTM layers
-    W{i}p{l}..., W{i}p/b{i}p (its projection), W{i}o/b{i}o (the joint's output)."""
+    prediction network and the joint (its loss). Parameters joint.enc.w/b (the encoder's
+    projection), pred.embed (the token embedding, row 0 the blank as the start symbol), the
+    predictor's LSTM layers pred.lstm.l.w/u/b, joint.pred.w/b (its projection), joint.out.w/b
+    (the joint's output layer)."""
     tokens = True   # its loss reads a batch's token targets at the output's Lengths
     # quantization-aware training (model/quantize.py; the INT4 paper's RNN-T recipe): the
     # joint stays float -- its input (the encoder's output), the encoder and predictor
@@ -100,17 +101,17 @@ class Transducer:
     quantized_input = False
     input_bits = None
 
-    def __init__(self, index, n_in, num_tokens, predictor, embed, joint, joint_mode="add"):
+    def __init__(self, n_in, num_tokens, predictor, embed, joint, joint_mode="add"):
         if joint_mode not in KJ.MODES:
             raise ValueError(f"joint mode {joint_mode!r}: expected one of {JOINT_MODES}")
-        self.W, self.b = f"W{index}", f"b{index}"
-        self.E = f"E{index}"
-        self.Wp, self.bp = f"W{index}p", f"b{index}p"
-        self.Wo, self.bo = f"W{index}o", f"b{index}o"
+        self.W, self.b = "joint.enc.w", "joint.enc.b"
+        self.E = "pred.embed"
+        self.Wp, self.bp = "joint.pred.w", "joint.pred.b"
+        self.Wo, self.bo = "joint.out.w", "joint.out.b"
         self.n_in, self.n_out = int(n_in), int(joint)   # the forward's output: enc
         self.num_tokens, self.embed, self.joint = int(num_tokens), int(embed), int(joint)
         self.mode_name, self.mode = joint_mode, KJ.MODES[joint_mode]
-        self.pred, self.pred_width = predictor_layers(index, num_tokens, embed, predictor)
+        self.pred, self.pred_width = predictor_layers(num_tokens, embed, predictor)
         self.sublayers = self.pred
         self.float_weights = (self.W, self.Wp, self.Wo)
         self.gemm_macs = self.n_in * self.joint   # per encoder frame; the joint is per node
@@ -444,8 +445,7 @@ def _store(ops, x):
 def rnnt_layers(input_dim, encoder, num_tokens, predictor, embed, joint, joint_mode,
                 activation="relu"):
     layers, n_in = encoder_layers(input_dim, encoder, activation)
-    return layers + [Transducer(len(layers), n_in, num_tokens, predictor, embed, joint,
-                                joint_mode)]
+    return layers + [Transducer(n_in, num_tokens, predictor, embed, joint, joint_mode)]
 
 
 def rnnt(input_dim, encoder, num_tokens, predictor=("lstm 256",), embed=64, joint=256,
