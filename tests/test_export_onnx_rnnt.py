@@ -1,0 +1,119 @@
+"""`hpcsgd export --onnx` of RNN-T models (hpcsgd/export_onnx_rnnt.py): the encoder, decoder
+and joiner graphs against hpcsgd's forward, prediction network and joint (float32 and
+float64); a tiny RNN-T trained on the bundled demo corpus, exported and decoded by sherpa-onnx
+from the FLAC files as hpcsgd's searches decode the archive's features."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_float32_close, run_train
+from hpcsgd import export_onnx, export_onnx_rnnt
+from hpcsgd.model import build
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+LOG_1E_10 = -23.025850929940457   # what sherpa-onnx pads a batch of features with
+
+
+def rnnt_model(encoder, predictor, joint_mode, seed=1, dtype=np.float32):
+    describe = {"type": "rnnt", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
+                "predictor": predictor, "embed": 5, "joint": 9, "joint_mode": joint_mode,
+                "activation": "relu"}
+    model = build(describe, max_batch=256, dtype=dtype)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(seed))
+    return model, params
+
+
+def session(proto):
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def in_dtype(model, params, dtype):
+    """The model rebuilt in `dtype` with the same weights (float64: the reference)."""
+    twin = build(model.describe, max_batch=256, dtype=dtype)
+    p = twin.new_params()
+    p.flat[...] = params.flat
+    return twin, p
+
+
+@pytest.mark.parametrize("encoder, predictor, mode", [
+    (["stack 3", "conv 8 k3 s2", "blstm 5"], ["lstm 6"], "add"),
+    (["conv2d 3 16", "conformer 16 h4 f32 k5 in"], ["lstm 6", "lstm 4"], "mul"),
+], ids=["blstm-add", "conformer-2lstm-mul"])
+def test_encoder_decoder_joiner_equal_hpcsgd(encoder, predictor, mode):
+    """encoder.onnx on a padded batch of 61 and 14 frames (the padding log(1e-10)) gives
+    hpcsgd's encoder projection; decoder.onnx, given sherpa-onnx's windows of hypotheses of
+    0 to 9 tokens, gives the prediction network after the blank and those tokens
+    (Transducer.predict in float32, start + step in float64); joiner.onnx gives joint_logits.
+    Each as far from the float64 reference as hpcsgd's float32 is (assert_float32_close)."""
+    from test_export_onnx import hpcsgd_outputs
+    model, params = rnnt_model(encoder, predictor, mode)
+    out = model.layers[-1]
+    rng = np.random.default_rng(0)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    lengths = [61, 14]
+    raw = np.full((2, 61, 40), LOG_1E_10, np.float32)
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    enc, enc_lens = session(export_onnx_rnnt.encoder_graph(model, params, mean, inv_std)).run(
+        None, {"x": raw, "x_lens": np.array(lengths)})
+    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, lengths, np.float32)
+    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
+    ref64 = hpcsgd_outputs(model.describe, params, x64, lengths, np.float64)
+    assert enc_lens.tolist() == [len(r) for r in ref32]
+    for b in range(2):
+        assert_float32_close(enc[b, :enc_lens[b]], ref32[b], ref64[b])
+
+    # the decoder: hypotheses of 0..9 tokens in sherpa-onnx's windows [-1 .. -1 0 y_1 .. y_u]
+    hyps = [list(rng.integers(1, 7, u)) for u in (0, 1, 4, 9, 2)]
+    C = export_onnx_rnnt.CONTEXT_SIZE
+    y = np.full((len(hyps), C), -1, np.int64)
+    for b, ys in enumerate(hyps):
+        y[b, C - 1 - len(ys):] = [0] + ys
+    dec, = session(export_onnx_rnnt.decoder_graph(model, params)).run(None, {"y": y})
+    ids = np.array([k for ys in hyps for k in ys], np.int64)
+    offsets = np.cumsum([0] + [len(ys) for ys in hyps])
+    order, pos, plen, tok = out.predictor_batch(ids, offsets)
+    pred32 = np.array(out.predict(params, tok, plen, model.ops))
+    model64, params64 = in_dtype(model, params, np.float64)
+    pred64 = []
+    for ys in hyps:   # the search's own arithmetic: start, then a step per token
+        pred, state = out.start(params64, 1)
+        for k in ys:
+            pred, state = out.step(params64, np.array([k]), state)
+        pred64.append(pred[0])
+    last32 = np.stack([pred32[len(ys) * len(hyps) + pos[b]] for b, ys in enumerate(hyps)])
+    assert_float32_close(dec, last32, np.stack(pred64))
+
+    # the joiner, on rows of the two outputs above
+    e, d = np.repeat(enc[0, :5], 5, axis=0), np.tile(dec, (5, 1))
+    logit, = session(export_onnx_rnnt.joiner_graph(model, params)).run(
+        None, {"encoder_out": e, "decoder_out": d})
+    assert_float32_close(logit, out.joint_logits(params, e, d),
+                         out.joint_logits(params64, e.astype(np.float64), d.astype(np.float64)))
+
+
+def test_a_hypothesis_longer_than_the_window():
+    """A hypothesis of context_size tokens or more: the decoder runs the LSTM over the
+    window's last context_size tokens from the zero state (no blank start): the documented
+    truncation, and no error."""
+    model, params = rnnt_model(["blstm 5"], ["lstm 6"], "add")
+    out = model.layers[-1]
+    C = 4
+    ys = [3, 1, 4, 1, 5, 2]
+    dec, = session(export_onnx_rnnt.decoder_graph(model, params, context_size=C)).run(
+        None, {"y": np.array([ys[-C:], [-1, -1, 0, 2]], np.int64)})
+    _, p64 = in_dtype(model, params, np.float64)
+    state = [(np.zeros((1, l.cells)), np.zeros((1, l.cells))) for l in out.pred]
+    for k in ys[-C:]:
+        pred, state = out.step(p64, np.array([k]), state)
+    np.testing.assert_allclose(dec[0], pred[0], rtol=0, atol=1e-5)
+    pred, state = out.start(p64, 1)
+    pred, _ = out.step(p64, np.array([2]), state)
+    np.testing.assert_allclose(dec[1], pred[0], rtol=0, atol=1e-5)
