@@ -117,3 +117,102 @@ def test_a_hypothesis_longer_than_the_window():
     pred, state = out.start(p64, 1)
     pred, _ = out.step(p64, np.array([2]), state)
     np.testing.assert_allclose(dec[1], pred[0], rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exported(demo_tokens, tmp_path_factory):
+    """A tiny phone RNN-T (stack 3, conv 32 k3, blstm 48; lstm 32 predictor) trained on the
+    demo corpus' 32 training speakers, exported with `hpcsgd export --onnx`: (run, out_dir,
+    the command's stdout)."""
+    pytest.importorskip("sherpa_onnx")
+    base = tmp_path_factory.mktemp("onnx_rnnt")
+    run, out = str(base / "run"), str(base / "onnx")
+    proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
+                         f"train.run_dir={run}", "model.type=rnnt",
+                         "model.encoder=[stack 3, conv 32 k3, blstm 48]",
+                         "model.predictor=[lstm 32]", "model.embed=16", "model.joint=48",
+                         "data.tokens=phones", "train.minibatch=2000", "train.epochs=12",
+                         "optim.type=adam", "optim.lr=1e-5", "optim.momentum_tc=0",
+                         "schedule.type=constant"], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--onnx", out],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    return run, out, cli.stdout
+
+
+def hpcsgd_searches(run, cv, train):
+    """{utt: phones} of hpcsgd's greedy search (at most 1 and 3 symbols per frame) and
+    modified beam search of 4 on the archive's raw features normalised with the global
+    statistics the export folds into its encoder, archive order."""
+    from hpcsgd.data.loader import iter_utterances
+    from hpcsgd.decode import rnnt
+    from hpcsgd.model.lengths import Lengths
+    from hpcsgd.model_io import load_model
+    model, params, meta = load_model(run)
+    layer, symbols = model.layers[-1], np.array(meta["tokens"]["symbols"])
+    mean, inv_std, _, _ = export_onnx.global_cmvn(train, "meanvar")
+    hyps = {"greedy1": {}, "greedy3": {}, "beam4": {}}
+    for utt, feats, _ in iter_utterances(cv, cmvn="none", shuffle=False):
+        x = np.ascontiguousarray((feats.astype(np.float32) - mean) * inv_std, np.float32)
+        enc = np.array(model.forward(params, x, len(x), lengths=[len(x)]))
+        n = Lengths([len(enc)])
+        hyps["greedy1"][utt] = list(symbols[rnnt.greedy_search(layer, params, enc, n, 1)[0]])
+        hyps["greedy3"][utt] = list(symbols[rnnt.greedy_search(layer, params, enc, n)[0]])
+        hyps["beam4"][utt] = list(symbols[rnnt.beam_search(layer, params, enc, n, 4)[0][0]])
+    return hyps
+
+
+def sherpa_onnx_hyps(code, utts, method, batch=False):
+    """{utt: phones} of the recognizer `code` builds (what `hpcsgd export` prints, its
+    decoding method set to `method`) from each demo FLAC file, one stream at a time; with
+    batch, also all in one padded batch, which must agree."""
+    import soundfile as sf
+    names = {}
+    exec(code.replace("'greedy_search'", repr(method)), names)   # the printed call
+    recognizer = names["recognizer"]
+    demo = os.path.join(REPO, "data_prep", "demo", "so762")
+    audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
+    hyps, streams = {}, []
+    for utt in utts:
+        samples, rate = sf.read(os.path.join(demo, audio[utt]), dtype="float32")
+        one, batched = recognizer.create_stream(), recognizer.create_stream()
+        for s in (one, batched):
+            s.accept_waveform(rate, samples)
+        recognizer.decode_stream(one)
+        hyps[utt] = one.result.text.split()
+        streams.append(batched)
+    if batch:
+        recognizer.decode_streams(streams)
+        assert [s.result.text.split() for s in streams] == list(hyps.values())
+    return hyps
+
+
+def test_sherpa_onnx_decodes_the_audio_as_hpcsgd_does(exported, demo_tokens):
+    """sherpa-onnx, loaded by the code `hpcsgd export` prints, recognizes each of the 40
+    held-out FLAC files (its own fbank from the audio, the global CMVN inside the encoder
+    graph), one stream at a time and in one padded batch, as hpcsgd's greedy search with at
+    most one symbol per frame (sherpa-onnx's rule) does on the archive's features normalised
+    with the same statistics; its modified_beam_search with 4 active paths as hpcsgd's beam
+    search of 4. Printed: how many differ from hpcsgd's greedy of up to 3 symbols per frame
+    (hpcsgd decode's) and from `hpcsgd decode --greedy` (also per-speaker CMVN)."""
+    from hpcsgd.families import family
+    from hpcsgd.model_io import load_model
+    from hpcsgd.outputs import ctc_posteriors
+    run, out, stdout = exported
+    cv, train = f"{demo_tokens}/cv", f"{demo_tokens}/train"
+    want = hpcsgd_searches(run, cv, train)
+    code = stdout[stdout.index("import sherpa_onnx"):]
+    utts = list(want["greedy1"])
+    greedy = sherpa_onnx_hyps(code, utts, "greedy_search", batch=True)
+    assert greedy == want["greedy1"]
+    assert sum(map(len, greedy.values())) > 20   # not an all-blank model
+    beam = sherpa_onnx_hyps(code, utts, "modified_beam_search", batch=True)
+    assert beam == want["beam4"]
+    model, params, meta = load_model(run)
+    encs, _ = ctc_posteriors(model, params, meta, cv)
+    per_speaker, _ = family("rnnt").search(model, params, encs, meta["tokens"])
+    print(f"sherpa-onnx greedy against hpcsgd's greedy of <= 3 symbols per frame: "
+          f"{sum(greedy[u] != want['greedy3'][u] for u in utts)} of {len(utts)} differ; "
+          f"against hpcsgd decode --greedy (per-speaker CMVN): "
+          f"{sum(greedy[u] != per_speaker[u] for u in utts)} differ")
