@@ -1,5 +1,6 @@
 """`hpcsgd export RUN --onnx OUT_DIR`: a CTC model as an ONNX graph that leaves hpcsgd --
-decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio.
+decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio. An RNN-T
+model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder() below).
 
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
@@ -52,9 +53,9 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
 Every encoder layer's output is masked past its utterance's length, as the Network does, so a
 padded batch gives each utterance what it gives alone.
 
-Not exported yet (refused with the model named): RNN-T models, models trained with quantized
-weights or activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding
-graph and priors, not a CTC search).
+Not exported yet (refused with the model named): models trained with quantized weights or
+activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding graph and
+priors, not a CTC search).
 """
 import json
 import os
@@ -358,7 +359,7 @@ def unsupported(model, meta_path):
     if kind in ("dnn", "lstm", "tdnn"):
         return (f"{meta_path}: a hybrid {kind} model (frame posteriors over HMM states): it "
                 f"needs a decoding graph and the label priors (hpcsgd mkgraph, hpcsgd decode "
-                f"--graph), not a CTC search; only CTC models are exported to ONNX")
+                f"--graph), not a CTC search; only CTC and RNN-T models are exported to ONNX")
     if kind not in ("ctc", "rnnt"):
         return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
                 f"covers CTC and RNN-T models only)")
