@@ -100,23 +100,25 @@ def test_encoder_decoder_joiner_equal_hpcsgd(encoder, predictor, mode):
 
 
 def test_a_hypothesis_longer_than_the_window():
-    """A hypothesis of context_size tokens or more: the decoder runs the LSTM over the
-    window's last context_size tokens from the zero state (no blank start): the documented
-    truncation, and no error."""
+    """A hypothesis of context_size tokens or more (a window of 4 built for the test): the
+    decoder runs the LSTM over the window's tokens from the zero state, without the blank
+    start -- the documented truncation, and no error -- beside a short hypothesis in the same
+    batch, exact. References: the predictor's float32 kernels over those inputs
+    (Transducer.predict) and its float64 steps."""
+    from hpcsgd.model.lengths import Lengths
     model, params = rnnt_model(["blstm 5"], ["lstm 6"], "add")
     out = model.layers[-1]
-    C = 4
-    ys = [3, 1, 4, 1, 5, 2]
+    C, ys = 4, [3, 1, 4, 1, 5, 2]
     dec, = session(export_onnx_rnnt.decoder_graph(model, params, context_size=C)).run(
         None, {"y": np.array([ys[-C:], [-1, -1, 0, 2]], np.int64)})
     _, p64 = in_dtype(model, params, np.float64)
-    state = [(np.zeros((1, l.cells)), np.zeros((1, l.cells))) for l in out.pred]
-    for k in ys[-C:]:
-        pred, state = out.step(p64, np.array([k]), state)
-    np.testing.assert_allclose(dec[0], pred[0], rtol=0, atol=1e-5)
-    pred, state = out.start(p64, 1)
-    pred, _ = out.step(p64, np.array([2]), state)
-    np.testing.assert_allclose(dec[1], pred[0], rtol=0, atol=1e-5)
+    for row, inputs in ((0, ys[-C:]), (1, [0, 2])):
+        pred32 = np.array(out.predict(params, np.array(inputs), Lengths([len(inputs)]),
+                                      model.ops))
+        state = [(np.zeros((1, l.cells)), np.zeros((1, l.cells))) for l in out.pred]
+        for k in inputs:   # from the zero state, as Transducer.start does with the blank
+            pred64, state = out.step(p64, np.array([k]), state)
+        assert_float32_close(dec[row], pred32[-1], pred64[0])
 
 
 @pytest.fixture(scope="module")
