@@ -559,9 +559,7 @@ def export(path, out_dir, stats=None, cmvn="global"):
     if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
         from hpcsgd import export_onnx_rnnt
         done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
-                                      props, options)
-        archive.atomic_write_text(done["tokens"],
-                                  sherpa_tokens(tokens["symbols"], tokens["kind"]))
+                                      props, options, tokens)
         return {**done, "options": options, "cmvn": how}
     proto = graph(model, params, mean, inv_std, utterance)
     # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type

@@ -35,21 +35,24 @@ runs u + 1 LSTM steps instead of one (quadratic in the hypothesis' length), the 
 trimmed to the longest row's so that a large CONTEXT_SIZE costs nothing itself.
 
 sherpa-onnx's searches against hpcsgd's (decode/rnnt.py): its greedy_search emits at most one
-token per frame (hpcsgd's up to MAX_SYMBOLS = 3) and treats a token named <unk> as the blank
-(no hpcsgd inventory has one); its modified_beam_search is hpcsgd's beam_search, except that
-it ranks the final hypotheses by log-probability / (context_size + tokens), which with
-CONTEXT_SIZE = 1024 is nearly hpcsgd's unnormalised ranking.
+token per frame (hpcsgd's up to MAX_SYMBOLS = 3); it takes a token named <unk> for a second
+blank (so tokens.txt spells a BPE inventory's <unk> as ⁇: transducer_tokens); its
+modified_beam_search is hpcsgd's beam_search, except that it ranks the final hypotheses by
+log-probability / (context_size + tokens), which with CONTEXT_SIZE = 1024 is nearly hpcsgd's
+unnormalised ranking.
 """
 import os
 
 import numpy as np
 
-from hpcsgd.export_onnx import IR_VERSION, OPSET, Graph, encoder, lstm
+from hpcsgd.data import archive
+from hpcsgd.export_onnx import IR_VERSION, OPSET, Graph, encoder, lstm, sherpa_tokens
 
 # the decoder's window: sherpa-onnx copies this many int64 per hypothesis per call (8 KB, a
 # trifle beside the LSTM), the graph reads only the longest row's tokens; hypotheses of up
 # to CONTEXT_SIZE - 1 tokens get the LSTM over their whole history
 CONTEXT_SIZE = 1024
+UNK_SURFACE = "\u2047"   # ⁇, how sentencepiece writes <unk> in decoded text
 
 
 def affine(g, x, p, w, b):
@@ -137,11 +140,20 @@ def joiner_graph(model, params, props=None):
                   [("logit", TensorProto.FLOAT, ["N", out.num_tokens])], props or {})
 
 
-def write(model, params, out_dir, norm, props, options):
-    """Write encoder.onnx, decoder.onnx, joiner.onnx of the RNN-T model into out_dir (the
-    caller writes tokens.txt) -> {"encoder", "decoder", "joiner", "tokens", "code"}. norm:
-    (mean, inv_std, utterance) as export_onnx.normalize takes them; props: the metadata of
-    every file (the CTC export's keys)."""
+def transducer_tokens(symbols, kind):
+    """tokens.txt as the CTC export writes it (export_onnx.sherpa_tokens), but sentencepiece's
+    <unk> (a BPE inventory has it; prep drops the utterances that need it, so it is never a
+    target) spelled as its surface form ⁇: sherpa-onnx's transducer searches take a symbol
+    named <unk> for a second blank, hpcsgd's for a token, and the two would part where it
+    wins."""
+    return sherpa_tokens([UNK_SURFACE if s == "<unk>" else s for s in symbols], kind)
+
+
+def write(model, params, out_dir, norm, props, options, tokens):
+    """Write encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt of the RNN-T model into
+    out_dir -> {"encoder", "decoder", "joiner", "tokens", "code"}. norm: (mean, inv_std,
+    utterance) as export_onnx.normalize takes them; props: the metadata of every file (the
+    CTC export's keys); tokens: the checkpoint's inventory ({"kind", "symbols"})."""
     import onnx
     out = model.layers[-1]
     common = {**props, "predictor": ", ".join(model.describe["predictor"]),
@@ -162,6 +174,8 @@ def write(model, params, out_dir, norm, props, options):
         onnx.save(proto, tmp)
         os.replace(tmp, done[part])   # nothing half-written under the final name
     done["tokens"] = os.path.join(out_dir, "tokens.txt")
+    archive.atomic_write_text(done["tokens"], transducer_tokens(tokens["symbols"],
+                                                                tokens["kind"]))
     done["code"] = sherpa_code(done, options)
     return done
 

@@ -264,3 +264,12 @@ def test_a_quantization_aware_rnnt_is_named(tmp_path):
     with pytest.raises(UserError, match="not yet exported: a quantization-aware model"):
         export_onnx.export(run, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_tokens_spell_unk_as_its_surface():
+    """A BPE inventory's <unk> becomes ⁇ in tokens.txt (sherpa-onnx's transducer searches
+    would take a symbol named <unk> for the blank); the rest as the CTC export writes it."""
+    assert export_onnx_rnnt.transducer_tokens(["<blk>", "<unk>", "\u2581the", "s"], "bpe") == \
+        "<blk> 0\n\u2047 1\n\u2581the 2\ns 3\n"
+    assert export_onnx_rnnt.transducer_tokens(["<blk>", "AA"], "phones") == \
+        "<blk> 0\n\u2581AA 1\n"
