@@ -509,10 +509,11 @@ CMVN_CHOICES = ("global", "utterance")
 
 def export(path, out_dir, stats=None, cmvn="global"):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
-    checkpoint). cmvn "global": normalised with the statistics of the archive `stats`
-    (default: the run's training archive) summed over its speakers; "utterance": each
+    checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
+    (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
+    `stats` (default: the run's training archive) summed over its speakers; "utterance": each
     utterance with its own (the archive then gives only the feature options). Returns
-    {"model", "tokens", "options", "code", "frames", "speakers", "cmvn"}."""
+    {"model" (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn"}."""
     if cmvn not in CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
