@@ -1,5 +1,6 @@
 """`hpcsgd export`: a model's weights as integers with their scales, for integer inference;
-or a CTC model as ONNX, for recognizers outside hpcsgd (hpcsgd/export_onnx.py, docs/export.md).
+or a CTC or RNN-T model as ONNX, for recognizers outside hpcsgd (hpcsgd/export_onnx.py,
+hpcsgd/export_onnx_rnnt.py, docs/export.md).
 
     hpcsgd export RUN_DIR|CHECKPOINT --int8|--int4 --out MODEL.h5
     hpcsgd eval MODEL.h5 --data ARCHIVE          (and infer: the integer weights)
@@ -44,8 +45,10 @@ def add_arguments(parser):
     width.add_argument("--int4", action="store_const", const=4, dest="bits",
                        help="4-bit codes, two per byte")
     width.add_argument("--onnx", metavar="OUT_DIR",
-                       help="a CTC model as OUT_DIR/model.onnx and tokens.txt for sherpa-onnx "
-                            "(float32, the normalisation inside: --cmvn; docs/export.md)")
+                       help="a CTC model as OUT_DIR/model.onnx, an RNN-T model as "
+                            "OUT_DIR/{encoder,decoder,joiner}.onnx, and tokens.txt for "
+                            "sherpa-onnx (float32, the normalisation inside: --cmvn; "
+                            "docs/export.md)")
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
     parser.add_argument("--stats", metavar="ARCHIVE",
                         help="--onnx: the archive whose speakers' CMVN statistics, summed, "
@@ -139,7 +142,8 @@ def run_onnx(args):
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
     done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global")
-    print(f"wrote {done['model']} and {done['tokens']} (normalised with {done['cmvn']})")
+    graphs = ", ".join(done[k] for k in ("model", "encoder", "decoder", "joiner") if k in done)
+    print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']})")
     print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
           "window, int16-range samples):\n")
     print(done["code"])

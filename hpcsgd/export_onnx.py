@@ -1,5 +1,6 @@
 """`hpcsgd export RUN --onnx OUT_DIR`: a CTC model as an ONNX graph that leaves hpcsgd --
-decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio.
+decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio. An RNN-T
+model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder() below).
 
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
@@ -52,9 +53,9 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
 Every encoder layer's output is masked past its utterance's length, as the Network does, so a
 padded batch gives each utterance what it gives alone.
 
-Not exported yet (refused with the model named): RNN-T models, models trained with quantized
-weights or activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding
-graph and priors, not a CTC search).
+Not exported yet (refused with the model named): models trained with quantized weights or
+activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding graph and
+priors, not a CTC search).
 """
 import json
 import os
@@ -358,10 +359,10 @@ def unsupported(model, meta_path):
     if kind in ("dnn", "lstm", "tdnn"):
         return (f"{meta_path}: a hybrid {kind} model (frame posteriors over HMM states): it "
                 f"needs a decoding graph and the label priors (hpcsgd mkgraph, hpcsgd decode "
-                f"--graph), not a CTC search; only CTC models are exported to ONNX")
-    if kind != "ctc":
+                f"--graph), not a CTC search; only CTC and RNN-T models are exported to ONNX")
+    if kind not in ("ctc", "rnnt"):
         return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
-                f"covers CTC models only)")
+                f"covers CTC and RNN-T models only)")
     qat = describe.get("qat") or {}
     if qat.get("weights", "none") != "none" or qat.get("activations", "none") != "none":
         return (f"{meta_path}: not yet exported: a quantization-aware model ({qat}); its "
@@ -374,14 +375,11 @@ def unsupported(model, meta_path):
     return None
 
 
-def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc"):
-    """The ONNX ModelProto of a CTC model (its layers and float32 parameters) with the
-    normalisation in front: (x - mean) * inv_std, or with utterance "mean" or "meanvar" each
-    utterance's own statistics (normalize())."""
-    import onnx
-    from onnx import TensorProto, helper
-    g, act = Graph(), model.describe["activation"]
-    p = {name: np.asarray(params[name]) for name in params.views}
+def encoder(g, model, p, mean=None, inv_std=None, utterance=None):
+    """The graph's inputs x, x_lens normalised (normalize()) and through the model's encoder
+    layers (all but its output layer) -> (the encoder's output (N, T', C), its lengths):
+    what a CTC graph's output layer and a transducer's encoder projection read."""
+    act = model.describe["activation"]
     lens = "x_lens"
     x = normalize(g, "x", lens, mean, inv_std, utterance)
     for layer in model.layers[:-1]:
@@ -398,6 +396,18 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
         else:
             x, lens = dense(g, x, lens, layer, p, act)
         x = masked(g, x, lens)
+    return x, lens
+
+
+def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc"):
+    """The ONNX ModelProto of a CTC model (its layers and float32 parameters) with the
+    normalisation in front: (x - mean) * inv_std, or with utterance "mean" or "meanvar" each
+    utterance's own statistics (normalize())."""
+    import onnx
+    from onnx import TensorProto, helper
+    g = Graph()
+    p = {name: np.asarray(params[name]) for name in params.views}
+    x, lens = encoder(g, model, p, mean, inv_std, utterance)
     out = model.layers[-1]
     z = g.op("Add", [g.op("MatMul", [x, g.const(p[out.W].astype(np.float32), out.W)]),
                      g.const(p[out.b].reshape(-1).astype(np.float32), out.b)], hint="logits")
@@ -499,10 +509,11 @@ CMVN_CHOICES = ("global", "utterance")
 
 def export(path, out_dir, stats=None, cmvn="global"):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
-    checkpoint). cmvn "global": normalised with the statistics of the archive `stats`
-    (default: the run's training archive) summed over its speakers; "utterance": each
+    checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
+    (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
+    `stats` (default: the run's training archive) summed over its speakers; "utterance": each
     utterance with its own (the archive then gives only the feature options). Returns
-    {"model", "tokens", "options", "code", "frames", "speakers", "cmvn"}."""
+    {"model" (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn"}."""
     if cmvn not in CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
@@ -536,20 +547,24 @@ def export(path, out_dir, stats=None, cmvn="global"):
     kind = meta["data"]["cmvn"]   # none, mean or meanvar: what training applied per speaker
     mean, inv_std, speakers, frames = global_cmvn(stats, kind)
     utterance = kind if cmvn == "utterance" and kind != "none" else None
-    proto = graph(model, params, mean, inv_std, utterance)
     how = (f"each utterance's own {kind} statistics" if utterance else
            f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
            f"{frames} frames")
-    onnx.helper.set_model_props(proto, {
-        # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by this key
-        "model_type": "zipformer2_ctc", "model_author": "hpcsgd",
-        "vocab_size": str(model.num_labels), "blank_id": "0",
-        "subsampling_factor": str(time_stride(model.describe["encoder"])),
-        "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
-        "cmvn": how,
-        "extractor_config": json.dumps(extractor, sort_keys=True),
-        "sherpa_feat_config": json.dumps(options, sort_keys=True),
-        "checkpoint": os.path.abspath(meta["path"])})
+    props = {"model_author": "hpcsgd", "vocab_size": str(model.num_labels), "blank_id": "0",
+             "subsampling_factor": str(time_stride(model.describe["encoder"])),
+             "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
+             "cmvn": how,
+             "extractor_config": json.dumps(extractor, sort_keys=True),
+             "sherpa_feat_config": json.dumps(options, sort_keys=True),
+             "checkpoint": os.path.abspath(meta["path"])}
+    if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
+        from hpcsgd import export_onnx_rnnt
+        done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
+                                      props, options, tokens)
+        return {**done, "options": options, "cmvn": how}
+    proto = graph(model, params, mean, inv_std, utterance)
+    # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type
+    onnx.helper.set_model_props(proto, {"model_type": "zipformer2_ctc", **props})
     os.makedirs(out_dir, exist_ok=True)
     model_path, tokens_path = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
     tmp = model_path + ".tmp"

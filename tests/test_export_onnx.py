@@ -282,9 +282,7 @@ CTC = {"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu"}
      "hybrid dnn model"),
     ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8}},
      "not yet exported: a quantization-aware model"),
-    ({**CTC, "type": "rnnt", "encoder": ["blstm 3"], "predictor": ["lstm 4"], "embed": 4,
-      "joint": 6}, "not yet exported: model type 'rnnt'"),
-], ids=["hybrid", "qat", "rnnt"])
+], ids=["hybrid", "qat"])
 def test_models_it_cannot_export_are_named(describe, words, tmp_path):
     run = fake_run(tmp_path / "run", describe)
     with pytest.raises(UserError, match=words):

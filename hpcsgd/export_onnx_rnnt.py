@@ -1,0 +1,202 @@
+"""`hpcsgd export RUN --onnx OUT_DIR` of an RNN-T model: its encoder, prediction network and
+joint as three ONNX graphs that sherpa-onnx's offline transducer recognizer decodes from the
+audio (greedy_search, modified_beam_search), in the conventions of icefall's transducer
+export (sherpa-onnx/csrc/offline-transducer-model.cc), model_type "transducer".
+
+    hpcsgd export runs/so762/rnnt --onnx runs/so762/rnnt_onnx [--cmvn global|utterance]
+
+OUT_DIR/encoder.onnx  x (N, T, D) float32 fbank, x_lens (N,) int64 -> encoder_out
+                      (N, T', joint): the encoder (export_onnx.encoder: the CTC export's
+                      graph of every layer, the normalisation folded in) and the transducer's
+                      encoder projection enc = x We + be; encoder_out_lens (N,) int64
+OUT_DIR/decoder.onnx  y (N, CONTEXT_SIZE) int64, the hypothesis' last tokens as sherpa-onnx
+                      passes them -> decoder_out (N, joint): pred = LSTM(E[...]) Wp + bp
+OUT_DIR/joiner.onnx   encoder_out (N, joint), decoder_out (N, joint) -> logit (N, V):
+                      tanh(enc + pred) (or enc * pred: joint_mode mul) Wo + bo
+OUT_DIR/tokens.txt    as the CTC export's: <blk> 0, sherpa-onnx's transducer searches take
+                      the blank as id 0, which is hpcsgd's: no id is permuted
+
+Why not sherpa-onnx's NeMo transducer loader (model_type "nemo_transducer"), the one with a
+stateful LSTM decoder: it overwrites the feature options (offline-recognizer-transducer-nemo-
+impl.h, PostInit: low_freq 0, librosa mel filters, no DC removal; no metadata key turns that
+off, is_giga_am only changes it otherwise), so no model trained on Kaldi fbank recognizes
+anything through it; and it wants the blank last and (N, C, T) tensors. The icefall loader
+leaves the features to the caller, but its decoder is stateless: sherpa-onnx passes the last
+`context_size` tokens of the hypothesis (metadata of decoder.onnx), the start padded as
+[-1, .., -1, 0] (0: the blank). The prediction network here is an LSTM over the whole
+history, so the decoder graph reruns it over the window each time: it counts the u emitted
+tokens (ids > 0; a search never emits the blank), takes the window's last min(u + 1,
+CONTEXT_SIZE) entries -- the blank start symbol, then y_1 .. y_u -- left-aligned, and runs
+the LSTM layers from the zero state over them (ONNX LSTM with each row's sequence_lens),
+keeping each row's last output: the same pred as hpcsgd's Transducer.start then step per
+token. Exact while a hypothesis has fewer than CONTEXT_SIZE tokens; past that the LSTM
+sees only the last CONTEXT_SIZE tokens, from the zero state. The price is compute: each call
+runs u + 1 LSTM steps instead of one (quadratic in the hypothesis' length), the window
+trimmed to the longest row's so that a large CONTEXT_SIZE costs nothing itself.
+
+sherpa-onnx's searches against hpcsgd's (decode/rnnt.py): its greedy_search emits at most one
+token per frame (hpcsgd's up to MAX_SYMBOLS = 3); it takes a token named <unk> for a second
+blank (so tokens.txt spells a BPE inventory's <unk> as ⁇: transducer_tokens); its
+modified_beam_search is hpcsgd's beam_search, except that it ranks the final hypotheses by
+log-probability / (context_size + tokens), which with CONTEXT_SIZE = 1024 is nearly hpcsgd's
+unnormalised ranking.
+"""
+import os
+
+import numpy as np
+
+from hpcsgd.data import archive
+from hpcsgd.export_onnx import IR_VERSION, OPSET, Graph, encoder, lstm, sherpa_tokens
+
+# the decoder's window: sherpa-onnx copies this many int64 per hypothesis per call (8 KB, a
+# trifle beside the LSTM), the graph reads only the longest row's tokens; hypotheses of up
+# to CONTEXT_SIZE - 1 tokens get the LSTM over their whole history
+CONTEXT_SIZE = 1024
+UNK_SURFACE = "\u2047"   # ⁇, how sentencepiece writes <unk> in decoded text
+
+
+def affine(g, x, p, w, b):
+    """x @ p[w] + p[b] (the transducer's projections, float32)."""
+    return g.op("Add", [g.op("MatMul", [x, g.const(p[w].astype(np.float32), w)]),
+                        g.const(p[b].reshape(-1).astype(np.float32), b)])
+
+
+def finish(g, name, inputs, outputs, props):
+    """The checked ModelProto of g's nodes; inputs, outputs: (name, onnx type, shape)."""
+    import onnx
+    from onnx import helper
+    value = lambda spec: helper.make_tensor_value_info(*spec)   # noqa: E731
+    proto = helper.make_model(
+        helper.make_graph(g.nodes, name, [value(i) for i in inputs], [value(o) for o in outputs],
+                          g.inits),
+        producer_name="hpcsgd", opset_imports=[helper.make_opsetid("", OPSET)])
+    proto.ir_version = IR_VERSION
+    helper.set_model_props(proto, props)
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def encoder_graph(model, params, mean=None, inv_std=None, utterance=None, props=None):
+    """x, x_lens -> encoder_out (N, T', joint), encoder_out_lens: the encoder as the CTC
+    export builds it (with the normalisation), then the transducer's encoder projection."""
+    from onnx import TensorProto
+    g, out = Graph(), model.layers[-1]
+    p = {name: np.asarray(params[name]) for name in params.views}
+    x, lens = encoder(g, model, p, mean, inv_std, utterance)
+    g.nodes.append(g.helper.make_node("Identity", [affine(g, x, p, out.W, out.b)],
+                                      ["encoder_out"]))
+    g.nodes.append(g.helper.make_node("Identity", [lens], ["encoder_out_lens"]))
+    return finish(g, "hpcsgd_rnnt_encoder",
+                  [("x", TensorProto.FLOAT, ["N", "T", model.input_dim]),
+                   ("x_lens", TensorProto.INT64, ["N"])],
+                  [("encoder_out", TensorProto.FLOAT, ["N", "T_out", out.joint]),
+                   ("encoder_out_lens", TensorProto.INT64, ["N"])], props or {})
+
+
+def decoder_graph(model, params, context_size=CONTEXT_SIZE, props=None):
+    """y (N, context_size) int64 -> decoder_out (N, joint): the prediction network over the
+    blank start symbol and the window's emitted tokens (the module docstring)."""
+    from onnx import TensorProto
+    g, out = Graph(), model.layers[-1]
+    p = {name: np.asarray(params[name]) for name in params.views}
+    i64 = lambda v: g.const(np.array(v, np.int64))   # noqa: E731
+    # u: the tokens emitted (ids > 0; the start is -1 .. -1 0), n = min(u + 1, C) inputs
+    u = g.op("ReduceSum", [g.op("Cast", [g.op("Greater", ["y", i64(0)])], to=7), i64([1])],
+             keepdims=0)
+    n = g.op("Min", [g.op("Add", [u, i64(1)]), i64(context_size)], hint="inputs")
+    longest = g.op("ReduceMax", [n], keepdims=0)
+    steps = g.op("Range", [i64(0), longest, i64(1)])
+    # row b's inputs left-aligned: y[b, C - n_b + s] for s < longest (clipped at C - 1 past
+    # n_b: sequence_lens leaves those steps out)
+    first = g.op("Sub", [i64(context_size), n])
+    at = g.op("Add", [g.op("Unsqueeze", [first, i64([1])]), g.op("Unsqueeze", [steps, i64([0])])])
+    at = g.op("Min", [at, i64(context_size - 1)])
+    tok = g.op("Max", [g.op("GatherElements", ["y", at], axis=1), i64(0)])   # -1 -> any row
+    x = g.op("Gather", [g.const(p[out.E].astype(np.float32), out.E), tok], axis=0)
+    for layer in out.pred:
+        x, _ = lstm(g, x, n, layer, p)
+    # each row's output after its last input: a one-hot over the steps (exact: x * 1 + 0s)
+    last = g.op("Equal", [g.op("Unsqueeze", [steps, i64([0])]),
+                          g.op("Unsqueeze", [g.op("Sub", [n, i64(1)]), i64([1])])])
+    pick = g.op("Unsqueeze", [g.op("Cast", [last], to=1), i64([2])])
+    h = g.op("ReduceSum", [g.op("Mul", [x, pick]), i64([1])], keepdims=0)
+    g.nodes.append(g.helper.make_node("Identity", [affine(g, h, p, out.Wp, out.bp)],
+                                      ["decoder_out"]))
+    return finish(g, "hpcsgd_rnnt_decoder", [("y", TensorProto.INT64, ["N", context_size])],
+                  [("decoder_out", TensorProto.FLOAT, ["N", out.joint])], props or {})
+
+
+def joiner_graph(model, params, props=None):
+    """encoder_out, decoder_out (N, joint) -> logit (N, V): Transducer.joint_logits."""
+    from onnx import TensorProto
+    g, out = Graph(), model.layers[-1]
+    p = {name: np.asarray(params[name]) for name in params.views}
+    mix = g.op("Add" if out.mode_name == "add" else "Mul", ["encoder_out", "decoder_out"])
+    g.nodes.append(g.helper.make_node("Identity", [affine(g, g.op("Tanh", [mix]), p, out.Wo,
+                                                          out.bo)], ["logit"]))
+    return finish(g, "hpcsgd_rnnt_joiner",
+                  [("encoder_out", TensorProto.FLOAT, ["N", out.joint]),
+                   ("decoder_out", TensorProto.FLOAT, ["N", out.joint])],
+                  [("logit", TensorProto.FLOAT, ["N", out.num_tokens])], props or {})
+
+
+def transducer_tokens(symbols, kind):
+    """tokens.txt as the CTC export writes it (export_onnx.sherpa_tokens), but sentencepiece's
+    <unk> (a BPE inventory has it; prep drops the utterances that need it, so it is never a
+    target) spelled as its surface form ⁇: sherpa-onnx's transducer searches take a symbol
+    named <unk> for a second blank, hpcsgd's for a token, and the two would part where it
+    wins."""
+    return sherpa_tokens([UNK_SURFACE if s == "<unk>" else s for s in symbols], kind)
+
+
+def write(model, params, out_dir, norm, props, options, tokens):
+    """Write encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt of the RNN-T model into
+    out_dir -> {"encoder", "decoder", "joiner", "tokens", "code"}. norm: (mean, inv_std,
+    utterance) as export_onnx.normalize takes them; props: the metadata of every file (the
+    CTC export's keys); tokens: the checkpoint's inventory ({"kind", "symbols"})."""
+    import onnx
+    out = model.layers[-1]
+    common = {**props, "predictor": ", ".join(model.describe["predictor"]),
+              "embed": str(out.embed), "joint": str(out.joint), "joint_mode": out.mode_name}
+    protos = {
+        # "zipformer2": a model_type sherpa-onnx's loader maps to its icefall transducer
+        # conventions when the config does not name one (the printed call does)
+        "encoder": encoder_graph(model, params, *norm, {**common, "model_type": "zipformer2"}),
+        # vocab_size and context_size: the two keys the loader reads
+        "decoder": decoder_graph(model, params, CONTEXT_SIZE,
+                                 {**common, "context_size": str(CONTEXT_SIZE)}),
+        "joiner": joiner_graph(model, params, common)}
+    os.makedirs(out_dir, exist_ok=True)
+    done = {}
+    for part, proto in protos.items():
+        done[part] = os.path.join(out_dir, f"{part}.onnx")
+        tmp = done[part] + ".tmp"
+        onnx.save(proto, tmp)
+        os.replace(tmp, done[part])   # nothing half-written under the final name
+    done["tokens"] = os.path.join(out_dir, "tokens.txt")
+    archive.atomic_write_text(done["tokens"], transducer_tokens(tokens["symbols"],
+                                                                tokens["kind"]))
+    done["code"] = sherpa_code(done, options)
+    return done
+
+
+def sherpa_code(files, options, method="greedy_search"):
+    """The Python that loads the exported files into sherpa-onnx with hpcsgd's fbank."""
+    feat = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    rate = options["sampling_rate"]
+    return f"""import sherpa_onnx
+from sherpa_onnx.lib._sherpa_onnx import OfflineRecognizer   # takes the whole config
+config = sherpa_onnx.OfflineRecognizerConfig(
+    feat_config=sherpa_onnx.FeatureExtractorConfig({feat}),
+    model_config=sherpa_onnx.OfflineModelConfig(
+        transducer=sherpa_onnx.OfflineTransducerModelConfig(
+            encoder_filename={files['encoder']!r},
+            decoder_filename={files['decoder']!r},
+            joiner_filename={files['joiner']!r}),
+        tokens={files['tokens']!r}, num_threads=1, model_type="transducer"),
+    decoding_method={method!r}, max_active_paths=4)   # or "modified_beam_search"
+recognizer = OfflineRecognizer(config)
+# per utterance: float samples in [-1, 1] at {rate} Hz (soundfile.read)
+#   s = recognizer.create_stream(); s.accept_waveform({rate}, samples)
+#   recognizer.decode_stream(s); print(s.result.text)
+"""

@@ -1,0 +1,275 @@
+"""`hpcsgd export --onnx` of RNN-T models (hpcsgd/export_onnx_rnnt.py): the encoder, decoder
+and joiner graphs against hpcsgd's forward, prediction network and joint (float32 and
+float64); a tiny RNN-T trained on the bundled demo corpus, exported and decoded by sherpa-onnx
+from the FLAC files as hpcsgd's searches decode the archive's features."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_float32_close, run_train
+from hpcsgd import export_onnx, export_onnx_rnnt
+from hpcsgd.model import build
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+LOG_1E_10 = -23.025850929940457   # what sherpa-onnx pads a batch of features with
+
+
+def rnnt_model(encoder, predictor, joint_mode, seed=1, dtype=np.float32):
+    describe = {"type": "rnnt", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
+                "predictor": predictor, "embed": 5, "joint": 9, "joint_mode": joint_mode,
+                "activation": "relu"}
+    model = build(describe, max_batch=256, dtype=dtype)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(seed))
+    return model, params
+
+
+def session(proto):
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def in_dtype(model, params, dtype):
+    """The model rebuilt in `dtype` with the same weights (float64: the reference)."""
+    twin = build(model.describe, max_batch=256, dtype=dtype)
+    p = twin.new_params()
+    p.flat[...] = params.flat
+    return twin, p
+
+
+@pytest.mark.parametrize("encoder, predictor, mode", [
+    (["stack 3", "conv 8 k3 s2", "blstm 5"], ["lstm 6"], "add"),
+    (["conv2d 3 16", "conformer 16 h4 f32 k5 in"], ["lstm 6", "lstm 4"], "mul"),
+], ids=["blstm-add", "conformer-2lstm-mul"])
+def test_encoder_decoder_joiner_equal_hpcsgd(encoder, predictor, mode):
+    """encoder.onnx on a padded batch of 61 and 14 frames (the padding log(1e-10)) gives
+    hpcsgd's encoder projection; decoder.onnx, given sherpa-onnx's windows of hypotheses of
+    0 to 9 tokens, gives the prediction network after the blank and those tokens
+    (Transducer.predict in float32, start + step in float64); joiner.onnx gives joint_logits.
+    Each as far from the float64 reference as hpcsgd's float32 is (assert_float32_close)."""
+    from test_export_onnx import hpcsgd_outputs
+    model, params = rnnt_model(encoder, predictor, mode)
+    out = model.layers[-1]
+    rng = np.random.default_rng(0)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    lengths = [61, 14]
+    raw = np.full((2, 61, 40), LOG_1E_10, np.float32)
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    enc, enc_lens = session(export_onnx_rnnt.encoder_graph(model, params, mean, inv_std)).run(
+        None, {"x": raw, "x_lens": np.array(lengths)})
+    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, lengths, np.float32)
+    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
+    ref64 = hpcsgd_outputs(model.describe, params, x64, lengths, np.float64)
+    assert enc_lens.tolist() == [len(r) for r in ref32]
+    for b in range(2):
+        assert_float32_close(enc[b, :enc_lens[b]], ref32[b], ref64[b])
+
+    # the decoder: hypotheses of 0..9 tokens in sherpa-onnx's windows [-1 .. -1 0 y_1 .. y_u]
+    hyps = [list(rng.integers(1, 7, u)) for u in (0, 1, 4, 9, 2)]
+    C = export_onnx_rnnt.CONTEXT_SIZE
+    y = np.full((len(hyps), C), -1, np.int64)
+    for b, ys in enumerate(hyps):
+        y[b, C - 1 - len(ys):] = [0] + ys
+    dec, = session(export_onnx_rnnt.decoder_graph(model, params)).run(None, {"y": y})
+    ids = np.array([k for ys in hyps for k in ys], np.int64)
+    offsets = np.cumsum([0] + [len(ys) for ys in hyps])
+    order, pos, plen, tok = out.predictor_batch(ids, offsets)
+    pred32 = np.array(out.predict(params, tok, plen, model.ops))
+    model64, params64 = in_dtype(model, params, np.float64)
+    pred64 = []
+    for ys in hyps:   # the search's own arithmetic: start, then a step per token
+        pred, state = out.start(params64, 1)
+        for k in ys:
+            pred, state = out.step(params64, np.array([k]), state)
+        pred64.append(pred[0])
+    last32 = np.stack([pred32[len(ys) * len(hyps) + pos[b]] for b, ys in enumerate(hyps)])
+    assert_float32_close(dec, last32, np.stack(pred64))
+
+    # the joiner, on rows of the two outputs above
+    e, d = np.repeat(enc[0, :5], 5, axis=0), np.tile(dec, (5, 1))
+    logit, = session(export_onnx_rnnt.joiner_graph(model, params)).run(
+        None, {"encoder_out": e, "decoder_out": d})
+    assert_float32_close(logit, out.joint_logits(params, e, d),
+                         out.joint_logits(params64, e.astype(np.float64), d.astype(np.float64)))
+
+
+def test_a_hypothesis_longer_than_the_window():
+    """A hypothesis of context_size tokens or more (a window of 4 built for the test): the
+    decoder runs the LSTM over the window's tokens from the zero state, without the blank
+    start -- the documented truncation, and no error -- beside a short hypothesis in the same
+    batch, exact. References: the predictor's float32 kernels over those inputs
+    (Transducer.predict) and its float64 steps."""
+    from hpcsgd.model.lengths import Lengths
+    model, params = rnnt_model(["blstm 5"], ["lstm 6"], "add")
+    out = model.layers[-1]
+    C, ys = 4, [3, 1, 4, 1, 5, 2]
+    dec, = session(export_onnx_rnnt.decoder_graph(model, params, context_size=C)).run(
+        None, {"y": np.array([ys[-C:], [-1, -1, 0, 2]], np.int64)})
+    _, p64 = in_dtype(model, params, np.float64)
+    for row, inputs in ((0, ys[-C:]), (1, [0, 2])):
+        pred32 = np.array(out.predict(params, np.array(inputs), Lengths([len(inputs)]),
+                                      model.ops))
+        state = [(np.zeros((1, l.cells)), np.zeros((1, l.cells))) for l in out.pred]
+        for k in inputs:   # from the zero state, as Transducer.start does with the blank
+            pred64, state = out.step(p64, np.array([k]), state)
+        assert_float32_close(dec[row], pred32[-1], pred64[0])
+
+
+@pytest.fixture(scope="module")
+def exported(demo_tokens, tmp_path_factory):
+    """A tiny phone RNN-T (stack 3, conv 32 k3, blstm 48; lstm 32 predictor) trained 16
+    epochs on the demo corpus' 32 training speakers (about 40 s; the training loss from 4.4
+    to about 2 per token), exported with `hpcsgd export --onnx`: (run, out_dir, the
+    command's stdout)."""
+    pytest.importorskip("sherpa_onnx")
+    base = tmp_path_factory.mktemp("onnx_rnnt")
+    run, out = str(base / "run"), str(base / "onnx")
+    proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
+                         f"train.run_dir={run}", "model.type=rnnt",
+                         "model.encoder=[stack 3, conv 32 k3, blstm 48]",
+                         "model.predictor=[lstm 32]", "model.embed=16", "model.joint=48",
+                         "data.tokens=phones", "train.minibatch=2000", "train.epochs=16",
+                         "optim.type=adam", "optim.lr=1e-5", "optim.momentum_tc=0",
+                         "schedule.type=constant"], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--onnx", out],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    return run, out, cli.stdout
+
+
+def hpcsgd_searches(run, data, train, count):
+    """{utt: phones} of hpcsgd's greedy search (at most 1 and 3 symbols per frame) and
+    modified beam search of 4 on the first `count` utterances of the archive `data`, its raw
+    features normalised with the global statistics of `train` (what the export folds into
+    its encoder)."""
+    from hpcsgd.data.loader import iter_utterances
+    from hpcsgd.decode import rnnt
+    from hpcsgd.model.lengths import Lengths
+    from hpcsgd.model_io import load_model
+    model, params, meta = load_model(run)
+    layer, symbols = model.layers[-1], np.array(meta["tokens"]["symbols"])
+    mean, inv_std, _, _ = export_onnx.global_cmvn(train, "meanvar")
+    hyps = {"greedy1": {}, "greedy3": {}, "beam4": {}}
+    for utt, feats, _ in iter_utterances(data, cmvn="none", shuffle=False):
+        if len(hyps["greedy1"]) == count:
+            break
+        x = np.ascontiguousarray((feats.astype(np.float32) - mean) * inv_std, np.float32)
+        enc = np.array(model.forward(params, x, len(x), lengths=[len(x)]))
+        n = Lengths([len(enc)])
+        hyps["greedy1"][utt] = list(symbols[rnnt.greedy_search(layer, params, enc, n, 1)[0]])
+        hyps["greedy3"][utt] = list(symbols[rnnt.greedy_search(layer, params, enc, n)[0]])
+        hyps["beam4"][utt] = list(symbols[rnnt.beam_search(layer, params, enc, n, 4)[0][0]])
+    return hyps
+
+
+def sherpa_onnx_hyps(code, utts, method, batch=False):
+    """{utt: phones} of the recognizer `code` builds (what `hpcsgd export` prints, its
+    decoding method set to `method`) from each demo FLAC file, one stream at a time; with
+    batch, also all in one padded batch, which must agree."""
+    import soundfile as sf
+    names = {}
+    exec(code.replace("'greedy_search'", repr(method)), names)   # the printed call
+    recognizer = names["recognizer"]
+    demo = os.path.join(REPO, "data_prep", "demo", "so762")
+    audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
+    hyps, streams = {}, []
+    for utt in utts:
+        samples, rate = sf.read(os.path.join(demo, audio[utt]), dtype="float32")
+        one, batched = recognizer.create_stream(), recognizer.create_stream()
+        for s in (one, batched):
+            s.accept_waveform(rate, samples)
+        recognizer.decode_stream(one)
+        hyps[utt] = one.result.text.split()
+        streams.append(batched)
+    if batch:
+        recognizer.decode_streams(streams)
+        assert [s.result.text.split() for s in streams] == list(hyps.values())
+    return hyps
+
+
+def test_sherpa_onnx_decodes_the_audio_as_hpcsgd_does(exported, demo_tokens):
+    """sherpa-onnx, loaded by the code `hpcsgd export` prints, recognizes each of 40 FLAC
+    files (its own fbank from the audio, the global CMVN inside the encoder graph), one
+    stream at a time and in one padded batch, as hpcsgd's greedy search with at most one
+    symbol per frame (sherpa-onnx's rule) does on the archive's features normalised with the
+    same statistics; its modified_beam_search with 4 active paths as hpcsgd's beam search of
+    4. The files are the training archive's first 40 utterances: this is the two decoders'
+    parity, not accuracy, and a model this small emits phones on the speakers it trained on
+    (on the held-out ones it stays near all-blank). Printed: how many differ from hpcsgd's
+    greedy of up to 3 symbols per frame (hpcsgd decode's) and from `hpcsgd decode --greedy`
+    (also per-speaker CMVN)."""
+    from hpcsgd.families import family
+    from hpcsgd.model_io import load_model
+    from hpcsgd.outputs import ctc_posteriors
+    run, out, stdout = exported
+    train = f"{demo_tokens}/train"
+    want = hpcsgd_searches(run, train, train, 40)
+    code = stdout[stdout.index("import sherpa_onnx"):]
+    utts = list(want["greedy1"])
+    greedy = sherpa_onnx_hyps(code, utts, "greedy_search", batch=True)
+    assert greedy == want["greedy1"]
+    assert sum(map(len, greedy.values())) > 20   # not an all-blank model
+    beam = sherpa_onnx_hyps(code, utts, "modified_beam_search", batch=True)
+    assert beam == want["beam4"]
+    model, params, meta = load_model(run)
+    encs, _ = ctc_posteriors(model, params, meta, train)
+    encs = [(utt, enc) for utt, enc in encs if utt in greedy]
+    per_speaker, _ = family("rnnt").search(model, params, encs, meta["tokens"])
+    print(f"{sum(map(len, greedy.values()))} phones; sherpa-onnx greedy against hpcsgd's "
+          f"greedy of <= 3 symbols per frame: "
+          f"{sum(greedy[u] != want['greedy3'][u] for u in utts)} of {len(utts)} differ; "
+          f"against hpcsgd decode --greedy (per-speaker CMVN): "
+          f"{sum(greedy[u] != per_speaker[u] for u in utts)} differ")
+
+
+def test_the_export_writes_what_sherpa_onnx_reads(exported):
+    """Three graphs with the icefall transducer export's inputs and outputs, the metadata
+    sherpa-onnx's loader reads (the decoder's vocab_size and context_size), the CTC export's
+    keys, and tokens.txt with <blk> at 0; the printed call names the transducer loader."""
+    import onnx
+    run, out, stdout = exported
+    lines = open(os.path.join(out, "tokens.txt")).read().splitlines()
+    assert lines[0] == "<blk> 0"
+    names = {"encoder": (["x", "x_lens"], ["encoder_out", "encoder_out_lens"]),
+             "decoder": (["y"], ["decoder_out"]),
+             "joiner": (["encoder_out", "decoder_out"], ["logit"])}
+    for part, (inputs, outputs) in names.items():
+        proto = onnx.load(os.path.join(out, f"{part}.onnx"))
+        assert [i.name for i in proto.graph.input] == inputs
+        assert [o.name for o in proto.graph.output] == outputs
+        props = {p.key: p.value for p in proto.metadata_props}
+        assert props["vocab_size"] == str(len(lines)) and props["subsampling_factor"] == "3"
+        assert props["predictor"] == "lstm 32" and props["joint_mode"] == "add"
+    assert props["checkpoint"].startswith(run)
+    decoder = onnx.load(os.path.join(out, "decoder.onnx"))
+    assert {p.key: p.value for p in decoder.metadata_props}["context_size"] == \
+        str(export_onnx_rnnt.CONTEXT_SIZE)
+    assert 'model_type="transducer"' in stdout and "snip_edges=True" in stdout
+
+
+def test_a_quantization_aware_rnnt_is_named(tmp_path):
+    from test_export_onnx import fake_run
+    from hpcsgd.errors import UserError
+    run = fake_run(tmp_path / "run", {
+        "type": "rnnt", "input_dim": 4, "num_tokens": 5, "activation": "relu",
+        "encoder": ["blstm 3"], "predictor": ["lstm 4"], "embed": 4, "joint": 6,
+        "qat": {"weights": "max", "weight_bits": 4}})
+    with pytest.raises(UserError, match="not yet exported: a quantization-aware model"):
+        export_onnx.export(run, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_tokens_spell_unk_as_its_surface():
+    """A BPE inventory's <unk> becomes ⁇ in tokens.txt (sherpa-onnx's transducer searches
+    would take a symbol named <unk> for the blank); the rest as the CTC export writes it."""
+    assert export_onnx_rnnt.transducer_tokens(["<blk>", "<unk>", "\u2581the", "s"], "bpe") == \
+        "<blk> 0\n\u2047 1\n\u2581the 2\ns 3\n"
+    assert export_onnx_rnnt.transducer_tokens(["<blk>", "AA"], "phones") == \
+        "<blk> 0\n\u2581AA 1\n"
