@@ -227,8 +227,9 @@ DEFAULTS = {
                          "rank (none: an overflow is an error)"),
     "train.loss_scale_init": (16777216.0, float, (2.0 ** -24, 2.0 ** 64),
                               "static: the scale; backoff: the first scale (OpenSeq2Seq: 2^24)"),
-    "train.loss_scale_min": (1.0, float, (2.0 ** -24, 2.0 ** 64),
-                             "backoff/logmax: the smallest scale (a power of two)"),
+    "train.loss_scale_min": (2.0 ** -16, float, (2.0 ** -24, 2.0 ** 64),
+                             "backoff/logmax: the smallest scale (a power of two; below 1 "
+                             "because the loss is summed over up to ~2^16 frames, not averaged)"),
     "train.loss_scale_max": (16777216.0, float, (2.0 ** -24, 2.0 ** 64),
                              "backoff/logmax: the largest scale (a power of two)"),
     "train.loss_scale_window": (2000, int, (1, 1 << 40),

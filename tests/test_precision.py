@@ -71,11 +71,14 @@ def test_backoff_halves_on_overflow_to_its_floor_and_doubles_after_a_clean_windo
     assert s.skipped == 5 and s.in_a_row == 0
 
 
-def test_backoff_uses_openseq2seqs_defaults():
+def test_backoff_uses_openseq2seqs_defaults_but_the_floor():
+    """OpenSeq2Seq's floor of 1 is for a mean loss; hpcsgd's is summed over the minibatch's
+    frames, so 2^-16 (a scale of 1 on the mean of 2^16 frames)."""
     from hpcsgd import config
     cfg = config.load(None, ["data.train=x", "train.loss_scale=backoff"])
     s = loss_scale.from_config(cfg)
-    assert (s.scale, s.lo, s.hi, s.window, s.factor) == (2.0 ** 24, 1.0, 2.0 ** 24, 2000, 2.0)
+    assert (s.scale, s.lo, s.hi, s.window, s.factor) == (2.0 ** 24, 2.0 ** -16, 2.0 ** 24, 2000,
+                                                          2.0)
 
 
 def test_logmax_follows_its_formula_on_a_scripted_sequence():
