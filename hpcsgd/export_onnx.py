@@ -102,10 +102,29 @@ class Graph:
         self.inits.append(self.numpy_helper.from_array(np.asarray(array), name))
         return name
 
-    def op(self, op_type, inputs, hint=None, outputs=1, **attrs):
+    def op(self, op_type, inputs, hint=None, outputs=1, domain=None, **attrs):
         names = [self.name(hint or op_type.lower()) for _ in range(outputs)]
-        self.nodes.append(self.helper.make_node(op_type, list(inputs), names, **attrs))
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), names, domain=domain,
+                                                **attrs))
         return names[0] if outputs == 1 else names
+
+    # What the integer graph of a quantization-aware model (export_onnx_int.IntGraph)
+    # replaces: a GEMM's input (quantized there on the grid it trained on, `key` its name in
+    # model/quantize.py: a layer's index, or "{layer}.{part}" inside a layer) and a weight
+    # matrix (its integer codes). The float graph takes both as they are.
+    domains = ()   # operator sets beside ONNX's that the graph's nodes use
+
+    def gemm_input(self, x, key):
+        return x
+
+    def weight(self, p, name, layout=None, axis=1):
+        """p[name], hpcsgd's (K, N) matrix, as the constant an op reads: layout(W) in that
+        op's layout, whose output units lie along `axis`."""
+        w = p[name] if layout is None else layout(p[name])
+        return self.const(np.ascontiguousarray(w, np.float32), name)
+
+    def matmul(self, x, p, name):
+        return self.op("MatMul", [x, self.weight(p, name)])
 
 
 def steps(g, x, axis=1):
@@ -185,8 +204,8 @@ def stack(g, x, lens, layer):
 def conv(g, x, lens, layer, p, act):
     """A centred 1-D convolution (model/conv.py), its norm and activation."""
     k, c, f, d = layer.kernel, layer.n_in, layer.n_out, layer.dilation
-    w = np.ascontiguousarray(p[layer.W].reshape(k, c, f).transpose(2, 1, 0), np.float32)
-    inputs = [g.op("Transpose", [x], perm=[0, 2, 1]), g.const(w, layer.W)]
+    w = g.weight(p, layer.W, lambda a: a.reshape(k, c, f).transpose(2, 1, 0), axis=0)
+    inputs = [g.op("Transpose", [x], perm=[0, 2, 1]), w]
     if not layer.norm:
         inputs.append(g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b))
     z = g.op("Conv", inputs, kernel_shape=[k], strides=[layer.stride], dilations=[d],
@@ -231,9 +250,9 @@ def frontend(g, x, lens, layer, p):
     n, c = layer.name, layer.channels
 
     def conv2d(x, part, c_in):
-        w = p[f"{n}.{part}.w"].reshape(3, 3, c_in, c).transpose(3, 2, 0, 1)
-        y = g.op("Conv", [x, g.const(np.ascontiguousarray(w, np.float32), f"{n}.{part}.w"),
-                          g.const(p[f"{n}.{part}.b"].reshape(-1).astype(np.float32))],
+        w = g.weight(p, f"{n}.{part}.w",
+                     lambda a: a.reshape(3, 3, c_in, c).transpose(3, 2, 0, 1), axis=0)
+        y = g.op("Conv", [x, w, g.const(p[f"{n}.{part}.b"].reshape(-1).astype(np.float32))],
                  kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
         return g.op("Relu", [y])
 
@@ -241,16 +260,15 @@ def frontend(g, x, lens, layer, p):
     a1 = conv2d(image, "conv1", 1)
     mid = strided(g, lens, 2)
     a1 = g.op("Mul", [a1, valid(g, a1, mid, time=2, axes=[1, 3])])
-    a2 = conv2d(a1, "conv2", c)
+    a2 = conv2d(g.gemm_input(a1, f"{n}.conv2"), "conv2", c)
     flat = g.op("Reshape", [g.op("Transpose", [a2], perm=[0, 2, 3, 1]),
                             g.const(np.array([0, 0, -1], np.int64))])
     return linear(g, flat, p, f"{n}.out"), strided(g, mid, 2)
 
 
 def linear(g, x, p, name):
-    """x @ p[name.w] + p[name.b]."""
-    return g.op("Add", [g.op("MatMul", [x, g.const(p[f"{name}.w"].astype(np.float32),
-                                                   f"{name}.w")]),
+    """x @ p[name.w] + p[name.b], x quantized as the GEMM input `name` where it trained so."""
+    return g.op("Add", [g.matmul(g.gemm_input(x, name), p, f"{name}.w"),
                         g.const(p[f"{name}.b"].reshape(-1).astype(np.float32), f"{name}.b")])
 
 
@@ -323,9 +341,8 @@ def block(g, x, lens, layer, p):
     half = [g.op("Slice", [z, g.const(np.array([a], np.int64)), g.const(np.array([b], np.int64)),
                            g.const(np.array([-1], np.int64))]) for a, b in ((0, d), (d, 2 * d))]
     u = masked(g, g.op("Mul", [half[0], g.op("Sigmoid", [half[1]])]), lens)
-    w = p[n("conv.dw.w")].T.reshape(d, 1, layer.kernel)
-    c = g.op("Conv", [g.op("Transpose", [u], perm=[0, 2, 1]),
-                      g.const(np.ascontiguousarray(w, np.float32), n("conv.dw.w")),
+    w = g.weight(p, n("conv.dw.w"), lambda a: a.T.reshape(d, 1, layer.kernel), axis=0)
+    c = g.op("Conv", [g.op("Transpose", [g.gemm_input(u, n("conv.dw"))], perm=[0, 2, 1]), w,
                       g.const(p[n("conv.dw.b")].reshape(-1).astype(np.float32))],
              kernel_shape=[layer.kernel], group=d,
              pads=[layer.left, layer.kernel - 1 - layer.left])
@@ -346,7 +363,7 @@ def block(g, x, lens, layer, p):
 
 
 def dense(g, x, lens, layer, p, act):
-    y = g.op("Add", [g.op("MatMul", [x, g.const(p[layer.W].astype(np.float32), layer.W)]),
+    y = g.op("Add", [g.matmul(x, p, layer.W),
                      g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b)])
     return activation(g, y, act), lens
 
@@ -362,10 +379,6 @@ def unsupported(model, meta_path):
     if kind != "ctc":
         return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
                 f"covers CTC models only)")
-    qat = describe.get("qat") or {}
-    if qat.get("weights", "none") != "none" or qat.get("activations", "none") != "none":
-        return (f"{meta_path}: not yet exported: a quantization-aware model ({qat}); its "
-                f"fake-quantized weights and activations need ONNX QDQ nodes")
     for text, layer in zip(describe["encoder"], model.layers):
         if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense, Conv2dSubsampling,
                                   ConformerBlock)):
@@ -374,17 +387,19 @@ def unsupported(model, meta_path):
     return None
 
 
-def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc"):
+def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc", g=None):
     """The ONNX ModelProto of a CTC model (its layers and float32 parameters) with the
     normalisation in front: (x - mean) * inv_std, or with utterance "mean" or "meanvar" each
-    utterance's own statistics (normalize())."""
+    utterance's own statistics (normalize()). g: the Graph to build in (default a float one;
+    a quantization-aware model's: export_onnx_int.IntGraph)."""
     import onnx
     from onnx import TensorProto, helper
-    g, act = Graph(), model.describe["activation"]
+    g, act = g or Graph(), model.describe["activation"]
     p = {name: np.asarray(params[name]) for name in params.views}
     lens = "x_lens"
     x = normalize(g, "x", lens, mean, inv_std, utterance)
-    for layer in model.layers[:-1]:
+    for i, layer in enumerate(model.layers[:-1]):
+        x = g.gemm_input(x, i)
         if isinstance(layer, StackFrames):
             x, lens = stack(g, x, lens, layer)
         elif isinstance(layer, Conv1d):
@@ -399,7 +414,7 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
             x, lens = dense(g, x, lens, layer, p, act)
         x = masked(g, x, lens)
     out = model.layers[-1]
-    z = g.op("Add", [g.op("MatMul", [x, g.const(p[out.W].astype(np.float32), out.W)]),
+    z = g.op("Add", [g.matmul(g.gemm_input(x, len(model.layers) - 1), p, out.W),
                      g.const(p[out.b].reshape(-1).astype(np.float32), out.b)], hint="logits")
     g.nodes.append(helper.make_node("LogSoftmax", [z], ["log_probs"], axis=-1))
     g.nodes.append(helper.make_node("Identity", [lens], ["log_probs_len"]))
@@ -413,7 +428,8 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
          helper.make_tensor_value_info("log_probs_len", TensorProto.INT64, ["N"])],
         g.inits)
     proto = helper.make_model(graph_, producer_name="hpcsgd",
-                              opset_imports=[helper.make_opsetid("", OPSET)])
+                              opset_imports=[helper.make_opsetid("", OPSET)]
+                              + [helper.make_opsetid(d, 1) for d in g.domains])
     proto.ir_version = IR_VERSION
     onnx.checker.check_model(proto)
     return proto
@@ -515,6 +531,11 @@ def export(path, out_dir, stats=None, cmvn="global"):
         raise UserError(f"{path}: no such run directory or checkpoint")
     model, params, meta = load_model(path, max_batch=8)
     why = unsupported(model, meta["path"])
+    g = None
+    if model.quant and not why:   # quantization-aware: its integer graph
+        from hpcsgd import export_onnx_int
+        why = export_onnx_int.refusal(model, meta["path"])
+        g = None if why else export_onnx_int.IntGraph(model, params)
     if why:
         raise UserError(why)
     tokens = meta.get("tokens") or {}
@@ -536,7 +557,8 @@ def export(path, out_dir, stats=None, cmvn="global"):
     kind = meta["data"]["cmvn"]   # none, mean or meanvar: what training applied per speaker
     mean, inv_std, speakers, frames = global_cmvn(stats, kind)
     utterance = kind if cmvn == "utterance" and kind != "none" else None
-    proto = graph(model, params, mean, inv_std, utterance)
+    # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
+    proto = graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
     how = (f"each utterance's own {kind} statistics" if utterance else
            f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
            f"{frames} frames")
@@ -549,7 +571,8 @@ def export(path, out_dir, stats=None, cmvn="global"):
         "cmvn": how,
         "extractor_config": json.dumps(extractor, sort_keys=True),
         "sherpa_feat_config": json.dumps(options, sort_keys=True),
-        "checkpoint": os.path.abspath(meta["path"])})
+        "checkpoint": os.path.abspath(meta["path"]),
+        "quantization": export_onnx_int.describe(g, model.quant) if g else "none: float32"})
     os.makedirs(out_dir, exist_ok=True)
     model_path, tokens_path = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
     tmp = model_path + ".tmp"
