@@ -280,8 +280,9 @@ CTC = {"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu"}
 @pytest.mark.parametrize("describe, words", [
     ({"type": "dnn", "input_dim": 4, "hidden": [6], "num_labels": 5, "activation": "relu"},
      "hybrid dnn model"),
-    ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8}},
-     "not yet exported: a quantization-aware model"),
+    ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8,
+                                              "activations": "pact"}},
+     "encoder layer 'blstm 3' with quantized activations"),
     ({**CTC, "type": "rnnt", "encoder": ["blstm 3"], "predictor": ["lstm 4"], "embed": 4,
       "joint": 6}, "not yet exported: model type 'rnnt'"),
 ], ids=["hybrid", "qat", "rnnt"])

@@ -1,0 +1,237 @@
+"""`hpcsgd export --onnx` of quantization-aware CTC models (hpcsgd/export_onnx_int.py): the
+integer graph's log-posteriors against hpcsgd's fake-quantized forward (eval mode) within the
+float32 bound of the last GEMM, for INT8 (QDQ, fused by onnxruntime into MatMulIntegerToFloat)
+and INT4 (MatMulNBits) conv/dense and Conformer encoders, untrained and trained on the demo
+corpus; sherpa-onnx decoding the INT8 exports from the audio as hpcsgd decodes the features;
+the models it refuses, named.
+
+The bound. Every GEMM input is quantized by the graph exactly as by hpcsgd (the same float32
+product x * (1/s), round half to even, the same clamp), so wherever a quantizer's float input
+is the same the codes are, and what came before it leaves no trace: the output layer's
+input is quantized, so its codes are hpcsgd's unless one of its inputs (or one further down)
+fell on a rounding boundary and float32 rounding tipped it (a flip). Without a flip the
+log-posteriors differ only by the last GEMM, its bias and the log-softmax:
+  z_j = sum_k a_k w_kj + b_j: hpcsgd's float32 sum errs by at most gamma_K sum_k |a_k w_kj|
+  (gamma_K = K u / (1 - K u), u = 2^-24), onnxruntime's integer sum is exact then scaled by
+  s_a s_w (2 roundings; MatMulNBits' float sum: gamma_K again), the bias one rounding each:
+      |dz_j| <= e_j = (2 gamma_K + 3u) (sum_k |a_k w_kj| + |b_j|)
+  log_softmax_j = z_j - log sum_i exp z_i moves by |dz_j| + max_i |dz_i|, plus each side's
+  own rounding of the log-sum-exp ((V + 2) u + u max|z|) and of the subtraction (u |lp_j|).
+A frame beyond that bound has a flip; they are counted (none in the untrained models' padded
+batches; a few in the trained ones, whose greedy hypotheses are compared and counted)."""
+import collections
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_train
+from hpcsgd import export_onnx, export_onnx_int
+from hpcsgd.decode import ctc
+from hpcsgd.errors import UserError
+from hpcsgd.model import build
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+U = 2.0 ** -24
+CONV = ["stack 3", "conv 16 k3 s2", "dense 24"]
+CONFORMER = ["conv2d 4 16", "conformer 16 h4 f32 k5", "conformer 16 h2 f24 k3 in"]
+
+
+def qat(bits, scale="tensor"):
+    return {"weights": "sawb", "weight_bits": bits, "activations": "pact",
+            "activation_bits": bits, "weight_scale": scale}
+
+
+def hpcsgd_outputs(model, params, feats):
+    """hpcsgd's fake-quantized forward of one utterance (T, D): its log-posteriors, the
+    output layer's quantized input a, and that layer's fake-quantized W and b."""
+    lp = np.array(model.forward(params, feats, len(feats), lengths=[len(feats)]))
+    out = model.layers[-1]
+    a = np.array(model.aq[-1][:len(lp)])
+    return lp, a, np.array(model.wq[out.W]), np.array(model.wq[out.b]).reshape(-1)
+
+
+def beyond_bound(got, lp, a, w, b):
+    """Frames where onnxruntime's log-posteriors `got` leave the module docstring's bound
+    around hpcsgd's `lp` (rows: frames), a boolean per frame."""
+    a, w, b, lp = (np.asarray(v, np.float64) for v in (a, w, b, lp))
+    k, v = w.shape
+    gamma = k * U / (1 - k * U)
+    z = a @ w + b
+    e = (2 * gamma + 3 * U) * (np.abs(a) @ np.abs(w) + np.abs(b))
+    tol = (e + e.max(1, keepdims=True)
+           + 2 * ((v + 2) * U + U * np.abs(z).max(1, keepdims=True) + U * np.abs(lp)))
+    return (np.abs(np.asarray(got, np.float64) - lp) > tol).any(1)
+
+
+def optimized_ops(proto, tmp_path):
+    """The op types of onnxruntime's CPU provider's optimised graph (what it runs)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath)
+                               .graph.node)
+
+
+CASES = {"conv-int8": (CONV, qat(8)), "conv-int4": (CONV, qat(4, "channel")),
+         "conformer-int8": (CONFORMER, qat(8)), "conformer-int4": (CONFORMER, qat(4, "channel"))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
+    """Two utterances of 61 and 14 frames in one padded batch (the padding sherpa-onnx's
+    log(1e-10)), an untrained QAT model: the graph's log-posteriors are hpcsgd's eval-mode
+    forward's within the bound, every frame; the graph holds the integer ops, and
+    onnxruntime's optimised graph runs MatMulIntegerToFloat (INT8) or MatMulNBits (INT4)
+    for every MatMul with a quantized weight."""
+    encoder, q = CASES[case]
+    describe = {"type": "ctc", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
+                "activation": "relu", "qat": q}
+    model = build(describe, max_batch=256)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    rng = np.random.default_rng(0)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    lengths = [61, 14]
+    raw = np.full((2, 61, 40), -23.025850929940457, np.float32)
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    g = export_onnx_int.IntGraph(model, params)
+    proto = export_onnx.graph(model, model.wq, mean, inv_std, g=g)
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    lp, lp_len = sess.run(None, {"x": raw, "x_lens": np.array(lengths, np.int64)})
+    for b, n in enumerate(lengths):
+        want = hpcsgd_outputs(model, params, (raw[b, :n] - mean) * inv_std)
+        assert lp_len[b] == len(want[0])
+        assert not beyond_bound(lp[b, :lp_len[b]], *want).any(), b
+    floats = export_onnx.graph(model, params, mean, inv_std).graph   # MatMuls of a weight:
+    weights = {init.name for init in floats.initializer}
+    matmuls = sum(n.op_type == "MatMul" and n.input[1] in weights for n in floats.node)
+    in_file = collections.Counter(n.op_type for n in proto.graph.node)
+    ran = optimized_ops(proto, tmp_path)
+    if q["weight_bits"] == 4:
+        assert in_file["MatMulNBits"] == ran["MatMulNBits"] == matmuls
+    else:
+        assert in_file["QuantizeLinear"] == len(g.grids)
+        assert ran["MatMulIntegerToFloat"] == matmuls
+    # what stays float: a Conformer block's attention products Q K^T and P V
+    assert ran["MatMul"] + ran["FusedMatMul"] == (2 * (len(encoder) - 1)
+                                                  if "conformer" in case else 0)
+
+
+def test_nbits_packing():
+    """MatMulNBits' B of a (K=37, N=2) code matrix: block 16 (3 blocks: 2*(8+4) bytes a
+    column beats 32's 2*(16+4)), column n's codes + 8 two per byte, low nibble first, the
+    padding 8."""
+    codes = np.arange(-7, 67).reshape(37, 2) % 15 - 7
+    block, packed = export_onnx_int.nbits_pack(codes.astype(np.int8))
+    assert block == 16 and packed.shape == (2, 3, 8) and packed.dtype == np.uint8
+    q = np.stack([packed & 15, packed >> 4], -1).reshape(2, 48)
+    assert np.array_equal(q[:, :37], codes.T + 8) and (q[:, 37:] == 8).all()
+    with pytest.raises(UserError, match=r"MatMulNBits' 4 bits hold \[-7, 7\]"):
+        export_onnx_int.nbits_pack(np.array([[8]], np.int8))
+
+
+def test_zero_points():
+    """A grid's codes in int8: zero point 0 where they fit, else from -128 up; an 8-bit range
+    without zero is named."""
+    from hpcsgd.model.quantize import affine_grid, symmetric_grid
+    assert export_onnx_int.zero_point(symmetric_grid(2.0, 8), "x") == 0
+    assert export_onnx_int.zero_point(affine_grid(0.0, 1.0, 8), "x") == -128
+    assert export_onnx_int.zero_point(affine_grid(0.5, 1.0, 4), "x") == 0
+    with pytest.raises(UserError, match="in1: its grid's codes .* hold no zero"):
+        export_onnx_int.zero_point(affine_grid(1.0, 2.0, 8), "in1")
+
+
+def fake_qat_run(path, encoder, q):
+    """A run directory with an initialised QAT model's checkpoint (no training)."""
+    from test_export_onnx import fake_run
+    return fake_run(path, {"type": "ctc", "input_dim": 4, "num_tokens": 5,
+                           "activation": "relu", "encoder": encoder, "qat": q})
+
+
+@pytest.mark.parametrize("encoder, q, words", [
+    (["conv 8 k3", "dense 6"], {**qat(8), "activations": "max"}, "dynamic input grids"),
+    (["conv 8 k3", "blstm 4"], qat(8), "encoder layer 'blstm 4' with quantized activations")])
+def test_models_without_an_exact_integer_graph_are_named(encoder, q, words, tmp_path):
+    run = fake_qat_run(tmp_path / "run", encoder, q)
+    with pytest.raises(UserError, match=words):
+        export_onnx.export(run, str(tmp_path / "onnx"))
+
+
+# ---- trained on the demo corpus ------------------------------------------------------------
+
+CONV_TRAINED = "[stack 3, conv 64 k5, conv 64 k3, dense 64]"
+CONFORMER_TRAINED = "[conv2d 8 32, conformer 32 h4 f64 k7, conformer 32 h4 f64 k7]"
+TRAINED = {"conv-int8": (CONV_TRAINED, qat(8), 20, 5e-6),   # encoder, qat, epochs, rate
+           "conv-int4": (CONV_TRAINED, qat(4, "channel"), 20, 5e-6),
+           "conformer-int8": (CONFORMER_TRAINED, qat(8), 12, 5e-6),
+           "conformer-int4": (CONFORMER_TRAINED, qat(4, "channel"), 12, 5e-6)}
+
+
+@pytest.fixture(scope="module", params=list(TRAINED))
+def trained(request, demo_tokens, tmp_path_factory):
+    """A tiny phone CTC model trained with QAT from scratch on the demo corpus (a frame CE
+    head beside CTC to leave the all-blank plateau sooner), exported by `hpcsgd export
+    --onnx`: (case, run, out_dir, stdout)."""
+    encoder, q, epochs, lr = TRAINED[request.param]
+    base = tmp_path_factory.mktemp(request.param)
+    run, out = str(base / "run"), str(base / "onnx")
+    proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
+                         f"train.run_dir={run}", "model.type=ctc", f"model.encoder={encoder}",
+                         "data.tokens=phones", "model.frame_ce=0.5", "train.minibatch=2000",
+                         f"train.epochs={epochs}", "optim.type=adam", f"optim.lr={lr}",
+                         "optim.momentum_tc=0", "schedule.type=constant"]
+                     + [f"qat.{k}={v}" for k, v in q.items()], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import subprocess
+    import sys
+    from conftest import REPO
+    cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--onnx", out],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    return request.param, run, out, cli.stdout
+
+
+def test_trained_integer_graph_on_the_held_out_utterances(trained, demo_tokens):
+    """The 40 held-out utterances' archive features, normalised by the graph (global CMVN):
+    onnxruntime's log-posteriors within the bound of hpcsgd's fake-quantized forward on the
+    same normalised features except at a few frames (flips, counted: at most 1%), and the
+    same greedy hypotheses (differences counted: at most 1 of 40)."""
+    from hpcsgd.data.loader import iter_utterances
+    from hpcsgd.model_io import load_model
+    from test_export_onnx import global_normalize
+    case, run, out, _ = trained
+    model, params, _ = load_model(run)
+    normalize = global_normalize(f"{demo_tokens}/train")
+    sess = ort.InferenceSession(os.path.join(out, "model.onnx"),
+                                providers=["CPUExecutionProvider"])
+    frames = flips = differ = tokens = 0
+    for utt, feats, _ in iter_utterances(f"{demo_tokens}/cv", cmvn="none", shuffle=False):
+        raw = feats.astype(np.float32)
+        got, _ = sess.run(None, {"x": raw[None], "x_lens": np.array([len(raw)], np.int64)})
+        want = hpcsgd_outputs(model, params, np.ascontiguousarray(normalize(raw), np.float32))
+        frames += len(want[0])
+        flips += int(beyond_bound(got[0], *want).sum())
+        hyp = list(ctc.greedy_search(want[0]))
+        tokens += len(hyp)
+        differ += hyp != list(ctc.greedy_search(got[0]))
+    print(f"{case}: {flips} of {frames} frames beyond the bound, {differ} of 40 greedy "
+          f"hypotheses differ ({tokens} tokens)")
+    assert tokens > 20   # not an all-blank model
+    assert flips <= 0.01 * frames and differ <= 1
+
+
+def test_sherpa_onnx_decodes_the_int8_export_as_hpcsgd_does(trained, demo_tokens):
+    """sherpa-onnx, loaded by the printed code, recognizes each held-out FLAC file of the
+    INT8 (and INT4) exports as hpcsgd's greedy search on the archive's features with the same
+    global normalisation, one stream at a time and in one padded batch."""
+    pytest.importorskip("sherpa_onnx")
+    from test_export_onnx import assert_sherpa_onnx_agrees, global_normalize, hpcsgd_greedy
+    case, run, out, stdout = trained
+    want = hpcsgd_greedy(run, f"{demo_tokens}/cv", global_normalize(f"{demo_tokens}/train"))
+    assert_sherpa_onnx_agrees(stdout[stdout.index("import sherpa_onnx"):], want, batch=True)
