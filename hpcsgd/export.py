@@ -45,7 +45,8 @@ def add_arguments(parser):
                        help="4-bit codes, two per byte")
     width.add_argument("--onnx", metavar="OUT_DIR",
                        help="a CTC model as OUT_DIR/model.onnx and tokens.txt for sherpa-onnx "
-                            "(float32, the normalisation inside: --cmvn; docs/export.md)")
+                            "(float32, or a quantization-aware model's INT8/INT4 integer graph; the "
+                            "normalisation inside: --cmvn; docs/export.md)")
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
     parser.add_argument("--stats", metavar="ARCHIVE",
                         help="--onnx: the archive whose speakers' CMVN statistics, summed, "

@@ -4,9 +4,10 @@ decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the a
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
 
-OUT_DIR/model.onnx   the graph (opset 17), float32 weights. Inputs and outputs are those of
-                     icefall's zipformer CTC export, which sherpa-onnx's zipformer_ctc loader
-                     reads (sherpa-onnx/csrc/offline-zipformer-ctc-model.cc):
+OUT_DIR/model.onnx   the graph (opset 17), float32 weights (a QAT model's: integers, below).
+                     Inputs and outputs are those of icefall's zipformer CTC export,
+                     which sherpa-onnx's zipformer_ctc loader reads
+                     (sherpa-onnx/csrc/offline-zipformer-ctc-model.cc):
                        x              float32 (N, T, D)   fbank frames, batch-major
                        x_lens         int64   (N,)        frames of each utterance
                        log_probs      float32 (N, T', V)  log-posteriors, column 0 the blank
@@ -52,9 +53,13 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
 Every encoder layer's output is masked past its utterance's length, as the Network does, so a
 padded batch gives each utterance what it gives alone.
 
-Not exported yet (refused with the model named): RNN-T models, models trained with quantized
-weights or activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding
-graph and priors, not a CTC search).
+Not exported yet (refused with the model named): RNN-T models, hybrid frame classifiers (they
+need a decoding graph and priors, not a CTC search).
+
+A quantization-aware model (docs/qat.md) gets its integer graph: the same builders, with the
+Graph's hooks (gemm_input, weight, matmul) taken over by hpcsgd/export_onnx_int.py's IntGraph
+(INT8 QDQ or INT4 MatMulNBits, the grids it trained on; the models without an exact integer
+form refused there, named).
 """
 import json
 import os
