@@ -20,7 +20,8 @@ systems take turns on each utterance, PASSES times, and each utterance's fastest
 (the machine is shared: a burst of load hits every system alike). hpcsgd's pass is the
 Network's forward on one utterance (what `hpcsgd decode --greedy` runs, there on batches of
 utterances). An INT4 graph is also run with MatMulNBits' accuracy_level 4 (its activations
-requantized to int8 per block inside the op, int8 products: not hpcsgd's arithmetic).
+requantized to int8 per block inside the op, int8 products: not hpcsgd's arithmetic), and
+exported with --onnx-int8 (its 4-bit codes as int8 QDQ: onnxruntime's integer GEMM).
 """
 import os
 import sys
@@ -117,6 +118,10 @@ def main(out_root, cv, train, data_dir, *runs):
         graphs = [("onnxruntime", done["model"])]
         if b"MatMulNBits" in open(done["model"], "rb").read():
             graphs.append(("onnxruntime accuracy_level 4", accuracy_level(done["model"], 4)))
+            as_int8 = export_onnx.export(run, os.path.join(out_root, name + "_as_int8"), train,
+                                         int8=True)["model"]
+            lines.append(f"   --onnx-int8: model.onnx {os.path.getsize(as_int8):,} bytes")
+            graphs.append(("onnxruntime --onnx-int8", as_int8))
         for what, path in graphs:
             session = ort_session(path)
             ort_run = lambda i, s=session: s.run(None, {   # noqa: E731

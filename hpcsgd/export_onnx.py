@@ -518,12 +518,15 @@ recognizer = OfflineRecognizer(config)
 CMVN_CHOICES = ("global", "utterance")
 
 
-def export(path, out_dir, stats=None, cmvn="global"):
+def export(path, out_dir, stats=None, cmvn="global", int8=False):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
     checkpoint). cmvn "global": normalised with the statistics of the archive `stats`
     (default: the run's training archive) summed over its speakers; "utterance": each
-    utterance with its own (the archive then gives only the feature options). Returns
-    {"model", "tokens", "options", "code", "frames", "speakers", "cmvn"}."""
+    utterance with its own (the archive then gives only the feature options). int8: a
+    quantization-aware model's weights of 4 bits or fewer as int8 codes behind
+    DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
+    (export_onnx_int.py). Returns {"model", "tokens", "options", "code", "frames",
+    "speakers", "cmvn", "quantization"}."""
     if cmvn not in CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
@@ -540,9 +543,12 @@ def export(path, out_dir, stats=None, cmvn="global"):
     if model.quant and not why:   # quantization-aware: its integer graph
         from hpcsgd import export_onnx_int
         why = export_onnx_int.refusal(model, meta["path"])
-        g = None if why else export_onnx_int.IntGraph(model, params)
+        g = None if why else export_onnx_int.IntGraph(model, params, nbits=not int8)
     if why:
         raise UserError(why)
+    if int8 and not model.quant:
+        raise UserError(f"{meta['path']}: --onnx-int8: a float model (no quantization-aware "
+                        f"training): its graph is float32")
     tokens = meta.get("tokens") or {}
     if len(tokens.get("symbols") or ()) != model.num_labels:
         raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
@@ -564,6 +570,7 @@ def export(path, out_dir, stats=None, cmvn="global"):
     utterance = kind if cmvn == "utterance" and kind != "none" else None
     # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
     proto = graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
+    quantization = export_onnx_int.describe(g, model.quant) if g else "none: float32"
     how = (f"each utterance's own {kind} statistics" if utterance else
            f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
            f"{frames} frames")
@@ -577,7 +584,7 @@ def export(path, out_dir, stats=None, cmvn="global"):
         "extractor_config": json.dumps(extractor, sort_keys=True),
         "sherpa_feat_config": json.dumps(options, sort_keys=True),
         "checkpoint": os.path.abspath(meta["path"]),
-        "quantization": export_onnx_int.describe(g, model.quant) if g else "none: float32"})
+        "quantization": quantization})
     os.makedirs(out_dir, exist_ok=True)
     model_path, tokens_path = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
     tmp = model_path + ".tmp"
@@ -585,4 +592,4 @@ def export(path, out_dir, stats=None, cmvn="global"):
     os.replace(tmp, model_path)   # nothing half-written under the final name
     archive.atomic_write_text(tokens_path, sherpa_tokens(tokens["symbols"], tokens["kind"]))
     return {"model": model_path, "tokens": tokens_path, "options": options,
-            "code": sherpa_code(out_dir, options), "cmvn": how}
+            "code": sherpa_code(out_dir, options), "cmvn": how, "quantization": quantization}

@@ -22,6 +22,8 @@ description (no option: the graph is the model that was trained):
                         (the default accuracy_level: float products, exactly hpcsgd's on the
                         grid's values). Conv weights stay int8 codes behind a
                         DequantizeLinear (opset 17 has no 4-bit tensor type).
+                        --onnx-int8: the INT8 form instead (the codes in int8: the integer
+                        GEMM's speed, the INT8 file's size).
 
 Why Mul(1/s) then QuantizeLinear with scale 1: hpcsgd rounds x * inv (inv = float32(1/s),
 kernels_quant.fake_quant), QuantizeLinear divides by its scale; the quotients differ in the
@@ -93,11 +95,12 @@ class IntGraph(Graph):
     """The graph of a quantization-aware model: its quantized weights as integer codes, its
     quantized GEMM inputs through Q/DQ (the module docstring)."""
 
-    def __init__(self, model, params):
+    def __init__(self, model, params, nbits=True):
+        """nbits False: weights of 4 bits or fewer as int8 codes too (the INT8 form)."""
         super().__init__()
         quant = model.quant
         quant.quantize_weights(params, model.wq, model.ops)
-        self.nbits = quant.w_rule != "none" and quant.w_bits <= 4
+        self.nbits = nbits and quant.w_rule != "none" and quant.w_bits <= 4
         self.domains = (NBITS_DOMAIN,) if self.nbits else ()
         self.codes = {}   # weight name -> (int8 codes (K, N), step: scalar or per column)
         if quant.w_rule != "none":

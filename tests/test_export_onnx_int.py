@@ -81,8 +81,11 @@ def optimized_ops(proto, tmp_path):
                                .graph.node)
 
 
-CASES = {"conv-int8": (CONV, qat(8)), "conv-int4": (CONV, qat(4, "channel")),
-         "conformer-int8": (CONFORMER, qat(8)), "conformer-int4": (CONFORMER, qat(4, "channel"))}
+CASES = {"conv-int8": (CONV, qat(8), True), "conv-int4": (CONV, qat(4, "channel"), True),
+         "conformer-int8": (CONFORMER, qat(8), True),
+         "conformer-int4": (CONFORMER, qat(4, "channel"), True),
+         # --onnx-int8: 4-bit codes in int8, the INT8 form
+         "conformer-int4-as-int8": (CONFORMER, qat(4, "channel"), False)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -90,9 +93,9 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     """Two utterances of 61 and 14 frames in one padded batch (the padding sherpa-onnx's
     log(1e-10)), an untrained QAT model: the graph's log-posteriors are hpcsgd's eval-mode
     forward's within the bound, every frame; the graph holds the integer ops, and
-    onnxruntime's optimised graph runs MatMulIntegerToFloat (INT8) or MatMulNBits (INT4)
-    for every MatMul with a quantized weight."""
-    encoder, q = CASES[case]
+    onnxruntime's optimised graph runs MatMulIntegerToFloat (INT8, and INT4 with
+    --onnx-int8) or MatMulNBits (INT4) for every MatMul with a quantized weight."""
+    encoder, q, nbits = CASES[case]
     describe = {"type": "ctc", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
                 "activation": "relu", "qat": q}
     model = build(describe, max_batch=256)
@@ -105,7 +108,7 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     raw = np.full((2, 61, 40), -23.025850929940457, np.float32)
     for b, n in enumerate(lengths):
         raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
-    g = export_onnx_int.IntGraph(model, params)
+    g = export_onnx_int.IntGraph(model, params, nbits=nbits)
     proto = export_onnx.graph(model, model.wq, mean, inv_std, g=g)
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     lp, lp_len = sess.run(None, {"x": raw, "x_lens": np.array(lengths, np.int64)})
@@ -118,11 +121,11 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     matmuls = sum(n.op_type == "MatMul" and n.input[1] in weights for n in floats.node)
     in_file = collections.Counter(n.op_type for n in proto.graph.node)
     ran = optimized_ops(proto, tmp_path)
-    if q["weight_bits"] == 4:
+    if q["weight_bits"] == 4 and nbits:
         assert in_file["MatMulNBits"] == ran["MatMulNBits"] == matmuls
     else:
         assert in_file["QuantizeLinear"] == len(g.grids)
-        assert ran["MatMulIntegerToFloat"] == matmuls
+        assert ran["MatMulIntegerToFloat"] == matmuls and not in_file["MatMulNBits"]
     # what stays float: a Conformer block's attention products Q K^T and P V
     assert ran["MatMul"] + ran["FusedMatMul"] == (2 * (len(encoder) - 1)
                                                   if "conformer" in case else 0)
@@ -268,3 +271,18 @@ def test_sherpa_onnx_runs_an_untrained_conv_integer_graph(bits, demo_tokens, tmp
     assert_sherpa_onnx_agrees(done["code"],
                               hpcsgd_greedy(run, f"{demo_tokens}/cv", global_normalize(train)),
                               batch=True)
+
+
+def test_onnx_int8_is_for_quantization_aware_models(tmp_path):
+    """--onnx-int8 on a float model, and without --onnx, are named."""
+    import subprocess
+    import sys
+    from conftest import REPO
+    from test_export_onnx import CTC, fake_run
+    run = fake_run(tmp_path / "run", {**CTC, "encoder": ["conv 8 k3"]})
+    with pytest.raises(UserError, match="--onnx-int8: a float model"):
+        export_onnx.export(run, str(tmp_path / "onnx"), int8=True)
+    cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--int8", "--out",
+                          str(tmp_path / "m.h5"), "--onnx-int8"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert cli.returncode != 0 and "--onnx-int8: for --onnx only" in cli.stderr
