@@ -87,8 +87,9 @@ def zero_point(grid, what):
     zp = -128 - klo   # the codes from int8's lowest up
     if -128 <= zp <= 127 and khi + zp <= 127:
         return zp
-    raise UserError(f"{what}: its grid's codes [{klo}, {khi}] (step {float(grid.step):g}) hold "
-                    f"no zero: an int8 zero point cannot put them in [-128, 127]")
+    raise UserError(f"{what}: its grid's range [{float(grid.lo):g}, {float(grid.hi):g}] (codes "
+                    f"[{klo}, {khi}], step {float(grid.step):g}) holds no zero: no int8 zero "
+                    f"point puts its codes in [-128, 127]")
 
 
 class IntGraph(Graph):
@@ -116,7 +117,8 @@ class IntGraph(Graph):
         for name in quant.inner:   # learned ranges (qat.activations pact, or bac: pact there)
             lo, hi = quant._clips(params, f"clip_{name}")
             self.grids[name] = affine_grid(lo, hi, quant.a_bits, quant.dtype)
-        self.zero_points = {key: zero_point(grid, f"GEMM input {key}")
+        self.zero_points = {key: zero_point(grid, f"the input of layer {key}"
+                                            if isinstance(key, int) else f"GEMM input {key}")
                             for key, grid in self.grids.items()}
         self.counts = {"weights_int8": 0, "weights_nbits": 0, "inputs": 0}
 
