@@ -47,13 +47,18 @@ def add_arguments(parser):
     width.add_argument("--onnx", metavar="OUT_DIR",
                        help="a CTC model as OUT_DIR/model.onnx, an RNN-T model as "
                             "OUT_DIR/{encoder,decoder,joiner}.onnx, and tokens.txt for "
-                            "sherpa-onnx (float32, the normalisation inside: --cmvn; "
+                            "sherpa-onnx (float32, or a quantization-aware CTC model's "
+                            "INT8/INT4 integer graph; the normalisation inside: --cmvn; "
                             "docs/export.md)")
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
     parser.add_argument("--stats", metavar="ARCHIVE",
                         help="--onnx: the archive whose speakers' CMVN statistics, summed, "
                              "normalise every utterance, and whose feature options the "
                              "recognizer must use (default: the run's data.train)")
+    parser.add_argument("--onnx-int8", action="store_true",
+                        help="--onnx of a quantization-aware model with weights of 4 bits or "
+                             "fewer: their codes as int8 QDQ (onnxruntime's integer GEMM) "
+                             "instead of MatMulNBits (smaller, slower; docs/export.md)")
     parser.add_argument("--cmvn", choices=("global", "utterance"), default=None,
                         help="--onnx: normalise with the summed statistics of --stats "
                              "(default), or each utterance with its own (docs/export.md: "
@@ -123,9 +128,9 @@ def export(path, out, bits, say=print):
 def run(args):
     if args.onnx:
         return run_onnx(args)
-    if args.stats or args.cmvn:
-        raise UserError("--stats, --cmvn: for --onnx only (the integer export keeps hpcsgd's "
-                        "CMVN)")
+    if args.stats or args.cmvn or args.onnx_int8:
+        raise UserError("--stats, --cmvn, --onnx-int8: for --onnx only (the integer export "
+                        "keeps hpcsgd's CMVN)")
     if not args.out:
         raise UserError(f"--int{args.bits}: name the exported file with --out MODEL.h5")
     if not args.out.endswith((".h5", ".hdf5")):
@@ -141,9 +146,11 @@ def run_onnx(args):
     from hpcsgd import export_onnx
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
-    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global")
+    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global",
+                              int8=args.onnx_int8)
     graphs = ", ".join(done[k] for k in ("model", "encoder", "decoder", "joiner") if k in done)
-    print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']})")
+    print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']}; "
+          f"quantization: {done['quantization']})")
     print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
           "window, int16-range samples):\n")
     print(done["code"])

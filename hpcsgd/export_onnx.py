@@ -5,9 +5,10 @@ model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder()
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
 
-OUT_DIR/model.onnx   the graph (opset 17), float32 weights. Inputs and outputs are those of
-                     icefall's zipformer CTC export, which sherpa-onnx's zipformer_ctc loader
-                     reads (sherpa-onnx/csrc/offline-zipformer-ctc-model.cc):
+OUT_DIR/model.onnx   the graph (opset 17), float32 weights (a QAT model's: integers, below).
+                     Inputs and outputs are those of icefall's zipformer CTC export,
+                     which sherpa-onnx's zipformer_ctc loader reads
+                     (sherpa-onnx/csrc/offline-zipformer-ctc-model.cc):
                        x              float32 (N, T, D)   fbank frames, batch-major
                        x_lens         int64   (N,)        frames of each utterance
                        log_probs      float32 (N, T', V)  log-posteriors, column 0 the blank
@@ -53,9 +54,13 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
 Every encoder layer's output is masked past its utterance's length, as the Network does, so a
 padded batch gives each utterance what it gives alone.
 
-Not exported yet (refused with the model named): models trained with quantized weights or
-activations (no QDQ nodes yet), hybrid frame classifiers (they need a decoding graph and
-priors, not a CTC search).
+Not exported yet (refused with the model named): hybrid frame classifiers (they need a
+decoding graph and priors, not a CTC search), quantization-aware RNN-T models.
+
+A quantization-aware CTC model (docs/qat.md) gets its integer graph: the same builders, with
+the Graph's hooks (gemm_input, weight, matmul) taken over by hpcsgd/export_onnx_int.py's
+IntGraph (INT8 QDQ or INT4 MatMulNBits, the grids it trained on; the models without an exact
+integer form refused there, named).
 """
 import json
 import os
@@ -103,10 +108,29 @@ class Graph:
         self.inits.append(self.numpy_helper.from_array(np.asarray(array), name))
         return name
 
-    def op(self, op_type, inputs, hint=None, outputs=1, **attrs):
+    def op(self, op_type, inputs, hint=None, outputs=1, domain=None, **attrs):
         names = [self.name(hint or op_type.lower()) for _ in range(outputs)]
-        self.nodes.append(self.helper.make_node(op_type, list(inputs), names, **attrs))
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), names, domain=domain,
+                                                **attrs))
         return names[0] if outputs == 1 else names
+
+    # What the integer graph of a quantization-aware model (export_onnx_int.IntGraph)
+    # replaces: a GEMM's input (quantized there on the grid it trained on, `key` its name in
+    # model/quantize.py: a layer's index, or "{layer}.{part}" inside a layer) and a weight
+    # matrix (its integer codes). The float graph takes both as they are.
+    domains = ()   # operator sets beside ONNX's that the graph's nodes use
+
+    def gemm_input(self, x, key):
+        return x
+
+    def weight(self, p, name, layout=None, axis=1):
+        """p[name], hpcsgd's (K, N) matrix, as the constant an op reads: layout(W) in that
+        op's layout, whose output units lie along `axis`."""
+        w = p[name] if layout is None else layout(p[name])
+        return self.const(np.ascontiguousarray(w, np.float32), name)
+
+    def matmul(self, x, p, name):
+        return self.op("MatMul", [x, self.weight(p, name)])
 
 
 def steps(g, x, axis=1):
@@ -186,8 +210,8 @@ def stack(g, x, lens, layer):
 def conv(g, x, lens, layer, p, act):
     """A centred 1-D convolution (model/conv.py), its norm and activation."""
     k, c, f, d = layer.kernel, layer.n_in, layer.n_out, layer.dilation
-    w = np.ascontiguousarray(p[layer.W].reshape(k, c, f).transpose(2, 1, 0), np.float32)
-    inputs = [g.op("Transpose", [x], perm=[0, 2, 1]), g.const(w, layer.W)]
+    w = g.weight(p, layer.W, lambda a: a.reshape(k, c, f).transpose(2, 1, 0), axis=0)
+    inputs = [g.op("Transpose", [x], perm=[0, 2, 1]), w]
     if not layer.norm:
         inputs.append(g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b))
     z = g.op("Conv", inputs, kernel_shape=[k], strides=[layer.stride], dilations=[d],
@@ -232,9 +256,9 @@ def frontend(g, x, lens, layer, p):
     n, c = layer.name, layer.channels
 
     def conv2d(x, part, c_in):
-        w = p[f"{n}.{part}.w"].reshape(3, 3, c_in, c).transpose(3, 2, 0, 1)
-        y = g.op("Conv", [x, g.const(np.ascontiguousarray(w, np.float32), f"{n}.{part}.w"),
-                          g.const(p[f"{n}.{part}.b"].reshape(-1).astype(np.float32))],
+        w = g.weight(p, f"{n}.{part}.w",
+                     lambda a: a.reshape(3, 3, c_in, c).transpose(3, 2, 0, 1), axis=0)
+        y = g.op("Conv", [x, w, g.const(p[f"{n}.{part}.b"].reshape(-1).astype(np.float32))],
                  kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
         return g.op("Relu", [y])
 
@@ -242,16 +266,15 @@ def frontend(g, x, lens, layer, p):
     a1 = conv2d(image, "conv1", 1)
     mid = strided(g, lens, 2)
     a1 = g.op("Mul", [a1, valid(g, a1, mid, time=2, axes=[1, 3])])
-    a2 = conv2d(a1, "conv2", c)
+    a2 = conv2d(g.gemm_input(a1, f"{n}.conv2"), "conv2", c)
     flat = g.op("Reshape", [g.op("Transpose", [a2], perm=[0, 2, 3, 1]),
                             g.const(np.array([0, 0, -1], np.int64))])
     return linear(g, flat, p, f"{n}.out"), strided(g, mid, 2)
 
 
 def linear(g, x, p, name):
-    """x @ p[name.w] + p[name.b]."""
-    return g.op("Add", [g.op("MatMul", [x, g.const(p[f"{name}.w"].astype(np.float32),
-                                                   f"{name}.w")]),
+    """x @ p[name.w] + p[name.b], x quantized as the GEMM input `name` where it trained so."""
+    return g.op("Add", [g.matmul(g.gemm_input(x, name), p, f"{name}.w"),
                         g.const(p[f"{name}.b"].reshape(-1).astype(np.float32), f"{name}.b")])
 
 
@@ -324,9 +347,8 @@ def block(g, x, lens, layer, p):
     half = [g.op("Slice", [z, g.const(np.array([a], np.int64)), g.const(np.array([b], np.int64)),
                            g.const(np.array([-1], np.int64))]) for a, b in ((0, d), (d, 2 * d))]
     u = masked(g, g.op("Mul", [half[0], g.op("Sigmoid", [half[1]])]), lens)
-    w = p[n("conv.dw.w")].T.reshape(d, 1, layer.kernel)
-    c = g.op("Conv", [g.op("Transpose", [u], perm=[0, 2, 1]),
-                      g.const(np.ascontiguousarray(w, np.float32), n("conv.dw.w")),
+    w = g.weight(p, n("conv.dw.w"), lambda a: a.T.reshape(d, 1, layer.kernel), axis=0)
+    c = g.op("Conv", [g.op("Transpose", [g.gemm_input(u, n("conv.dw"))], perm=[0, 2, 1]), w,
                       g.const(p[n("conv.dw.b")].reshape(-1).astype(np.float32))],
              kernel_shape=[layer.kernel], group=d,
              pads=[layer.left, layer.kernel - 1 - layer.left])
@@ -347,7 +369,7 @@ def block(g, x, lens, layer, p):
 
 
 def dense(g, x, lens, layer, p, act):
-    y = g.op("Add", [g.op("MatMul", [x, g.const(p[layer.W].astype(np.float32), layer.W)]),
+    y = g.op("Add", [g.matmul(x, p, layer.W),
                      g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b)])
     return activation(g, y, act), lens
 
@@ -364,9 +386,10 @@ def unsupported(model, meta_path):
         return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
                 f"covers CTC and RNN-T models only)")
     qat = describe.get("qat") or {}
-    if qat.get("weights", "none") != "none" or qat.get("activations", "none") != "none":
-        return (f"{meta_path}: not yet exported: a quantization-aware model ({qat}); its "
-                f"fake-quantized weights and activations need ONNX QDQ nodes")
+    if kind == "rnnt" and (qat.get("weights", "none") != "none"
+                           or qat.get("activations", "none") != "none"):
+        return (f"{meta_path}: not yet exported: a quantization-aware RNN-T model ({qat}); "
+                f"the integer export covers CTC models")
     for text, layer in zip(describe["encoder"], model.layers):
         if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense, Conv2dSubsampling,
                                   ConformerBlock)):
@@ -378,11 +401,13 @@ def unsupported(model, meta_path):
 def encoder(g, model, p, mean=None, inv_std=None, utterance=None):
     """The graph's inputs x, x_lens normalised (normalize()) and through the model's encoder
     layers (all but its output layer) -> (the encoder's output (N, T', C), its lengths):
-    what a CTC graph's output layer and a transducer's encoder projection read."""
+    what a CTC graph's output layer and a transducer's encoder projection read. g's hooks
+    quantize each GEMM's input (an IntGraph) or pass it (a float Graph)."""
     act = model.describe["activation"]
     lens = "x_lens"
     x = normalize(g, "x", lens, mean, inv_std, utterance)
-    for layer in model.layers[:-1]:
+    for i, layer in enumerate(model.layers[:-1]):
+        x = g.gemm_input(x, i)
         if isinstance(layer, StackFrames):
             x, lens = stack(g, x, lens, layer)
         elif isinstance(layer, Conv1d):
@@ -399,17 +424,18 @@ def encoder(g, model, p, mean=None, inv_std=None, utterance=None):
     return x, lens
 
 
-def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc"):
+def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_ctc", g=None):
     """The ONNX ModelProto of a CTC model (its layers and float32 parameters) with the
     normalisation in front: (x - mean) * inv_std, or with utterance "mean" or "meanvar" each
-    utterance's own statistics (normalize())."""
+    utterance's own statistics (normalize()). g: the Graph to build in (default a float one;
+    a quantization-aware model's: export_onnx_int.IntGraph)."""
     import onnx
     from onnx import TensorProto, helper
-    g = Graph()
+    g = g or Graph()
     p = {name: np.asarray(params[name]) for name in params.views}
     x, lens = encoder(g, model, p, mean, inv_std, utterance)
     out = model.layers[-1]
-    z = g.op("Add", [g.op("MatMul", [x, g.const(p[out.W].astype(np.float32), out.W)]),
+    z = g.op("Add", [g.matmul(g.gemm_input(x, len(model.layers) - 1), p, out.W),
                      g.const(p[out.b].reshape(-1).astype(np.float32), out.b)], hint="logits")
     g.nodes.append(helper.make_node("LogSoftmax", [z], ["log_probs"], axis=-1))
     g.nodes.append(helper.make_node("Identity", [lens], ["log_probs_len"]))
@@ -423,7 +449,8 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
          helper.make_tensor_value_info("log_probs_len", TensorProto.INT64, ["N"])],
         g.inits)
     proto = helper.make_model(graph_, producer_name="hpcsgd",
-                              opset_imports=[helper.make_opsetid("", OPSET)])
+                              opset_imports=[helper.make_opsetid("", OPSET)]
+                              + [helper.make_opsetid(d, 1) for d in g.domains])
     proto.ir_version = IR_VERSION
     onnx.checker.check_model(proto)
     return proto
@@ -507,13 +534,16 @@ recognizer = OfflineRecognizer(config)
 CMVN_CHOICES = ("global", "utterance")
 
 
-def export(path, out_dir, stats=None, cmvn="global"):
+def export(path, out_dir, stats=None, cmvn="global", int8=False):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
     checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
     (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
     `stats` (default: the run's training archive) summed over its speakers; "utterance": each
-    utterance with its own (the archive then gives only the feature options). Returns
-    {"model" (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn"}."""
+    utterance with its own (the archive then gives only the feature options). int8: a
+    quantization-aware model's weights of 4 bits or fewer as int8 codes behind
+    DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
+    (export_onnx_int.py). Returns {"model" (RNN-T: "encoder", "decoder", "joiner"), "tokens",
+    "options", "code", "cmvn", "quantization"}."""
     if cmvn not in CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
@@ -526,8 +556,16 @@ def export(path, out_dir, stats=None, cmvn="global"):
         raise UserError(f"{path}: no such run directory or checkpoint")
     model, params, meta = load_model(path, max_batch=8)
     why = unsupported(model, meta["path"])
+    g = None
+    if model.quant and not why:   # quantization-aware: its integer graph
+        from hpcsgd import export_onnx_int
+        why = export_onnx_int.refusal(model, meta["path"])
+        g = None if why else export_onnx_int.IntGraph(model, params, nbits=not int8)
     if why:
         raise UserError(why)
+    if int8 and not model.quant:
+        raise UserError(f"{meta['path']}: --onnx-int8: a float model (no quantization-aware "
+                        f"training): its graph is float32")
     tokens = meta.get("tokens") or {}
     if len(tokens.get("symbols") or ()) != model.num_labels:
         raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
@@ -550,19 +588,21 @@ def export(path, out_dir, stats=None, cmvn="global"):
     how = (f"each utterance's own {kind} statistics" if utterance else
            f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
            f"{frames} frames")
+    quantization = export_onnx_int.describe(g, model.quant) if g else "none: float32"
     props = {"model_author": "hpcsgd", "vocab_size": str(model.num_labels), "blank_id": "0",
              "subsampling_factor": str(time_stride(model.describe["encoder"])),
              "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
              "cmvn": how,
              "extractor_config": json.dumps(extractor, sort_keys=True),
              "sherpa_feat_config": json.dumps(options, sort_keys=True),
-             "checkpoint": os.path.abspath(meta["path"])}
+             "checkpoint": os.path.abspath(meta["path"]), "quantization": quantization}
     if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
         from hpcsgd import export_onnx_rnnt
         done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
                                       props, options, tokens)
-        return {**done, "options": options, "cmvn": how}
-    proto = graph(model, params, mean, inv_std, utterance)
+        return {**done, "options": options, "cmvn": how, "quantization": quantization}
+    # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
+    proto = graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
     # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type
     onnx.helper.set_model_props(proto, {"model_type": "zipformer2_ctc", **props})
     os.makedirs(out_dir, exist_ok=True)
@@ -572,4 +612,4 @@ def export(path, out_dir, stats=None, cmvn="global"):
     os.replace(tmp, model_path)   # nothing half-written under the final name
     archive.atomic_write_text(tokens_path, sherpa_tokens(tokens["symbols"], tokens["kind"]))
     return {"model": model_path, "tokens": tokens_path, "options": options,
-            "code": sherpa_code(out_dir, options), "cmvn": how}
+            "code": sherpa_code(out_dir, options), "cmvn": how, "quantization": quantization}

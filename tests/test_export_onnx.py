@@ -280,9 +280,10 @@ CTC = {"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu"}
 @pytest.mark.parametrize("describe, words", [
     ({"type": "dnn", "input_dim": 4, "hidden": [6], "num_labels": 5, "activation": "relu"},
      "hybrid dnn model"),
-    ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8}},
-     "not yet exported: a quantization-aware model"),
-], ids=["hybrid", "qat"])
+    ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8,
+                                              "activations": "pact"}},
+     "encoder layer 'blstm 3' with quantized activations"),
+], ids=["hybrid", "qat"])   # a quantization-aware RNN-T: test_export_onnx_rnnt.py
 def test_models_it_cannot_export_are_named(describe, words, tmp_path):
     run = fake_run(tmp_path / "run", describe)
     with pytest.raises(UserError, match=words):

@@ -261,7 +261,7 @@ def test_a_quantization_aware_rnnt_is_named(tmp_path):
         "type": "rnnt", "input_dim": 4, "num_tokens": 5, "activation": "relu",
         "encoder": ["blstm 3"], "predictor": ["lstm 4"], "embed": 4, "joint": 6,
         "qat": {"weights": "max", "weight_bits": 4}})
-    with pytest.raises(UserError, match="not yet exported: a quantization-aware model"):
+    with pytest.raises(UserError, match="not yet exported: a quantization-aware RNN-T model"):
         export_onnx.export(run, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 

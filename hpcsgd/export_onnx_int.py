@@ -1,0 +1,189 @@
+"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md): the
+graph of hpcsgd/export_onnx.py with the grids the model trained on, as integers that
+onnxruntime's CPU provider runs as integer GEMMs. Which form follows from the run's qat
+description (no option: the graph is the model that was trained):
+
+  qat.weight_bits 5..8  INT8: every quantized weight matrix as int8 codes k and its step s
+                        (one, or one per output unit) behind a DequantizeLinear; every
+                        quantized GEMM input as Mul(1/s), Clip(klo, khi), QuantizeLinear
+                        (scale 1, int8) and DequantizeLinear (scale s). onnxruntime's QDQ
+                        transformer fuses DequantizeLinear x2 -> MatMul into
+                        MatMulIntegerToFloat (int8 x int8 -> int32, then the scales);
+                        a Conv whose output is not quantized (hpcsgd quantizes it only after
+                        its bias, ReLU and mask, as the next GEMM's input) stays a float Conv
+                        on the dequantized values.
+  qat.weight_bits 2..4  INT4: every quantized MatMul weight as com.microsoft MatMulNBits
+                        (bits 4: k + 8 in [1, 15], two per byte, the first in the low nibble;
+                        the default zero point 8; block_size the power of two in 16..256 that
+                        packs the matrix smallest, K padded with the zero point to whole
+                        blocks; the block scales all the output unit's step, hpcsgd having one
+                        per tensor or per unit). MatMulNBits takes float activations: the
+                        input's fake quantization is the same Q/DQ pair, its output float
+                        (the default accuracy_level: float products, exactly hpcsgd's on the
+                        grid's values). Conv weights stay int8 codes behind a
+                        DequantizeLinear (opset 17 has no 4-bit tensor type).
+                        --onnx-int8: the INT8 form instead (the codes in int8: the integer
+                        GEMM's speed, the INT8 file's size).
+
+Why Mul(1/s) then QuantizeLinear with scale 1: hpcsgd rounds x * inv (inv = float32(1/s),
+kernels_quant.fake_quant), QuantizeLinear divides by its scale; the quotients differ in the
+last bit now and then, and at a half-way point that moves the code by one. With the product
+computed by Mul and QuantizeLinear's scale 1 (x / 1 exact, round half to even as np.rint)
+the codes are hpcsgd's bit for bit, whenever the input x is. The Clip to [klo, khi] in code
+units is hpcsgd's clamp: QuantizeLinear's own saturation is to int8's [-128, 127], which
+holds a symmetric 8-bit grid's [-127, 127] only with the clamp in front.
+
+The grids, each mapped exactly (code k = q - zero_point, value s * k):
+  symmetric (weights; signed inputs with max/fixed bounds): k in [-(2^(b-1) - 1), 2^(b-1) - 1],
+      zero point 0
+  one-signed [0, alpha] and a learned range [alpha_n, alpha_p] (affine_grid): 2^b codes
+      k in [klo, klo + 2^b - 1], klo = rint(alpha_n / s); the zero point 0 when that fits
+      int8, else -128 - klo. Not mappable: an 8-bit range that does not hold zero (klo > 0 or
+      khi < 0 at 256 levels: no int8 zero point puts it in [-128, 127]); refused, named.
+Refused, named: dynamic input grids (qat.activations max or sawb: their step comes from the
+batch's statistics, which a graph of fixed scales does not have); (B)LSTM layers with
+quantized activations (ONNX's LSTM has no integer form, and its recurrent input h_{t-1}
+cannot be quantized at every step inside it). LSTMs with quantized weights and float inputs
+run ONNX's float LSTM on the dequantized weights s * k (exact). The Conformer's attention
+products (Q K^T, P V) stay float, as in training.
+"""
+import numpy as np
+
+from hpcsgd.errors import UserError
+from hpcsgd.export import codes_of
+from hpcsgd.export_onnx import Graph
+from hpcsgd.model.lstm import LSTM
+from hpcsgd.model.quantize import affine_grid
+
+NBITS_DOMAIN = "com.microsoft"
+NBITS_BLOCKS = (16, 32, 64, 128, 256)   # the block sizes onnxruntime's MatMulNBits kernels take
+
+
+def refusal(model, meta_path):
+    """Why this quantization-aware model has no exact integer graph (None: it has one)."""
+    quant = model.quant
+    if quant.exported:
+        return (f"{meta_path}: an integer model written by --int8/--int4: export the run "
+                f"directory or checkpoint it came from (the grids are taken from its clips)")
+    dynamic = sorted({r for r in quant.rules + [quant.inner_rule if quant.inner else "none"]
+                      if r in ("max", "sawb")})
+    if dynamic:
+        return (f"{meta_path}: quantization-aware model with dynamic input grids "
+                f"(qat.activations={quant.a_rule}: the step of each minibatch's statistics); an "
+                f"ONNX graph has fixed scales: train with qat.activations=pact or bac")
+    for text, layer in zip(model.describe["encoder"], model.layers):
+        if isinstance(layer, LSTM) and quant.a_rule != "none":
+            return (f"{meta_path}: encoder layer {text!r} with quantized activations: ONNX's "
+                    f"LSTM has no integer form and cannot quantize h_(t-1) at each step "
+                    f"(an LSTM with quantized weights and qat.activations=none is exported)")
+    return None
+
+
+def zero_point(grid, what):
+    """The int8 zero point that holds the grid's codes [klo, khi] (0 where it fits)."""
+    klo, khi = int(grid.klo), int(grid.khi)
+    if -128 <= klo and khi <= 127:
+        return 0
+    zp = -128 - klo   # the codes from int8's lowest up
+    if -128 <= zp <= 127 and khi + zp <= 127:
+        return zp
+    raise UserError(f"{what}: its grid's range [{float(grid.lo):g}, {float(grid.hi):g}] (codes "
+                    f"[{klo}, {khi}], step {float(grid.step):g}) holds no zero: no int8 zero "
+                    f"point puts its codes in [-128, 127]")
+
+
+class IntGraph(Graph):
+    """The graph of a quantization-aware model: its quantized weights as integer codes, its
+    quantized GEMM inputs through Q/DQ (the module docstring)."""
+
+    def __init__(self, model, params, nbits=True):
+        """nbits False: weights of 4 bits or fewer as int8 codes too (the INT8 form)."""
+        super().__init__()
+        quant = model.quant
+        quant.quantize_weights(params, model.wq, model.ops)
+        self.nbits = nbits and quant.w_rule != "none" and quant.w_bits <= 4
+        self.domains = (NBITS_DOMAIN,) if self.nbits else ()
+        self.codes = {}   # weight name -> (int8 codes (K, N), step: scalar or per column)
+        if quant.w_rule != "none":
+            for w in quant.weights:
+                grid = quant.w_grids[w]
+                self.codes[w] = (codes_of(np.asarray(model.wq[w]), grid),
+                                 np.asarray(grid.step, np.float32))
+        self.grids = {}   # GEMM input key -> grid
+        for i in range(len(model.layers)):
+            grid = quant.input_grid(i, None, params, model.ops)   # pact or fixed: no x read
+            if grid is not None:
+                self.grids[i] = grid
+        for name in quant.inner:   # learned ranges (qat.activations pact, or bac: pact there)
+            lo, hi = quant._clips(params, f"clip_{name}")
+            self.grids[name] = affine_grid(lo, hi, quant.a_bits, quant.dtype)
+        self.zero_points = {key: zero_point(grid, f"the input of layer {key}"
+                                            if isinstance(key, int) else f"GEMM input {key}")
+                            for key, grid in self.grids.items()}
+        self.counts = {"weights_int8": 0, "weights_nbits": 0, "inputs": 0}
+
+    def gemm_input(self, x, key):
+        """x on the grid of the GEMM input `key`: s * clip(rint(x * inv), klo, khi), the
+        codes in int8 between QuantizeLinear and DequantizeLinear."""
+        grid = self.grids.get(key)
+        if grid is None:
+            return x
+        self.counts["inputs"] += 1
+        zp = self.const(np.int8(self.zero_points[key]), "zp")
+        k = self.op("Clip", [self.op("Mul", [x, self.const(np.float32(grid.inv), "inv")]),
+                             self.const(np.float32(grid.klo)), self.const(np.float32(grid.khi))])
+        q = self.op("QuantizeLinear", [k, self.const(np.float32(1.0)), zp], hint="codes")
+        return self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
+                       hint="quantized")
+
+    def weight(self, p, name, layout=None, axis=1):
+        if name not in self.codes:
+            return super().weight(p, name, layout, axis)
+        codes, step = self.codes[name]
+        codes = np.ascontiguousarray(codes if layout is None else layout(codes), np.int8)
+        self.counts["weights_int8"] += 1
+        attrs = {"axis": axis} if step.ndim else {}
+        return self.op("DequantizeLinear", [self.const(codes, name + "_codes"),
+                                            self.const(step, name + "_step"),
+                                            self.const(np.zeros(step.shape, np.int8), "zp")],
+                       hint=name, **attrs)
+
+    def matmul(self, x, p, name):
+        if not (self.nbits and name in self.codes):
+            return super().matmul(x, p, name)
+        codes, step = self.codes[name]
+        k, n = codes.shape
+        block, packed = nbits_pack(codes)
+        blocks = packed.shape[1]
+        scales = np.repeat(np.broadcast_to(step, (n,)).astype(np.float32), blocks)
+        self.counts["weights_nbits"] += 1
+        return self.op("MatMulNBits", [x, self.const(packed, name + "_nbits"),
+                                       self.const(scales, name + "_scales")],
+                       domain=NBITS_DOMAIN, K=k, N=n, bits=4, block_size=block,
+                       hint="matmulnbits")
+
+
+def nbits_pack(codes):
+    """(block_size, B) of MatMulNBits for int8 codes (K, N) in [-7, 7]: B (N, blocks,
+    block_size / 2) uint8 holding k + 8 of column n's K values, two per byte (the first in the
+    low nibble), K padded to whole blocks with 8 (the zero point: a zero weight); the block
+    size of the fewest bytes with one float32 scale a block."""
+    k, n = codes.shape
+    if codes.size and (codes.min() < -7 or codes.max() > 7):
+        raise UserError(f"weight codes in [{codes.min()}, {codes.max()}]: MatMulNBits' 4 bits "
+                        f"hold [-7, 7]")
+    size = lambda b: -(-k // b) * (b // 2 + 4)   # noqa: E731  bytes a column
+    block = min(NBITS_BLOCKS, key=lambda b: (size(b), b))
+    blocks = -(-k // block)
+    q = np.full((n, blocks * block), 8, np.uint8)
+    q[:, :k] = (codes.T.astype(np.int16) + 8).astype(np.uint8)
+    q = q.reshape(n, blocks, block)
+    return block, np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4), np.uint8)
+
+
+def describe(g, quant):
+    """One line for the model's metadata: what is integer in the graph."""
+    kind = (f"INT4 weights as MatMulNBits ({g.counts['weights_nbits']} MatMuls)" if g.nbits
+            else f"INT8 weights ({g.counts['weights_int8']} DequantizeLinear)")
+    return (f"{kind}; {g.counts['inputs']} GEMM inputs on {quant.a_bits}-bit grids through "
+            f"QuantizeLinear/DequantizeLinear (qat {quant.qat})")
