@@ -1,10 +1,12 @@
 """`hpcsgd export`: a model's weights as integers with their scales, for integer inference;
 or a CTC or RNN-T model as ONNX, for recognizers outside hpcsgd (hpcsgd/export_onnx.py,
-hpcsgd/export_onnx_rnnt.py, docs/export.md).
+hpcsgd/export_onnx_rnnt.py; a causal model for sherpa-onnx's online recognizer:
+hpcsgd/export_onnx_streaming.py; docs/export.md).
 
     hpcsgd export RUN_DIR|CHECKPOINT --int8|--int4 --out MODEL.h5
     hpcsgd eval MODEL.h5 --data ARCHIVE          (and infer: the integer weights)
     hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR [--cmvn global|utterance] [--stats ARCHIVE]
+    hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR --streaming [--chunk-ms MS] [--stats ARCHIVE]
 
 Every weight matrix W is written as its grid's integer codes k (int8; --int4: two's-complement
 nibbles packed two per byte, the first value in the low nibble) and its step s, so that
@@ -58,6 +60,14 @@ def add_arguments(parser):
                         help="--onnx: normalise with the summed statistics of --stats "
                              "(default), or each utterance with its own (docs/export.md: "
                              "what each costs against training's per-speaker CMVN)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="--onnx: a causal model (stack, lstm, dense, conv F k1) for "
+                             "sherpa-onnx's online recognizer: graphs with the LSTM states in "
+                             "and out, global CMVN (docs/export.md)")
+    parser.add_argument("--chunk-ms", type=float, default=None, metavar="MS",
+                        help="--streaming: the frames sherpa-onnx feeds per encoder call, in "
+                             "ms: a multiple of 10 ms x the encoder's stride (default: 320 "
+                             "ms rounded up to one)")
 
 
 def codes_of(wq, grid):
@@ -123,9 +133,9 @@ def export(path, out, bits, say=print):
 def run(args):
     if args.onnx:
         return run_onnx(args)
-    if args.stats or args.cmvn:
-        raise UserError("--stats, --cmvn: for --onnx only (the integer export keeps hpcsgd's "
-                        "CMVN)")
+    if args.stats or args.cmvn or args.streaming or args.chunk_ms is not None:
+        raise UserError("--stats, --cmvn, --streaming, --chunk-ms: for --onnx only (the "
+                        "integer export keeps hpcsgd's CMVN)")
     if not args.out:
         raise UserError(f"--int{args.bits}: name the exported file with --out MODEL.h5")
     if not args.out.endswith((".h5", ".hdf5")):
@@ -141,9 +151,13 @@ def run_onnx(args):
     from hpcsgd import export_onnx
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
-    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global")
+    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global",
+                              args.streaming, args.chunk_ms)
     graphs = ", ".join(done[k] for k in ("model", "encoder", "decoder", "joiner") if k in done)
     print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']})")
+    if "chunk" in done:
+        print(f"streaming: chunks of {done['chunk']} frames ({done['chunk'] * 10} ms), the "
+              f"LSTM states carried from chunk to chunk")
     print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
           "window, int16-range samples):\n")
     print(done["code"])

@@ -507,13 +507,15 @@ recognizer = OfflineRecognizer(config)
 CMVN_CHOICES = ("global", "utterance")
 
 
-def export(path, out_dir, stats=None, cmvn="global"):
+def export(path, out_dir, stats=None, cmvn="global", streaming=False, chunk_ms=None):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
     checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
     (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
     `stats` (default: the run's training archive) summed over its speakers; "utterance": each
-    utterance with its own (the archive then gives only the feature options). Returns
-    {"model" (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn"}."""
+    utterance with its own (the archive then gives only the feature options). streaming:
+    graphs with the LSTM states in and out for sherpa-onnx's online recognizer, chunks of
+    chunk_ms (export_onnx_streaming.write). Returns {"model" (RNN-T: "encoder", "decoder",
+    "joiner"), "tokens", "options", "code", "cmvn"} (streaming: and "chunk", in frames)."""
     if cmvn not in CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
@@ -526,8 +528,18 @@ def export(path, out_dir, stats=None, cmvn="global"):
         raise UserError(f"{path}: no such run directory or checkpoint")
     model, params, meta = load_model(path, max_batch=8)
     why = unsupported(model, meta["path"])
+    if streaming:   # hpcsgd/export_onnx_streaming.py
+        from hpcsgd import export_onnx_streaming
+        why = why or export_onnx_streaming.not_causal(model, meta["path"])
+        if not why and cmvn == "utterance":
+            why = ("--cmvn utterance with --streaming: a stream has no utterance statistics "
+                   "before its end; the streaming graph normalises with --cmvn global")
     if why:
         raise UserError(why)
+    if chunk_ms is not None and not streaming:
+        raise UserError("--chunk-ms: for --streaming only (the offline graph takes whole "
+                        "utterances)")
+    chunk = export_onnx_streaming.chunk_frames(model, chunk_ms) if streaming else None
     tokens = meta.get("tokens") or {}
     if len(tokens.get("symbols") or ()) != model.num_labels:
         raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
@@ -557,6 +569,10 @@ def export(path, out_dir, stats=None, cmvn="global"):
              "extractor_config": json.dumps(extractor, sort_keys=True),
              "sherpa_feat_config": json.dumps(options, sort_keys=True),
              "checkpoint": os.path.abspath(meta["path"])}
+    if streaming:
+        done = export_onnx_streaming.write(model, params, out_dir, mean, inv_std, chunk, props,
+                                           options, tokens)
+        return {**done, "options": options, "cmvn": how}
     if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
         from hpcsgd import export_onnx_rnnt
         done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
