@@ -162,10 +162,11 @@ def exported(request, demo_tokens, tmp_path_factory):
     return kind, run, out, cli.stdout
 
 
-def hpcsgd_greedy(kind, run, feats, train):
+def hpcsgd_greedy(kind, run, feats, train, beam=0):
     """hpcsgd's greedy search (RNN-T: at most one symbol per frame, sherpa-onnx's rule) on
     raw features normalised with the global statistics of `train` -> (phones, the encoder
-    frame of each: where CTC's run of it starts, where the transducer emits it)."""
+    frame of each: where CTC's run of it starts, where the transducer emits it). RNN-T with
+    beam: its modified beam search of that many -> phones."""
     from hpcsgd.decode import ctc, rnnt, timestamps
     from hpcsgd.model.lengths import Lengths
     from hpcsgd.model_io import load_model
@@ -178,6 +179,9 @@ def hpcsgd_greedy(kind, run, feats, train):
         runs = timestamps.token_runs(out.argmax(axis=1))
         assert [k for k, _, _ in runs] == ctc.greedy_search(out).tolist()
         return list(symbols[[k for k, _, _ in runs]]), [first for _, first, _ in runs]
+    if beam:
+        lengths = Lengths([len(out)])
+        return list(symbols[rnnt.beam_search(model.layers[-1], params, out, lengths, beam)[0][0]])
     at = []
     ids = rnnt.greedy_search(model.layers[-1], params, out, Lengths([len(out)]), 1,
                              emitted=at)[0]
@@ -212,15 +216,43 @@ def sherpa_online(code, samples, rate):
     return [t.strip() for t in result.tokens], list(result.timestamps), seen, chunks
 
 
+def sherpa_batch(code, utterances, rate):
+    """All `utterances` (int16-range samples) streamed at once, PIECE_S of each at a time,
+    sherpa-onnx decoding the streams that are ready in batches (decode_streams: the states
+    stacked along N) -> each one's phones."""
+    names = {}
+    exec(code, names)
+    recognizer = names["recognizer"]
+    tail = int(code.split("np.zeros(")[1].split(",")[0])
+    piece = int(PIECE_S * rate)
+    streams = [recognizer.create_stream() for _ in utterances]
+    pieces = [[x[i:i + piece] for i in range(0, len(x), piece)] for x in utterances]
+    for k in range(max(map(len, pieces)) + 1):
+        for s, parts in zip(streams, pieces):
+            if k < len(parts):
+                s.accept_waveform(rate, parts[k] / 32768.0)
+            elif k == len(parts):
+                s.accept_waveform(rate, np.zeros(tail, np.float32))
+                s.input_finished()
+        while True:
+            ready = [s for s in streams if recognizer.is_ready(s)]
+            if not ready:
+                break
+            recognizer.decode_streams(ready)
+    return [[t.strip() for t in recognizer.get_result(s).tokens] for s in streams]
+
+
 def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_tokens):
     """sherpa-onnx's online recognizer, loaded by the printed call, decodes each of the
     training archive's first 40 FLAC files as they arrive (0.32 s pieces, the tail padding,
-    input_finished) to the phones hpcsgd's greedy search (RNN-T: one symbol per frame) finds
-    on the features hpcsgd computes from the same padded audio, cut where sherpa-onnx
-    stopped (its last full chunk) and normalised with the same global statistics; each
-    token at the encoder step hpcsgd emits it at (sherpa-onnx's timestamps take 40 ms a
-    step: stride 3 makes them 30). Printed: how many hypotheses differ from hpcsgd's on the
-    archive's features (the audio without the padding), and the latency."""
+    input_finished), one stream at a time and all 40 at once in batches, to the phones
+    hpcsgd's greedy search (RNN-T: one symbol per frame; and modified_beam_search of 4
+    paths as hpcsgd's beam search of 4) finds on the features hpcsgd computes from the same
+    padded audio, cut where sherpa-onnx stopped (its last full chunk) and normalised with
+    the same global statistics; each token at the encoder step hpcsgd emits it at
+    (sherpa-onnx's timestamps take 40 ms a step: stride 3 makes them 30). Printed: how many
+    hypotheses differ from hpcsgd's on the archive's features (the audio without the
+    padding), and the latency."""
     import soundfile as sf
     from data_prep import features
     from hpcsgd.data import archive
@@ -234,12 +266,14 @@ def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_token
     tail = int(code.split("np.zeros(")[1].split(",")[0])
     demo = os.path.join(REPO, "data_prep", "demo", "so762")
     audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
-    same_offline, phones, delays, first, bound = 0, 0, [], [], []
+    same_offline, phones, delays, first, bound, hyps, clips = 0, 0, [], [], [], [], []
     for n, (utt, feats, _) in enumerate(iter_utterances(train, cmvn="none", shuffle=False)):
         if n == 40:
             break
         samples = sf.read(os.path.join(demo, audio[utt]), dtype="float32")[0] * 32768
         hyp, stamps, seen, chunks = sherpa_online(code, samples, 16000)
+        hyps.append(hyp)
+        clips.append(samples)
         padded = features.compute(config, np.concatenate([samples, np.zeros(tail,
                                                                              np.float32)]))
         assert np.allclose(padded[:len(feats)], feats, atol=1e-4)   # hpcsgd's own features
@@ -248,6 +282,10 @@ def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_token
         want, at = hpcsgd_greedy(kind, run, padded[:chunks * chunk], train)
         assert hyp == want, utt
         np.testing.assert_allclose(np.array(stamps) * 3 / 4, np.array(at) * 0.03, atol=1e-6)
+        if kind == "rnnt":   # and modified_beam_search with 4 active paths: hpcsgd's beam 4
+            beam = code.replace('"greedy_search"', '"modified_beam_search", max_active_paths=4')
+            assert sherpa_online(beam, samples, 16000)[0] == \
+                hpcsgd_greedy(kind, run, padded[:chunks * chunk], train, beam=4), utt
         offline, _ = hpcsgd_greedy(kind, run, feats, train)
         same_offline += offline == hyp
         phones += len(hyp)
@@ -261,6 +299,7 @@ def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_token
         bound += ready
         first += had[:1]
     assert phones > 20   # not an all-blank model
+    assert sherpa_batch(code, clips, 16000) == hyps
     print(f"{kind}: {phones} phones in 40 hypotheses; equal to hpcsgd's greedy on the "
           f"unpadded features: {same_offline} of 40; chunk {chunk} frames ({chunk * 10} ms); "
           f"from a token's step to the audio time it appeared at (0.32 s pieces): mean "
