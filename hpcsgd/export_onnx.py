@@ -1,6 +1,8 @@
 """`hpcsgd export RUN --onnx OUT_DIR`: a CTC model as an ONNX graph that leaves hpcsgd --
 decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio. An RNN-T
-model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder() below).
+model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder() below);
+--streaming, a causal model for sherpa-onnx's online recognizer (the LSTM states in and out),
+to hpcsgd/export_onnx_streaming.py.
 
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
