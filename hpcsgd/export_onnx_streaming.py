@@ -58,6 +58,7 @@ from hpcsgd.errors import UserError
 from hpcsgd.export_onnx import ONNX_GATES, Graph, conv, dense, sherpa_tokens, stack
 from hpcsgd.export_onnx_rnnt import (CONTEXT_SIZE, affine, decoder_graph, finish,
                                      joiner_graph, transducer_tokens)
+from hpcsgd.model.conformer import ConformerBlock
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.encoder import time_stride
 from hpcsgd.model.kernels_lstm import GATES
@@ -86,8 +87,10 @@ def not_causal(model, meta_path):
             why = ("its instance norm needs the whole utterance's statistics" if
                    layer.kernel == 1 else
                    f"hpcsgd's convolutions are centred: it reads {layer.left} frames ahead")
+        elif isinstance(layer, ConformerBlock):
+            why = "its self-attention reads the whole utterance"
         else:
-            why = "it reads frames ahead (conv2d's 3x3 kernels, or attention over the utterance)"
+            why = "its 3x3 kernels read the next frame"
         return (f"{meta_path}: encoder layer {text!r} cannot stream: {why}; a streaming "
                 f"encoder is made of stack, lstm, dense and conv F k1 layers")
     return None
