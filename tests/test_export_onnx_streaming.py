@@ -52,14 +52,15 @@ def run_chunks(session, x, chunk):
 @pytest.mark.parametrize("kind", ["rnnt", "ctc"])
 def test_chunks_with_the_states_carried_equal_the_whole_utterance(kind):
     """Two utterances of 72 frames in one batch, through the streaming graph in chunks of 12
-    frames (stack 3 cuts them where it cuts the utterance) with h and c carried: each
+    frames (stack 3 and a stride of 2 cut them where they cut the utterance) with h and c
+    carried: each
     utterance's output is hpcsgd's whole-utterance forward (the RNN-T's encoder projection,
     CTC's log-posteriors) as far from the float64 forward as hpcsgd's float32 one is; one
     chunk of all 72 frames gives the same. The encoder has two LSTMs of different widths (the
-    state tensors (2, N, 7), the 5-cell layer's zero-padded) between a frame-wise conv, its
-    layer norm, and a dense layer."""
+    state tensors (2, N, 7), the 5-cell layer's zero-padded) between a frame-wise strided
+    conv, its layer norm, and a dense layer."""
     from test_export_onnx import hpcsgd_outputs
-    model, params = causal_model(kind, ["stack 3", "conv 8 k1 ln", "lstm 5", "dense 6",
+    model, params = causal_model(kind, ["stack 3", "conv 8 k1 s2 ln", "lstm 5", "dense 6",
                                         "lstm 7"])
     rng = np.random.default_rng(0)
     mean = rng.normal(5, 2, 40).astype(np.float32)
@@ -74,7 +75,7 @@ def test_chunks_with_the_states_carried_equal_the_whole_utterance(kind):
     x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
     ref64 = hpcsgd_outputs(model.describe, params, x64, [72, 72], np.float64)
     for b in range(2):
-        assert got[b].shape == ref32[b].shape == (24, 9 if kind == "rnnt" else 7)
+        assert got[b].shape == ref32[b].shape == (12, 9 if kind == "rnnt" else 7)
         assert_float32_close(got[b], ref32[b], ref64[b])
     whole = run_chunks(session, raw, 72)
     for b in range(2):
