@@ -36,7 +36,8 @@ from hpcsgd.model_io import FORMAT, load_model, pack_int4
 EXAMPLES = """examples:
   hpcsgd export runs/qat4 --int4 --out runs/qat4/model_int4.h5
   hpcsgd eval runs/qat4/model_int4.h5 --data runs/demo/archive/cv
-  hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx     (then the sherpa-onnx call it prints)"""
+  hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx     (then the sherpa-onnx call it prints)
+  hpcsgd export runs/demo/lstm_ctc --onnx runs/demo/lstm_ctc_online --streaming   (online)"""
 
 
 def add_arguments(parser):
