@@ -45,7 +45,7 @@ Normalisation: the global CMVN of the offline export (--cmvn global), folded int
 a stream has no utterance statistics before its end, so --cmvn utterance is refused.
 Layers that read the future are refused by name: blstm (its backward direction starts at
 the utterance's end), conv with a kernel over 1 (hpcsgd's convolutions are centred: they
-read (K-1)D/2 frames ahead), a conv's instance norm `in` (the utterance's statistics),
+read (K-1)D - (K-1)D//2 frames ahead), a conv's instance norm `in` (the utterance's statistics),
 conv2d (its 3x3 kernels read the next frame) and conformer blocks (attention over the whole
 utterance).
 """
@@ -86,7 +86,8 @@ def not_causal(model, meta_path):
                 continue
             why = ("its instance norm needs the whole utterance's statistics" if
                    layer.kernel == 1 else
-                   f"hpcsgd's convolutions are centred: it reads {layer.left} frames ahead")
+                   f"hpcsgd's convolutions are centred: it reads "
+                   f"{(layer.kernel - 1) * layer.dilation - layer.left} frames ahead")
         elif isinstance(layer, ConformerBlock):
             why = "its self-attention reads the whole utterance"
         else:

@@ -106,8 +106,8 @@ def make_run(tmp_path, encoder, kind="rnnt"):
 @pytest.mark.parametrize("encoder, words", [
     (["blstm 3"], "'blstm 3' cannot stream: its backward direction starts at the "
                   "utterance's end"),
-    (["conv 4 k3", "lstm 3"], "'conv 4 k3' cannot stream: hpcsgd's convolutions are "
-                              "centred: it reads 1 frames ahead"),
+    (["conv 4 k4", "lstm 3"], "'conv 4 k4' cannot stream: hpcsgd's convolutions are "
+                              "centred: it reads 2 frames ahead"),
     (["conv 4 k1 in", "lstm 3"], "'conv 4 k1 in' cannot stream: its instance norm"),
     (["conv2d 2 8", "conformer 8 h2 f16 k3"], "'conv2d 2 8' cannot stream: its 3x3 kernels "
                                               "read the next frame"),
