@@ -15,11 +15,12 @@ OnlineLstmTransducerModel loads (sherpa-onnx/csrc/online-lstm-transducer-model.c
                         the decoder reruns the prediction network over sherpa-onnx's window
                         of the hypothesis' last tokens; the online searches pass the same
                         window as the offline ones)
-CTC: sherpa-onnx's online zipformer2 CTC loader (online-zipformer2-ctc-model.cc), the only
-online CTC loader that leaves the Kaldi fbank options to the caller and takes any states (NeMo's
-overwrites the features with librosa mel filters; WeNet's sizes its caches from the caller's
-chunk_size and num_left_chunks and decodes one stream at a time; T-one's fixes 300 ms frames at
-8 kHz):
+CTC: sherpa-onnx's online zipformer2 CTC loader (online-zipformer2-ctc-model.cc), which takes
+batch-major features, leaves the Kaldi fbank options to the caller and sizes its states from
+the graph's metadata (WeNet's sizes its caches from the caller's chunk_size and
+num_left_chunks and decodes one stream at a time; T-one's fixes 300 ms frames at 8 kHz;
+NeMo's online CTC loader leaves the features alone too, but transposes them to (N, C, T) and
+wants NeMo's three caches and a vocab_size without the blank):
   OUT_DIR/model.onnx    x (N, T, D), then the loader's 8 state tensors -> log_probs (N,
                         T/stride, V), then the 8 states. The loader builds them from the
                         metadata of one zipformer "layer" sized to carry the LSTMs' states:
