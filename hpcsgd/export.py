@@ -1,10 +1,12 @@
 """`hpcsgd export`: a model's weights as integers with their scales, for integer inference;
 or a CTC or RNN-T model as ONNX, for recognizers outside hpcsgd (hpcsgd/export_onnx.py,
-hpcsgd/export_onnx_rnnt.py, docs/export.md).
+hpcsgd/export_onnx_rnnt.py; a causal model for sherpa-onnx's online recognizer:
+hpcsgd/export_onnx_streaming.py; docs/export.md).
 
     hpcsgd export RUN_DIR|CHECKPOINT --int8|--int4 --out MODEL.h5
     hpcsgd eval MODEL.h5 --data ARCHIVE          (and infer: the integer weights)
     hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR [--cmvn global|utterance] [--stats ARCHIVE]
+    hpcsgd export RUN_DIR|CHECKPOINT --onnx OUT_DIR --streaming [--chunk-ms MS] [--stats ARCHIVE]
 
 Every weight matrix W is written as its grid's integer codes k (int8; --int4: two's-complement
 nibbles packed two per byte, the first value in the low nibble) and its step s, so that
@@ -34,7 +36,8 @@ from hpcsgd.model_io import FORMAT, load_model, pack_int4
 EXAMPLES = """examples:
   hpcsgd export runs/qat4 --int4 --out runs/qat4/model_int4.h5
   hpcsgd eval runs/qat4/model_int4.h5 --data runs/demo/archive/cv
-  hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx     (then the sherpa-onnx call it prints)"""
+  hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx     (then the sherpa-onnx call it prints)
+  hpcsgd export runs/demo/lstm_ctc --onnx runs/demo/lstm_ctc_online --streaming   (online)"""
 
 
 def add_arguments(parser):
@@ -63,6 +66,14 @@ def add_arguments(parser):
                         help="--onnx: normalise with the summed statistics of --stats "
                              "(default), or each utterance with its own (docs/export.md: "
                              "what each costs against training's per-speaker CMVN)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="--onnx: a causal model (stack, lstm, dense, conv F k1) for "
+                             "sherpa-onnx's online recognizer: graphs with the LSTM states in "
+                             "and out, global CMVN (docs/export.md)")
+    parser.add_argument("--chunk-ms", type=float, default=None, metavar="MS",
+                        help="--streaming: the frames sherpa-onnx feeds per encoder call, in "
+                             "ms: a multiple of 10 ms x the encoder's stride (default: 320 "
+                             "ms rounded up to one)")
 
 
 def codes_of(wq, grid):
@@ -128,9 +139,13 @@ def export(path, out, bits, say=print):
 def run(args):
     if args.onnx:
         return run_onnx(args)
-    if args.stats or args.cmvn or args.onnx_int8:
-        raise UserError("--stats, --cmvn, --onnx-int8: for --onnx only (the integer export "
-                        "keeps hpcsgd's CMVN)")
+    given = [flag for flag, value in (("--stats", args.stats), ("--cmvn", args.cmvn),
+                                      ("--onnx-int8", args.onnx_int8),
+                                      ("--streaming", args.streaming),
+                                      ("--chunk-ms", args.chunk_ms is not None)) if value]
+    if given:
+        raise UserError(f"{', '.join(given)}: for --onnx only (the integer export keeps "
+                        f"hpcsgd's CMVN)")
     if not args.out:
         raise UserError(f"--int{args.bits}: name the exported file with --out MODEL.h5")
     if not args.out.endswith((".h5", ".hdf5")):
@@ -147,10 +162,14 @@ def run_onnx(args):
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
     done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global",
-                              int8=args.onnx_int8)
+                              int8=args.onnx_int8, streaming=args.streaming,
+                              chunk_ms=args.chunk_ms)
     graphs = ", ".join(done[k] for k in ("model", "encoder", "decoder", "joiner") if k in done)
     print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']}; "
           f"quantization: {done['quantization']})")
+    if "chunk" in done:
+        print(f"streaming: chunks of {done['chunk']} frames ({done['chunk'] * 10} ms), the "
+              f"LSTM states carried from chunk to chunk")
     print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
           "window, int16-range samples):\n")
     print(done["code"])

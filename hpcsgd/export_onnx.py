@@ -1,6 +1,8 @@
 """`hpcsgd export RUN --onnx OUT_DIR`: a CTC model as an ONNX graph that leaves hpcsgd --
 decoded by sherpa-onnx's offline CTC recognizer (or any ONNX runtime) from the audio. An RNN-T
-model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder() below).
+model goes to hpcsgd/export_onnx_rnnt.py (three graphs; its encoder is encoder() below);
+--streaming, a causal model for sherpa-onnx's online recognizer (the LSTM states in and out),
+to hpcsgd/export_onnx_streaming.py.
 
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
@@ -534,7 +536,8 @@ recognizer = OfflineRecognizer(config)
 CMVN_CHOICES = ("global", "utterance")
 
 
-def export(path, out_dir, stats=None, cmvn="global", int8=False):
+def export(path, out_dir, stats=None, cmvn="global", int8=False, streaming=False,
+           chunk_ms=None):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
     checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
     (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
@@ -542,8 +545,10 @@ def export(path, out_dir, stats=None, cmvn="global", int8=False):
     utterance with its own (the archive then gives only the feature options). int8: a
     quantization-aware model's weights of 4 bits or fewer as int8 codes behind
     DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
-    (export_onnx_int.py). Returns {"model" (RNN-T: "encoder", "decoder", "joiner"), "tokens",
-    "options", "code", "cmvn", "quantization"}."""
+    (export_onnx_int.py). streaming: graphs with the LSTM states in and out for sherpa-onnx's
+    online recognizer, chunks of chunk_ms (export_onnx_streaming.write). Returns {"model"
+    (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn",
+    "quantization"} (streaming: and "chunk", in frames)."""
     if cmvn not in CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
     try:
@@ -556,6 +561,15 @@ def export(path, out_dir, stats=None, cmvn="global", int8=False):
         raise UserError(f"{path}: no such run directory or checkpoint")
     model, params, meta = load_model(path, max_batch=8)
     why = unsupported(model, meta["path"])
+    if streaming:   # hpcsgd/export_onnx_streaming.py
+        from hpcsgd import export_onnx_streaming
+        why = why or export_onnx_streaming.not_causal(model, meta["path"])
+        if not why and model.quant:
+            why = (f"{meta['path']}: --streaming: a quantization-aware model; the streaming "
+                   f"graphs are float32 (export it without --streaming for its integer graph)")
+        if not why and cmvn == "utterance":
+            why = ("--cmvn utterance with --streaming: a stream has no utterance statistics "
+                   "before its end; the streaming graph normalises with --cmvn global")
     g = None
     if model.quant and not why:   # quantization-aware: its integer graph
         from hpcsgd import export_onnx_int
@@ -566,6 +580,10 @@ def export(path, out_dir, stats=None, cmvn="global", int8=False):
     if int8 and not model.quant:
         raise UserError(f"{meta['path']}: --onnx-int8: a float model (no quantization-aware "
                         f"training): its graph is float32")
+    if chunk_ms is not None and not streaming:
+        raise UserError("--chunk-ms: for --streaming only (the offline graph takes whole "
+                        "utterances)")
+    chunk = export_onnx_streaming.chunk_frames(model, chunk_ms) if streaming else None
     tokens = meta.get("tokens") or {}
     if len(tokens.get("symbols") or ()) != model.num_labels:
         raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
@@ -596,6 +614,10 @@ def export(path, out_dir, stats=None, cmvn="global", int8=False):
              "extractor_config": json.dumps(extractor, sort_keys=True),
              "sherpa_feat_config": json.dumps(options, sort_keys=True),
              "checkpoint": os.path.abspath(meta["path"]), "quantization": quantization}
+    if streaming:
+        done = export_onnx_streaming.write(model, params, out_dir, mean, inv_std, chunk, props,
+                                           options, tokens)
+        return {**done, "options": options, "cmvn": how, "quantization": quantization}
     if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
         from hpcsgd import export_onnx_rnnt
         done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),

@@ -15,6 +15,8 @@ OUT_DIR/joiner.onnx   encoder_out (N, joint), decoder_out (N, joint) -> logit (N
                       tanh(enc + pred) (or enc * pred: joint_mode mul) Wo + bo
 OUT_DIR/tokens.txt    as the CTC export's: <blk> 0, sherpa-onnx's transducer searches take
                       the blank as id 0, which is hpcsgd's: no id is permuted
+The streaming export (hpcsgd/export_onnx_streaming.py) writes this decoder and joiner beside
+its own encoder: sherpa-onnx's online transducer searches pass the decoder the same window.
 
 Why not sherpa-onnx's NeMo transducer loader (model_type "nemo_transducer"), the one with a
 stateful LSTM decoder: it overwrites the feature options (offline-recognizer-transducer-nemo-

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 73 item 4 on so762 (112 training, 13 held-out speakers): what streaming costs. The
+# causal recipes jobs/configs/so762_lstm_streaming_{ctc,rnnt}.yaml (frames stacked by 3, 3
+# forward LSTM layers of 432 cells: the size of so762_ctc.yaml's 3 BLSTM layers of 256) on 2
+# ranks with float32 allreduce, the transducer from the CTC model's encoder as
+# experiments/rnnt_so762.sh starts its own; then each decoded on the held-out speakers by
+# hpcsgd (greedy, beam 4) beside the offline BLSTM models of experiments/ctc_so762.sh
+# (runs/ctc/f32) and experiments/rnnt_so762.sh (runs/rnnt/f32), and exported with
+# `hpcsgd export --onnx --streaming` and decoded by sherpa-onnx's online recognizer from the
+# audio as it arrives (experiments/onnx_streaming.py: PER, latency, real-time factor).
+#   bash experiments/streaming_so762.sh      (needs runs/so762/archive_ctc: docs/ctc.md, and
+#                                            ../shared/data/so762_dev for the audio)
+#   ONLY=ctc bash experiments/streaming_so762.sh   the runs whose name starts with ONLY
+#   STAGE=decode bash experiments/streaming_so762.sh   decode only (STAGE=train: train only)
+# Runs in runs/streaming/<name>/. Not run yet (the machine it was written on was shared):
+# expect about what the BLSTM recipes take, 25-50 min for the CTC run on 2 idle cores
+# (experiments/README.md; a forward LSTM of 432 has the BLSTM's weights, in one direction).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
+source experiments/train_run.sh
+ROOT=runs/streaming
+A=runs/so762/archive_ctc
+DATA=${DATA:-../shared/data/so762_dev}
+STAGE=${STAGE:-all}
+if [ "$STAGE" != decode ]; then
+    train_run "$ROOT" ctc 2 --config jobs/configs/so762_lstm_streaming_ctc.yaml
+    train_run "$ROOT" rnnt 2 --config jobs/configs/so762_lstm_streaming_rnnt.yaml \
+        train.init_from="$PWD/$ROOT/ctc"
+fi
+[ "$STAGE" = train ] && exit 0
+# hpcsgd's own decodes (per-speaker CMVN), the offline models first when they are there
+for run in runs/ctc/f32 runs/rnnt/f32 "$ROOT/ctc" "$ROOT/rnnt"; do
+    case "$run" in "$ROOT/${ONLY:-}"*|runs/*/f32) ;; *) continue ;; esac
+    [ -d "$run" ] || continue
+    echo "== $run"
+    .venv/bin/hpcsgd decode "$run" --data "$A/cv" --greedy | grep -E "^%|real-time"
+    case "$run" in *rnnt*)
+        .venv/bin/hpcsgd decode "$run" --data "$A/cv" --beam-size 4 | grep -E "^%|real-time"
+    esac
+done
+# the streaming exports through sherpa-onnx's online recognizer: 330 ms chunks (the default)
+# and 630 ms (multiples of the stride's 30 ms), the audio handed over 0.32 s at a time
+for name in ctc rnnt; do
+    case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
+    [ -d "$ROOT/$name" ] || continue
+    for chunk in 330 630; do
+        OMP_NUM_THREADS=1 .venv/bin/python experiments/onnx_streaming.py "$ROOT/$name" "$A/cv" \
+            "$A/train" "$DATA" "$chunk"
+    done
+done
