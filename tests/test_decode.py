@@ -362,3 +362,28 @@ def test_eval_with_a_graph_reports_frames_and_words_in_one(demo, tmp_path, capsy
     partial = json.load(open(tmp_path / "dec" / "result.json"))
     assert partial["utterances"] == len(cv) - 2 and partial["no_reference"] == 2
     assert math.isfinite(dec["error_rate"]) and dec["error_rate"] > 0
+
+
+def test_the_default_out_dir_of_two_archives_of_one_name_differs(tmp_path):
+    """Decoding one run on runs/so762/archive/cv and then runs/ls/archive/cv: the second
+    decode goes to GRAPH_ls_archive_cv... rather than over the first's files; the same
+    archive again reuses its directory (a result.json of before archive_path: its archive)."""
+    from hpcsgd.decode.decode import default_out
+    run = tmp_path / "run"
+    run.mkdir()
+    first, second = tmp_path / "so762" / "cv", tmp_path / "ls" / "cv"
+    for a in (first, second):
+        a.mkdir(parents=True)
+    out1 = default_out(str(run), "greedy", str(first))
+    assert out1 == str(run / "decode" / "greedy_cv")
+    os.makedirs(out1)
+    with open(os.path.join(out1, "result.json"), "w") as f:
+        json.dump({"archive": str(first)}, f)       # written before archive_path
+    assert default_out(str(run), "greedy", str(first)) == out1
+    out2 = default_out(str(run), "greedy", str(second))
+    assert out2 == str(run / "decode" / "greedy_ls_cv")
+    os.makedirs(out2)
+    with open(os.path.join(out2, "result.json"), "w") as f:
+        json.dump({"archive": "elsewhere", "archive_path": str(second)}, f)
+    assert default_out(str(run), "greedy", str(second)) == out2
+    assert default_out(str(run), "greedy", str(first)) == out1

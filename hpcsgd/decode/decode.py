@@ -133,14 +133,32 @@ def word_times(args, meta, graph, index, hyps, runs, tokens):
 
 def default_out(model_path, graph_dir, archive_dir):
     """RUN/decode/GRAPH_ARCHIVE; a model file's (an average, an export, a checkpoint file)
-    beside it, its name in front: RUN/decode/MODEL_GRAPH_ARCHIVE, apart from the run's own."""
+    beside it, its name in front: RUN/decode/MODEL_GRAPH_ARCHIVE, apart from the run's own.
+    When that directory holds the decode of another archive of the same name (two archives
+    called cv), the archive's parent folders go in front of its name until the name is free
+    or holds this archive's: GRAPH_PARENT_ARCHIVE, ..."""
     base, prefix = model_path, ""
     if not os.path.isdir(model_path):
         base = os.path.dirname(os.path.abspath(model_path))
         prefix = os.path.splitext(os.path.basename(model_path))[0] + "_"
-    name = f"{prefix}{os.path.basename(os.path.normpath(graph_dir))}_" \
-           f"{os.path.basename(os.path.normpath(archive_dir))}"
-    return os.path.join(base, "decode", name)
+    graph = os.path.basename(os.path.normpath(graph_dir))
+    here = os.path.realpath(archive_dir)
+    parts = [p for p in here.split(os.sep) if p]
+    for k in range(1, len(parts) + 1):
+        out = os.path.join(base, "decode", f"{prefix}{graph}_{'_'.join(parts[-k:])}")
+        if decoded_archive(out) in (None, here):
+            return out
+    return out
+
+
+def decoded_archive(out):
+    """The real path of the archive a decode directory holds (None: none there)."""
+    try:
+        with open(os.path.join(out, "result.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result.get("archive_path") or os.path.realpath(result.get("archive") or "")
 
 
 def text_lines(mapping):
@@ -328,7 +346,8 @@ def decode(args, comm):
                  f"({forward_s:.2f} s)")
     report = "\n".join(lines) + "\n"
     print(report, end="")
-    result = {"model": args.model, "archive": args.data, "graph": args.graph,
+    result = {"model": args.model, "archive": args.data,
+              "archive_path": os.path.realpath(args.data), "graph": args.graph,
               "kind": graph.kind if graph is not None else None,
               "topology": graph.topology if graph is not None else "ctc",
               "search": "graph" if graph is not None else (
