@@ -627,11 +627,21 @@ def export(path, out_dir, stats=None, cmvn="global", int8=False, streaming=False
     proto = graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
     # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type
     onnx.helper.set_model_props(proto, {"model_type": "zipformer2_ctc", **props})
+    done = save({"model": proto}, out_dir, sherpa_tokens(tokens["symbols"], tokens["kind"]))
+    return {**done, "options": options, "code": sherpa_code(out_dir, options), "cmvn": how,
+            "quantization": quantization}
+
+
+def save(protos, out_dir, tokens_text):
+    """Each graph as OUT_DIR/<part>.onnx and the token table as tokens.txt, each under a
+    temporary name first -> {part: its path, "tokens": tokens.txt's path}."""
+    import onnx
     os.makedirs(out_dir, exist_ok=True)
-    model_path, tokens_path = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
-    tmp = model_path + ".tmp"
-    onnx.save(proto, tmp)
-    os.replace(tmp, model_path)   # nothing half-written under the final name
-    archive.atomic_write_text(tokens_path, sherpa_tokens(tokens["symbols"], tokens["kind"]))
-    return {"model": model_path, "tokens": tokens_path, "options": options,
-            "code": sherpa_code(out_dir, options), "cmvn": how, "quantization": quantization}
+    done = {}
+    for part, proto in protos.items():
+        done[part] = os.path.join(out_dir, f"{part}.onnx")
+        onnx.save(proto, done[part] + ".tmp")
+        os.replace(done[part] + ".tmp", done[part])   # nothing half-written under the name
+    done["tokens"] = os.path.join(out_dir, "tokens.txt")
+    archive.atomic_write_text(done["tokens"], tokens_text)
+    return done

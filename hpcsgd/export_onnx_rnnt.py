@@ -43,12 +43,10 @@ modified_beam_search is hpcsgd's beam_search, except that it ranks the final hyp
 log-probability / (context_size + tokens), which with CONTEXT_SIZE = 1024 is nearly hpcsgd's
 unnormalised ranking.
 """
-import os
 
 import numpy as np
 
-from hpcsgd.data import archive
-from hpcsgd.export_onnx import IR_VERSION, OPSET, Graph, encoder, lstm, sherpa_tokens
+from hpcsgd.export_onnx import IR_VERSION, OPSET, Graph, encoder, lstm, save, sherpa_tokens
 
 # the decoder's window: sherpa-onnx copies this many int64 per hypothesis per call (8 KB, a
 # trifle beside the LSTM), the graph reads only the longest row's tokens; hypotheses of up
@@ -156,7 +154,6 @@ def write(model, params, out_dir, norm, props, options, tokens):
     out_dir -> {"encoder", "decoder", "joiner", "tokens", "code"}. norm: (mean, inv_std,
     utterance) as export_onnx.normalize takes them; props: the metadata of every file (the
     CTC export's keys); tokens: the checkpoint's inventory ({"kind", "symbols"})."""
-    import onnx
     out = model.layers[-1]
     common = {**props, "predictor": ", ".join(model.describe["predictor"]),
               "embed": str(out.embed), "joint": str(out.joint), "joint_mode": out.mode_name}
@@ -168,16 +165,7 @@ def write(model, params, out_dir, norm, props, options, tokens):
         "decoder": decoder_graph(model, params, CONTEXT_SIZE,
                                  {**common, "context_size": str(CONTEXT_SIZE)}),
         "joiner": joiner_graph(model, params, common)}
-    os.makedirs(out_dir, exist_ok=True)
-    done = {}
-    for part, proto in protos.items():
-        done[part] = os.path.join(out_dir, f"{part}.onnx")
-        tmp = done[part] + ".tmp"
-        onnx.save(proto, tmp)
-        os.replace(tmp, done[part])   # nothing half-written under the final name
-    done["tokens"] = os.path.join(out_dir, "tokens.txt")
-    archive.atomic_write_text(done["tokens"], transducer_tokens(tokens["symbols"],
-                                                                tokens["kind"]))
+    done = save(protos, out_dir, transducer_tokens(tokens["symbols"], tokens["kind"]))
     done["code"] = sherpa_code(done, options)
     return done
 

@@ -50,13 +50,11 @@ read (K-1)D - (K-1)D//2 frames ahead), a conv's instance norm `in` (the utteranc
 conv2d (its 3x3 kernels read the next frame) and conformer blocks (attention over the whole
 utterance).
 """
-import os
 
 import numpy as np
 
-from hpcsgd.data import archive
 from hpcsgd.errors import UserError
-from hpcsgd.export_onnx import ONNX_GATES, Graph, conv, dense, sherpa_tokens, stack
+from hpcsgd.export_onnx import ONNX_GATES, Graph, conv, dense, save, sherpa_tokens, stack
 from hpcsgd.export_onnx_rnnt import (CONTEXT_SIZE, affine, decoder_graph, finish,
                                      joiner_graph, transducer_tokens)
 from hpcsgd.model.conformer import ConformerBlock
@@ -240,7 +238,6 @@ def ctc_graph(model, params, mean, inv_std, chunk, props=None):
 def write(model, params, out_dir, mean, inv_std, chunk, props, options, tokens):
     """Write the streaming graphs and tokens.txt of the CTC or RNN-T model into out_dir ->
     {"model" (CTC) or "encoder", "decoder", "joiner" (RNN-T), "tokens", "code", "chunk"}."""
-    import onnx
     props = {**props, "streaming": f"chunks of {chunk} frames, LSTM states carried"}
     if model.describe["type"] == "rnnt":
         out = model.layers[-1]
@@ -254,15 +251,7 @@ def write(model, params, out_dir, mean, inv_std, chunk, props, options, tokens):
     else:
         protos = {"model": ctc_graph(model, params, mean, inv_std, chunk, props)}
         text = sherpa_tokens(tokens["symbols"], tokens["kind"])
-    os.makedirs(out_dir, exist_ok=True)
-    done = {"chunk": chunk}
-    for part, proto in protos.items():
-        done[part] = os.path.join(out_dir, f"{part}.onnx")
-        tmp = done[part] + ".tmp"
-        onnx.save(proto, tmp)
-        os.replace(tmp, done[part])   # nothing half-written under the final name
-    done["tokens"] = os.path.join(out_dir, "tokens.txt")
-    archive.atomic_write_text(done["tokens"], text)
+    done = {**save(protos, out_dir, text), "chunk": chunk}
     done["code"] = sherpa_code(done, options, chunk)
     return done
 

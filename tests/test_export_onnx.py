@@ -50,13 +50,7 @@ def test_onnx_log_probs_equal_the_forward_pass(encoder):
     model = build(describe, max_batch=256)
     params = model.new_params()
     model.init(params, np.random.default_rng(1))
-    rng = np.random.default_rng(0)
-    mean = rng.normal(5, 2, 40).astype(np.float32)
-    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
-    lengths = [61, 14]
-    raw = np.full((2, 61, 40), -23.025850929940457, np.float32)
-    for b, n in enumerate(lengths):
-        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    mean, inv_std, lengths, raw = padded_batch()
     proto = export_onnx.graph(model, params, mean, inv_std)
     session = ort.InferenceSession(proto.SerializeToString(),
                                    providers=["CPUExecutionProvider"])
@@ -122,14 +116,33 @@ def exported(demo_tokens, tmp_path_factory):
     all-blank plateau sooner) trained 20 epochs on the demo corpus' 32 training speakers (about
     30 s), exported with `hpcsgd export --onnx`: (run, out_dir, the command's stdout)."""
     pytest.importorskip("sherpa_onnx")
-    base = tmp_path_factory.mktemp("onnx_export")
+    return trained_and_exported(tmp_path_factory.mktemp("onnx_export"), demo_tokens, [
+        "model.type=ctc", "model.encoder=[stack 3, conv 32 k3, blstm 48]", "model.frame_ce=0.5",
+        "train.epochs=20", "optim.lr=5e-6"], timeout=300)
+
+
+def padded_batch():
+    """Two utterances of 61 and 14 frames of 40 features, padded as sherpa-onnx pads a batch
+    (log(1e-10)), and the mean and inverse standard deviation the graph normalises with ->
+    (mean, inv_std, lengths, raw (2, 61, 40))."""
+    rng = np.random.default_rng(0)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    lengths = [61, 14]
+    raw = np.full((2, 61, 40), -23.025850929940457, np.float32)
+    for b, n in enumerate(lengths):
+        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    return mean, inv_std, lengths, raw
+
+
+def trained_and_exported(base, demo_tokens, options, timeout):
+    """A tiny model trained on the demo corpus with `options`, exported by the command ->
+    (run, out_dir, the command's stdout)."""
     run, out = str(base / "run"), str(base / "onnx")
     proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
-                         f"train.run_dir={run}", "model.type=ctc",
-                         "model.encoder=[stack 3, conv 32 k3, blstm 48]", "data.tokens=phones",
-                         "model.frame_ce=0.5", "train.minibatch=2000", "train.epochs=20",
-                         "optim.type=adam", "optim.lr=5e-6", "optim.momentum_tc=0",
-                         "schedule.type=constant"], timeout=300)
+                         f"train.run_dir={run}", "data.tokens=phones", "train.minibatch=2000",
+                         "optim.type=adam", "optim.momentum_tc=0", "schedule.type=constant",
+                         *options], timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--onnx", out],
                          capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from conftest import run_train
+from test_export_onnx import padded_batch
 from hpcsgd import export_onnx, export_onnx_int
 from hpcsgd.decode import ctc
 from hpcsgd.errors import UserError
@@ -101,13 +102,7 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     model = build(describe, max_batch=256)
     params = model.new_params()
     model.init(params, np.random.default_rng(1))
-    rng = np.random.default_rng(0)
-    mean = rng.normal(5, 2, 40).astype(np.float32)
-    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
-    lengths = [61, 14]
-    raw = np.full((2, 61, 40), -23.025850929940457, np.float32)
-    for b, n in enumerate(lengths):
-        raw[b, :n] = rng.normal(mean, 1 / inv_std, (n, 40))
+    mean, inv_std, lengths, raw = padded_batch()
     g = export_onnx_int.IntGraph(model, params, nbits=nbits)
     proto = export_onnx.graph(model, model.wq, mean, inv_std, g=g)
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])

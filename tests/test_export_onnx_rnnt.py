@@ -3,13 +3,12 @@ and joiner graphs against hpcsgd's forward, prediction network and joint (float3
 float64); a tiny RNN-T trained on the bundled demo corpus, exported and decoded by sherpa-onnx
 from the FLAC files as hpcsgd's searches decode the archive's features."""
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_float32_close, run_train
+from conftest import REPO, assert_float32_close
+from test_export_onnx import trained_and_exported
 from hpcsgd import export_onnx, export_onnx_rnnt
 from hpcsgd.model import build
 
@@ -128,20 +127,10 @@ def exported(demo_tokens, tmp_path_factory):
     to about 2 per token), exported with `hpcsgd export --onnx`: (run, out_dir, the
     command's stdout)."""
     pytest.importorskip("sherpa_onnx")
-    base = tmp_path_factory.mktemp("onnx_rnnt")
-    run, out = str(base / "run"), str(base / "onnx")
-    proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
-                         f"train.run_dir={run}", "model.type=rnnt",
-                         "model.encoder=[stack 3, conv 32 k3, blstm 48]",
-                         "model.predictor=[lstm 32]", "model.embed=16", "model.joint=48",
-                         "data.tokens=phones", "train.minibatch=2000", "train.epochs=16",
-                         "optim.type=adam", "optim.lr=1e-5", "optim.momentum_tc=0",
-                         "schedule.type=constant"], timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--onnx", out],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert cli.returncode == 0, cli.stdout + cli.stderr
-    return run, out, cli.stdout
+    return trained_and_exported(tmp_path_factory.mktemp("onnx_rnnt"), demo_tokens, [
+        "model.type=rnnt", "model.encoder=[stack 3, conv 32 k3, blstm 48]",
+        "model.predictor=[lstm 32]", "model.embed=16", "model.joint=48", "train.epochs=16",
+        "optim.lr=1e-5"], timeout=600)
 
 
 def hpcsgd_searches(run, data, train, count):
