@@ -73,6 +73,7 @@ from hpcsgd.data import archive
 from hpcsgd.data.splice import VAR_FLOOR, cmvn_from_stats
 from hpcsgd.decode.ctc import SPACE, WORD_START
 from hpcsgd.errors import UserError
+from hpcsgd.families import of_model
 from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.encoder import time_stride
@@ -380,7 +381,7 @@ def unsupported(model, meta_path):
     """Why this model cannot be exported yet (None: it can)."""
     describe = model.describe
     kind = describe.get("type", "dnn")
-    if kind in ("dnn", "lstm", "tdnn"):
+    if of_model(describe).GRAPH_TOPOLOGY == "hmm":   # a hybrid frame classifier
         return (f"{meta_path}: a hybrid {kind} model (frame posteriors over HMM states): it "
                 f"needs a decoding graph and the label priors (hpcsgd mkgraph, hpcsgd decode "
                 f"--graph), not a CTC search; only CTC and RNN-T models are exported to ONNX")

@@ -14,8 +14,8 @@ from hpcsgd.families import FAMILIES, family, of_model
 from hpcsgd.model import build
 from hpcsgd.train import describe_model, model_shape
 
-CONSTANTS = ("UTTERANCES", "SPLITS", "FIRST_LAYER_FLOAT", "OVERLAP_BLOCKER", "EVAL_ROWS",
-             "CRITERION", "SEARCHES", "TIMESTAMPS")
+CONSTANTS = ("UTTERANCES", "SPLITS", "SEQUENCES", "FIRST_LAYER_FLOAT", "OVERLAP_BLOCKER",
+             "EVAL_ROWS", "CRITERION", "SEARCHES", "TIMESTAMPS", "GRAPH_TOPOLOGY")
 FUNCTIONS = ("check_config", "make_loader", "check_cv", "check_train", "model_rows", "shape",
              "describe", "static_meta", "data_meta", "training_settings", "init_from_part",
              "window_measures", "epoch_measures", "divergence", "share", "log_data", "finish",
@@ -31,6 +31,10 @@ def test_every_family_answers_every_question(name):
     assert not missing, f"families/{name}: {missing}"
     assert fam.CRITERION == ("ce" if not fam.UTTERANCES else name)
     assert set(fam.SEARCHES) <= {"graph", "greedy", "beam"}
+    # a graph search needs a graph its outputs feed (search.Graph.check_model), and only then
+    assert ("graph" in fam.SEARCHES) == (fam.GRAPH_TOPOLOGY is not None)
+    assert fam.GRAPH_TOPOLOGY in ("hmm", "ctc", None)
+    assert fam.SEQUENCES or not fam.UTTERANCES   # an utterance is one whole sequence
 
 
 def test_an_unknown_type_is_refused_by_name():
@@ -105,8 +109,18 @@ def test_init_from_takes_a_ctc_encoder_into_an_rnnt_only():
     assert all(family(n).init_from_part(n, "p") == "all" for n in ("dnn", "lstm", "tdnn", "ctc"))
 
 
+def test_the_graph_each_family_feeds_and_the_batches_it_takes():
+    """What decode's graph check, the builder and the benchmarks ask instead of the type."""
+    assert {n: f.GRAPH_TOPOLOGY for n, f in FAMILIES.items()} == \
+        {"dnn": "hmm", "lstm": "hmm", "tdnn": "hmm", "ctc": "ctc", "rnnt": None}
+    assert [n for n, f in FAMILIES.items() if not f.SEQUENCES] == ["dnn"]
+    assert [n for n, f in FAMILIES.items() if f.UTTERANCES] == ["ctc", "rnnt"]
+
+
 def test_only_the_dnn_splits_and_only_the_transducer_blocks_the_overlap():
     assert [n for n, f in FAMILIES.items() if f.SPLITS] == ["dnn"]
+    with pytest.raises(ValueError, match=r"model type 'lstm' is not split yet \(dnn only\)"):
+        build(OLD["lstm"], group=SimpleNamespace(size=2))
     with pytest.raises(UserError, match="model.parallel=2 and model.type=lstm: model "
                                         "parallelism needs model.type=dnn"):
         config.load(None, ["data.train=x", "model.type=lstm", "model.parallel=2"])

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from hpcsgd.families import of_model
+
 
 def SequenceModel(torch, shape, act):
     """A (B)LSTM as PyTorch users write it: one nn.LSTM over the layers (nn.LSTM modules
@@ -391,9 +393,10 @@ class TorchRank:
             backend = "nccl" if self.world > 1 and not shared_gpus(comm) else "gloo"
         self.cuda = self.dev.type == "cuda"
         act = torch.nn.Sigmoid if activation == "sigmoid" else torch.nn.ReLU
-        self.shape, self.rnnt = shape, shape.get("type") == "rnnt"
-        self.ctc = shape.get("type") in ("ctc", "rnnt")   # utterances with token targets
-        self.steps = shape["steps"] if shape.get("type") in ("lstm", "ctc", "rnnt") else None
+        fam = of_model(shape)
+        self.shape, self.rnnt = shape, fam.CRITERION == "rnnt"   # torchaudio's loss
+        self.ctc = fam.UTTERANCES   # utterances with token targets
+        self.steps = shape["steps"] if fam.SEQUENCES else None
         if self.rnnt:
             try:
                 import warnings

@@ -52,6 +52,7 @@ import numpy as np
 from hpcsgd import census
 from hpcsgd.bench import launch, report
 from hpcsgd.device import synchronize
+from hpcsgd.families import family, of_model
 from hpcsgd.model.ops import GemmOnly
 from hpcsgd.step import Step, gradient_buffers, halves
 
@@ -175,7 +176,7 @@ def model_of(args):
     if args.config:
         from hpcsgd import config
         lstm_config = config.load(args.config, [])
-        if lstm_config["model.type"] in ("ctc", "rnnt"):   # whole utterances, tokens
+        if family(lstm_config["model.type"]).UTTERANCES:   # whole utterances, tokens
             ctc_config = lstm_config
         if lstm_config["model.type"] != "lstm":
             lstm_config = None
@@ -247,7 +248,7 @@ def _settings(args):
 
 def describe(shape):
     """The benchmarked model in one line."""
-    if shape.get("type") in ("ctc", "rnnt"):
+    if of_model(shape).UTTERANCES:
         from hpcsgd.model.encoder import describe as encoder
         out = (f"CTC {shape['num_tokens']}" if shape["type"] == "ctc" else
                f"RNN-T[{encoder(shape['predictor'])}, embed {shape['embed']}, joint "
@@ -267,14 +268,14 @@ def unit_of(shape):
     """Frames of the indivisible part of a minibatch: one chunk for an LSTM (whole sequences
     on every rank, hpcsgd.data.loader.batch_split), one utterance for a CTC model, one frame
     for a DNN."""
-    return shape.get("steps", 1) if shape.get("type") in ("lstm", "ctc", "rnnt") else 1
+    return shape.get("steps", 1) if of_model(shape).SEQUENCES else 1
 
 
 def builder_shape(shape):
     """The builder's description of the benchmarked model (without the bench's own keys: a
     CTC model's utterance length, its dropout: a training setting, Network.set_dropout)."""
     return {k: v for k, v in shape.items()
-            if not (shape.get("type") in ("ctc", "rnnt") and k in ("steps", "dropout"))}
+            if not (of_model(shape).UTTERANCES and k in ("steps", "dropout"))}
 
 
 def utterance_targets(shape, n, rng):
@@ -637,7 +638,7 @@ class Rank:
         self.model, self.params, self.grads = self.models[precisions[0]]
         rng = np.random.default_rng(1 + self.rank)
         self.x = rng.standard_normal((max_local, shape["input_dim"]), dtype=np.float32)
-        self.ctc = shape.get("type") in ("ctc", "rnnt")   # token targets of utterances
+        self.ctc = of_model(shape).UTTERANCES   # token targets of utterances
         if self.ctc:   # whole utterances: n frames are n / steps of them, time-major
             self.shape, self.rng = shape, rng
             self.targets = {}

@@ -17,7 +17,7 @@ import numpy as np
 from hpcsgd.data import archive
 from hpcsgd.decode import mkgraph, score, search, timestamps
 from hpcsgd.errors import UserError
-from hpcsgd.families import family, of_model
+from hpcsgd.families import of_model
 
 # (acoustic scale, prior scale) per graph kind, tuned with the float32 recipe on so762's 13
 # held-out speakers (docs/decode.md): a phone bigram is a weak LM and wants the acoustics
@@ -250,8 +250,8 @@ def tune_lm_weight(model, params, encs, tokens, beam, lm, refs, comm=None, folds
     grid = grid or [(w, b) for w in TUNE_LM_WEIGHT for b in TUNE_LM_BONUS]
     counts = np.zeros((len(grid), 2, len(score.FIELDS)), np.int64)
     for i, (w, b) in enumerate(grid):
-        hyps, _ = family("rnnt").search(model, params, encs, tokens, beam, lm=lm, lm_weight=w,
-                                        bonus=b)
+        hyps, _ = of_model(model.describe).search(model, params, encs, tokens, beam, lm=lm,
+                                                  lm_weight=w, bonus=b)
         for utt, c in error_counts(refs, hyps)[1].items():
             counts[i, folds.get(utt, 0) if folds else 0] += c
     if comm is not None and comm.Get_size() > 1:

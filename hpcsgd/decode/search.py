@@ -25,6 +25,7 @@ import numpy as np
 from hpcsgd.data import archive
 from hpcsgd.decode import graph as graphs
 from hpcsgd.errors import UserError
+from hpcsgd.families import of_model
 
 BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
 MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
@@ -65,17 +66,17 @@ class Graph:
     def check_model(self, meta):
         """The graph's topology must be the model's: HLG for a hybrid frame classifier, TLG
         over the model's own token inventory for a CTC model."""
-        model_type = meta["model"].get("type")
+        tlg = of_model(meta["model"]).GRAPH_TOPOLOGY == "ctc"   # its outputs feed a TLG
         path = meta.get("path", "the model")
-        if (model_type == "ctc") != (self.topology == "ctc"):
+        if tlg != (self.topology == "ctc"):
             hint = (f"hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind {self.kind} --topology ctc "
                     f"--tokens {meta.get('tokens', {}).get('kind', 'KIND')}"
-                    if model_type == "ctc" else
+                    if tlg else
                     f"hpcsgd mkgraph TRAIN_ARCHIVE GRAPH_DIR --kind {self.kind}")
             raise UserError(f"{self.dir}: a {self.topology} graph, but {path} is a "
-                            f"{'CTC' if model_type == 'ctc' else 'hybrid'} model: make its "
+                            f"{'CTC' if tlg else 'hybrid'} model: make its "
                             f"graph with `{hint}`")
-        if model_type == "ctc":
+        if tlg:
             self.check_tokens(meta["tokens"], path)
 
     def check_tokens(self, meta_tokens, model_path="the model"):

@@ -9,13 +9,17 @@ the config ask about a kind of model, so that none of them asks "which type is t
 What every family module provides (tests/test_families.py checks it):
 
     UTTERANCES         whole utterances against token sequences (True), or frame labels
-    SPLITS             model.parallel may split its layers over a model group
+    SPLITS             model.parallel may split its layers over a model group (hpcsgd.model.build)
+    SEQUENCES          a batch is whole sequences, chunks or utterances, none split between
+                       ranks (False: frames, split anywhere)
     FIRST_LAYER_FLOAT  qat.first_layer=auto keeps the first layer in float
     OVERLAP_BLOCKER    why exchange.overlap cannot run with it, or None
     EVAL_ROWS          the fewest rows eval, infer and decode give a pass (0: any)
     CRITERION          the training sums' name: "ce", "ctc", "rnnt"
     SEARCHES           what decode may run: "graph" (HLG or TLG), "greedy", "beam"
     TIMESTAMPS         decode --ctm can time its words from the search (CTC's emissions)
+    GRAPH_TOPOLOGY     the decoding graph its outputs feed: "hmm" (an HLG over HMM states),
+                       "ctc" (a TLG over its tokens), None (no graph: "graph" not in SEARCHES)
     check_config(config)                  its config rules (config.load calls them)
     make_loader(cfg, grid, rows)          this data rank's training loader
     check_cv(cfg, cv_index, loader), check_train(cfg, loader)     the archives fit it

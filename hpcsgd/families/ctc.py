@@ -22,6 +22,8 @@ CRITERION = "ctc"         # the training sums: [loss, tokens, frames, utterances
 SEARCHES = ("graph", "greedy")   # decode: through a TLG, or greedy search without a graph
 TIMESTAMPS = True    # decode --ctm: word times from the emissions (search(runs=...), Decoder.decode)
 SPLITS = False            # model.parallel: not split (dnn only)
+SEQUENCES = True          # a batch is whole utterances, each whole on one rank
+GRAPH_TOPOLOGY = "ctc"    # decode --graph: a TLG over its tokens (mkgraph --topology ctc)
 
 
 # ---- config -------------------------------------------------------------------------------

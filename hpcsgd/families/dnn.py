@@ -4,7 +4,8 @@ archive's labels (model/dnn.py), trained on shuffled frames (data/loader.py: Fra
 What it shares with the other frame classifiers is families/hybrid.py's."""
 from hpcsgd.families.common import describe_qat
 from hpcsgd.families.hybrid import (CRITERION, EVAL_ROWS, FIRST_LAYER_FLOAT,  # noqa: F401
-                                    OVERLAP_BLOCKER, SEARCHES, TIMESTAMPS, UTTERANCES, check_cv,
+                                    GRAPH_TOPOLOGY, OVERLAP_BLOCKER, SEARCHES, TIMESTAMPS,
+                                    UTTERANCES, check_cv,
                                     check_train, cross_validate, divergence, epoch_measures,
                                     evaluate, finish, infer_note, init_from_part, log_data,
                                     model_rows, outputs, posteriors, priors, search, share,
@@ -13,6 +14,7 @@ from hpcsgd.families.hybrid import (CRITERION, EVAL_ROWS, FIRST_LAYER_FLOAT,  # 
 from hpcsgd.families.hybrid import check_heads
 
 SPLITS = True   # model.parallel: its layers split by output columns over a model group
+SEQUENCES = False   # a batch is spliced frames, split between the ranks at any frame
 
 
 def check_config(config):

@@ -15,6 +15,7 @@ EVAL_ROWS = 0             # eval, infer, decode: no minimum rows a pass needs
 CRITERION = "ce"          # the training sums: [CE, correct frames, frames]
 SEARCHES = ("graph",)     # decode: through an HLG (hpcsgd mkgraph)
 TIMESTAMPS = False        # decode --ctm: not from a hybrid's path (not built)
+GRAPH_TOPOLOGY = "hmm"    # decode --graph: an HLG over the HMM states (mkgraph --topology hmm)
 
 
 # ---- config -------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ their left and right context (data/sequences.py: SequenceLoader). What it shares
 other frame classifiers is families/hybrid.py's."""
 from hpcsgd.families.common import describe_qat
 from hpcsgd.families.hybrid import (CRITERION, EVAL_ROWS, FIRST_LAYER_FLOAT,  # noqa: F401
-                                    OVERLAP_BLOCKER, SEARCHES, TIMESTAMPS, UTTERANCES, check_cv,
+                                    GRAPH_TOPOLOGY, OVERLAP_BLOCKER, SEARCHES, TIMESTAMPS,
+                                    UTTERANCES, check_cv,
                                     check_train, cross_validate, divergence, epoch_measures,
                                     evaluate, finish, infer_note, init_from_part, log_data,
                                     model_rows, outputs, posteriors, priors, search, share,
@@ -13,6 +14,7 @@ from hpcsgd.families.hybrid import (CRITERION, EVAL_ROWS, FIRST_LAYER_FLOAT,  # 
 from hpcsgd.families.hybrid import check_chunk, check_heads
 
 SPLITS = False   # model.parallel: not split (dnn only)
+SEQUENCES = True   # a batch is chunks of data.chunk frames, each whole on one rank
 
 
 def check_config(config):

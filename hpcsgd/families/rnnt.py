@@ -6,7 +6,7 @@ greedy or modified beam search (decode/rnnt.py) -- no graph, no per-frame poster
 from hpcsgd.errors import UserError
 from hpcsgd.families import ctc
 from hpcsgd.families.common import describe_encoder_model
-from hpcsgd.families.ctc import (EVAL_ROWS, SPLITS, UTTERANCES, check_cv,  # noqa: F401
+from hpcsgd.families.ctc import (EVAL_ROWS, SEQUENCES, SPLITS, UTTERANCES, check_cv,  # noqa: F401
                                  check_train, data_meta, infer_note, make_loader, model_rows,
                                  priors, share, static_meta, with_accuracy)
 
@@ -16,6 +16,7 @@ OVERLAP_BLOCKER = ("the transducer's backward pass does not report its layers as
 CRITERION = "rnnt"         # the training sums: [loss, tokens, frames, utterances skipped]
 SEARCHES = ("greedy", "beam")   # decode: its own searches; a graph weighs per-frame posteriors
 TIMESTAMPS = True    # decode --ctm: each token at the frame the search emitted it
+GRAPH_TOPOLOGY = None      # decode --graph: none (its searches read the encoder's frames)
 
 
 # ---- config -------------------------------------------------------------------------------

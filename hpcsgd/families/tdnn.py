@@ -5,7 +5,8 @@ classifiers is families/hybrid.py's."""
 from hpcsgd.errors import UserError
 from hpcsgd.families.common import check_encoder, describe_encoder_model
 from hpcsgd.families.hybrid import (CRITERION, EVAL_ROWS, FIRST_LAYER_FLOAT,  # noqa: F401
-                                    OVERLAP_BLOCKER, SEARCHES, TIMESTAMPS, UTTERANCES, check_cv,
+                                    GRAPH_TOPOLOGY, OVERLAP_BLOCKER, SEARCHES, TIMESTAMPS,
+                                    UTTERANCES, check_cv,
                                     check_train, cross_validate, divergence, epoch_measures,
                                     evaluate, finish, infer_note, init_from_part, log_data,
                                     model_rows, outputs, posteriors, priors, search, share,
@@ -15,6 +16,7 @@ from hpcsgd.families.hybrid import check_chunk, check_heads
 from hpcsgd.families.lstm import data_meta, make_loader  # noqa: F401  (chunks, as an LSTM's)
 
 SPLITS = False   # model.parallel: not split (dnn only)
+SEQUENCES = True   # a batch is chunks of data.chunk frames (as an LSTM's), each on one rank
 
 
 def check_config(config):

@@ -8,6 +8,8 @@ rnnt: transducer).
 """
 import numpy as np
 
+from hpcsgd.families import FAMILIES, family
+
 
 def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.float32,
           group=None, max_sequences=None):
@@ -25,12 +27,14 @@ def build(describe, max_batch=1024, device="cpu", precision="float32", dtype=np.
     kind = describe.get("type", "dnn")
     if kind not in builders:
         raise ValueError(f"model type {kind!r}: expected one of {sorted(builders)}")
-    extra = {}
+    fam, extra = family(kind), {}
     if group is not None and group.size > 1:
-        if kind != "dnn":
-            raise ValueError(f"model parallelism: model type {kind!r} is not split yet (dnn only)")
+        if not fam.SPLITS:
+            splits = ", ".join(name for name, f in FAMILIES.items() if f.SPLITS)
+            raise ValueError(f"model parallelism: model type {kind!r} is not split yet "
+                             f"({splits} only)")
         extra["group"] = group
-    if max_sequences and kind in ("ctc", "rnnt"):
+    if max_sequences and fam.UTTERANCES:
         extra["max_sequences"] = max_sequences
     return builders[kind](**args, max_batch=max_batch, device=device, precision=precision,
                           dtype=dtype, **extra)
