@@ -31,7 +31,14 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
     # 1-bit after 5 epochs of float32 (the warm-up and the first fall of the loss)
     train_run "$ROOT" cf_onebit 2 --config "$CF" exchange.aggregation=striped \
         exchange.codec=onebit exchange.cold_start_frames=2750000
-    train_run "$ROOT" cf_mixed 2 --config "$CF" train.precision=mixed train.loss_scale=backoff
+    # mixed precision: the backoff scaler (at its old floor of 1 it sat at 1 for 11 epochs and
+    # did not train), and logmax, which follows the gradients' size both ways
+    train_run "$ROOT" cf_mixed 2 --config "$CF" train.precision=mixed train.loss_scale=backoff \
+        train.loss_scale_min=1
+    train_run "$ROOT" cf_mixed_logmax 2 --config "$CF" train.precision=mixed \
+        train.loss_scale=logmax
+    # float32 again at another seed: how far apart two float32 runs end
+    train_run "$ROOT" cf_f32_seed2 2 --config "$CF" train.seed=2
     # the transducer, its encoder from the float32 CTC model's
     train_run "$ROOT" cf_rnnt 2 --config jobs/configs/so762_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/cf_f32"
@@ -40,7 +47,7 @@ fi
 G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
 [ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind phones \
     --topology ctc --tokens phones --order 5 > /dev/null
-for name in cf_f32 cf_in cf_onebit cf_mixed; do
+for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     echo "== $name"
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
