@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from hpcsgd import export_onnx
+from hpcsgd.export import write_onnx
 from hpcsgd.data import archive
 from hpcsgd.decode import recognize, score
 from hpcsgd.families import family
@@ -45,7 +46,7 @@ def sherpa_hyps(run, train, data_dir, utts):
 
     import soundfile as sf
     with tempfile.TemporaryDirectory(prefix="onnx_cmvn_") as out:   # loaded, then removed
-        done = export_onnx.export(run, out, train)
+        done = write_onnx(run, out, train)
         names = {}
         exec(done["code"], names)
         recognizer = names["recognizer"]

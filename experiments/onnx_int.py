@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from hpcsgd import export_onnx
+from hpcsgd.export import write_onnx
 from hpcsgd.decode import recognize, score
 from hpcsgd.families import family
 from hpcsgd.model_io import load_model
@@ -92,7 +93,7 @@ def main(out_root, cv, train, data_dir, *runs):
     timed = []   # (label, run one utterance u: a callable of its index)
     for run in runs:
         name = os.path.basename(os.path.normpath(run))
-        done = export_onnx.export(run, os.path.join(out_root, name), train)
+        done = write_onnx(run, os.path.join(out_root, name), train)
         size = os.path.getsize(done["model"])
         model, params, meta = load_model(run)
         unit = "phones" if meta["tokens"]["kind"] == "phones" else "words"
@@ -118,7 +119,7 @@ def main(out_root, cv, train, data_dir, *runs):
         graphs = [("onnxruntime", done["model"])]
         if b"MatMulNBits" in open(done["model"], "rb").read():
             graphs.append(("onnxruntime accuracy_level 4", accuracy_level(done["model"], 4)))
-            as_int8 = export_onnx.export(run, os.path.join(out_root, name + "_as_int8"), train,
+            as_int8 = write_onnx(run, os.path.join(out_root, name + "_as_int8"), train,
                                          int8=True)["model"]
             lines.append(f"   --onnx-int8: model.onnx {os.path.getsize(as_int8):,} bytes")
             graphs.append(("onnxruntime --onnx-int8", as_int8))

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from hpcsgd import export_onnx
+from hpcsgd.export import write_onnx
 from hpcsgd.decode import ctc as ctc_search
 from hpcsgd.decode import recognize, rnnt, score
 from hpcsgd.families import family
@@ -83,7 +84,7 @@ def main(run, cv, train, data_dir):
                 ("hpcsgd beam 4, global CMVN", beam4)]
     utts = list(greedy1)
     with tempfile.TemporaryDirectory(prefix="onnx_rnnt_") as out:
-        done = export_onnx.export(run, out, train)
+        done = write_onnx(run, out, train)
         sherpa = {m: sherpa_decode(done["code"], m, data_dir, utts)
                   for m in ("greedy_search", "modified_beam_search")}
     name = "PER" if unit == "phones" else "WER"

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from hpcsgd import export_onnx
+from hpcsgd.export import write_onnx
 from hpcsgd.decode import ctc as ctc_search
 from hpcsgd.decode import recognize, rnnt, score
 from hpcsgd.families import family
@@ -93,7 +94,7 @@ def main(run, cv, train, data_dir, chunk_ms=None):
     utts = list(greedy)
     step_s = 0.01 * time_stride(model.describe["encoder"])
     with tempfile.TemporaryDirectory(prefix="onnx_streaming_") as out:
-        done = export_onnx.export(run, out, train, streaming=True,
+        done = write_onnx(run, out, train, streaming=True,
                                   chunk_ms=float(chunk_ms) if chunk_ms else None)
         hyps, delays, first, wall, cpu, seconds = online(done["code"], data_dir, utts, step_s)
     name = "PER" if unit == "phones" else "WER"

@@ -29,8 +29,12 @@ import os
 import h5py
 import numpy as np
 
+from hpcsgd import export_onnx, export_onnx_int, export_onnx_rnnt, export_onnx_streaming
+from hpcsgd.data import archive
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
+from hpcsgd.model.encoder import time_stride
+from hpcsgd.model.quantize import codes_of
 from hpcsgd.model_io import FORMAT, load_model, pack_int4
 
 EXAMPLES = """examples:
@@ -74,15 +78,6 @@ def add_arguments(parser):
                         help="--streaming: the frames sherpa-onnx feeds per encoder call, in "
                              "ms: a multiple of 10 ms x the encoder's stride (default: 320 "
                              "ms rounded up to one)")
-
-
-def codes_of(wq, grid):
-    """The integer codes of fake-quantized weights wq = s * k (exact: |k| <= 127, so the
-    rounding of wq * (1/s) is far below 1/2), checked against wq."""
-    k = np.rint(wq * grid.inv)
-    if not np.array_equal((k.astype(wq.dtype) * grid.step).astype(wq.dtype), wq):
-        raise RuntimeError("fake-quantized weights are not on their grid")
-    return k.astype(np.int8)
 
 
 def export(path, out, bits, say=print):
@@ -157,13 +152,103 @@ def run(args):
     return 0
 
 
+def write_onnx(path, out_dir, stats=None, cmvn="global", int8=False, streaming=False,
+           chunk_ms=None):
+    """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
+    checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
+    (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
+    `stats` (default: the run's training archive) summed over its speakers; "utterance": each
+    utterance with its own (the archive then gives only the feature options). int8: a
+    quantization-aware model's weights of 4 bits or fewer as int8 codes behind
+    DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
+    (export_onnx_int.py). streaming: graphs with the LSTM states in and out for sherpa-onnx's
+    online recognizer, chunks of chunk_ms (export_onnx_streaming.write). Returns {"model"
+    (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn",
+    "quantization"} (streaming: and "chunk", in frames)."""
+    if cmvn not in export_onnx.CMVN_CHOICES:
+        raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(export_onnx.CMVN_CHOICES)}")
+    try:
+        import onnx
+    except ImportError:
+        raise UserError("--onnx needs the onnx package (pip install onnx; the test extra "
+                        "has it)") from None
+    if not os.path.exists(path):
+        raise UserError(f"{path}: no such run directory or checkpoint")
+    model, params, meta = load_model(path, max_batch=8)
+    why = export_onnx.unsupported(model, meta["path"])
+    if streaming:   # hpcsgd/export_onnx_streaming.py
+        why = why or export_onnx_streaming.not_causal(model, meta["path"])
+        if not why and model.quant:
+            why = (f"{meta['path']}: --streaming: a quantization-aware model; the streaming "
+                   f"graphs are float32 (export it without --streaming for its integer graph)")
+        if not why and cmvn == "utterance":
+            why = ("--cmvn utterance with --streaming: a stream has no utterance statistics "
+                   "before its end; the streaming graph normalises with --cmvn global")
+    g = None
+    if model.quant and not why:   # quantization-aware: its integer graph
+        why = export_onnx_int.refusal(model, meta["path"])
+        g = None if why else export_onnx_int.IntGraph(model, params, nbits=not int8)
+    if why:
+        raise UserError(why)
+    if int8 and not model.quant:
+        raise UserError(f"{meta['path']}: --onnx-int8: a float model (no quantization-aware "
+                        f"training): its graph is float32")
+    if chunk_ms is not None and not streaming:
+        raise UserError("--chunk-ms: for --streaming only (the offline graph takes whole "
+                        "utterances)")
+    chunk = export_onnx_streaming.chunk_frames(model, chunk_ms) if streaming else None
+    tokens = meta.get("tokens") or {}
+    if len(tokens.get("symbols") or ()) != model.num_labels:
+        raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
+                        f"the checkpoint's meta")
+    if not stats:
+        stats = meta["config"]["data.train"]
+        if not os.path.isdir(stats):
+            raise UserError(f"{meta['path']}: its training archive {stats} (data.train, "
+                            f"relative to where it trained) is not there: name the archive "
+                            f"for the statistics and feature options with --stats")
+    index = archive.read_index(stats)
+    extractor = json.loads(index["extractor_config"])
+    if index["feature_dim"] != model.input_dim:
+        raise UserError(f"--stats {stats}: {index['feature_dim']}-dim features, the model "
+                        f"reads {model.input_dim}")
+    options = export_onnx.feature_options(extractor)
+    kind = meta["data"]["cmvn"]   # none, mean or meanvar: what training applied per speaker
+    mean, inv_std, speakers, frames = export_onnx.global_cmvn(stats, kind)
+    utterance = kind if cmvn == "utterance" and kind != "none" else None
+    how = (f"each utterance's own {kind} statistics" if utterance else
+           f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
+           f"{frames} frames")
+    quantization = export_onnx_int.describe(g, model.quant) if g else "none: float32"
+    props = {"model_author": "hpcsgd", "vocab_size": str(model.num_labels), "blank_id": "0",
+             "subsampling_factor": str(time_stride(model.describe["encoder"])),
+             "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
+             "cmvn": how,
+             "extractor_config": json.dumps(extractor, sort_keys=True),
+             "sherpa_feat_config": json.dumps(options, sort_keys=True),
+             "checkpoint": os.path.abspath(meta["path"]), "quantization": quantization}
+    if streaming:
+        done = export_onnx_streaming.write(model, params, out_dir, mean, inv_std, chunk, props,
+                                           options, tokens)
+        return {**done, "options": options, "cmvn": how, "quantization": quantization}
+    if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
+        done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
+                                      props, options, tokens)
+        return {**done, "options": options, "cmvn": how, "quantization": quantization}
+    # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
+    proto = export_onnx.graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
+    # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type
+    onnx.helper.set_model_props(proto, {"model_type": "zipformer2_ctc", **props})
+    done = export_onnx.save({"model": proto}, out_dir, export_onnx.sherpa_tokens(tokens["symbols"], tokens["kind"]))
+    return {**done, "options": options, "code": export_onnx.sherpa_code(out_dir, options), "cmvn": how,
+            "quantization": quantization}
+
+
 def run_onnx(args):
-    from hpcsgd import export_onnx
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
-    done = export_onnx.export(args.model, args.onnx, args.stats, args.cmvn or "global",
-                              int8=args.onnx_int8, streaming=args.streaming,
-                              chunk_ms=args.chunk_ms)
+    done = write_onnx(args.model, args.onnx, args.stats, args.cmvn or "global",
+                      int8=args.onnx_int8, streaming=args.streaming, chunk_ms=args.chunk_ms)
     graphs = ", ".join(done[k] for k in ("model", "encoder", "decoder", "joiner") if k in done)
     print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']}; "
           f"quantization: {done['quantization']})")

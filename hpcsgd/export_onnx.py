@@ -64,7 +64,6 @@ the Graph's hooks (gemm_input, weight, matmul) taken over by hpcsgd/export_onnx_
 IntGraph (INT8 QDQ or INT4 MatMulNBits, the grids it trained on; the models without an exact
 integer form refused there, named).
 """
-import json
 import os
 
 import numpy as np
@@ -76,7 +75,6 @@ from hpcsgd.errors import UserError
 from hpcsgd.families import of_model
 from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
-from hpcsgd.model.encoder import time_stride
 from hpcsgd.model.kernels_conformer import rope_tables
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model.kernels_norm import EPS
@@ -516,7 +514,7 @@ def feature_options(extractor):
 
 
 def sherpa_code(out_dir, options):
-    """The Python that loads what export() wrote into sherpa-onnx, with hpcsgd's fbank."""
+    """The Python that loads what export.write_onnx wrote into sherpa-onnx, with hpcsgd's fbank."""
     feat = ", ".join(f"{k}={v!r}" for k, v in options.items())
     model, tokens = (os.path.join(out_dir, n) for n in ("model.onnx", "tokens.txt"))
     return f"""import sherpa_onnx
@@ -535,102 +533,6 @@ recognizer = OfflineRecognizer(config)
 
 
 CMVN_CHOICES = ("global", "utterance")
-
-
-def export(path, out_dir, stats=None, cmvn="global", int8=False, streaming=False,
-           chunk_ms=None):
-    """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
-    checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
-    (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
-    `stats` (default: the run's training archive) summed over its speakers; "utterance": each
-    utterance with its own (the archive then gives only the feature options). int8: a
-    quantization-aware model's weights of 4 bits or fewer as int8 codes behind
-    DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
-    (export_onnx_int.py). streaming: graphs with the LSTM states in and out for sherpa-onnx's
-    online recognizer, chunks of chunk_ms (export_onnx_streaming.write). Returns {"model"
-    (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn",
-    "quantization"} (streaming: and "chunk", in frames)."""
-    if cmvn not in CMVN_CHOICES:
-        raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(CMVN_CHOICES)}")
-    try:
-        import onnx
-    except ImportError:
-        raise UserError("--onnx needs the onnx package (pip install onnx; the test extra "
-                        "has it)") from None
-    from hpcsgd.model_io import load_model
-    if not os.path.exists(path):
-        raise UserError(f"{path}: no such run directory or checkpoint")
-    model, params, meta = load_model(path, max_batch=8)
-    why = unsupported(model, meta["path"])
-    if streaming:   # hpcsgd/export_onnx_streaming.py
-        from hpcsgd import export_onnx_streaming
-        why = why or export_onnx_streaming.not_causal(model, meta["path"])
-        if not why and model.quant:
-            why = (f"{meta['path']}: --streaming: a quantization-aware model; the streaming "
-                   f"graphs are float32 (export it without --streaming for its integer graph)")
-        if not why and cmvn == "utterance":
-            why = ("--cmvn utterance with --streaming: a stream has no utterance statistics "
-                   "before its end; the streaming graph normalises with --cmvn global")
-    g = None
-    if model.quant and not why:   # quantization-aware: its integer graph
-        from hpcsgd import export_onnx_int
-        why = export_onnx_int.refusal(model, meta["path"])
-        g = None if why else export_onnx_int.IntGraph(model, params, nbits=not int8)
-    if why:
-        raise UserError(why)
-    if int8 and not model.quant:
-        raise UserError(f"{meta['path']}: --onnx-int8: a float model (no quantization-aware "
-                        f"training): its graph is float32")
-    if chunk_ms is not None and not streaming:
-        raise UserError("--chunk-ms: for --streaming only (the offline graph takes whole "
-                        "utterances)")
-    chunk = export_onnx_streaming.chunk_frames(model, chunk_ms) if streaming else None
-    tokens = meta.get("tokens") or {}
-    if len(tokens.get("symbols") or ()) != model.num_labels:
-        raise UserError(f"{meta['path']}: no token inventory of {model.num_labels} symbols in "
-                        f"the checkpoint's meta")
-    if not stats:
-        stats = meta["config"]["data.train"]
-        if not os.path.isdir(stats):
-            raise UserError(f"{meta['path']}: its training archive {stats} (data.train, "
-                            f"relative to where it trained) is not there: name the archive "
-                            f"for the statistics and feature options with --stats")
-    index = archive.read_index(stats)
-    extractor = json.loads(index["extractor_config"])
-    if index["feature_dim"] != model.input_dim:
-        raise UserError(f"--stats {stats}: {index['feature_dim']}-dim features, the model "
-                        f"reads {model.input_dim}")
-    options = feature_options(extractor)
-    kind = meta["data"]["cmvn"]   # none, mean or meanvar: what training applied per speaker
-    mean, inv_std, speakers, frames = global_cmvn(stats, kind)
-    utterance = kind if cmvn == "utterance" and kind != "none" else None
-    how = (f"each utterance's own {kind} statistics" if utterance else
-           f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
-           f"{frames} frames")
-    quantization = export_onnx_int.describe(g, model.quant) if g else "none: float32"
-    props = {"model_author": "hpcsgd", "vocab_size": str(model.num_labels), "blank_id": "0",
-             "subsampling_factor": str(time_stride(model.describe["encoder"])),
-             "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
-             "cmvn": how,
-             "extractor_config": json.dumps(extractor, sort_keys=True),
-             "sherpa_feat_config": json.dumps(options, sort_keys=True),
-             "checkpoint": os.path.abspath(meta["path"]), "quantization": quantization}
-    if streaming:
-        done = export_onnx_streaming.write(model, params, out_dir, mean, inv_std, chunk, props,
-                                           options, tokens)
-        return {**done, "options": options, "cmvn": how, "quantization": quantization}
-    if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
-        from hpcsgd import export_onnx_rnnt
-        done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
-                                      props, options, tokens)
-        return {**done, "options": options, "cmvn": how, "quantization": quantization}
-    # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
-    proto = graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
-    # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type
-    onnx.helper.set_model_props(proto, {"model_type": "zipformer2_ctc", **props})
-    done = save({"model": proto}, out_dir, sherpa_tokens(tokens["symbols"], tokens["kind"]))
-    return {**done, "options": options, "code": sherpa_code(out_dir, options), "cmvn": how,
-            "quantization": quantization}
 
 
 def save(protos, out_dir, tokens_text):

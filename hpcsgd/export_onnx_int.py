@@ -50,10 +50,9 @@ products (Q K^T, P V) stay float, as in training.
 import numpy as np
 
 from hpcsgd.errors import UserError
-from hpcsgd.export import codes_of
 from hpcsgd.export_onnx import Graph
 from hpcsgd.model.lstm import LSTM
-from hpcsgd.model.quantize import affine_grid
+from hpcsgd.model.quantize import affine_grid, codes_of
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_BLOCKS = (16, 32, 64, 128, 256)   # the block sizes onnxruntime's MatMulNBits kernels take

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REPO, assert_float32_close, run_train
 from hpcsgd import checkpoint, export_onnx
+from hpcsgd.export import write_onnx
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
 
@@ -178,28 +179,37 @@ def utterance_normalize(x):
     return (x.astype(np.float32) + shift[0]) * scale[0]
 
 
-def assert_sherpa_onnx_agrees(code, want, batch=False):
-    """The recognizer `code` builds (what `hpcsgd export` prints) recognizes each demo FLAC
-    file of `want`'s utterances as `want` says, one stream at a time (and with batch, all in
-    one padded batch too)."""
+def sherpa_onnx_hyps(code, utts, method=None, batch=False):
+    """{utt: symbols} of the recognizer `code` builds (what `hpcsgd export` prints, as a user
+    would paste it; a transducer's decoding method set to `method`) from each demo FLAC file,
+    one stream at a time; with batch, also all in one padded batch, which must agree."""
     import soundfile as sf
     names = {}
-    exec(code, names)   # the printed call, as a user would paste it
+    exec(code if method is None else code.replace("'greedy_search'", repr(method)), names)
     recognizer = names["recognizer"]
     demo = os.path.join(REPO, "data_prep", "demo", "so762")
     audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
-    streams = []
-    for utt in want:
+    hyps, streams = {}, []
+    for utt in utts:
         samples, rate = sf.read(os.path.join(demo, audio[utt]), dtype="float32")
         one, batched = recognizer.create_stream(), recognizer.create_stream()
         for s in (one, batched):
             s.accept_waveform(rate, samples)
         recognizer.decode_stream(one)
-        assert one.result.text.split() == want[utt], utt
+        hyps[utt] = one.result.text.split()
         streams.append(batched)
     if batch:
         recognizer.decode_streams(streams)
-        assert [s.result.text.split() for s in streams] == list(want.values())
+        assert [s.result.text.split() for s in streams] == list(hyps.values())
+    return hyps
+
+
+def assert_sherpa_onnx_agrees(code, want, batch=False):
+    """The recognizer `code` builds recognizes each demo FLAC file of `want`'s utterances as
+    `want` says, one stream at a time (and with batch, all in one padded batch too)."""
+    got = sherpa_onnx_hyps(code, list(want), batch=batch)
+    for utt in want:
+        assert got[utt] == want[utt], utt
     assert sum(map(len, want.values())) > 20   # not an all-blank model
 
 
@@ -229,7 +239,7 @@ def test_sherpa_onnx_with_per_utterance_cmvn(exported, demo_tokens, tmp_path):
     """--cmvn utterance: sherpa-onnx recognizes each held-out file as hpcsgd's greedy search
     does on the archive's features normalised by the utterance's own statistics."""
     run, _, _ = exported
-    done = export_onnx.export(run, str(tmp_path / "onnx"), cmvn="utterance")
+    done = write_onnx(run, str(tmp_path / "onnx"), cmvn="utterance")
     assert done["cmvn"] == "each utterance's own meanvar statistics"
     assert_sherpa_onnx_agrees(done["code"],
                               hpcsgd_greedy(run, f"{demo_tokens}/cv", utterance_normalize))
@@ -247,7 +257,7 @@ def test_sherpa_onnx_runs_a_conformer_graph(demo_tokens, tmp_path):
         "type": "ctc", "input_dim": 40, "num_tokens": len(symbols), "activation": "relu",
         "encoder": ["conv2d 4 32", "conformer 32 h4 f64 k7", "conformer 32 h4 f64 k7 in"]},
         symbols)
-    done = export_onnx.export(run, str(tmp_path / "onnx"), stats=train)
+    done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
     assert_sherpa_onnx_agrees(done["code"],
                               hpcsgd_greedy(run, f"{demo_tokens}/cv", global_normalize(train)),
                               batch=True)
@@ -300,7 +310,7 @@ CTC = {"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu"}
 def test_models_it_cannot_export_are_named(describe, words, tmp_path):
     run = fake_run(tmp_path / "run", describe)
     with pytest.raises(UserError, match=words):
-        export_onnx.export(run, str(tmp_path / "out"))
+        write_onnx(run, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -318,7 +328,7 @@ def test_a_layer_without_an_onnx_form_is_named():
 def test_a_missing_training_archive_asks_for_stats(tmp_path):
     run = fake_run(tmp_path / "run", {**CTC, "encoder": ["blstm 3"]})
     with pytest.raises(UserError, match="its training archive nowhere .* with --stats"):
-        export_onnx.export(run, str(tmp_path / "out"))
+        write_onnx(run, str(tmp_path / "out"))
 
 
 def test_bad_command_lines_are_named(tmp_path):

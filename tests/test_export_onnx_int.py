@@ -32,6 +32,7 @@ import pytest
 
 from conftest import run_train
 from test_export_onnx import padded_batch
+from hpcsgd.export import write_onnx
 from hpcsgd import export_onnx, export_onnx_int
 from hpcsgd.decode import ctc
 from hpcsgd.errors import UserError
@@ -164,7 +165,7 @@ def fake_qat_run(path, encoder, q):
 def test_models_without_an_exact_integer_graph_are_named(encoder, q, words, tmp_path):
     run = fake_qat_run(tmp_path / "run", encoder, q)
     with pytest.raises(UserError, match=words):
-        export_onnx.export(run, str(tmp_path / "onnx"))
+        write_onnx(run, str(tmp_path / "onnx"))
 
 
 # ---- trained on the demo corpus ------------------------------------------------------------
@@ -263,7 +264,7 @@ def test_sherpa_onnx_runs_an_untrained_conv_integer_graph(bits, demo_tokens, tmp
         "type": "ctc", "input_dim": 40, "num_tokens": len(symbols), "activation": "relu",
         "encoder": ["stack 3", "conv 32 k3", "conv 32 k3 d2", "dense 32"],
         "qat": qat(bits, "channel" if bits == 4 else "tensor")}, symbols)
-    done = export_onnx.export(run, str(tmp_path / "onnx"), stats=train)
+    done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
     assert_sherpa_onnx_agrees(done["code"],
                               hpcsgd_greedy(run, f"{demo_tokens}/cv", global_normalize(train)),
                               batch=True)
@@ -277,7 +278,7 @@ def test_onnx_int8_is_for_quantization_aware_models(tmp_path):
     from test_export_onnx import CTC, fake_run
     run = fake_run(tmp_path / "run", {**CTC, "encoder": ["conv 8 k3"]})
     with pytest.raises(UserError, match="--onnx-int8: a float model"):
-        export_onnx.export(run, str(tmp_path / "onnx"), int8=True)
+        write_onnx(run, str(tmp_path / "onnx"), int8=True)
     cli = subprocess.run([sys.executable, "-m", "hpcsgd.cli", "export", run, "--int8", "--out",
                           str(tmp_path / "m.h5"), "--onnx-int8"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)

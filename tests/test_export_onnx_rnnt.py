@@ -7,8 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_float32_close
-from test_export_onnx import trained_and_exported
+from conftest import assert_float32_close
+from test_export_onnx import sherpa_onnx_hyps, trained_and_exported
+from hpcsgd.export import write_onnx
 from hpcsgd import export_onnx, export_onnx_rnnt
 from hpcsgd.model import build
 
@@ -158,31 +159,6 @@ def hpcsgd_searches(run, data, train, count):
     return hyps
 
 
-def sherpa_onnx_hyps(code, utts, method, batch=False):
-    """{utt: phones} of the recognizer `code` builds (what `hpcsgd export` prints, its
-    decoding method set to `method`) from each demo FLAC file, one stream at a time; with
-    batch, also all in one padded batch, which must agree."""
-    import soundfile as sf
-    names = {}
-    exec(code.replace("'greedy_search'", repr(method)), names)   # the printed call
-    recognizer = names["recognizer"]
-    demo = os.path.join(REPO, "data_prep", "demo", "so762")
-    audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
-    hyps, streams = {}, []
-    for utt in utts:
-        samples, rate = sf.read(os.path.join(demo, audio[utt]), dtype="float32")
-        one, batched = recognizer.create_stream(), recognizer.create_stream()
-        for s in (one, batched):
-            s.accept_waveform(rate, samples)
-        recognizer.decode_stream(one)
-        hyps[utt] = one.result.text.split()
-        streams.append(batched)
-    if batch:
-        recognizer.decode_streams(streams)
-        assert [s.result.text.split() for s in streams] == list(hyps.values())
-    return hyps
-
-
 def test_sherpa_onnx_decodes_the_audio_as_hpcsgd_does(exported, demo_tokens):
     """sherpa-onnx, loaded by the code `hpcsgd export` prints, recognizes each of 40 FLAC
     files (its own fbank from the audio, the global CMVN inside the encoder graph), one
@@ -251,7 +227,7 @@ def test_a_quantization_aware_rnnt_is_named(tmp_path):
         "encoder": ["blstm 3"], "predictor": ["lstm 4"], "embed": 4, "joint": 6,
         "qat": {"weights": "max", "weight_bits": 4}})
     with pytest.raises(UserError, match="not yet exported: a quantization-aware RNN-T model"):
-        export_onnx.export(run, str(tmp_path / "out"))
+        write_onnx(run, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_float32_close, run_train
+from hpcsgd.export import write_onnx
 from hpcsgd import export_onnx, export_onnx_streaming as streaming
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
@@ -117,7 +118,7 @@ def make_run(tmp_path, encoder, kind="rnnt"):
 def test_a_layer_that_reads_ahead_is_named(encoder, words, tmp_path):
     run = make_run(tmp_path, encoder)
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
-        export_onnx.export(run, str(tmp_path / "out"), streaming=True)
+        write_onnx(run, str(tmp_path / "out"), streaming=True)
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -133,9 +134,9 @@ def test_options_it_refuses_are_named(tmp_path):
     out = str(tmp_path / "out")
     with pytest.raises(UserError, match="--cmvn utterance with --streaming: a stream has no "
                                         "utterance statistics before its end"):
-        export_onnx.export(run, out, cmvn="utterance", streaming=True)
+        write_onnx(run, out, cmvn="utterance", streaming=True)
     with pytest.raises(UserError, match="--chunk-ms: for --streaming only"):
-        export_onnx.export(run, out, chunk_ms=300)
+        write_onnx(run, out, chunk_ms=300)
     model = build({"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu",
                    "encoder": ["stack 3", "lstm 3"]})
     with pytest.raises(UserError, match="--chunk-ms 320: expected a multiple of 30 ms"):

@@ -96,6 +96,15 @@ def affine_grid(lo, hi, bits, dtype=np.float32):
     return Grid(t(lo), t(hi), step, t(1) / step, t(klo), t(klo + 2 ** bits - 1))
 
 
+def codes_of(wq, grid):
+    """The integer codes of fake-quantized weights wq = s * k (exact: |k| <= 127, so the
+    rounding of wq * (1/s) is far below 1/2), checked against wq."""
+    k = np.rint(wq * grid.inv)
+    if not np.array_equal((k.astype(wq.dtype) * grid.step).astype(wq.dtype), wq):
+        raise RuntimeError("fake-quantized weights are not on their grid")
+    return k.astype(np.int8)
+
+
 def sawb_alpha(mean_sq, mean_abs, max_abs, bits):
     """SAWB's clip value, kept in (0, max |x|]."""
     c1, c2 = SAWB[bits]
