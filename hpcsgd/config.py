@@ -24,7 +24,12 @@ DEFAULTS = {
     "data.chunk": (40, int, (1, 10000), "lstm/tdnn: frames per training sequence (chunk) whose labels are trained"),
     "data.left_context": (0, int, (0, 1000), "lstm: frames fed before each chunk to warm the state up, outside the loss"),
     "data.right_context": (0, int, (0, 1000), "lstm: frames fed after each chunk (the backward direction's warm-up), outside the loss"),
-    "data.cmvn": ("meanvar", str, ("none", "mean", "meanvar"), "per-speaker normalisation at load time"),
+    "data.cmvn": ("meanvar", str, ("none", "mean", "meanvar"), "feature normalisation at load time"),
+    "data.cmvn_scope": ("speaker", str, ("speaker", "global", "utterance"),
+                        "whose statistics data.cmvn applies: each speaker's, the training "
+                        "archive's summed (kept in the checkpoint), or each utterance's own; "
+                        "global and utterance are what a deployed recognizer can apply "
+                        "(docs/export.md)"),
     "data.block_frames": (BLOCK_FRAMES, int, (1, 1 << 24), "frames per block dealt to ranks"),
     "data.buffer_frames": (BUFFER_FRAMES, int, (1, 1 << 28), "frames shuffled together in RAM"),
     "data.prefetch": (True, bool, None, "load the next buffer in a background thread"),

@@ -31,6 +31,7 @@ import numpy as np
 
 from hpcsgd import export_onnx, export_onnx_int, export_onnx_rnnt, export_onnx_streaming
 from hpcsgd.data import archive
+from hpcsgd.data import cmvn as norm
 from hpcsgd.errors import UserError
 from hpcsgd.model import build
 from hpcsgd.model.encoder import time_stride
@@ -59,17 +60,20 @@ def add_arguments(parser):
                             "docs/export.md)")
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
     parser.add_argument("--stats", metavar="ARCHIVE",
-                        help="--onnx: the archive whose speakers' CMVN statistics, summed, "
-                             "normalise every utterance, and whose feature options the "
-                             "recognizer must use (default: the run's data.train)")
+                        help="--onnx: the archive whose feature options the recognizer must "
+                             "use and, unless the model trained with data.cmvn_scope global "
+                             "(its statistics are in the checkpoint), whose speakers' CMVN "
+                             "statistics, summed, normalise every utterance (default: the "
+                             "run's data.train)")
     parser.add_argument("--onnx-int8", action="store_true",
                         help="--onnx of a quantization-aware model with weights of 4 bits or "
                              "fewer: their codes as int8 QDQ (onnxruntime's integer GEMM) "
                              "instead of MatMulNBits (smaller, slower; docs/export.md)")
     parser.add_argument("--cmvn", choices=("global", "utterance"), default=None,
-                        help="--onnx: normalise with the summed statistics of --stats "
-                             "(default), or each utterance with its own (docs/export.md: "
-                             "what each costs against training's per-speaker CMVN)")
+                        help="--onnx: normalise with the training archive's summed "
+                             "statistics, or each utterance with its own (default: as the "
+                             "model trained, data.cmvn_scope; global for speaker; "
+                             "docs/export.md: what each costs)")
     parser.add_argument("--streaming", action="store_true",
                         help="--onnx: a causal model (stack, lstm, dense, conv F k1) for "
                              "sherpa-onnx's online recognizer: graphs with the LSTM states in "
@@ -152,20 +156,22 @@ def run(args):
     return 0
 
 
-def write_onnx(path, out_dir, stats=None, cmvn="global", int8=False, streaming=False,
+def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False,
            chunk_ms=None):
     """Write OUT_DIR/model.onnx and tokens.txt for the CTC model at `path` (run directory or
     checkpoint); for an RNN-T model encoder.onnx, decoder.onnx, joiner.onnx and tokens.txt
-    (export_onnx_rnnt.write). cmvn "global": normalised with the statistics of the archive
-    `stats` (default: the run's training archive) summed over its speakers; "utterance": each
-    utterance with its own (the archive then gives only the feature options). int8: a
+    (export_onnx_rnnt.write). cmvn "global": normalised with the training archive's statistics
+    summed over its speakers (those the checkpoint keeps when it trained with them,
+    data.cmvn_scope global; else those of the archive `stats`, default the run's training
+    archive); "utterance": each utterance with its own (the archive then gives only the
+    feature options); None: as the model trained (speaker scope: global). int8: a
     quantization-aware model's weights of 4 bits or fewer as int8 codes behind
     DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
     (export_onnx_int.py). streaming: graphs with the LSTM states in and out for sherpa-onnx's
     online recognizer, chunks of chunk_ms (export_onnx_streaming.write). Returns {"model"
     (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn",
     "quantization"} (streaming: and "chunk", in frames)."""
-    if cmvn not in export_onnx.CMVN_CHOICES:
+    if cmvn is not None and cmvn not in export_onnx.CMVN_CHOICES:
         raise UserError(f"--cmvn {cmvn!r}: expected one of {', '.join(export_onnx.CMVN_CHOICES)}")
     try:
         import onnx
@@ -175,6 +181,9 @@ def write_onnx(path, out_dir, stats=None, cmvn="global", int8=False, streaming=F
     if not os.path.exists(path):
         raise UserError(f"{path}: no such run directory or checkpoint")
     model, params, meta = load_model(path, max_batch=8)
+    kind, scope, trained_stats = norm.spec(meta["data"])   # how the model trained
+    if cmvn is None:
+        cmvn = "utterance" if scope == "utterance" and not streaming else "global"
     why = export_onnx.unsupported(model, meta["path"])
     if streaming:   # hpcsgd/export_onnx_streaming.py
         why = why or export_onnx_streaming.not_causal(model, meta["path"])
@@ -213,12 +222,17 @@ def write_onnx(path, out_dir, stats=None, cmvn="global", int8=False, streaming=F
         raise UserError(f"--stats {stats}: {index['feature_dim']}-dim features, the model "
                         f"reads {model.input_dim}")
     options = export_onnx.feature_options(extractor)
-    kind = meta["data"]["cmvn"]   # none, mean or meanvar: what training applied per speaker
-    mean, inv_std, speakers, frames = export_onnx.global_cmvn(stats, kind)
     utterance = kind if cmvn == "utterance" and kind != "none" else None
+    if trained_stats is not None:   # the statistics it trained with, kept in the checkpoint
+        shift, inv_std = norm.global_shift_scale(trained_stats, kind)
+        mean = -shift
+        source = f"the checkpoint's (data.cmvn_scope global, {int(trained_stats[0, -1])} frames)"
+    else:
+        mean, inv_std, speakers, frames = export_onnx.global_cmvn(stats, kind)
+        source = f"{os.path.abspath(stats)}: {speakers} speakers, {frames} frames"
     how = (f"each utterance's own {kind} statistics" if utterance else
-           f"global {kind} statistics of {os.path.abspath(stats)}: {speakers} speakers, "
-           f"{frames} frames")
+           f"global {kind} statistics of {source}")
+    how += f"; trained with data.cmvn_scope {scope}"
     quantization = export_onnx_int.describe(g, model.quant) if g else "none: float32"
     props = {"model_author": "hpcsgd", "vocab_size": str(model.num_labels), "blank_id": "0",
              "subsampling_factor": str(time_stride(model.describe["encoder"])),
@@ -247,7 +261,7 @@ def write_onnx(path, out_dir, stats=None, cmvn="global", int8=False, streaming=F
 def run_onnx(args):
     if args.out:
         raise UserError("--onnx OUT_DIR names the output; --out is for --int8 and --int4")
-    done = write_onnx(args.model, args.onnx, args.stats, args.cmvn or "global",
+    done = write_onnx(args.model, args.onnx, args.stats, args.cmvn,
                       int8=args.onnx_int8, streaming=args.streaming, chunk_ms=args.chunk_ms)
     graphs = ", ".join(done[k] for k in ("model", "encoder", "decoder", "joiner") if k in done)
     print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']}; "

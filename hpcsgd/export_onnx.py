@@ -69,7 +69,8 @@ import os
 import numpy as np
 
 from hpcsgd.data import archive
-from hpcsgd.data.splice import VAR_FLOOR, cmvn_from_stats
+from hpcsgd.data import cmvn as norm
+from hpcsgd.data.splice import VAR_FLOOR
 from hpcsgd.decode.ctc import SPACE, WORD_START
 from hpcsgd.errors import UserError
 from hpcsgd.families import of_model
@@ -461,17 +462,9 @@ def global_cmvn(archive_dir, cmvn):
     """(mean, inv_std, speakers, frames) of an archive's per-speaker CMVN statistics summed
     over all its speakers: the one normalisation a recognizer of single utterances can apply.
     cmvn: the model's data.cmvn (none, mean, meanvar)."""
-    index = archive.read_index(archive_dir)
-    total, speakers = None, 0
-    for s in index["shards"]:
-        stats = archive.read_shard_meta(os.path.join(index["dir"], s["file"]))["cmvn_stats"]
-        total = stats.sum(axis=0) if total is None else total + stats.sum(axis=0)
-        speakers += len(stats)
-    dim = total.shape[1] - 1
-    if cmvn == "none":
-        return np.zeros(dim, np.float32), np.ones(dim, np.float32), speakers, int(total[0, -1])
-    shift, scale = cmvn_from_stats(total[None], cmvn == "meanvar")
-    return -shift[0], scale[0], speakers, int(total[0, -1])
+    total, speakers = norm.summed_stats(archive_dir)
+    shift, scale = norm.global_shift_scale(total, cmvn)
+    return -shift, scale, speakers, int(total[0, -1])
 
 
 def sherpa_tokens(symbols, kind):

@@ -60,19 +60,20 @@ def utterance_outputs(model, params, archive_dir, context, cmvn, output, priors,
         yield utt, values
 
 
-def sequence_outputs(model, params, archive_dir, data, cmvn, output, priors, whole=False,
+def sequence_outputs(model, params, archive_dir, data, output, priors, whole=False,
                      rank=0, world=1):
     """A sequence model's (utt_id, (T, V) float32), archive order. Chunks: the utterance's
     chunks (hpcsgd.data.sequences) in batches of whole sequences; gathering the frame
     numbers as 'labels' gives each labelled row's frame, the row that frame's output is
-    taken from. Whole: the utterance as one sequence (model.max_batch >= its length)."""
+    taken from. Whole: the utterance as one sequence (model.max_batch >= its length).
+    data: the checkpoint's data meta (chunks and contexts, normalisation)."""
     chunk, left, right = data["chunk"], data["left_context"], data["right_context"]
     steps = left + chunk + right
     per_batch = max(1, model.max_batch // steps)
     x = np.empty((steps, per_batch, model.input_dim), np.float32)
     where = np.empty((steps, per_batch), np.int64)
     log = output != "posteriors"
-    for utt, feats, _labels in utterances(archive_dir, cmvn, rank, world):
+    for utt, feats, _labels in utterances(archive_dir, data, rank, world):
         feats = np.ascontiguousarray(feats, np.float32)
         length = len(feats)
         values = np.empty((length, model.num_labels), np.float32)
@@ -106,7 +107,7 @@ def ctc_outputs(model, params, archive_dir, data, output="logpost", rank=0, worl
         raise UserError(f"a CTC model's outputs are posteriors over tokens, not {output!r} "
                         f"(a hybrid decoder's scaled likelihoods): --output logpost or "
                         f"posteriors")
-    loader = UtteranceLoader(archive_dir, rank, world, tokens=None, cmvn=data["cmvn"],
+    loader = UtteranceLoader(archive_dir, rank, world, tokens=None, cmvn=data,
                              minibatch=model.max_batch, prefetch=False)
     try:
         for utts, x, targets in loader.eval_batches(model.max_batch, model.max_sequences):

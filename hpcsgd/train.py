@@ -38,6 +38,7 @@ from hpcsgd.comm.exchange import adaptive_bits, cold_start, make_exchange, set_b
 from hpcsgd.comm.gpu import bind_gpu
 from hpcsgd.comm.grid import Grid
 from hpcsgd.data import archive
+from hpcsgd.data import cmvn as norm
 from hpcsgd.decisions import probe_due, probe_minibatch
 from hpcsgd.device import assign, to_host
 from hpcsgd.errors import UserError
@@ -348,7 +349,7 @@ def build_state(cfg, grid, loader, timeline):
                 halve=loader.halves)
     state = TrainState(grid, params, opt, ex, step, loader, {
         "model": shape, "label_inventory_hash": loader.index["label_inventory_hash"],
-        "data": {"context": loader.context, "cmvn": cfg["data.cmvn"],
+        "data": {"context": loader.context, **norm.of_config(cfg),
                  "feature_dim": loader.feature_dim, **fam.data_meta(cfg)},
         "label_counts": label_counts(loader.index).tolist(), "config": cfg,
         "aggregation": cfg["exchange.aggregation"],
@@ -680,7 +681,7 @@ def cross_validate(cfg, model, params, grid, watchdog):
     1 - that rate as its `frame_accuracy`, what the newbob schedule compares)."""
     beat = lambda: watchdog.beat("cross-validation")   # noqa: E731
     fam = family(cfg["model.type"])
-    data = {"context": cfg["data.context"], "cmvn": cfg["data.cmvn"], **fam.data_meta(cfg)}
+    data = {"context": cfg["data.context"], **norm.of_config(cfg), **fam.data_meta(cfg)}
     return fam.cross_validate(cfg, model, params, grid, data, beat)
 
 

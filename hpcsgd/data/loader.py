@@ -24,7 +24,8 @@ import threading
 import numpy as np
 
 from hpcsgd.data import BLOCK_FRAMES, BUFFER_FRAMES, archive
-from hpcsgd.data.splice import apply_cmvn, cmvn_from_stats, splice_gather
+from hpcsgd.data import cmvn as norm
+from hpcsgd.data.splice import apply_cmvn, splice_gather
 from hpcsgd.errors import UserError
 
 
@@ -168,8 +169,7 @@ class FrameLoader:
     def __init__(self, archive_dir, rank=0, world=1, context=5, cmvn="meanvar", seed=0,
                  max_batch=1024, block_frames=BLOCK_FRAMES, buffer_frames=BUFFER_FRAMES,
                  prefetch=True):
-        if cmvn not in ("none", "mean", "meanvar"):
-            raise UserError(f"loader: cmvn must be none, mean or meanvar, not {cmvn!r}")
+        norm.spec(cmvn)   # a bad kind or scope named before any file is read
         if not 0 <= rank < world:
             raise UserError(f"loader: rank {rank} outside world of {world}")
         self.index = archive.read_index(archive_dir)
@@ -179,7 +179,9 @@ class FrameLoader:
         self.feature_dim = int(self.index["feature_dim"])
         self.input_dim = (2 * context + 1) * self.feature_dim
         self.num_labels = int(self.index["num_labels"])
-        self._meta = {}     # shard number -> (utt_offsets, row speaker ids, cmvn shift, scale)
+        # shard number -> (utt_offsets, each row's normaliser: its speaker's, or its
+        # utterance's under data.cmvn_scope utterance, their shift and scale rows, path)
+        self._meta = {}
         self.plan = Plan(self.index, world, seed, block_frames, buffer_frames, self._block_units)
         self.plan_block_frames, self._plans = block_frames, {}
         self.max_batch = int(max_batch)
@@ -200,13 +202,15 @@ class FrameLoader:
             if meta["attrs"]["feature_dim"] != self.feature_dim:
                 raise UserError(f"{path}: feature dim {meta['attrs']['feature_dim']} differs "
                                 f"from the index ({self.feature_dim})")
-            frame_spk = np.repeat(meta["utt_spk"], np.diff(meta["utt_offsets"])).astype(np.int32)
-            if self.cmvn == "none":
-                shift = np.zeros((len(meta["spk_ids"]), self.feature_dim), np.float32)
-                scale = np.ones_like(shift)
-            else:
-                shift, scale = cmvn_from_stats(meta["cmvn_stats"], self.cmvn == "meanvar")
-            self._meta[s] = (meta["utt_offsets"], frame_spk, shift, scale, path)
+            offsets = meta["utt_offsets"]
+            rows = norm.speaker_rows(self.cmvn, meta["cmvn_stats"])
+            owner = meta["utt_spk"]
+            if rows is None:   # each utterance's own statistics: one pass over the shard
+                with archive.open_shard(path) as f:
+                    rows = norm.utterance_rows(self.cmvn, f["feats"], offsets)
+                owner = np.arange(len(offsets) - 1)
+            frame_spk = np.repeat(owner, np.diff(offsets)).astype(np.int32)
+            self._meta[s] = (offsets, frame_spk, rows[0], rows[1], path)
         return self._meta[s]
 
     def _open(self, s, path):
@@ -444,14 +448,10 @@ def iter_utterances(archive_dir, rank=0, world=1, epoch=0, seed=0, cmvn="meanvar
         if s not in metas:
             path = os.path.join(index["dir"], index["shards"][s]["file"])
             meta = archive.read_shard_meta(path)
-            shift, scale = cmvn_from_stats(meta["cmvn_stats"], cmvn == "meanvar")
-            if cmvn == "none":
-                shift, scale = np.zeros_like(shift), np.ones_like(scale)
-            metas[s] = (path, meta, shift, scale)
-        path, meta, shift, scale = metas[s]
+            metas[s] = (path, meta, norm.speaker_rows(cmvn, meta["cmvn_stats"]))
+        path, meta, rows = metas[s]
         b, e = meta["utt_offsets"][u], meta["utt_offsets"][u + 1]
         with archive.open_shard(path) as f:
             feats = f["feats"][b:e]
             labels = f["labels"][b:e]
-        spk = meta["utt_spk"][u]
-        yield meta["utt_ids"][u], (feats + shift[spk]) * scale[spk], labels
+        yield meta["utt_ids"][u], norm.normalise(cmvn, feats, rows, meta["utt_spk"][u]), labels

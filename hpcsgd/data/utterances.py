@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from hpcsgd.data import archive
-from hpcsgd.data.splice import cmvn_from_stats
+from hpcsgd.data import cmvn as norm
 from hpcsgd.errors import UserError
 from hpcsgd.model.kernels_dropout import utterance_keys
 
@@ -109,8 +109,7 @@ class UtteranceLoader:
     def __init__(self, archive_dir, rank=0, world=1, tokens="phones", cmvn="meanvar", seed=0,
                  minibatch=8000, max_minibatch=None, max_frames=0, bucket_frames=0,
                  spec=None, prefetch=True, sortagrad=False, label_stride=0):
-        if cmvn not in ("none", "mean", "meanvar"):
-            raise UserError(f"loader: cmvn must be none, mean or meanvar, not {cmvn!r}")
+        norm.spec(cmvn)   # a bad kind or scope named before any file is read
         if not 0 <= rank < world:
             raise UserError(f"loader: rank {rank} outside world of {world}")
         self.index = archive.read_index(archive_dir)
@@ -156,7 +155,8 @@ class UtteranceLoader:
     # --- the archive's utterances, from the shards' metadata ------------------------------
     def _catalogue(self):
         """Every utterance's shard, place, frames, speaker, tokens (as arrays), and each
-        shard's CMVN (shift, scale)."""
+        normalisation rows per speaker (hpcsgd/data/cmvn.py; None under the utterance
+        scope)."""
         shard, first, lengths, spk, ids, tok_first, tok_len, utt_ids = ([] for _ in range(8))
         self._paths, token_base, spk_base = [], 0, 0
         shifts, scales = [], []
@@ -177,13 +177,10 @@ class UtteranceLoader:
             utt_ids += meta["utt_ids"]
             token_base += len(tok)
             spk_base += len(meta["spk_ids"])
-            if self.cmvn == "none":
-                shift = np.zeros((len(meta["spk_ids"]), self.feature_dim), np.float32)
-                scale = np.ones_like(shift)
-            else:
-                shift, scale = cmvn_from_stats(meta["cmvn_stats"], self.cmvn == "meanvar")
-            shifts.append(shift)
-            scales.append(scale)
+            rows = norm.speaker_rows(self.cmvn, meta["cmvn_stats"])
+            if rows:   # None: each utterance normalised by its own frames as it is read
+                shifts.append(rows[0])
+                scales.append(rows[1])
             self._paths.append(path)
         cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else \
             np.zeros(0, dtype)   # noqa: E731
@@ -191,7 +188,7 @@ class UtteranceLoader:
         self.lengths, self.spk = cat(lengths, np.int64), cat(spk, np.int64)
         self.tokens, self.tok_first = cat(ids, np.int32), cat(tok_first, np.int64)
         self.tok_len, self.utt_ids = cat(tok_len, np.int64), utt_ids
-        self.shift, self.scale = np.concatenate(shifts), np.concatenate(scales)
+        self.rows = (np.concatenate(shifts), np.concatenate(scales)) if shifts else None
 
     def token_lengths(self):
         """Tokens of every kept utterance (with `frames_after`: which no alignment fits)."""
@@ -422,8 +419,7 @@ class UtteranceLoader:
             except (OSError, ValueError, KeyError) as err:
                 raise UserError(f"{self._paths[s]}: cannot read utterance {self.utt_ids[u]} "
                                 f"({err}); truncated or corrupt shard?") from None
-            feats += self.shift[self.spk[u]]
-            feats *= self.scale[self.spk[u]]
+            norm.normalise(self.cmvn, feats, self.rows, self.spk[u])
             if self.spec is not None and epoch is not None:
                 specaugment(feats, np.random.default_rng([self.seed, epoch, SPEC_TAG, int(u)]),
                             self.spec)

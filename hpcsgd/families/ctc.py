@@ -56,6 +56,7 @@ def check_utterances(config):
 def make_loader(cfg, grid, rows):
     """Whole utterances with their token sequences, length-bucketed; rows: the most frames a
     step takes (the minibatch, or the probe's cap)."""
+    from hpcsgd.data import cmvn as norm
     from hpcsgd.data.utterances import SpecAugment, UtteranceLoader
     from hpcsgd.model.encoder import time_stride
     spec = None
@@ -64,7 +65,7 @@ def make_loader(cfg, grid, rows):
                            cfg["data.specaug_time_masks"], cfg["data.specaug_time_width"],
                            cfg["data.specaug_time_ratio"])
     return UtteranceLoader(cfg["data.train"], grid.data_rank, grid.data_size,
-                           tokens=cfg["data.tokens"], cmvn=cfg["data.cmvn"],
+                           tokens=cfg["data.tokens"], cmvn=norm.of_config(cfg),
                            seed=cfg["train.seed"], minibatch=cfg["train.minibatch"],
                            max_minibatch=rows, max_frames=cfg["data.max_frames"],
                            bucket_frames=cfg["data.bucket_frames"], spec=spec,
@@ -252,7 +253,7 @@ def cross_validate(cfg, model, params, grid, data, heartbeat):
     """The CV archive's loss and greedy token error rate over the data ranks; its
     `frame_accuracy` (what the newbob schedule compares) 1 - that rate."""
     return with_accuracy(evaluate(model, params, cfg["data.cv"],
-                                  {"tokens": cfg["data.tokens"], "cmvn": cfg["data.cmvn"]},
+                                  data,
                                   grid.data_rank, grid.data_size, grid.data, heartbeat))
 
 
@@ -284,7 +285,7 @@ def evaluate_utterances(model, params, archive_dir, data, batch_loss, rank=0, wo
     from hpcsgd.data.utterances import UtteranceLoader
     from hpcsgd.decode.score import counts
     loader = UtteranceLoader(archive_dir, rank, world, tokens=data["tokens"],
-                             cmvn=data["cmvn"], minibatch=model.max_batch, prefetch=False)
+                             cmvn=data, minibatch=model.max_batch, prefetch=False)
     batch = batch_loss()
     sums = np.zeros(9)   # loss, tokens, frames, utterances, ins, del, sub, skipped, ref
     for utts, x, targets in loader.eval_batches(model.max_batch, model.max_sequences):

@@ -44,10 +44,11 @@ def check_chunk(config):
 
 def frame_loader(cfg, grid, rows):
     """dnn: frames spliced with +-data.context neighbours; rows: the most frames a step takes."""
+    from hpcsgd.data import cmvn as norm
     from hpcsgd.data.loader import FrameLoader, batch_split
     max_local = int(batch_split(rows, grid.data_size)[0])
     return FrameLoader(cfg["data.train"], grid.data_rank, grid.data_size,
-                       context=cfg["data.context"], cmvn=cfg["data.cmvn"],
+                       context=cfg["data.context"], cmvn=norm.of_config(cfg),
                        seed=cfg["train.seed"], max_batch=max_local,
                        block_frames=cfg["data.block_frames"],
                        buffer_frames=cfg["data.buffer_frames"], prefetch=cfg["data.prefetch"])
@@ -55,6 +56,7 @@ def frame_loader(cfg, grid, rows):
 
 def chunk_loader(cfg, grid, rows):
     """lstm, tdnn: whole chunks; a batch's rows = chunks x steps."""
+    from hpcsgd.data import cmvn as norm
     from hpcsgd.data.loader import batch_split
     from hpcsgd.data.sequences import SequenceLoader
     chunk = cfg["data.chunk"]
@@ -66,7 +68,8 @@ def chunk_loader(cfg, grid, rows):
     slots = int(batch_split(rows, grid.data_size, chunk)[0])
     return SequenceLoader(cfg["data.train"], grid.data_rank, grid.data_size, chunk=chunk,
                           left_context=cfg["data.left_context"],
-                          right_context=cfg["data.right_context"], cmvn=cfg["data.cmvn"],
+                          right_context=cfg["data.right_context"],
+                          cmvn=norm.of_config(cfg),
                           seed=cfg["train.seed"], max_batch=slots // chunk * steps,
                           block_frames=cfg["data.block_frames"],
                           buffer_frames=cfg["data.buffer_frames"],
@@ -178,7 +181,7 @@ def evaluate(model, params, archive_dir, data, rank=0, world=1, comm=None, heart
     # the default size (the frames are only summed, so block size does not change the result)
     total = archive.read_index(archive_dir)["total_frames"]
     block_frames = min(BLOCK_FRAMES, max(1, total // world))
-    cmvn = data["cmvn"]
+    cmvn = data   # its cmvn, cmvn_scope and cmvn_stats (hpcsgd/data/cmvn.py)
     if "chunk" in data:
         steps = sequence_steps(data)
         chunk = data["chunk"]
@@ -234,9 +237,9 @@ def outputs(model, params, archive_dir, meta, output, whole, rank=0, world=1):
     data = meta["data"]
     scaled = priors(meta) if output == "loglik" else None
     if model.recurrent:
-        return sequence_outputs(model, params, archive_dir, data, data["cmvn"], output, scaled,
+        return sequence_outputs(model, params, archive_dir, data, output, scaled,
                                 whole, rank=rank, world=world)
-    return utterance_outputs(model, params, archive_dir, data["context"], data["cmvn"], output,
+    return utterance_outputs(model, params, archive_dir, data["context"], data, output,
                              scaled, rank=rank, world=world)
 
 

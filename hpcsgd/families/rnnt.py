@@ -106,7 +106,7 @@ def cross_validate(cfg, model, params, grid, data, heartbeat):
     """The CV archive's RNN-T loss and greedy token error rate over the data ranks; its
     `frame_accuracy` (what the newbob schedule compares) 1 - that rate."""
     return with_accuracy(evaluate(model, params, cfg["data.cv"],
-                                  {"tokens": cfg["data.tokens"], "cmvn": cfg["data.cmvn"]},
+                                  data,
                                   grid.data_rank, grid.data_size, grid.data, heartbeat))
 
 
