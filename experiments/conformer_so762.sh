@@ -39,6 +39,10 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
         train.loss_scale=logmax
     # float32 again at another seed: how far apart two float32 runs end
     train_run "$ROOT" cf_f32_seed2 2 --config "$CF" train.seed=2
+    # trained with the normalisation a deployed recognizer applies (issue 73): the training
+    # archive's statistics for every utterance, or each utterance's own
+    train_run "$ROOT" cf_global 2 --config "$CF" data.cmvn_scope=global
+    train_run "$ROOT" cf_utt 2 --config "$CF" data.cmvn_scope=utterance
     # the transducer, its encoder from the float32 CTC model's
     train_run "$ROOT" cf_rnnt 2 --config jobs/configs/so762_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/cf_f32"
@@ -47,7 +51,7 @@ fi
 G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
 [ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind phones \
     --topology ctc --tokens phones --order 5 > /dev/null
-for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax; do
+for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax cf_global cf_utt; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     echo "== $name"
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
@@ -59,3 +63,10 @@ if want cf_rnnt && [ -d "$ROOT/cf_rnnt" ]; then
     .venv/bin/hpcsgd decode "$ROOT/cf_rnnt" --data "$A/cv" --greedy | grep -E "^%|interval"
     .venv/bin/hpcsgd decode "$ROOT/cf_rnnt" --data "$A/cv" --beam-size 4 | grep -E "^%|interval"
 fi
+# the deployable normalisations through the ONNX export and sherpa-onnx from the audio
+# (experiments/onnx_cmvn.py: each beside hpcsgd's own greedy decode)
+for name in cf_f32 cf_global cf_utt; do
+    want "$name" && [ -d "$ROOT/$name" ] || continue
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/onnx_cmvn.py "$ROOT/$name" "$A/cv" "$A/train" \
+        "${DATA:-../shared/data/so762_dev}"
+done

@@ -1,8 +1,9 @@
-"""What the ONNX export's global CMVN costs (docs/export.md): a CTC model's greedy error rate
-on a held-out archive with hpcsgd's per-speaker CMVN (what it was trained with, `hpcsgd decode
---greedy`), and with the exported graph (onnxruntime on the archive's raw features) under
-each --cmvn: global (the training archive's statistics summed over its speakers) and
-utterance (each utterance by its own statistics).
+"""What the ONNX export's normalisation costs (docs/export.md): a CTC model's greedy error rate
+on a held-out archive as it was trained (data.cmvn_scope: per speaker, global or per
+utterance; `hpcsgd decode --greedy`), and with the exported graph (onnxruntime on the
+archive's raw features) under each --cmvn: global (the training archive's statistics summed
+over its speakers) and utterance (each utterance by its own statistics). A model trained
+with the global or utterance scope should find its export's hypotheses equal to its own.
 
     python experiments/onnx_cmvn.py RUN CV_ARCHIVE [TRAIN_ARCHIVE [DATA_DIR]]
 
@@ -20,6 +21,7 @@ import numpy as np
 from hpcsgd import export_onnx
 from hpcsgd.export import write_onnx
 from hpcsgd.data import archive
+from hpcsgd.data import cmvn as norm
 from hpcsgd.decode import recognize, score
 from hpcsgd.families import family
 from hpcsgd.model_io import load_model
@@ -41,12 +43,14 @@ def raw_utterances(archive_dir):
 
 
 def sherpa_hyps(run, train, data_dir, utts):
-    """{utt: words or phones} of sherpa-onnx decoding the audio of utts (--cmvn global)."""
+    """{utt: words or phones} of sherpa-onnx decoding the audio of utts (--cmvn global, or
+    utterance for a model trained with it: the export's default)."""
     import tempfile
 
     import soundfile as sf
     with tempfile.TemporaryDirectory(prefix="onnx_cmvn_") as out:   # loaded, then removed
         done = write_onnx(run, out, train)
+        print(f"sherpa-onnx: normalised with {done['cmvn']}")
         names = {}
         exec(done["code"], names)
         recognizer = names["recognizer"]
@@ -69,11 +73,16 @@ def main(run, cv, train=None, data_dir=None):
     refs, _ = recognize.archive_references(unit, cv)
     train = train or meta["config"]["data.train"]
     mean, inv_std, speakers, frames = export_onnx.global_cmvn(train, meta["data"]["cmvn"])
+    scope = meta["data"].get("cmvn_scope") or "speaker"
+    if meta["data"].get("cmvn_stats") is not None:   # trained with global: the checkpoint's
+        shift, inv_std = norm.global_shift_scale(np.asarray(meta["data"]["cmvn_stats"]),
+                                                 meta["data"]["cmvn"])
+        mean = -shift
     sessions = [ort.InferenceSession(export_onnx.graph(model, params, mean, inv_std, how)
                                      .SerializeToString(), providers=["CPUExecutionProvider"])
                 for how in (None, meta["data"]["cmvn"])]
     greedy = family("ctc").search     # CTC greedy search: (model, params, outputs, tokens)
-    per_speaker, _ = greedy(None, None, ctc_outputs(model, params, cv, meta["data"]),
+    trained, _ = greedy(None, None, ctc_outputs(model, params, cv, meta["data"]),
                             meta["tokens"])
     logposts = ([], [])
     for utt, feats in raw_utterances(cv):
@@ -82,26 +91,26 @@ def main(run, cv, train=None, data_dir=None):
             log_probs, _ = session.run(None, {"x": x[None], "x_lens": np.array([len(x)])})
             out.append((utt, log_probs[0]))
     name = "PER" if unit == "phones" else "WER"
-    print(f"{run} on {cv} ({len(per_speaker)} utterances); global statistics of {train}: "
+    print(f"{run} on {cv} ({len(trained)} utterances); global statistics of {train}: "
           f"{speakers} speakers, {frames} frames")
-    systems = [("per-speaker CMVN (hpcsgd decode --greedy)", per_speaker),
+    systems = [(f"as trained, data.cmvn_scope {scope} (hpcsgd decode --greedy)", trained),
                ("--cmvn global (the ONNX export, onnxruntime)",
                 greedy(None, None, logposts[0], meta["tokens"])[0]),
                ("--cmvn utterance (the ONNX export, onnxruntime)",
                 greedy(None, None, logposts[1], meta["tokens"])[0])]
     if data_dir:
-        systems.append(("--cmvn global, sherpa-onnx from the audio files",
-                        sherpa_hyps(run, train, data_dir, list(per_speaker))))
+        systems.append(("the export's default --cmvn, sherpa-onnx from the audio files",
+                        sherpa_hyps(run, train, data_dir, list(trained))))
     for label, hyps in systems:
         total, _ = recognize.error_counts(refs, hyps)
-        scored = [u for u in per_speaker if u in refs]
+        scored = [u for u in trained if u in refs]
         (low, high), better = score.bootstrap([refs[u] for u in scored],
-                                              [per_speaker[u] for u in scored],
+                                              [trained[u] for u in scored],
                                               [hyps[u] for u in scored])
-        differ = sum(hyps[u] != per_speaker[u] for u in per_speaker)
+        differ = sum(hyps[u] != trained[u] for u in trained)
         print(f"{label}: {score.kaldi_lines(name, total).splitlines()[0]}; "
-              f"{differ} hypotheses differ from per-speaker, P(better than per-speaker) "
-              f"{better:.3f} (bootstrap, per-speaker's 95% interval {low:.1f}-{high:.1f})")
+              f"{differ} hypotheses differ from as trained, P(better than as trained) "
+              f"{better:.3f} (bootstrap, as trained's 95% interval {low:.1f}-{high:.1f})")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ search (docs/export.md, the streaming section).
     python experiments/onnx_streaming.py RUN CV_ARCHIVE TRAIN_ARCHIVE DATA_DIR [CHUNK_MS]
 
 DATA_DIR: the Kaldi data directory the archive was prepped from (its wav.scp of file paths
-relative to it). Prints a Kaldi %PER/%WER line for: `hpcsgd decode --greedy` (per-speaker
-CMVN, what the model trained with); hpcsgd's greedy with the export's global statistics
+relative to it). Prints a Kaldi %PER/%WER line for: `hpcsgd decode --greedy` (the
+normalisation the model trained with, data.cmvn_scope; the streaming recipes train with the
+global one); hpcsgd's greedy with the export's global statistics
 (RNN-T: at most one symbol per frame, sherpa-onnx's rule); sherpa-onnx's online greedy search,
 each file handed over 0.32 s at a time, then the printed call's tail padding; and how many
 hypotheses equal sherpa-onnx's. Then the latency: from each token's encoder step to the
@@ -81,8 +82,9 @@ def main(run, cv, train, data_dir, chunk_ms=None):
     words = lambda ids: ctc_search.tokens_to_words(symbols[ids], tokens["kind"])  # noqa: E731
     unit = "phones" if tokens["kind"] == "phones" else "words"
     refs, _ = recognize.archive_references(unit, cv)
-    outs, _ = ctc_posteriors(model, params, meta, cv)   # per-speaker CMVN
-    per_speaker, _ = family(kind).search(model, params, outs, tokens)
+    outs, _ = ctc_posteriors(model, params, meta, cv)   # as trained (data.cmvn_scope)
+    trained, _ = family(kind).search(model, params, outs, tokens)
+    scope = meta["data"].get("cmvn_scope") or "speaker"
     mean, inv_std, _, _ = export_onnx.global_cmvn(train, meta["data"]["cmvn"])
     greedy = {}
     for utt, feats in raw_utterances(cv):
@@ -100,7 +102,7 @@ def main(run, cv, train, data_dir, chunk_ms=None):
     name = "PER" if unit == "phones" else "WER"
     print(f"{run} on {cv} ({len(utts)} utterances), global statistics of {train}; chunks of "
           f"{done['chunk'] * 10} ms, the audio handed over {PIECE_S} s at a time")
-    for label, h in (("hpcsgd decode --greedy (per-speaker CMVN)", per_speaker),
+    for label, h in ((f"hpcsgd decode --greedy (data.cmvn_scope {scope})", trained),
                      ("hpcsgd greedy, global CMVN", greedy),
                      ("sherpa-onnx online greedy_search", hyps)):
         total, _ = recognize.error_counts(refs, h)
