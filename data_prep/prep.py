@@ -8,9 +8,10 @@
     hpcsgd prep LibriSpeech/train-clean-5 runs/ls --tokens bpe,chars \\
         --speakers train_speakers.txt,dev_speakers.txt --cv-speakers dev_speakers.txt
 
-DATA_DIR is a Kaldi data directory (wav.scp, utt2spk, ...: data_prep/kaldi_dir.py) or a
+DATA_DIR is a Kaldi data directory (wav.scp, utt2spk, ...: data_prep/kaldi_dir.py), a
 LibriSpeech subset in its own layout (<speaker>/<chapter>/*.flac + *.trans.txt:
-data_prep/librispeech.py).
+data_prep/librispeech.py), or lhotse manifests (recordings + supervisions JSON lines:
+data_prep/lhotse_manifests.py).
 
 Alignments give frame labels (hybrid training); the data directory's `text` gives transcripts
 and token sequences (CTC, RNN-T: data_prep/tokens.py). Either suffices; with both, both are
@@ -38,7 +39,7 @@ from collections import Counter
 
 import numpy as np
 
-from data_prep import features, kaldi_dir, librispeech, tokens
+from data_prep import features, kaldi_dir, lhotse_manifests, librispeech, tokens
 from data_prep.kaldi_dir import BadUtterance
 from data_prep.split import deal_speakers, split_speakers
 from hpcsgd.data import archive
@@ -52,8 +53,10 @@ EXIT_INTERRUPTED = 130           # 128 + SIGINT, as the shell reports Ctrl-C
 
 def add_arguments(p):
     p.add_argument("data_dir", nargs="?", metavar="DATA_DIR",
-                   help="Kaldi data directory (wav.scp, utt2spk, optional segments and text), or a "
-                        "LibriSpeech subset (<speaker>/<chapter>/*.flac + *.trans.txt)")
+                   help="Kaldi data directory (wav.scp, utt2spk, optional segments and text), a "
+                        "LibriSpeech subset (<speaker>/<chapter>/*.flac + *.trans.txt), or "
+                        "lhotse manifests (a *supervisions*.jsonl[.gz] file with its "
+                        "recordings beside it, or a directory holding one such pair)")
     p.add_argument("out", nargs="?", metavar="OUT", help="archive directory to write")
     p.add_argument("--alignments", metavar="PATH",
                    help="frame-label text, CTM file, or a directory of per-utterance segment files; "
@@ -289,15 +292,21 @@ def make_plan(args):
 
 
 def read_corpus(data_dir, keep):
-    """The corpus in either layout -> {utts, problems, text, text_path, gender}; `keep` a set of
-    speaker ids (None: all), one the corpus lacks is an error."""
+    """The corpus in any of its layouts -> {utts, problems, text, text_path, gender}; `keep` a
+    set of speaker ids (None: all), one the corpus lacks is an error."""
+    pair = lhotse_manifests.manifest_pair(data_dir)
+    if pair:
+        utts, problems, text, gender = lhotse_manifests.read_manifests(pair, keep)
+        return {"utts": utts, "problems": problems, "text": text, "gender": gender,
+                "text_path": pair[0]}
     if librispeech.is_subset(data_dir):
         utts, problems, text = librispeech.read_subset(data_dir, keep)
         return {"utts": utts, "problems": problems, "text": text, "gender": librispeech.read_genders(data_dir),
                 "text_path": os.path.join(data_dir, "*/*/*" + librispeech.TRANS_SUFFIX)}
     if os.path.isdir(data_dir) and not os.path.isfile(os.path.join(data_dir, "wav.scp")):
-        raise UserError(f"{data_dir}: neither a Kaldi data directory (wav.scp, utt2spk) nor a "
-                        f"LibriSpeech subset (<speaker>/<chapter>/*.flac and *.trans.txt)")
+        raise UserError(f"{data_dir}: neither a Kaldi data directory (wav.scp, utt2spk), a "
+                        f"LibriSpeech subset (<speaker>/<chapter>/*.flac and *.trans.txt) nor "
+                        f"lhotse manifests (*supervisions*.jsonl[.gz] and its recordings)")
     utts, problems = kaldi_dir.read_data_dir(data_dir)
     if keep is not None:
         present = {info["spk"] for info in utts.values()}
