@@ -138,6 +138,21 @@ def check_decode(res):
 
 def check_loader(res):
     assert res["raw_read_fps"] > 0 and res["loader_sync_fps"] > 0 and res["loader_prefetch_fps"] > 0
+    assert res["loader"] == "frames"   # the demo corpus has frame labels
+    assert res["peak_rss_mb"] >= res["rss_before_loaders_mb"] > 0
+
+
+def test_bench_loader_takes_a_text_only_archive_through_the_utterance_loader(tmp_path):
+    """An archive without frame labels (LibriSpeech's) is what the CTC and RNN-T models read
+    whole utterances of: the frame loader cannot read it, the utterance loader is timed."""
+    from conftest import make_archive
+    make_archive(str(tmp_path / "a"), token_kinds=("chars",), frame_labels=False)
+    out = bench("loader", str(tmp_path / "a"), "--json", str(tmp_path / "l.json"))
+    assert "utterance loader, 1 core, no prefetch (4-dim)" in out and "peak resident" in out
+    res = json.loads((tmp_path / "l.json").read_text())
+    assert res["loader"] == "utterances" and res["batch"] == 8000 and res["context"] == 0
+    check = dict(res, loader="frames")
+    check_loader(check)
 
 
 def check_machine(res):
