@@ -270,6 +270,15 @@ def test_small_json_and_compare(name, tmp_path, capsys):
         assert {r["kernel"] for r in res["compilations"]} == set(res["kernels"])
 
 
+def test_bench_exchange_parameters_sizes_the_gradient(tmp_path):
+    """--parameters M: a 440-2048-n gradient of about M values (another model's, for bench
+    plan), whatever --small says."""
+    bench("exchange", "--parameters", "1500000", "--ranks", "2", "--codecs", "onebit",
+          "--repeats", "1", "--json", str(tmp_path / "e.json"))
+    run = json.loads((tmp_path / "e.json").read_text())["runs"][0]
+    assert abs(run["parameters"] - 1_500_000) <= 2049 and "striped_onebit" in run["results"]
+
+
 def test_compare_names_each_link_of_an_emulated_run(capsys):
     from hpcsgd.bench import loader
     one = {"raw_read_fps": 100.0, "loader_sync_fps": 10.0, "loader_prefetch_fps": 10.0,
