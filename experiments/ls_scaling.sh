@@ -7,17 +7,19 @@
 #      directory listing the training speakers' FLAC files 4 times under r0- .. r3- ids
 #      (experiments/ls_scaling_copies.py, no audio copied) with the same speed perturbation
 #      (70 h). The dev speakers once each (the cv part, not timed apart); the same prep options
-#      otherwise (BPE 256 learnt from each scale's training text, 4 shards);
+#      otherwise (BPE 256 learnt from each scale's training text, 4 shards); and prep's peak
+#      memory writing one of 64 shards of the 16x corpus (shards of the 1x archive's size);
 #   2. `hpcsgd bench loader` on each archive's training part (the whole-utterance loader the
 #      CTC and Conformer models read, whole epochs, one core): frames/s and peak resident memory;
 #   3. `hpcsgd bench train` of the BLSTM-CTC recipe at 1, 2 and 4 ranks (4 ranks on 2 cores:
 #      oversubscribed, 1 thread each);
-#   4. `hpcsgd bench plan` for the Conformer-CTC recipe on 16 nodes of InfiniBand HDR (200
-#      Gbit/s, 2 us): T_frm from `bench train` of the Conformer at 1 rank, T_upd and the
+#   4. `hpcsgd bench plan` for the Conformer-CTC recipe on 16 nodes of InfiniBand HDR (100
+#      and 200 Gbit/s, 2 us): T_frm from `bench train` of the Conformer at 1 rank, T_upd and the
 #      codec's passes from `bench exchange --parameters` at the Conformer's size.
 # One thing at a time on an otherwise idle machine (a busy core slows a 2-thread rank 7-fold);
 # about 15 min on 2 cores (Zen 4), 5.4 GB of disk.
-#   LS=/path/to/LibriSpeech/train-clean-5 bash experiments/librispeech_mini.sh   (runs/ls/archive)
+# It needs runs/ls/archive (experiments/librispeech_mini.sh's prep, its first command): the
+# configs of 3 and 4 read its index for the input and token sizes.
 #   LS=/path/to/LibriSpeech/train-clean-5 bash experiments/ls_scaling.sh
 # Writes runs/ls_scale/: x1, x4, x16 (archives), *.prep.log, loader_x*.json, train_*.json,
 # exchange_conformer.json, plan_conformer.json.
@@ -47,6 +49,12 @@ prep x4 "$LS" "$D/dev_speakers.txt" --speakers "$D/train_speakers.txt,$D/dev_spe
 [ -f "$S/data_r4/wav.scp" ] || PYTHONPATH=. "$PY" experiments/ls_scaling_copies.py "$LS" \
     "$D/train_speakers.txt" "$D/dev_speakers.txt" 4 "$S/data_r4"
 prep x16 "$S/data_r4" "$S/data_r4/cv_speakers.txt" --speed-perturb 0.9,0.95,1.0,1.1
+# prep's memory with shards of the 1x size: the 16x corpus in 64 shards, the first one alone
+/usr/bin/time -v "$HPCSGD" prep "$S/data_r4" "$S/x16_64" --tokens bpe,chars --bpe-size 256 \
+    --cv-speakers "$S/data_r4/cv_speakers.txt" --num-shards 64 --shard-index 0 \
+    --speed-perturb 0.9,0.95,1.0,1.1 > "$S/x16_64shards_one.prep.log" 2>&1
+grep -E "wrote .*/train/|Maximum resident" "$S/x16_64shards_one.prep.log"
+rm -rf "$S/x16_64"
 
 for x in x1 x4 x16; do   # the page cache holds all three archives (5.3 GB)
     stamp
