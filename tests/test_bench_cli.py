@@ -138,6 +138,21 @@ def check_decode(res):
 
 def check_loader(res):
     assert res["raw_read_fps"] > 0 and res["loader_sync_fps"] > 0 and res["loader_prefetch_fps"] > 0
+    assert res["loader"] == "frames"   # the demo corpus has frame labels
+    assert res["peak_rss_mb"] >= res["rss_before_loaders_mb"] > 0
+
+
+def test_bench_loader_takes_a_text_only_archive_through_the_utterance_loader(tmp_path):
+    """An archive without frame labels (LibriSpeech's) is what the CTC and RNN-T models read
+    whole utterances of: the frame loader cannot read it, the utterance loader is timed."""
+    from conftest import make_archive
+    make_archive(str(tmp_path / "a"), token_kinds=("chars",), frame_labels=False)
+    out = bench("loader", str(tmp_path / "a"), "--json", str(tmp_path / "l.json"))
+    assert "utterance loader, 1 core, no prefetch (4-dim)" in out and "peak resident" in out
+    res = json.loads((tmp_path / "l.json").read_text())
+    assert res["loader"] == "utterances" and res["batch"] == 8000 and res["context"] == 0
+    check = dict(res, loader="frames")
+    check_loader(check)
 
 
 def check_machine(res):
@@ -253,6 +268,15 @@ def test_small_json_and_compare(name, tmp_path, capsys):
     if name == "cuda":   # --kernels: only the named kernels compiled
         assert res["kernels"] and all("codecs.onebit" in k for k in res["kernels"])
         assert {r["kernel"] for r in res["compilations"]} == set(res["kernels"])
+
+
+def test_bench_exchange_parameters_sizes_the_gradient(tmp_path):
+    """--parameters M: a 440-2048-n gradient of about M values (another model's, for bench
+    plan), whatever --small says."""
+    bench("exchange", "--parameters", "1500000", "--ranks", "2", "--codecs", "onebit",
+          "--repeats", "1", "--json", str(tmp_path / "e.json"))
+    run = json.loads((tmp_path / "e.json").read_text())["runs"][0]
+    assert abs(run["parameters"] - 1_500_000) <= 2049 and "striped_onebit" in run["results"]
 
 
 def test_compare_names_each_link_of_an_emulated_run(capsys):

@@ -274,3 +274,26 @@ def test_paper_validation_model_parallel_rows():
     # the node's ranks sharing one Infiniband port can only be slower
     assert all(r["pred_kfps_nodb_mid_shared_port"] <= r["pred_kfps_nodb_mid"]
                for r in rows.values())
+
+
+def test_costs_from_json_takes_todays_fused_phases(tmp_path):
+    """A `bench exchange` JSON of today: the float32 allreduce's post-processing fused into
+    apply (no post_process phase), the 1-bit owner's pass fused (owner); T_frm from the
+    K = 1 rows of `bench train` with the exchange skipped."""
+    import json
+    ex = {"runs": [{"ranks": 2, "parameters": 4_000_000, "results": {
+        "allreduce_f32+post+apply": {"encode": 0.0, "allreduce": 0.004, "apply": 0.0035},
+        "striped_onebit": {"encode": 0.0037, "alltoallv": 0.0033, "owner": 0.0033,
+                           "allgatherv": 0.0049, "decode_apply": 0.0014,
+                           "bytes_per_rank": 500_000}}}]}
+    tr = {"runs": [{"rows": [
+        {"exchange": "none", "double_buffering": False, "minibatch": 4000, "step_s": 0.28},
+        {"exchange": "allreduce", "double_buffering": False, "minibatch": 4000, "step_s": 0.3}]}]}
+    (tmp_path / "e.json").write_text(json.dumps(ex))
+    (tmp_path / "t.json").write_text(json.dumps(tr))
+    c = plan.costs_from_json(str(tmp_path / "t.json"), str(tmp_path / "e.json"))
+    assert c["M"] == 4_000_000 and c["t_frm"] == {4000: pytest.approx(0.28 / 4000)}
+    assert c["codecs"]["float32-allreduce"]["t_upd"] == pytest.approx(0.0035)
+    one = c["codecs"]["onebit"]
+    assert one["bits"] == pytest.approx(1.0) and one["t_upd"] == pytest.approx(0.0051)
+    assert one["c_post"] == pytest.approx(2 * 0.0033)

@@ -1,7 +1,7 @@
 """`hpcsgd bench exchange`: time per exchange of the paper's 46M-parameter gradient
-(440-7x2048-9304 + biases) with allreduce and with striped + each codec, per phase, and
-bytes on the wire per rank per step, every figure beside the float32 in-place MPI Allreduce
-time measured in the same run.
+(440-7x2048-9304 + biases; --parameters M: a 440-2048-n one of about M) with allreduce and
+with striped + each codec, per phase, and bytes on the wire per rank per step, every figure
+beside the float32 in-place MPI Allreduce time measured in the same run.
 
     hpcsgd bench exchange [--small] [--json FILE] [--compare OLD] [--ranks 2,4]
                           [--codecs onebit,kbit4] [--repeats R] [--emulate 1,10,25]
@@ -22,6 +22,10 @@ USES_MPI = True   # bench --emulate runs it across the emulated cluster
 
 def add_arguments(parser):
     parser.add_argument("--small", action="store_true", help="a tiny model, for a CI smoke test")
+    parser.add_argument("--parameters", type=int, default=None,
+                        help="a gradient of about this many values instead of the paper's 46M "
+                             "(a 440-2048-n DNN's; e.g. another model's, its `params` in `bench "
+                             "train --config`'s JSON), for `bench plan --exchange-json`")
     parser.add_argument("--ranks", default="2,4", help="comma-separated K values (default 2,4)")
     parser.add_argument("--codecs", default="onebit,kbit4,float16,float32,dettmers",
                         help="striped codecs: onebit,kbit2,kbit4,kbit8,dettmers,float16,float32; "
@@ -44,6 +48,7 @@ def run(args):
         worker = ["--repeats", repeats, "--codecs", args.codecs, "--device", args.device,
                   "--mpi-cuda-aware", args.mpi_cuda_aware]
         worker += ["--small"] if args.small else []
+        worker += ["--parameters", args.parameters] if args.parameters else []
         result = launch.mpirun(K, "hpcsgd.bench.exchange_worker", worker, args.timeout)
         result["numba_threads_per_rank"] = result["threads_per_rank"]
         out["runs"].append(result)

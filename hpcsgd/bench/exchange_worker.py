@@ -96,6 +96,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--parameters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--codecs", default="onebit,kbit4,float16,float32,dettmers")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -108,7 +109,11 @@ def main():
     if dev == "cuda":
         bind_gpu(Grid(comm).node_rank)
         aware, how = mpi_cuda_aware(args.mpi_cuda_aware, os.environ.get(ENV_CUDA_AWARE, ""))
-    params = FlatParams(layout(*(SMALL if args.small else PAPER)), device=dev)
+    shape = SMALL if args.small else PAPER
+    if args.parameters:   # 440-2048-n, n the nearest to the asked size (>= 1)
+        first = 441 * 2048
+        shape = (440, [2048], max(1, round((args.parameters - first) / 2049)))
+    params = FlatParams(layout(*shape), device=dev)
     grad = FlatParams(params.layout, device=dev).flat
     rng = np.random.default_rng(rank)
     source = (rng.standard_normal(params.size) * 0.05).astype(np.float32)

@@ -302,7 +302,9 @@ def costs_from_json(train_json, exchange_json):
     codecs = {}
     ar = res.get("allreduce_f32+post+apply")
     if ar:
-        codecs["float32-allreduce"] = {"bits": 32.0, "t_upd": ar["post_process"] + ar["apply"],
+        # (float32 on CPU fuses the post-processing into apply: no post_process phase)
+        codecs["float32-allreduce"] = {"bits": 32.0,
+                                       "t_upd": ar.get("post_process", 0.0) + ar["apply"],
                                        "c_post": 0.0}
     for name, r in res.items():
         if name.startswith("striped_"):
