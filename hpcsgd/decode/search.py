@@ -16,19 +16,27 @@ CTC models. The (T', V) log-posteriors over the tokens, blank column included, t
 acoustic scale, are the matrix as they are: TLG's input label of token k is k + 1. No prior
 is divided out (the CTC posteriors are used as icefall's HLG decoding uses them); the
 acoustic scale weighs them against G's costs (1 / the LM scale of icefall's recipes).
+
+N-best lists (decode --nbest): the same graph, scores and beam through Kaldi's
+LatticeSimpleDecoder, whose lattice holds every path within `lattice_beam` of the best;
+hpcsgd/decode/lattice.py turns it into the N cheapest distinct word sequences
+(lattice-to-nbest).
 """
 import json
+import math
 import os
 
 import numpy as np
 
 from hpcsgd.data import archive
 from hpcsgd.decode import graph as graphs
+from hpcsgd.decode import lattice
 from hpcsgd.errors import UserError
 from hpcsgd.families import of_model
 
 BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
 MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
+LATTICE_BEAM = 8.0   # Kaldi's steps/decode.sh --lattice-beam: the n-best's paths are within it
 
 
 class Graph:
@@ -109,9 +117,11 @@ def ctc_scores(logpost, acoustic_scale):
 
 
 class Decoder:
-    """One FasterDecoder on a graph, reused for every utterance."""
+    """One FasterDecoder on a graph, reused for every utterance (and for N-best lists, a
+    LatticeSimpleDecoder on the same graph, made when first asked)."""
 
-    def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE, insertion_penalty=0.0):
+    def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE, insertion_penalty=0.0,
+                 lattice_beam=LATTICE_BEAM):
         try:
             import kaldi_decoder
             import kaldifst
@@ -121,6 +131,8 @@ class Decoder:
         self.graph = graph
         self.beam, self.max_active = beam, max_active
         self.insertion_penalty = float(insertion_penalty)
+        self.lattice_beam = lattice_beam
+        self._lattice = None
         self._kd, self._kf = kaldi_decoder, kaldifst
         # the decoder keeps a pointer to its graph: the copy lives as long as it does
         self._fst = graph.fst if not self.insertion_penalty else \
@@ -132,7 +144,8 @@ class Decoder:
         """This decoder's search on the same graph with another insertion penalty."""
         if float(insertion_penalty) == self.insertion_penalty:
             return self
-        return Decoder(self.graph, self.beam, self.max_active, insertion_penalty)
+        return Decoder(self.graph, self.beam, self.max_active, insertion_penalty,
+                       self.lattice_beam)
 
     def decode(self, scores):
         """(T, P * states) scores (a TLG: (T', V)) -> (word ids of the best path, whether it
@@ -150,3 +163,21 @@ class Decoder:
         # input labels are HMM states, one per frame: p * states + s + 1 (TLG: token + 1)
         phones = (np.asarray(states, np.int64) - 1) // self.graph.states
         return list(words), final and ok, phones
+
+    def nbest(self, scores, n, skip=()):
+        """The same scores through Kaldi's LatticeSimpleDecoder on the same graph (insertion
+        penalty included) and beam -> (the n cheapest distinct word sequences within the
+        lattice beam of the best, as [(total cost, word ids)] cheapest first, fewer when the
+        lattice holds fewer; whether it reached a final state). The cost is graph + acoustic
+        (minus the scaled log-likelihoods), what decode()'s best path minimises. Words in
+        `skip` (a phone graph's SIL) are left out before distinct sequences are counted. The
+        lattice decoder has no max-active: it keeps every token within the beam, so it may
+        find a path cheaper than one decode() pruned (docs/decode.md#n-best-lists)."""
+        if self._lattice is None:
+            config = self._kd.LatticeSimpleDecoderConfig(beam=self.beam,
+                                                         lattice_beam=self.lattice_beam)
+            self._lattice = self._kd.LatticeSimpleDecoder(self._fst, config)
+        self._lattice.decode(self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32)))
+        final = math.isfinite(self._lattice.final_relative_cost())
+        ok, lat = self._lattice.get_raw_lattice(use_final_probs=final)
+        return (lattice.nbest(lat, n, skip) if ok else []), final
