@@ -544,17 +544,43 @@ def test_a_lattice_gives_each_word_sequence_once_at_its_best_alignment():
             (0, 4, 4, 8, 2.0, 1.0), (4, 3, 4, 0, 0.0, 1.5),       # 8: 4.5
             (0, 5, 1, 7, 1.0, 1.0), (5, 6, 2, 9, 0.0, 2.0)]       # 7 9: 4.25 with 6's final
     lat = hand_lattice(arcs, {3: (0.0, 0.0), 6: (0.25, 0.0)})
-    assert lattice.nbest(lat, 5) == [(4.0, [7]), (4.25, [7, 9]), (4.5, [8])]
-    assert lattice.nbest(lat, 2) == [(4.0, [7]), (4.25, [7, 9])]
-    assert lattice.nbest(lat, 5, skip=(9,)) == [(4.0, [7]), (4.5, [8])]
+    assert lattice.nbest(lat, 5, 8.0) == [(4.0, [7]), (4.25, [7, 9]), (4.5, [8])]
+    assert lattice.nbest(lat, 2, 8.0) == [(4.0, [7]), (4.25, [7, 9])]
+    assert lattice.nbest(lat, 5, 8.0, skip=(9,)) == [(4.0, [7]), (4.5, [8])]
+    # only what lies within the lattice beam of the best is listed (exact costs)
+    assert lattice.nbest(lat, 5, 0.3) == [(4.0, [7]), (4.25, [7, 9])]
     import kaldifst as kf
-    assert lattice.nbest(kf.Lattice(), 3) == []               # nothing survived the search
+    assert lattice.nbest(kf.Lattice(), 3, 8.0) == []          # nothing survived the search
     # the arrays are the lattice's, read from its binary file
     with __import__("tempfile").TemporaryDirectory() as scratch:
         start, finals, src, read = lattice.lattice_arrays(lat, scratch)
     assert start == 0 and sorted(zip(src, read["next"], read["ilabel"], read["olabel"],
                                      read["graph"], read["acoustic"])) == sorted(arcs)
     assert np.isinf(finals[0]).all() and finals[6].tolist() == [0.25, 0.0]
+
+
+def test_a_lattice_too_rich_to_determinize_is_made_again_at_half_the_beam(tiny, monkeypatch):
+    """Past lattice.MAX_STATES determinized states nbest() gives None, and Decoder.nbest
+    decodes the utterance again at half the lattice beam, until it fits."""
+    from hpcsgd.decode import lattice
+    rng = np.random.default_rng(4)
+    scores = search.ctc_scores(np.log(rng.dirichlet(np.full(len(CHARS), 0.3), 14)), 1.0)
+    decoder = search.Decoder(search.Graph(tiny["chars"]))
+    wide, _, beam = decoder.nbest(scores, 3)
+    assert beam == search.LATTICE_BEAM == 4.0 and len(wide) == 3
+    sizes = []
+    real = lattice.nbest
+
+    def counting(lat, n, beam, skip=()):     # fits only at a quarter of the beam
+        sizes.append(beam)
+        return None if beam > search.LATTICE_BEAM / 4 else real(lat, n, beam, skip)
+    monkeypatch.setattr(lattice, "nbest", counting)
+    narrow, _, beam = decoder.nbest(scores, 3)
+    assert sizes == [4.0, 2.0, 1.0] and beam == 1.0
+    assert narrow[0][1] == wide[0][1] and narrow[0][0] == pytest.approx(wide[0][0], abs=1e-4)
+    assert all(c <= narrow[0][0] + 1.0 for c, _ in narrow)
+    monkeypatch.setattr(lattice, "MAX_STATES", 1)
+    assert real(decoder._lattice[4.0].get_raw_lattice()[1], 3, 4.0) is None
 
 
 def cheapest_path_writing(graph_dir, scores, words):
@@ -614,6 +640,7 @@ def test_decode_nbest_through_a_tlg(tiny, tmp_path, monkeypatch, capsys):
         assert "0 utterance(s) whose lattice's best differs from hyp.txt" in printed
         result = json.load(open(os.path.join(out, "result.json")))
         assert result["nbest"] == n and result["nbest_differ"] == 0
+        assert result["nbest_narrowed"] == {}
         best = dict(line.rstrip("\n").partition(" ")[::2]
                     for line in open(os.path.join(out, "hyp.txt")))
         lists = read_nbest(os.path.join(out, "nbest.txt"))
@@ -629,15 +656,21 @@ def test_decode_nbest_through_a_tlg(tiny, tmp_path, monkeypatch, capsys):
                     ids = [graph.words.index(w) for w in words.split()]
                     assert sc == pytest.approx(-cheapest_path_writing(tiny["chars"], scores,
                                                                       ids), abs=2e-3)
-        # 14 noisy frames through a 5-word bigram: more than 4 sequences within the beam
-        assert sum(len(e) for e in lists.values()) == n * len(TRAIN)
+            # only sequences within the lattice beam of the best (their costs exact)
+            assert entries[0][1] - entries[-1][1] <= search.LATTICE_BEAM + 1e-3
+        # 14 noisy frames through a 5-word bigram: more than 4 sequences within the lattice
+        # beam of every utterance, not always 10
+        assert sum(len(e) for e in lists.values()) == n * len(TRAIN) if n <= 4 else \
+            4 * len(TRAIN) < sum(len(e) for e in lists.values()) <= n * len(TRAIN)
     assert result["tuning"] is not None
     # what --nbest cannot mean is an error naming it
     for bad, says in ((["--greedy", "--nbest"], "greedy search keeps one"),
-                      (["--graph", tiny["chars"], "--lattice-beam", "4"],
-                       "--lattice-beam: the lattice of --nbest"),
+                      (["--graph", tiny["chars"], "--lattice-beam", "2"],
+                       "--lattice-beam: the lattice search of --nbest through a graph"),
+                      (["--greedy", "--nbest-beam", "6"],
+                       "--nbest-beam: the lattice search of --nbest through a graph"),
                       (["--graph", tiny["chars"], "--nbest", "2", "--lattice-beam", "0"],
-                       "--lattice-beam 0.0: a cost above 0")):
+                       "--lattice-beam 0: a cost above 0")):
         assert cli.main(["decode", "stand-in", "--data", tiny["archive"], *bad]) == 2
         assert says in capsys.readouterr().err
     with pytest.raises(SystemExit):

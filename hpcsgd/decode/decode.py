@@ -3,7 +3,7 @@
     hpcsgd decode RUN_DIR|CHECKPOINT --data ARCHIVE --graph GRAPH_DIR [--text TEXT] [--tune]
     hpcsgd decode CTC_RUN_DIR --data ARCHIVE --greedy
     hpcsgd decode RNNT_RUN_DIR --data ARCHIVE --greedy | --beam-size 4 [--nbest [N]]
-    hpcsgd decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR --nbest [N] [--lattice-beam 8]
+    hpcsgd decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR --nbest [N] [--lattice-beam 4]
     mpiexec -n 4 python -m mpi4py -m hpcsgd.cli decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR
 
 A hybrid model's log-posteriors, minus the scaled log-prior (the training archive's label
@@ -109,7 +109,12 @@ def add_arguments(parser):
                              "--beam-size K search (N <= K, default K)")
     parser.add_argument("--lattice-beam", type=float, default=search.LATTICE_BEAM,
                         help="--nbest through a graph: the lattice keeps the paths within this "
-                             "cost of the best (Kaldi's --lattice-beam)")
+                             "cost of the best (Kaldi's --lattice-beam; narrowed for an "
+                             "utterance whose lattice is too rich to determinize)")
+    parser.add_argument("--nbest-beam", type=float, default=search.NBEST_BEAM,
+                        help="--nbest through a graph: the lattice search's beam (it has no "
+                             "max-active: at --beam's 13 a word graph's costs ~100x the best "
+                             "path's)")
     parser.add_argument("--ctm", action="store_true",
                         help="CTC and RNN-T models: also write OUT/hyp.ctm, each word's (phone's) "
                              "start and duration from the emissions (greedy, the graph's best "
@@ -251,10 +256,12 @@ def decode(args, comm):
     if args.nbest and args.beam_size and args.nbest > args.beam_size:
         raise UserError(f"--nbest {args.nbest}: an RNN-T's final beam holds --beam-size "
                         f"{args.beam_size} hypotheses; give --beam-size {args.nbest} or more")
-    if args.lattice_beam != search.LATTICE_BEAM and (args.nbest is None or graph is None):
-        raise UserError("--lattice-beam: the lattice of --nbest through a graph")
-    if args.lattice_beam <= 0:
-        raise UserError(f"--lattice-beam {args.lattice_beam}: a cost above 0")
+    for name, value, default in (("--lattice-beam", args.lattice_beam, search.LATTICE_BEAM),
+                                 ("--nbest-beam", args.nbest_beam, search.NBEST_BEAM)):
+        if value != default and (args.nbest is None or graph is None):
+            raise UserError(f"{name}: the lattice search of --nbest through a graph")
+        if value <= 0:
+            raise UserError(f"{name} {value:g}: a cost above 0")
     n_best = None if args.nbest is None else \
         (args.nbest or args.beam_size or recognize.NBEST)    # a bare --nbest: the default
     nbest = {} if n_best else None      # utt -> [(score, words)], best first
@@ -270,11 +277,13 @@ def decode(args, comm):
     priors = fam.priors(meta)   # a hybrid's label priors; None: searched as they are
     decoder = None if graph is None else \
         search.Decoder(graph, beam=args.beam, max_active=args.max_active,
-                       insertion_penalty=args.insertion_penalty, lattice_beam=args.lattice_beam)
+                       insertion_penalty=args.insertion_penalty, lattice_beam=args.lattice_beam,
+                       nbest_beam=args.nbest_beam)
 
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
     table = held_out = lm_table = None
     lattice_s = differ = 0      # --nbest through a graph: the lattice search, 1-bests off hyp.txt
+    narrowed = {}               # ... and the utterances whose lattice beam was narrowed
     penalty = args.insertion_penalty
     lm_weight, lm_bonus = args.lm_weight, args.lm_bonus
     if decoder is None:
@@ -298,7 +307,8 @@ def decode(args, comm):
         hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales, runs)
         not_final = len(not_final)
         if nbest is not None:   # a second search, hyp.txt stays the best path's
-            nbest, lattice_s = recognize.nbest_lists(decoder, logposts, priors, *scales, n_best)
+            nbest, narrowed, lattice_s = recognize.nbest_lists(decoder, logposts, priors,
+                                                               *scales, n_best)
             differ = sum(1 for utt, ranked in nbest.items()
                          if not ranked or ranked[0][1] != hyps[utt])
     lengths = dict(recognize.utterance_frames(args.data))   # audio frames, not output rows
@@ -306,13 +316,15 @@ def decode(args, comm):
     sums = np.array([frames, search_s, forward_s, not_final, lattice_s, differ], np.float64)
     from mpi4py import MPI
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
-    gathered = comm.gather((hyps, runs, nbest), root=0)  # small: token lists
+    gathered = comm.gather((hyps, runs, nbest, narrowed), root=0)  # small: token lists
     if rank != 0:
         return 0
+    narrowed = {u: b for *_, part in gathered for u, b in part.items()}
 
-    hyps = {utt: words for part, _, _ in gathered for utt, words in part.items()}
-    runs = None if runs is None else {u: r for _, part, _ in gathered for u, r in part.items()}
-    nbest = None if nbest is None else {u: r for _, _, part in gathered for u, r in part.items()}
+    hyps = {utt: words for part, *_ in gathered for utt, words in part.items()}
+    runs = None if runs is None else {u: r for _, part, *_ in gathered for u, r in part.items()}
+    nbest = None if nbest is None else {u: r for _, _, part, _ in gathered
+                                        for u, r in part.items()}
     total, per_utt = recognize.error_counts(refs, hyps)
     frames, search_s, forward_s, not_final, lattice_s, differ = sums
     audio_s = frames * index["frame_shift_ms"] / 1000.0
@@ -380,10 +392,13 @@ def decode(args, comm):
         lines.append(f"nbest.txt: up to {n_best} hypotheses per utterance, "
                      f"{sum(len(r) for r in nbest.values()) / max(len(nbest), 1):.1f} on "
                      f"average" + ("" if graph is None else
-                                   f", from lattices (lattice beam {args.lattice_beam:g}): "
-                                   f"search {lattice_s:.2f} s (the best path's "
-                                   f"{search_s:.2f} s); {int(differ)} utterance(s) whose "
-                                   f"lattice's best differs from hyp.txt"))
+                                   f", from lattices (beam {args.nbest_beam:g}, lattice beam "
+                                   f"{args.lattice_beam:g}): search {lattice_s:.2f} s (the "
+                                   f"best path's {search_s:.2f} s); {int(differ)} "
+                                   f"utterance(s) whose lattice's best differs from hyp.txt; "
+                                   f"{len(narrowed)} too rich to determinize, at a lattice "
+                                   f"beam down to "
+                                   f"{min(narrowed.values(), default=args.lattice_beam):g}"))
     finals = "" if graph is None else f"; {int(not_final)} ended in no final state"
     lines.append(f"{len(hyps)} utterances, {int(frames)} frames ({audio_s:.1f} s of audio) on "
                  f"{world} rank(s){finals}; {len(hyps) - len(per_utt)} without a reference "
@@ -408,8 +423,10 @@ def decode(args, comm):
               "max_active": args.max_active if graph is not None else None,
               "nbest": n_best, "lattice_beam": args.lattice_beam
               if graph is not None and n_best else None,
+              "nbest_beam": args.nbest_beam if graph is not None and n_best else None,
               "nbest_seconds": lattice_s if graph is not None and n_best else None,
               "nbest_differ": int(differ) if graph is not None and n_best else None,
+              "nbest_narrowed": narrowed if graph is not None and n_best else None,
               "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
               "oov_tokens": oov, "ci95": [low, high], "timing": timing,

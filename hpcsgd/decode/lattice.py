@@ -12,6 +12,10 @@ binds neither lattice determinization nor projection, only the tropical FST's, s
                    the minimum over the sequence's paths, as Kaldi's lattice determinization
                    keeps it) -> shortest_path(n) -> the linear paths, cheapest first
 
+Kaldi determinizes with pruning at the lattice beam (DeterminizeLatticePruned); kaldifst's
+determinize_star has none, and a rich lattice's determinization grows exponentially with the
+beam: past MAX_STATES the caller decodes the utterance again at half the lattice beam.
+
 The conversion goes through OpenFst's binary format (VectorFst: a header, then per state its
 final weight, arc count and arcs) read and written with numpy: the text format prints 6
 significant digits, the binary one the float32 costs the decoder summed, and per-arc Python
@@ -34,6 +38,11 @@ LATTICE_ARC = np.dtype([("ilabel", "<i4"), ("olabel", "<i4"), ("graph", "<f4"),
                         ("acoustic", "<f4"), ("next", "<i4")])
 STD_ARC = np.dtype([("ilabel", "<i4"), ("olabel", "<i4"), ("cost", "<f4"), ("next", "<i4")])
 DELTA = 1.0 / 1024     # determinize_star's weight quantization (OpenFst's kDelta)
+# The word acceptor determinizes into about one state per distinct word prefix within the
+# lattice beam, which grows exponentially with the beam: the demo DNN's phone lattices give
+# <800 states at lattice beam 4 and >50k at 6 (the CTC models' peaky ones <5k at 8). Past
+# this the utterance's lattice is made again at half the beam (search.Decoder.nbest)
+MAX_STATES = 20_000
 
 
 def _string(text):
@@ -116,20 +125,32 @@ def word_acceptor(start, finals, src, arcs, scratch, skip=()):
     return kf.StdVectorFst.read(path)
 
 
-def nbest(lat, n, skip=()):
-    """A raw kaldifst.Lattice -> its n cheapest distinct word sequences (fewer when it holds
-    fewer) as [(total cost, [word ids])], cheapest first; the cost graph + acoustic, the
-    sum the decoder minimised. Words in `skip` are not part of a sequence."""
+def nbest(lat, n, beam, skip=()):
+    """A raw kaldifst.Lattice pruned at lattice beam `beam` -> its n cheapest distinct word
+    sequences within `beam` of the best (fewer when it holds fewer) as [(total cost,
+    [word ids])], cheapest first; the cost graph + acoustic, the sum the decoder minimised.
+    Words in `skip` are not part of a sequence. None when the word acceptor does not
+    determinize within MAX_STATES states (the caller narrows the beam).
+
+    Only sequences within the beam are exact: every arc of the lattice lies on a path within
+    it, but a path joined from such arcs may not, and a sequence whose best path was pruned
+    would show the cost of a worse one."""
     kf = graphs._fst()
     if lat.start < 0:      # an empty lattice: nothing survived
         return []
     with tempfile.TemporaryDirectory(prefix="hpcsgd_lattice_") as scratch:
         acceptor = word_acceptor(*lattice_arrays(lat, scratch), scratch, skip)
-    kf.determinize_star(acceptor, delta=DELTA)
+    try:   # kaldifst raises where Kaldi's fstdeterminizestar would return "stopped early"
+        if kf.determinize_star(acceptor, delta=DELTA, max_states=MAX_STATES):
+            return None
+    except RuntimeError as err:
+        if "aborted" not in str(err):
+            raise
+        return None
     out = []
     for path in kf.convert_nbest_to_vector(kf.shortest_path(acceptor, n=n)):
         ok, _, words, weight = kf.get_linear_symbol_sequence(path)
         if ok:
             out.append((float(weight.value), list(words)))
     out.sort(key=lambda item: item[0])   # shortest_path lists them in no promised order
-    return out
+    return [(cost, words) for cost, words in out if cost <= out[0][0] + beam + DELTA]

@@ -193,20 +193,23 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=N
 
 def nbest_lists(decoder, logposts, log_priors, acoustic_scale, prior_scale, n):
     """The n best distinct hypotheses of every utterance from its lattice (decoder.nbest) ->
-    ({utt: [(score, hypothesis tokens)] best first}, search CPU seconds of this thread). The
-    score is minus the path's total cost (graph + acoustic), a log-score as the RNN-T beam's:
-    higher is better. A phone graph's SIL is no token, as in recognize(): hypotheses that
-    differ only in their silences are one."""
+    ({utt: [(score, hypothesis tokens)] best first}, {utt: the lattice beam, where narrowed
+    from decoder.lattice_beam}, search CPU seconds of this thread). The score is minus the
+    path's total cost (graph + acoustic), a log-score as the RNN-T beam's: higher is better.
+    A phone graph's SIL is no token, as in recognize(): hypotheses that differ only in their
+    silences are one."""
     graph = decoder.graph
     sil = graph.words.index(mkgraph.SIL) if graph.kind == "phones" and \
         mkgraph.SIL in graph.words else None
-    lists = {}
+    lists, narrowed = {}, {}
     t0 = time.thread_time()
     for utt, logpost in logposts:
         scores = score_matrix(graph, logpost, log_priors, acoustic_scale, prior_scale)
-        ranked, _ = decoder.nbest(scores, n, skip=() if sil is None else (sil,))
+        ranked, _, beam = decoder.nbest(scores, n, skip=() if sil is None else (sil,))
         lists[utt] = [(-cost, [graph.words[w] for w in words]) for cost, words in ranked]
-    return lists, time.thread_time() - t0
+        if beam < decoder.lattice_beam:
+            narrowed[utt] = beam
+    return lists, narrowed, time.thread_time() - t0
 
 
 def error_counts(refs, hyps):

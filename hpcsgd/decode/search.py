@@ -36,7 +36,16 @@ from hpcsgd.families import of_model
 
 BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
 MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
-LATTICE_BEAM = 8.0   # Kaldi's steps/decode.sh --lattice-beam: the n-best's paths are within it
+# N-best lists (Decoder.nbest): Kaldi's LatticeSimpleDecoder, the only lattice decoder
+# kaldi-decoder binds, has no max-active: at BEAM 13 a word HLG's lattice search cost 100x the
+# best path's on the demo DNN (5 s an utterance), at 8 14x, and its best was the best path's
+NBEST_BEAM = 8.0
+# the n-best's paths lie within the lattice beam of the best. Kaldi's is 8 (steps/decode.sh),
+# with a determinization pruned at it; kaldifst's has no pruning and grows exponentially with
+# the beam (the demo DNN's phone lattices: <800 states at 4, >50k at 6): 4, and narrower for
+# an utterance whose lattice still does not determinize (lattice.MAX_STATES)
+LATTICE_BEAM = 4.0
+NARROWINGS = 10      # halvings of it at most (4 -> 1/256)
 
 
 class Graph:
@@ -121,7 +130,7 @@ class Decoder:
     LatticeSimpleDecoder on the same graph, made when first asked)."""
 
     def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE, insertion_penalty=0.0,
-                 lattice_beam=LATTICE_BEAM):
+                 lattice_beam=LATTICE_BEAM, nbest_beam=NBEST_BEAM):
         try:
             import kaldi_decoder
             import kaldifst
@@ -131,8 +140,8 @@ class Decoder:
         self.graph = graph
         self.beam, self.max_active = beam, max_active
         self.insertion_penalty = float(insertion_penalty)
-        self.lattice_beam = lattice_beam
-        self._lattice = None
+        self.lattice_beam, self.nbest_beam = lattice_beam, nbest_beam
+        self._lattice = {}      # lattice beam -> LatticeSimpleDecoder, made when first asked
         self._kd, self._kf = kaldi_decoder, kaldifst
         # the decoder keeps a pointer to its graph: the copy lives as long as it does
         self._fst = graph.fst if not self.insertion_penalty else \
@@ -145,7 +154,7 @@ class Decoder:
         if float(insertion_penalty) == self.insertion_penalty:
             return self
         return Decoder(self.graph, self.beam, self.max_active, insertion_penalty,
-                       self.lattice_beam)
+                       self.lattice_beam, self.nbest_beam)
 
     def decode(self, scores):
         """(T, P * states) scores (a TLG: (T', V)) -> (word ids of the best path, whether it
@@ -166,18 +175,29 @@ class Decoder:
 
     def nbest(self, scores, n, skip=()):
         """The same scores through Kaldi's LatticeSimpleDecoder on the same graph (insertion
-        penalty included) and beam -> (the n cheapest distinct word sequences within the
-        lattice beam of the best, as [(total cost, word ids)] cheapest first, fewer when the
-        lattice holds fewer; whether it reached a final state). The cost is graph + acoustic
-        (minus the scaled log-likelihoods), what decode()'s best path minimises. Words in
-        `skip` (a phone graph's SIL) are left out before distinct sequences are counted. The
-        lattice decoder has no max-active: it keeps every token within the beam, so it may
-        find a path cheaper than one decode() pruned (docs/decode.md#n-best-lists)."""
-        if self._lattice is None:
-            config = self._kd.LatticeSimpleDecoderConfig(beam=self.beam,
-                                                         lattice_beam=self.lattice_beam)
-            self._lattice = self._kd.LatticeSimpleDecoder(self._fst, config)
-        self._lattice.decode(self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32)))
-        final = math.isfinite(self._lattice.final_relative_cost())
-        ok, lat = self._lattice.get_raw_lattice(use_final_probs=final)
-        return (lattice.nbest(lat, n, skip) if ok else []), final
+        penalty included) at beam nbest_beam -> (the n cheapest distinct word sequences
+        within the lattice beam of the best, as [(total cost, word ids)] cheapest first, fewer
+        when the lattice holds fewer; whether it reached a final state; the lattice beam). The
+        cost is graph + acoustic (minus the scaled log-likelihoods), what decode()'s best
+        path minimises. Words in `skip` (a phone graph's SIL) are left out before distinct
+        sequences are counted. A lattice too rich to determinize (lattice.MAX_STATES) is made
+        again at half the lattice beam. The lattice decoder's search differs from decode()'s:
+        no max-active, its own beam, so its best path can differ from decode()'s (the caller
+        counts them; docs/decode.md#n-best-lists)."""
+        decodable = self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32))
+        beam = self.lattice_beam
+        for _ in range(NARROWINGS):
+            if beam not in self._lattice:    # each keeps a pointer to the graph, as decoder
+                config = self._kd.LatticeSimpleDecoderConfig(beam=self.nbest_beam,
+                                                             lattice_beam=beam)
+                self._lattice[beam] = self._kd.LatticeSimpleDecoder(self._fst, config)
+            decoder = self._lattice[beam]
+            decoder.decode(decodable)
+            final = math.isfinite(decoder.final_relative_cost())
+            ok, lat = decoder.get_raw_lattice(use_final_probs=final)
+            ranked = lattice.nbest(lat, n, beam, skip) if ok else []
+            if ranked is not None:
+                return ranked, final, beam
+            beam /= 2
+        raise RuntimeError(f"a lattice at beam {beam * 2:g} still did not determinize within "
+                           f"{lattice.MAX_STATES} states")
