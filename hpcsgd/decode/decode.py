@@ -111,10 +111,10 @@ def add_arguments(parser):
                         help="--nbest through a graph: the lattice keeps the paths within this "
                              "cost of the best (Kaldi's --lattice-beam; narrowed for an "
                              "utterance whose lattice is too rich to determinize)")
-    parser.add_argument("--nbest-beam", type=float, default=search.NBEST_BEAM,
-                        help="--nbest through a graph: the lattice search's beam (it has no "
-                             "max-active: at --beam's 13 a word graph's costs ~100x the best "
-                             "path's)")
+    parser.add_argument("--nbest-beam", type=float,
+                        help="--nbest through a graph: the lattice search's beam (default "
+                             "--beam; it has no max-active: on a word graph at 13 it costs "
+                             "~100x the best path's, at 8 ~15x; docs/decode.md)")
     parser.add_argument("--ctm", action="store_true",
                         help="CTC and RNN-T models: also write OUT/hyp.ctm, each word's (phone's) "
                              "start and duration from the emissions (greedy, the graph's best "
@@ -257,10 +257,10 @@ def decode(args, comm):
         raise UserError(f"--nbest {args.nbest}: an RNN-T's final beam holds --beam-size "
                         f"{args.beam_size} hypotheses; give --beam-size {args.nbest} or more")
     for name, value, default in (("--lattice-beam", args.lattice_beam, search.LATTICE_BEAM),
-                                 ("--nbest-beam", args.nbest_beam, search.NBEST_BEAM)):
+                                 ("--nbest-beam", args.nbest_beam, None)):
         if value != default and (args.nbest is None or graph is None):
             raise UserError(f"{name}: the lattice search of --nbest through a graph")
-        if value <= 0:
+        if value is not None and value <= 0:
             raise UserError(f"{name} {value:g}: a cost above 0")
     n_best = None if args.nbest is None else \
         (args.nbest or args.beam_size or recognize.NBEST)    # a bare --nbest: the default
@@ -389,16 +389,16 @@ def decode(args, comm):
                                      f"{timing['median_ms']:.0f} ms, 90th percentile "
                                      f"{timing['p90_ms']:.0f} ms, mean {timing['mean_ms']:.0f} ms"))
     if nbest is not None:
-        lines.append(f"nbest.txt: up to {n_best} hypotheses per utterance, "
-                     f"{sum(len(r) for r in nbest.values()) / max(len(nbest), 1):.1f} on "
-                     f"average" + ("" if graph is None else
-                                   f", from lattices (beam {args.nbest_beam:g}, lattice beam "
-                                   f"{args.lattice_beam:g}): search {lattice_s:.2f} s (the "
-                                   f"best path's {search_s:.2f} s); {int(differ)} "
-                                   f"utterance(s) whose lattice's best differs from hyp.txt; "
-                                   f"{len(narrowed)} too rich to determinize, at a lattice "
-                                   f"beam down to "
-                                   f"{min(narrowed.values(), default=args.lattice_beam):g}"))
+        held = sum(len(r) for r in nbest.values()) / max(len(nbest), 1)
+        line = f"nbest.txt: up to {n_best} hypotheses per utterance, {held:.1f} on average"
+        if graph is not None:
+            line += (f", from lattices (beam {decoder.nbest_beam:g}, lattice beam "
+                     f"{args.lattice_beam:g}): search {lattice_s:.2f} s (the best path's "
+                     f"{search_s:.2f} s); {int(differ)} utterance(s) whose lattice's best "
+                     f"differs from hyp.txt; {len(narrowed)} too rich to determinize, at a "
+                     f"lattice beam down to "
+                     f"{min(narrowed.values(), default=args.lattice_beam):g}")
+        lines.append(line)
     finals = "" if graph is None else f"; {int(not_final)} ended in no final state"
     lines.append(f"{len(hyps)} utterances, {int(frames)} frames ({audio_s:.1f} s of audio) on "
                  f"{world} rank(s){finals}; {len(hyps) - len(per_utt)} without a reference "
@@ -423,7 +423,7 @@ def decode(args, comm):
               "max_active": args.max_active if graph is not None else None,
               "nbest": n_best, "lattice_beam": args.lattice_beam
               if graph is not None and n_best else None,
-              "nbest_beam": args.nbest_beam if graph is not None and n_best else None,
+              "nbest_beam": decoder.nbest_beam if graph is not None and n_best else None,
               "nbest_seconds": lattice_s if graph is not None and n_best else None,
               "nbest_differ": int(differ) if graph is not None and n_best else None,
               "nbest_narrowed": narrowed if graph is not None and n_best else None,

@@ -36,14 +36,12 @@ from hpcsgd.families import of_model
 
 BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
 MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
-# N-best lists (Decoder.nbest): Kaldi's LatticeSimpleDecoder, the only lattice decoder
-# kaldi-decoder binds, has no max-active: at BEAM 13 a word HLG's lattice search cost 100x the
-# best path's on the demo DNN (5 s an utterance), at 8 14x, and its best was the best path's
-NBEST_BEAM = 8.0
-# the n-best's paths lie within the lattice beam of the best. Kaldi's is 8 (steps/decode.sh),
-# with a determinization pruned at it; kaldifst's has no pruning and grows exponentially with
-# the beam (the demo DNN's phone lattices: <800 states at 4, >50k at 6): 4, and narrower for
-# an utterance whose lattice still does not determinize (lattice.MAX_STATES)
+# N-best lists (Decoder.nbest) come from Kaldi's LatticeSimpleDecoder, the only lattice
+# decoder kaldi-decoder binds, at the best path's beam (nbest_beam narrows it) and without a
+# max-active; the n-best's paths lie within the lattice beam of the best. Kaldi's is 8
+# (steps/decode.sh), with a determinization pruned at it; kaldifst's has no pruning and grows
+# exponentially with the beam (the demo DNN's phone lattices: <800 states at 4, >50k at 6): 4,
+# and narrower for an utterance whose lattice still does not determinize (lattice.MAX_STATES)
 LATTICE_BEAM = 4.0
 NARROWINGS = 10      # halvings of it at most (4 -> 1/256)
 
@@ -130,7 +128,7 @@ class Decoder:
     LatticeSimpleDecoder on the same graph, made when first asked)."""
 
     def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE, insertion_penalty=0.0,
-                 lattice_beam=LATTICE_BEAM, nbest_beam=NBEST_BEAM):
+                 lattice_beam=LATTICE_BEAM, nbest_beam=None):
         try:
             import kaldi_decoder
             import kaldifst
@@ -140,7 +138,8 @@ class Decoder:
         self.graph = graph
         self.beam, self.max_active = beam, max_active
         self.insertion_penalty = float(insertion_penalty)
-        self.lattice_beam, self.nbest_beam = lattice_beam, nbest_beam
+        self.lattice_beam = lattice_beam
+        self.nbest_beam = beam if nbest_beam is None else nbest_beam   # the lattice search's
         self._lattice = {}      # lattice beam -> LatticeSimpleDecoder, made when first asked
         self._kd, self._kf = kaldi_decoder, kaldifst
         # the decoder keeps a pointer to its graph: the copy lives as long as it does
@@ -175,15 +174,16 @@ class Decoder:
 
     def nbest(self, scores, n, skip=()):
         """The same scores through Kaldi's LatticeSimpleDecoder on the same graph (insertion
-        penalty included) at beam nbest_beam -> (the n cheapest distinct word sequences
+        penalty included) at nbest_beam -> (the n cheapest distinct word sequences
         within the lattice beam of the best, as [(total cost, word ids)] cheapest first, fewer
         when the lattice holds fewer; whether it reached a final state; the lattice beam). The
         cost is graph + acoustic (minus the scaled log-likelihoods), what decode()'s best
         path minimises. Words in `skip` (a phone graph's SIL) are left out before distinct
         sequences are counted. A lattice too rich to determinize (lattice.MAX_STATES) is made
-        again at half the lattice beam. The lattice decoder's search differs from decode()'s:
-        no max-active, its own beam, so its best path can differ from decode()'s (the caller
-        counts them; docs/decode.md#n-best-lists)."""
+        again at half the lattice beam. The lattice decoder has no max-active: at decode()'s
+        beam its best path is decode()'s or cheaper, where max-active pruned decode()'s; at a
+        narrower nbest_beam it can be dearer (the caller counts those that differ;
+        docs/decode.md#n-best-lists)."""
         decodable = self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32))
         beam = self.lattice_beam
         for _ in range(NARROWINGS):
