@@ -371,7 +371,7 @@ def test_nbest_lists_of_real_speech_through_the_phone_and_word_graphs(demo, tmp_
     only in their silences are one). The report gives both searches' times. The word graph
     with both searches at beam 6 and no max-active: at the defaults the best path's
     max-active 1000 pruned the cheaper path on 2 of the 40 (docs/decode.md#n-best-lists),
-    and the lattice search at beam 13 takes minutes."""
+    and the lattice search (beam 8) takes a minute."""
     for kind, extra in (("phones", []), ("words", ["--beam", "6", "--max-active", "100000"])):
         out = str(tmp_path / kind)
         proc = run_mpi(1, ["-m", "hpcsgd.cli", "decode", demo["run"], "--data",
@@ -379,6 +379,8 @@ def test_nbest_lists_of_real_speech_through_the_phone_and_word_graphs(demo, tmp_
                            *extra, "--out", out], timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "0 utterance(s) whose lattice's best differs from hyp.txt" in proc.stdout
+        assert json.load(open(os.path.join(out, "result.json")))["nbest_beam"] == \
+            (8.0 if kind == "phones" else 6.0)      # never wider than the best path's
         assert "search" in proc.stdout.split("nbest.txt:")[1].split("\n")[0]
         best = dict(line.rstrip("\n").partition(" ")[::2]
                     for line in open(os.path.join(out, "hyp.txt")))

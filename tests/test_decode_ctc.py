@@ -566,8 +566,8 @@ def test_a_lattice_too_rich_to_determinize_is_made_again_at_half_the_beam(tiny, 
     rng = np.random.default_rng(4)
     scores = search.ctc_scores(np.log(rng.dirichlet(np.full(len(CHARS), 0.3), 14)), 1.0)
     decoder = search.Decoder(search.Graph(tiny["chars"]))
-    wide, _, beam = decoder.nbest(scores, 3)
-    assert beam == search.LATTICE_BEAM == 4.0 and len(wide) == 3
+    wide, _, beam, widened = decoder.nbest(scores, 3)
+    assert beam == search.LATTICE_BEAM == 4.0 and len(wide) == 3 and not widened
     sizes = []
     real = lattice.nbest
 
@@ -575,12 +575,30 @@ def test_a_lattice_too_rich_to_determinize_is_made_again_at_half_the_beam(tiny, 
         sizes.append(beam)
         return None if beam > search.LATTICE_BEAM / 4 else real(lat, n, beam, skip)
     monkeypatch.setattr(lattice, "nbest", counting)
-    narrow, _, beam = decoder.nbest(scores, 3)
+    narrow, _, beam, _ = decoder.nbest(scores, 3)
     assert sizes == [4.0, 2.0, 1.0] and beam == 1.0
     assert narrow[0][1] == wide[0][1] and narrow[0][0] == pytest.approx(wide[0][0], abs=1e-4)
     assert all(c <= narrow[0][0] + 1.0 for c, _ in narrow)
     monkeypatch.setattr(lattice, "MAX_STATES", 1)
-    assert real(decoder._lattice[4.0].get_raw_lattice()[1], 3, 4.0) is None
+    lat = decoder._lattice[(search.NBEST_BEAM, 4.0)].get_raw_lattice()[1]
+    assert real(lat, 3, 4.0) is None
+
+
+def test_a_lattice_search_that_lost_the_best_path_is_made_again_at_the_full_beam(tiny):
+    """At nbest_beam 0.5 the lattice search of a noisy utterance loses the best path (its
+    best comes out dearer): it is searched again at the best path's beam, and its best is
+    decode()'s; at nbest_beam = beam nothing is searched twice."""
+    rng = np.random.default_rng(5)
+    graph = search.Graph(tiny["chars"])
+    widened = 0
+    for _ in range(6):
+        scores = search.ctc_scores(np.log(rng.dirichlet(np.full(len(CHARS), 0.3), 14)), 1.0)
+        best = search.Decoder(graph).decode(scores)[0]
+        for nbest_beam in (0.5, search.BEAM):
+            ranked, _, _, widen = search.Decoder(graph, nbest_beam=nbest_beam).nbest(scores, 3)
+            assert ranked[0][1] == best and not (widen and nbest_beam == search.BEAM)
+            widened += widen
+    assert widened > 0
 
 
 def cheapest_path_writing(graph_dir, scores, words):

@@ -111,10 +111,11 @@ def add_arguments(parser):
                         help="--nbest through a graph: the lattice keeps the paths within this "
                              "cost of the best (Kaldi's --lattice-beam; narrowed for an "
                              "utterance whose lattice is too rich to determinize)")
-    parser.add_argument("--nbest-beam", type=float,
-                        help="--nbest through a graph: the lattice search's beam (default "
-                             "--beam; it has no max-active: on a word graph at 13 it costs "
-                             "~100x the best path's, at 8 ~15x; docs/decode.md)")
+    parser.add_argument("--nbest-beam", type=float, default=search.NBEST_BEAM,
+                        help="--nbest through a graph: the lattice search's beam (it has no "
+                             "max-active: a word graph's costs >300x the best path's at 13, "
+                             "~15x at 8); an utterance whose lattice's best is dearer than "
+                             "the best path is searched again at --beam")
     parser.add_argument("--ctm", action="store_true",
                         help="CTC and RNN-T models: also write OUT/hyp.ctm, each word's (phone's) "
                              "start and duration from the emissions (greedy, the graph's best "
@@ -257,10 +258,10 @@ def decode(args, comm):
         raise UserError(f"--nbest {args.nbest}: an RNN-T's final beam holds --beam-size "
                         f"{args.beam_size} hypotheses; give --beam-size {args.nbest} or more")
     for name, value, default in (("--lattice-beam", args.lattice_beam, search.LATTICE_BEAM),
-                                 ("--nbest-beam", args.nbest_beam, None)):
+                                 ("--nbest-beam", args.nbest_beam, search.NBEST_BEAM)):
         if value != default and (args.nbest is None or graph is None):
             raise UserError(f"{name}: the lattice search of --nbest through a graph")
-        if value is not None and value <= 0:
+        if value <= 0:
             raise UserError(f"{name} {value:g}: a cost above 0")
     n_best = None if args.nbest is None else \
         (args.nbest or args.beam_size or recognize.NBEST)    # a bare --nbest: the default
@@ -282,7 +283,9 @@ def decode(args, comm):
 
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
     table = held_out = lm_table = None
-    lattice_s = differ = 0      # --nbest through a graph: the lattice search, 1-bests off hyp.txt
+    # --nbest through a graph: the lattice search's seconds, the 1-bests off hyp.txt, the
+    # utterances searched again at --beam
+    lattice_s = differ = widened = 0
     narrowed = {}               # ... and the utterances whose lattice beam was narrowed
     penalty = args.insertion_penalty
     lm_weight, lm_bonus = args.lm_weight, args.lm_bonus
@@ -307,13 +310,15 @@ def decode(args, comm):
         hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales, runs)
         not_final = len(not_final)
         if nbest is not None:   # a second search, hyp.txt stays the best path's
-            nbest, narrowed, lattice_s = recognize.nbest_lists(decoder, logposts, priors,
-                                                               *scales, n_best)
+            nbest, narrowed, widened, lattice_s = recognize.nbest_lists(
+                decoder, logposts, priors, *scales, n_best)
+            widened = len(widened)
             differ = sum(1 for utt, ranked in nbest.items()
                          if not ranked or ranked[0][1] != hyps[utt])
     lengths = dict(recognize.utterance_frames(args.data))   # audio frames, not output rows
     frames = sum(lengths[utt] for utt, _ in logposts)
-    sums = np.array([frames, search_s, forward_s, not_final, lattice_s, differ], np.float64)
+    sums = np.array([frames, search_s, forward_s, not_final, lattice_s, differ, widened],
+                    np.float64)
     from mpi4py import MPI
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
     gathered = comm.gather((hyps, runs, nbest, narrowed), root=0)  # small: token lists
@@ -326,7 +331,7 @@ def decode(args, comm):
     nbest = None if nbest is None else {u: r for _, _, part, _ in gathered
                                         for u, r in part.items()}
     total, per_utt = recognize.error_counts(refs, hyps)
-    frames, search_s, forward_s, not_final, lattice_s, differ = sums
+    frames, search_s, forward_s, not_final, lattice_s, differ, widened = sums
     audio_s = frames * index["frame_shift_ms"] / 1000.0
     name = "PER" if unit == "phones" else "WER"
     lines = []
@@ -394,9 +399,10 @@ def decode(args, comm):
         if graph is not None:
             line += (f", from lattices (beam {decoder.nbest_beam:g}, lattice beam "
                      f"{args.lattice_beam:g}): search {lattice_s:.2f} s (the best path's "
-                     f"{search_s:.2f} s); {int(differ)} utterance(s) whose lattice's best "
-                     f"differs from hyp.txt; {len(narrowed)} too rich to determinize, at a "
-                     f"lattice beam down to "
+                     f"{search_s:.2f} s); {int(widened)} searched again at beam "
+                     f"{args.beam:g} (the best path lost); {int(differ)} utterance(s) whose "
+                     f"lattice's best differs from hyp.txt; {len(narrowed)} too rich to "
+                     f"determinize, at a lattice beam down to "
                      f"{min(narrowed.values(), default=args.lattice_beam):g}")
         lines.append(line)
     finals = "" if graph is None else f"; {int(not_final)} ended in no final state"
@@ -426,6 +432,7 @@ def decode(args, comm):
               "nbest_beam": decoder.nbest_beam if graph is not None and n_best else None,
               "nbest_seconds": lattice_s if graph is not None and n_best else None,
               "nbest_differ": int(differ) if graph is not None and n_best else None,
+              "nbest_widened": int(widened) if graph is not None and n_best else None,
               "nbest_narrowed": narrowed if graph is not None and n_best else None,
               "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),

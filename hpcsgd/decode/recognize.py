@@ -194,22 +194,25 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=N
 def nbest_lists(decoder, logposts, log_priors, acoustic_scale, prior_scale, n):
     """The n best distinct hypotheses of every utterance from its lattice (decoder.nbest) ->
     ({utt: [(score, hypothesis tokens)] best first}, {utt: the lattice beam, where narrowed
-    from decoder.lattice_beam}, search CPU seconds of this thread). The score is minus the
+    from decoder.lattice_beam}, [the utterances searched again at the best path's beam],
+    search CPU seconds of this thread). The score is minus the
     path's total cost (graph + acoustic), a log-score as the RNN-T beam's: higher is better.
     A phone graph's SIL is no token, as in recognize(): hypotheses that differ only in their
     silences are one."""
     graph = decoder.graph
     sil = graph.words.index(mkgraph.SIL) if graph.kind == "phones" and \
         mkgraph.SIL in graph.words else None
-    lists, narrowed = {}, {}
+    lists, narrowed, widened = {}, {}, []
     t0 = time.thread_time()
     for utt, logpost in logposts:
         scores = score_matrix(graph, logpost, log_priors, acoustic_scale, prior_scale)
-        ranked, _, beam = decoder.nbest(scores, n, skip=() if sil is None else (sil,))
+        ranked, _, beam, widen = decoder.nbest(scores, n, skip=() if sil is None else (sil,))
         lists[utt] = [(-cost, [graph.words[w] for w in words]) for cost, words in ranked]
         if beam < decoder.lattice_beam:
             narrowed[utt] = beam
-    return lists, narrowed, time.thread_time() - t0
+        if widen:
+            widened.append(utt)
+    return lists, narrowed, widened, time.thread_time() - t0
 
 
 def error_counts(refs, hyps):

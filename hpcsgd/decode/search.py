@@ -37,11 +37,16 @@ from hpcsgd.families import of_model
 BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
 MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
 # N-best lists (Decoder.nbest) come from Kaldi's LatticeSimpleDecoder, the only lattice
-# decoder kaldi-decoder binds, at the best path's beam (nbest_beam narrows it) and without a
-# max-active; the n-best's paths lie within the lattice beam of the best. Kaldi's is 8
-# (steps/decode.sh), with a determinization pruned at it; kaldifst's has no pruning and grows
-# exponentially with the beam (the demo DNN's phone lattices: <800 states at 4, >50k at 6): 4,
-# and narrower for an utterance whose lattice still does not determinize (lattice.MAX_STATES)
+# decoder kaldi-decoder binds. It has no max-active: at BEAM 13 a word HLG's lattice search
+# took >15 s an utterance on the demo DNN (the best path 0.04 s), at 8 0.6 s. So it searches
+# at NBEST_BEAM, and again at the best path's beam an utterance whose lattice's best comes out
+# dearer than the best path (by more than COST_TOLERANCE: float sums, determinize's delta)
+NBEST_BEAM = 8.0
+COST_TOLERANCE = 0.01
+# The n-best's paths lie within the lattice beam of the best. Kaldi's is 8 (steps/decode.sh),
+# with a determinization pruned at it; kaldifst's has no pruning and grows exponentially with
+# the beam (the demo DNN's phone lattices: <800 states at 4, >50k at 6): 4, and narrower for
+# an utterance whose lattice still does not determinize (lattice.MAX_STATES)
 LATTICE_BEAM = 4.0
 NARROWINGS = 10      # halvings of it at most (4 -> 1/256)
 
@@ -128,7 +133,7 @@ class Decoder:
     LatticeSimpleDecoder on the same graph, made when first asked)."""
 
     def __init__(self, graph, beam=BEAM, max_active=MAX_ACTIVE, insertion_penalty=0.0,
-                 lattice_beam=LATTICE_BEAM, nbest_beam=None):
+                 lattice_beam=LATTICE_BEAM, nbest_beam=NBEST_BEAM):
         try:
             import kaldi_decoder
             import kaldifst
@@ -139,8 +144,8 @@ class Decoder:
         self.beam, self.max_active = beam, max_active
         self.insertion_penalty = float(insertion_penalty)
         self.lattice_beam = lattice_beam
-        self.nbest_beam = beam if nbest_beam is None else nbest_beam   # the lattice search's
-        self._lattice = {}      # lattice beam -> LatticeSimpleDecoder, made when first asked
+        self.nbest_beam = min(nbest_beam, beam)      # the lattice search's, first
+        self._lattice = {}      # (beam, lattice beam) -> LatticeSimpleDecoder, made when asked
         self._kd, self._kf = kaldi_decoder, kaldifst
         # the decoder keeps a pointer to its graph: the copy lives as long as it does
         self._fst = graph.fst if not self.insertion_penalty else \
@@ -174,27 +179,49 @@ class Decoder:
 
     def nbest(self, scores, n, skip=()):
         """The same scores through Kaldi's LatticeSimpleDecoder on the same graph (insertion
-        penalty included) at nbest_beam -> (the n cheapest distinct word sequences
-        within the lattice beam of the best, as [(total cost, word ids)] cheapest first, fewer
-        when the lattice holds fewer; whether it reached a final state; the lattice beam). The
-        cost is graph + acoustic (minus the scaled log-likelihoods), what decode()'s best
-        path minimises. Words in `skip` (a phone graph's SIL) are left out before distinct
-        sequences are counted. A lattice too rich to determinize (lattice.MAX_STATES) is made
-        again at half the lattice beam. The lattice decoder has no max-active: at decode()'s
-        beam its best path is decode()'s or cheaper, where max-active pruned decode()'s; at a
-        narrower nbest_beam it can be dearer (the caller counts those that differ;
-        docs/decode.md#n-best-lists)."""
+        penalty included) -> (the n cheapest distinct word sequences within the lattice beam
+        of the best, as [(total cost, word ids)] cheapest first, fewer when the lattice holds
+        fewer; whether it reached a final state; the lattice beam; whether the search was
+        widened from nbest_beam to beam). The cost is graph + acoustic (minus the scaled
+        log-likelihoods), what decode()'s best path minimises. Words in `skip` (a phone
+        graph's SIL) are left out before distinct sequences are counted.
+
+        The lattice search runs at nbest_beam; where its best is dearer than decode()'s best
+        path (the narrower beam lost that path) again at decode()'s beam. Having no
+        max-active, it then finds decode()'s best path or a cheaper one that max-active
+        pruned (docs/decode.md#n-best-lists). A lattice too rich to determinize
+        (lattice.MAX_STATES) is made again at half the lattice beam."""
         decodable = self._kd.DecodableCtc(np.ascontiguousarray(scores, np.float32))
+        ranked, final, lattice_beam = self._lattice_nbest(decodable, n, skip, self.nbest_beam)
+        widen = self.nbest_beam < self.beam and (
+            not ranked or ranked[0][0] > self._best_cost(decodable) + COST_TOLERANCE)
+        if widen:
+            ranked, final, lattice_beam = self._lattice_nbest(decodable, n, skip, self.beam)
+        return ranked, final, lattice_beam, widen
+
+    def _best_cost(self, decodable):
+        """decode()'s best path's total cost (graph + acoustic)."""
+        self.decoder.decode(decodable)
+        ok, path = self.decoder.get_best_path(use_final_probs=self.decoder.reached_final())
+        if not ok:
+            return math.inf
+        weight = self._kf.get_linear_symbol_sequence(path)[3]
+        return weight.value1 + weight.value2
+
+    def _lattice_nbest(self, decodable, n, skip, search_beam):
         beam = self.lattice_beam
         for _ in range(NARROWINGS):
-            if beam not in self._lattice:    # each keeps a pointer to the graph, as decoder
-                config = self._kd.LatticeSimpleDecoderConfig(beam=self.nbest_beam,
+            key = (search_beam, beam)
+            if key not in self._lattice:    # each keeps a pointer to the graph, as decoder
+                config = self._kd.LatticeSimpleDecoderConfig(beam=search_beam,
                                                              lattice_beam=beam)
-                self._lattice[beam] = self._kd.LatticeSimpleDecoder(self._fst, config)
-            decoder = self._lattice[beam]
+                self._lattice[key] = self._kd.LatticeSimpleDecoder(self._fst, config)
+            decoder = self._lattice[key]
             decoder.decode(decodable)
             final = math.isfinite(decoder.final_relative_cost())
-            ok, lat = decoder.get_raw_lattice(use_final_probs=final)
+            # after decode() (finalized) only with final probs; where no final state was
+            # reached every last-frame token ends a path at cost 0, as in decode()
+            ok, lat = decoder.get_raw_lattice(use_final_probs=True)
             ranked = lattice.nbest(lat, n, beam, skip) if ok else []
             if ranked is not None:
                 return ranked, final, beam
