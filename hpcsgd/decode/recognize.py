@@ -195,10 +195,9 @@ def nbest_lists(decoder, logposts, log_priors, acoustic_scale, prior_scale, n):
     """The n best distinct hypotheses of every utterance from its lattice (decoder.nbest) ->
     ({utt: [(score, hypothesis tokens)] best first}, {utt: the lattice beam, where narrowed
     from decoder.lattice_beam}, [the utterances searched again at the best path's beam],
-    search CPU seconds of this thread). The score is minus the
-    path's total cost (graph + acoustic), a log-score as the RNN-T beam's: higher is better.
-    A phone graph's SIL is no token, as in recognize(): hypotheses that differ only in their
-    silences are one."""
+    search CPU seconds of this thread). The score is minus the path's total cost (graph +
+    acoustic), a log-score as the RNN-T beam's: higher is better. A phone graph's SIL is no
+    token, as in recognize(): hypotheses that differ only in their silences are one."""
     graph = decoder.graph
     sil = graph.words.index(mkgraph.SIL) if graph.kind == "phones" and \
         mkgraph.SIL in graph.words else None

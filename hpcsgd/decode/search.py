@@ -17,10 +17,9 @@ acoustic scale, are the matrix as they are: TLG's input label of token k is k + 
 is divided out (the CTC posteriors are used as icefall's HLG decoding uses them); the
 acoustic scale weighs them against G's costs (1 / the LM scale of icefall's recipes).
 
-N-best lists (decode --nbest): the same graph, scores and beam through Kaldi's
-LatticeSimpleDecoder, whose lattice holds every path within `lattice_beam` of the best;
-hpcsgd/decode/lattice.py turns it into the N cheapest distinct word sequences
-(lattice-to-nbest).
+N-best lists (decode --nbest): the same graph and scores through Kaldi's LatticeSimpleDecoder,
+whose lattice holds every path within `lattice_beam` of the best; hpcsgd/decode/lattice.py
+turns it into the N cheapest distinct word sequences (lattice-to-nbest).
 """
 import json
 import math
@@ -37,8 +36,8 @@ from hpcsgd.families import of_model
 BEAM = 13.0          # Kaldi's decode.sh default for DNN systems
 MAX_ACTIVE = 1000    # Kaldi says 7000; on so762 1000 loses nothing at 1/10 the time (docs/decode.md)
 # N-best lists (Decoder.nbest) come from Kaldi's LatticeSimpleDecoder, the only lattice
-# decoder kaldi-decoder binds. It has no max-active: at BEAM 13 a word HLG's lattice search
-# took >15 s an utterance on the demo DNN (the best path 0.04 s), at 8 0.6 s. So it searches
+# decoder kaldi-decoder binds. It has no max-active: at BEAM 13 the demo DNN's 40 CV
+# utterances through its word HLG took >590 s (the best path 2 s), at 8 ~60 s. So it searches
 # at NBEST_BEAM, and again at the best path's beam an utterance whose lattice's best comes out
 # dearer than the best path (by more than COST_TOLERANCE: float sums, determinize's delta)
 NBEST_BEAM = 8.0
