@@ -681,6 +681,14 @@ def test_decode_nbest_through_a_tlg(tiny, tmp_path, monkeypatch, capsys):
         assert sum(len(e) for e in lists.values()) == n * len(TRAIN) if n <= 4 else \
             4 * len(TRAIN) < sum(len(e) for e in lists.values()) <= n * len(TRAIN)
     assert result["tuning"] is not None
+    # hyp.txt is the best path's with or without the lists
+    plain = str(tmp_path / "plain")
+    assert cli.main(["decode", "stand-in", "--data", tiny["archive"], "--graph", tiny["chars"],
+                     "--out", plain]) == 0
+    assert "nbest.txt" not in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(plain, "nbest.txt"))
+    assert open(os.path.join(plain, "hyp.txt")).read() == \
+        open(os.path.join(str(tmp_path / "nbest_2"), "hyp.txt")).read()
     # what --nbest cannot mean is an error naming it
     for bad, says in ((["--greedy", "--nbest"], "greedy search keeps one"),
                       (["--graph", tiny["chars"], "--lattice-beam", "2"],
