@@ -364,6 +364,42 @@ def test_eval_with_a_graph_reports_frames_and_words_in_one(demo, tmp_path, capsy
     assert math.isfinite(dec["error_rate"]) and dec["error_rate"] > 0
 
 
+def test_nbest_lists_of_real_speech_through_the_phone_and_word_graphs(demo, tmp_path):
+    """`decode --nbest 5` of the demo DNN's CV utterances through its HLGs: the lattice's best
+    is the best path's (hyp.txt) on every utterance, each list at most 5 distinct
+    hypotheses, ranked, scores falling; a phone list holds no SIL (hypotheses that differ
+    only in their silences are one). The report gives both searches' times. The word graph
+    with both searches at beam 6 and no max-active: at the defaults the best path's
+    max-active 1000 pruned the cheaper path on 2 of the 40 (docs/decode.md#n-best-lists),
+    and the lattice search (beam 8) takes a minute."""
+    for kind, extra in (("phones", []), ("words", ["--beam", "6", "--max-active", "100000"])):
+        out = str(tmp_path / kind)
+        proc = run_mpi(1, ["-m", "hpcsgd.cli", "decode", demo["run"], "--data",
+                           f"{demo['archive']}/cv", "--graph", demo[kind], "--nbest", "5",
+                           *extra, "--out", out], timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "0 utterance(s) whose lattice's best differs from hyp.txt" in proc.stdout
+        assert json.load(open(os.path.join(out, "result.json")))["nbest_beam"] == \
+            (8.0 if kind == "phones" else 6.0)      # never wider than the best path's
+        assert "search" in proc.stdout.split("nbest.txt:")[1].split("\n")[0]
+        best = dict(line.rstrip("\n").partition(" ")[::2]
+                    for line in open(os.path.join(out, "hyp.txt")))
+        lists = {}
+        for line in open(os.path.join(out, "nbest.txt")):
+            key, sc, *words = line.split()
+            utt, rank = key.rsplit("-", 1)
+            lists.setdefault(utt, []).append((int(rank), float(sc), " ".join(words)))
+        assert set(lists) == set(best)
+        for utt, entries in lists.items():
+            assert [r for r, _, _ in entries] == list(range(1, len(entries) + 1))
+            assert len(entries) <= 5 and len({w for _, _, w in entries}) == len(entries)
+            assert all(a[1] >= b[1] for a, b in zip(entries, entries[1:]))
+            assert entries[0][2] == best[utt]
+            assert kind != "phones" or all(mkgraph.SIL not in w.split() for _, _, w in entries)
+        # real speech through a bigram: the lattices hold alternatives
+        assert sum(len(e) for e in lists.values()) > 3 * len(lists)
+
+
 def test_the_default_out_dir_of_two_archives_of_one_name_differs(tmp_path):
     """Decoding one run on runs/so762/archive/cv and then runs/ls/archive/cv: the second
     decode goes to GRAPH_ls_archive_cv... rather than over the first's files; the same

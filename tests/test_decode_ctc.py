@@ -515,6 +515,201 @@ def test_decode_greedy_and_through_tlg_with_tuning(tiny, tmp_path, monkeypatch, 
     assert "a graph over phones tokens, but stand-in outputs chars" in capsys.readouterr().err
 
 
+# --- n-best lists from lattices --------------------------------------------------------------
+
+def hand_lattice(arcs, finals, start=0):
+    """A kaldifst.Lattice from (src, dst, input, word, graph cost, acoustic cost) arcs and
+    {state: (graph, acoustic)} final weights."""
+    import kaldifst as kf
+    lat = kf.Lattice()
+    for _ in range(1 + max([max(a[:2]) for a in arcs] + list(finals))):
+        lat.add_state()
+    lat.start = start
+    for src, dst, i, w, g, a in arcs:
+        lat.add_arc(src, kf.LatticeArc(i, w, kf.LatticeWeight(g, a), dst))
+    for state, (g, a) in finals.items():
+        lat.set_final(state, kf.LatticeWeight(g, a))
+    return lat
+
+
+def test_a_lattice_gives_each_word_sequence_once_at_its_best_alignment():
+    """Word 7 on three alignments (costs 5, 4 and 6.5), word 8 on one (4.5), 7 then SIL (9)
+    on one (4.25): the n-best is 7 (4), 7 9 (4.25), 8 (4.5) -- the raw lattice's three
+    shortest paths would be 7, 7 9 and 8 only by luck of the costs -- and with SIL skipped
+    7 9 is 7 again, not a second entry; graph and acoustic costs add up."""
+    from hpcsgd.decode import lattice
+    arcs = [(0, 1, 1, 7, 1.0, 1.0), (1, 3, 2, 0, 0.0, 3.0),       # 7 early: 5
+            (0, 2, 1, 0, 0.0, 1.5), (2, 3, 2, 7, 1.0, 1.5),       # 7 late: 4
+            (0, 3, 3, 7, 1.0, 5.5),                               # 7 in one frame: 6.5
+            (0, 4, 4, 8, 2.0, 1.0), (4, 3, 4, 0, 0.0, 1.5),       # 8: 4.5
+            (0, 5, 1, 7, 1.0, 1.0), (5, 6, 2, 9, 0.0, 2.0)]       # 7 9: 4.25 with 6's final
+    lat = hand_lattice(arcs, {3: (0.0, 0.0), 6: (0.25, 0.0)})
+    assert lattice.nbest(lat, 5, 8.0) == [(4.0, [7]), (4.25, [7, 9]), (4.5, [8])]
+    assert lattice.nbest(lat, 2, 8.0) == [(4.0, [7]), (4.25, [7, 9])]
+    assert lattice.nbest(lat, 5, 8.0, skip=(9,)) == [(4.0, [7]), (4.5, [8])]
+    # only what lies within the lattice beam of the best is listed (exact costs)
+    assert lattice.nbest(lat, 5, 0.3) == [(4.0, [7]), (4.25, [7, 9])]
+    import kaldifst as kf
+    assert lattice.nbest(kf.Lattice(), 3, 8.0) == []          # nothing survived the search
+    # the arrays are the lattice's, read from its binary file
+    with __import__("tempfile").TemporaryDirectory() as scratch:
+        start, finals, src, read = lattice.lattice_arrays(lat, scratch)
+    assert start == 0 and sorted(zip(src, read["next"], read["ilabel"], read["olabel"],
+                                     read["graph"], read["acoustic"])) == sorted(arcs)
+    assert np.isinf(finals[0]).all() and finals[6].tolist() == [0.25, 0.0]
+
+
+def test_a_lattice_too_rich_to_determinize_is_made_again_at_half_the_beam(tiny, monkeypatch):
+    """Past lattice.MAX_STATES determinized states nbest() gives None, and Decoder.nbest
+    decodes the utterance again at half the lattice beam, until it fits."""
+    from hpcsgd.decode import lattice
+    rng = np.random.default_rng(4)
+    scores = search.ctc_scores(np.log(rng.dirichlet(np.full(len(CHARS), 0.3), 14)), 1.0)
+    decoder = search.Decoder(search.Graph(tiny["chars"]))
+    wide, _, beam, widened = decoder.nbest(scores, 3)
+    assert beam == search.LATTICE_BEAM == 4.0 and len(wide) == 3 and not widened
+    sizes = []
+    real = lattice.nbest
+
+    def counting(lat, n, beam, skip=()):     # fits only at a quarter of the beam
+        sizes.append(beam)
+        return None if beam > search.LATTICE_BEAM / 4 else real(lat, n, beam, skip)
+    monkeypatch.setattr(lattice, "nbest", counting)
+    narrow, _, beam, _ = decoder.nbest(scores, 3)
+    assert sizes == [4.0, 2.0, 1.0] and beam == 1.0
+    assert narrow[0][1] == wide[0][1] and narrow[0][0] == pytest.approx(wide[0][0], abs=1e-4)
+    assert all(c <= narrow[0][0] + 1.0 for c, _ in narrow)
+    monkeypatch.setattr(lattice, "MAX_STATES", 1)
+    lat = decoder._lattice[(search.NBEST_BEAM, 4.0)].get_raw_lattice()[1]
+    assert real(lat, 3, 4.0) is None
+
+
+def test_a_lattice_search_that_lost_the_best_path_is_made_again_at_the_full_beam(tiny):
+    """At nbest_beam 0.5 the lattice search of a noisy utterance loses the best path (its
+    best comes out dearer): it is searched again at the best path's beam, and its best is
+    decode()'s; at nbest_beam = beam nothing is searched twice."""
+    rng = np.random.default_rng(5)
+    graph = search.Graph(tiny["chars"])
+    widened = 0
+    for _ in range(6):
+        scores = search.ctc_scores(np.log(rng.dirichlet(np.full(len(CHARS), 0.3), 14)), 1.0)
+        best = search.Decoder(graph).decode(scores)[0]
+        for nbest_beam in (0.5, search.BEAM):
+            ranked, _, _, widen = search.Decoder(graph, nbest_beam=nbest_beam).nbest(scores, 3)
+            assert ranked[0][1] == best and not (widen and nbest_beam == search.BEAM)
+            widened += widen
+    assert widened > 0
+
+
+def cheapest_path_writing(graph_dir, scores, words):
+    """An independent check of an n-best entry's cost: the best path of the graph restricted
+    to paths that write `words` (TLG composed with their linear acceptor), wide beam."""
+    import kaldi_decoder
+    import kaldifst as kf
+    graph = search.Graph(graph_dir)
+    tlg = graph.fst.copy()
+    kf.arcsort(tlg, sort_type="olabel")
+    restricted = kf.compose(tlg, kf.make_linear_acceptor(words))
+    kf.arcsort(restricted, sort_type="ilabel")
+    decoder = kaldi_decoder.FasterDecoder(
+        restricted, kaldi_decoder.FasterDecoderOptions(beam=1000.0, max_active=100000))
+    decoder.decode(kaldi_decoder.DecodableCtc(scores))
+    ok, path = decoder.get_best_path()
+    assert ok and decoder.reached_final()
+    ok, _, out, weight = kf.get_linear_symbol_sequence(path)
+    assert list(out) == list(words)
+    return weight.value1 + weight.value2
+
+
+def read_nbest(path):
+    """nbest.txt -> {utt: [(rank, score, words)]} in file order."""
+    lists = {}
+    for line in open(path):
+        key, sc, *words = line.split()
+        utt, rank = key.rsplit("-", 1)
+        lists.setdefault(utt, []).append((int(rank), float(sc), " ".join(words)))
+    return lists
+
+
+def test_decode_nbest_through_a_tlg(tiny, tmp_path, monkeypatch, capsys):
+    """`decode --graph TLG --nbest 4` on noisy stand-in posteriors: per utterance at most 4
+    distinct word sequences, ranked 1.., scores (minus costs) falling, the first hyp.txt's,
+    each score minus the cheapest path of the graph that writes it; a bare --nbest is 10;
+    with --tune the lists are the tuned scales'."""
+    from hpcsgd import model_io, outputs
+    meta = {"model": {"type": "ctc"}, "path": "stand-in",
+            "tokens": {"kind": "chars", "inventory_hash": archive.inventory_hash(CHARS),
+                       "symbols": CHARS}}
+    rng = np.random.default_rng(3)
+    noisy = {u: np.log(rng.dirichlet(np.full(len(CHARS), 0.3), 14)).astype(np.float32)
+             for u in TRAIN}
+    monkeypatch.setattr(model_io, "load_model", lambda *a, **k: (None, None, meta))
+    monkeypatch.setattr(model_io, "check_archive", lambda *a: None)
+    monkeypatch.setattr(outputs, "ctc_posteriors", lambda *a, **k: (list(noisy.items()), 0.01),
+                        raising=False)
+    graph = search.Graph(tiny["chars"])
+    for how, n in ((["--nbest", "4"], 4), (["--nbest"], recognize.NBEST),
+                   (["--nbest", "3", "--tune"], 3)):
+        out = str(tmp_path / f"nbest_{len(how)}")
+        assert cli.main(["decode", "stand-in", "--data", tiny["archive"], "--graph",
+                         tiny["chars"], *how, "--out", out]) == 0
+        printed = capsys.readouterr().out
+        assert f"nbest.txt: up to {n} hypotheses per utterance" in printed
+        assert "0 utterance(s) whose lattice's best differs from hyp.txt" in printed
+        result = json.load(open(os.path.join(out, "result.json")))
+        assert result["nbest"] == n and result["nbest_differ"] == 0
+        assert result["nbest_narrowed"] == {}
+        best = dict(line.rstrip("\n").partition(" ")[::2]
+                    for line in open(os.path.join(out, "hyp.txt")))
+        lists = read_nbest(os.path.join(out, "nbest.txt"))
+        assert set(lists) == set(best) == set(TRAIN)
+        for utt, entries in lists.items():
+            assert [r for r, _, _ in entries] == list(range(1, len(entries) + 1))
+            assert len(entries) <= n and len({w for _, _, w in entries}) == len(entries)
+            assert all(a[1] >= b[1] for a, b in zip(entries, entries[1:]))
+            assert entries[0][2] == best[utt]
+            if how == ["--nbest", "4"]:     # the scores are the graph's: minus path costs
+                scores = search.ctc_scores(noisy[utt], 1.0)
+                for _, sc, words in entries:
+                    ids = [graph.words.index(w) for w in words.split()]
+                    assert sc == pytest.approx(-cheapest_path_writing(tiny["chars"], scores,
+                                                                      ids), abs=2e-3)
+            # only sequences within the lattice beam of the best (their costs exact)
+            assert entries[0][1] - entries[-1][1] <= search.LATTICE_BEAM + 1e-3
+        # 14 noisy frames through a 5-word bigram: more than 4 sequences within the lattice
+        # beam of every utterance, not always 10
+        assert sum(len(e) for e in lists.values()) == n * len(TRAIN) if n <= 4 else \
+            4 * len(TRAIN) < sum(len(e) for e in lists.values()) <= n * len(TRAIN)
+    assert result["tuning"] is not None
+    # hyp.txt is the best path's with or without the lists
+    plain = str(tmp_path / "plain")
+    assert cli.main(["decode", "stand-in", "--data", tiny["archive"], "--graph", tiny["chars"],
+                     "--out", plain]) == 0
+    assert "nbest.txt" not in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(plain, "nbest.txt"))
+    assert open(os.path.join(plain, "hyp.txt")).read() == \
+        open(os.path.join(str(tmp_path / "nbest_2"), "hyp.txt")).read()
+    # what --nbest cannot mean is an error naming it
+    for bad, says in ((["--greedy", "--nbest"], "greedy search keeps one"),
+                      (["--graph", tiny["chars"], "--lattice-beam", "2"],
+                       "--lattice-beam: the lattice search of --nbest through a graph"),
+                      (["--greedy", "--nbest-beam", "6"],
+                       "--nbest-beam: the lattice search of --nbest through a graph"),
+                      (["--graph", tiny["chars"], "--nbest", "2", "--lattice-beam", "0"],
+                       "--lattice-beam 0: a cost above 0")):
+        assert cli.main(["decode", "stand-in", "--data", tiny["archive"], *bad]) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["decode", "stand-in", "--data", tiny["archive"], "--graph", tiny["chars"],
+                  "--nbest", "0"])
+    assert "0: give N >= 1 hypotheses per utterance" in capsys.readouterr().err
+    # an RNN-T's beam holds K hypotheses: no more can be listed
+    meta.update(model={"type": "rnnt"})
+    assert cli.main(["decode", "stand-in", "--data", tiny["archive"], "--beam-size", "2",
+                     "--nbest", "3"]) == 2
+    assert "final beam holds --beam-size 2 hypotheses" in capsys.readouterr().err
+
+
 STAND_IN = """
 import sys
 import numpy as np
@@ -555,8 +750,9 @@ def test_two_ranks_decode_disjoint_utterances_and_agree_with_one(tiny, tmp_path,
     monkeypatch.setattr(model_io, "check_archive", lambda *a: None)
     monkeypatch.setattr(outputs, "ctc_posteriors", lambda *a, **k: (list(saved.items()), 0.01),
                         raising=False)
-    for how in (["--greedy"], ["--graph", tiny["chars"]]):
-        outs = [str(tmp_path / f"{how[0][2:]}_{ranks}") for ranks in (1, 2)]
+    for k, how in enumerate((["--greedy"], ["--graph", tiny["chars"]],
+                             ["--graph", tiny["chars"], "--nbest", "3"])):
+        outs = [str(tmp_path / f"{how[0][2:]}{k}_{ranks}") for ranks in (1, 2)]
         assert cli.main(["decode", "stand-in", "--data", tiny["archive"], *how,
                          "--out", outs[0]]) == 0
         proc = run_mpi(2, ["-m", "mpi4py", script, data, "decode", "stand-in", "--data",
@@ -565,3 +761,6 @@ def test_two_ranks_decode_disjoint_utterances_and_agree_with_one(tiny, tmp_path,
         assert json.load(open(os.path.join(outs[1], "result.json")))["ranks"] == 2
         hyps = [open(os.path.join(out, "hyp.txt")).read() for out in outs]
         assert hyps[0] == hyps[1] and hyps[0].count("\n") == len(TRAIN)
+        if "--nbest" in how:    # the lists gathered from both ranks, the same as one rank's
+            lists = [open(os.path.join(out, "nbest.txt")).read() for out in outs]
+            assert lists[0] == lists[1] and lists[0].count("\n") == 3 * len(TRAIN)

@@ -2,7 +2,8 @@
 
     hpcsgd decode RUN_DIR|CHECKPOINT --data ARCHIVE --graph GRAPH_DIR [--text TEXT] [--tune]
     hpcsgd decode CTC_RUN_DIR --data ARCHIVE --greedy
-    hpcsgd decode RNNT_RUN_DIR --data ARCHIVE --greedy | --beam-size 4
+    hpcsgd decode RNNT_RUN_DIR --data ARCHIVE --greedy | --beam-size 4 [--nbest [N]]
+    hpcsgd decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR --nbest [N] [--lattice-beam 4]
     mpiexec -n 4 python -m mpi4py -m hpcsgd.cli decode RUN_DIR --data ARCHIVE --graph GRAPH_DIR
 
 A hybrid model's log-posteriors, minus the scaled log-prior (the training archive's label
@@ -27,7 +28,13 @@ hyp.txt and ref.txt (Kaldi `text`), per_utt.txt (ins del sub ref per utterance),
 models) also hyp.ctm: each output word's (a phone model's phone's) start and duration from
 the model's emissions (hpcsgd/decode/timestamps.py); --ref-ctm FILE reports how far the
 starts of the correctly recognised words are from a reference CTM's (median, 90th percentile).
+With --nbest [N] also nbest.txt: each utterance's N best distinct hypotheses, `utt-1 score
+words` best first (Kaldi's n-best keys), the score a log-score (higher is better): an RNN-T's
+from its final beam, a graph's from the lattice of a second search (Kaldi's
+LatticeSimpleDecoder, hpcsgd/decode/lattice.py), minus its total cost; hyp.txt stays the
+best path's.
 """
+import argparse
 import json
 import os
 import sys
@@ -94,9 +101,21 @@ def add_arguments(parser):
                         help="with shallow fusion: a reward added to every token extension "
                              "(--tune: tried from " + ",".join(map(str, recognize.TUNE_LM_BONUS))
                              + ")")
-    parser.add_argument("--nbest", action="store_true",
-                        help="RNN-T --beam-size K: also write OUT/nbest.txt, the K hypotheses "
-                             "of each utterance's final beam with their scores, best first")
+    parser.add_argument("--nbest", nargs="?", type=count, const=0, metavar="N",
+                        help="also write OUT/nbest.txt, each utterance's N best distinct "
+                             "hypotheses with their log-scores, best first: through a graph "
+                             "from its lattice (Kaldi's lattice-to-nbest; N default "
+                             f"{recognize.NBEST}), an RNN-T's from the final beam of its "
+                             "--beam-size K search (N <= K, default K)")
+    parser.add_argument("--lattice-beam", type=float, default=search.LATTICE_BEAM,
+                        help="--nbest through a graph: the lattice keeps the paths within this "
+                             "cost of the best (Kaldi's --lattice-beam; narrowed for an "
+                             "utterance whose lattice is too rich to determinize)")
+    parser.add_argument("--nbest-beam", type=float, default=search.NBEST_BEAM,
+                        help="--nbest through a graph: the lattice search's beam (it has no "
+                             "max-active: a word graph's costs >300x the best path's at 13, "
+                             "~15x at 8); an utterance whose lattice's best is dearer than "
+                             "the best path is searched again at --beam")
     parser.add_argument("--ctm", action="store_true",
                         help="CTC and RNN-T models: also write OUT/hyp.ctm, each word's (phone's) "
                              "start and duration from the emissions (greedy, the graph's best "
@@ -109,6 +128,14 @@ def add_arguments(parser):
                         help="hybrid sequence (LSTM) models: the training chunks, or whole "
                              "utterances")
     add_device_argument(parser)
+
+
+def count(text):
+    """--nbest N: a count of hypotheses, 1 or more (a bare --nbest is 0: the default)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give N >= 1 hypotheses per utterance")
+    return n
 
 
 def word_times(args, meta, graph, index, hyps, runs, tokens):
@@ -223,9 +250,22 @@ def decode(args, comm):
                             "weigh a graph search: greedy search has nothing to weigh (an "
                             "RNN-T's --beam-size with --lm-order or --lm tunes --lm-weight)")
         unit, scales = ("phones" if tokens["kind"] == "phones" else "words"), None
-    if args.nbest and not args.beam_size:
-        raise UserError("--nbest: the final beam of an RNN-T's --beam-size K search")
-    nbest = {} if args.nbest else None      # utt -> [(score, words)], best first
+    if args.nbest is not None and graph is None and not args.beam_size:
+        raise UserError("--nbest: the N best hypotheses of a search that keeps more than one: "
+                        "a graph's lattice (--graph) or an RNN-T's --beam-size K beam; "
+                        "greedy search keeps one")
+    if args.nbest and args.beam_size and args.nbest > args.beam_size:
+        raise UserError(f"--nbest {args.nbest}: an RNN-T's final beam holds --beam-size "
+                        f"{args.beam_size} hypotheses; give --beam-size {args.nbest} or more")
+    for name, value, default in (("--lattice-beam", args.lattice_beam, search.LATTICE_BEAM),
+                                 ("--nbest-beam", args.nbest_beam, search.NBEST_BEAM)):
+        if value != default and (args.nbest is None or graph is None):
+            raise UserError(f"{name}: the lattice search of --nbest through a graph")
+        if value <= 0:
+            raise UserError(f"{name} {value:g}: a cost above 0")
+    n_best = None if args.nbest is None else \
+        (args.nbest or args.beam_size or recognize.NBEST)    # a bare --nbest: the default
+    nbest = {} if n_best else None      # utt -> [(score, words)], best first
     lm = None
     if args.lm or args.lm_order:
         if not args.beam_size:
@@ -238,10 +278,15 @@ def decode(args, comm):
     priors = fam.priors(meta)   # a hybrid's label priors; None: searched as they are
     decoder = None if graph is None else \
         search.Decoder(graph, beam=args.beam, max_active=args.max_active,
-                       insertion_penalty=args.insertion_penalty)
+                       insertion_penalty=args.insertion_penalty, lattice_beam=args.lattice_beam,
+                       nbest_beam=args.nbest_beam)
 
     logposts, forward_s = recognize.posteriors(model, params, meta, args.data, rank, world, whole)
     table = held_out = lm_table = None
+    # --nbest through a graph: the lattice search's seconds, the 1-bests off hyp.txt, the
+    # utterances searched again at --beam
+    lattice_s = differ = widened = 0
+    narrowed = {}               # ... and the utterances whose lattice beam was narrowed
     penalty = args.insertion_penalty
     lm_weight, lm_bonus = args.lm_weight, args.lm_bonus
     if decoder is None:
@@ -252,6 +297,8 @@ def decode(args, comm):
             lm_weight, lm_bonus = lm_table[0][:2]
         hyps, search_s = fam.search(model, params, logposts, tokens, args.beam_size, lm=lm,
                                     lm_weight=lm_weight, bonus=lm_bonus, nbest=nbest, runs=runs)
+        if nbest is not None:     # the final beam holds K: the N best of them
+            nbest = {utt: ranked[:n_best] for utt, ranked in nbest.items()}
         not_final = 0
     else:
         if args.tune:
@@ -262,20 +309,29 @@ def decode(args, comm):
             decoder = decoder.with_penalty(penalty)
         hyps, not_final, search_s = recognize.recognize(decoder, logposts, priors, *scales, runs)
         not_final = len(not_final)
+        if nbest is not None:   # a second search, hyp.txt stays the best path's
+            nbest, narrowed, widened, lattice_s = recognize.nbest_lists(
+                decoder, logposts, priors, *scales, n_best)
+            widened = len(widened)
+            differ = sum(1 for utt, ranked in nbest.items()
+                         if not ranked or ranked[0][1] != hyps[utt])
     lengths = dict(recognize.utterance_frames(args.data))   # audio frames, not output rows
     frames = sum(lengths[utt] for utt, _ in logposts)
-    sums = np.array([frames, search_s, forward_s, not_final], np.float64)
+    sums = np.array([frames, search_s, forward_s, not_final, lattice_s, differ, widened],
+                    np.float64)
     from mpi4py import MPI
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)       # cross-rank sync point
-    gathered = comm.gather((hyps, runs, nbest), root=0)  # small: token lists
+    gathered = comm.gather((hyps, runs, nbest, narrowed), root=0)  # small: token lists
     if rank != 0:
         return 0
+    narrowed = {u: b for *_, part in gathered for u, b in part.items()}
 
-    hyps = {utt: words for part, _, _ in gathered for utt, words in part.items()}
-    runs = None if runs is None else {u: r for _, part, _ in gathered for u, r in part.items()}
-    nbest = None if nbest is None else {u: r for _, _, part in gathered for u, r in part.items()}
+    hyps = {utt: words for part, *_ in gathered for utt, words in part.items()}
+    runs = None if runs is None else {u: r for _, part, *_ in gathered for u, r in part.items()}
+    nbest = None if nbest is None else {u: r for _, _, part, _ in gathered
+                                        for u, r in part.items()}
     total, per_utt = recognize.error_counts(refs, hyps)
-    frames, search_s, forward_s, not_final = sums
+    frames, search_s, forward_s, not_final, lattice_s, differ, widened = sums
     audio_s = frames * index["frame_shift_ms"] / 1000.0
     name = "PER" if unit == "phones" else "WER"
     lines = []
@@ -337,6 +393,18 @@ def decode(args, comm):
                                      f"{timing['words']} {unit} recognised correctly: median "
                                      f"{timing['median_ms']:.0f} ms, 90th percentile "
                                      f"{timing['p90_ms']:.0f} ms, mean {timing['mean_ms']:.0f} ms"))
+    if nbest is not None:
+        held = sum(len(r) for r in nbest.values()) / max(len(nbest), 1)
+        line = f"nbest.txt: up to {n_best} hypotheses per utterance, {held:.1f} on average"
+        if graph is not None:
+            line += (f", from lattices (beam {decoder.nbest_beam:g}, lattice beam "
+                     f"{args.lattice_beam:g}): search {lattice_s:.2f} s (the best path's "
+                     f"{search_s:.2f} s); {int(widened)} searched again at beam "
+                     f"{args.beam:g} (the best path lost); {int(differ)} utterance(s) whose "
+                     f"lattice's best differs from hyp.txt; {len(narrowed)} too rich to "
+                     f"determinize, at a lattice beam down to "
+                     f"{min(narrowed.values(), default=args.lattice_beam):g}")
+        lines.append(line)
     finals = "" if graph is None else f"; {int(not_final)} ended in no final state"
     lines.append(f"{len(hyps)} utterances, {int(frames)} frames ({audio_s:.1f} s of audio) on "
                  f"{world} rank(s){finals}; {len(hyps) - len(per_utt)} without a reference "
@@ -359,6 +427,13 @@ def decode(args, comm):
               "insertion_penalty": penalty if graph is not None else None,
               "beam": args.beam if graph is not None else None,
               "max_active": args.max_active if graph is not None else None,
+              "nbest": n_best, "lattice_beam": args.lattice_beam
+              if graph is not None and n_best else None,
+              "nbest_beam": decoder.nbest_beam if graph is not None and n_best else None,
+              "nbest_seconds": lattice_s if graph is not None and n_best else None,
+              "nbest_differ": int(differ) if graph is not None and n_best else None,
+              "nbest_widened": int(widened) if graph is not None and n_best else None,
+              "nbest_narrowed": narrowed if graph is not None and n_best else None,
               "frames": int(frames), "audio_seconds": audio_s,
               "not_final": int(not_final), "no_reference": len(hyps) - len(per_utt),
               "oov_tokens": oov, "ci95": [low, high], "timing": timing,
@@ -387,7 +462,7 @@ def decode(args, comm):
         f"{utt} {c[0]} {c[1]} {c[2]} {c[3]}\n" for utt, c in sorted(per_utt.items())))
     if ctm is not None:
         archive.atomic_write_text(os.path.join(out, "hyp.ctm"), ctm)
-    if nbest is not None:     # Kaldi's n-best keys: utt-1 the best
+    if nbest is not None:     # Kaldi's n-best keys: utt-1 the best; a log-score, higher better
         archive.atomic_write_text(os.path.join(out, "nbest.txt"), "".join(
             f"{utt}-{i} {sc:.4f} {' '.join(words)}\n" for utt in sorted(nbest)
             for i, (sc, words) in enumerate(nbest[utt], 1)))

@@ -42,6 +42,9 @@ TUNE_LM_WEIGHT = (0.1, 0.2, 0.3, 0.5)
 # scored: without a reward fusion deletes; ESPnet's and Kannan et al.'s length bonus)
 LM_BONUS = 0.0
 TUNE_LM_BONUS = (0.0, 0.5, 1.0, 1.5, 2.0)
+# decode --nbest through a graph: hypotheses per utterance when no count is given (an RNN-T's
+# default is its beam size, all its final beam holds)
+NBEST = 10
 
 
 def add_search_arguments(parser):
@@ -157,6 +160,15 @@ def posteriors(model, params, meta, archive_dir, rank=0, world=1, whole=False):
                                               whole)
 
 
+def score_matrix(graph, logpost, log_priors, acoustic_scale, prior_scale):
+    """An utterance's model outputs -> the decoder's score matrix: a TLG's scaled
+    log-posteriors, an HLG's scaled log-likelihoods (hpcsgd/decode/search.py)."""
+    if graph.topology == "ctc":
+        return search.ctc_scores(logpost, acoustic_scale)
+    return search.scaled_loglikelihoods(logpost, log_priors, acoustic_scale, prior_scale,
+                                        graph.states)
+
+
 def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=None):
     """-> ({utt: hypothesis tokens}, [the utterances that ended in no final state], search
     CPU seconds of this thread). A TLG takes the log-posteriors times the acoustic scale
@@ -166,11 +178,7 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=N
     hyps, not_final = {}, []
     t0 = time.thread_time()
     for utt, logpost in logposts:
-        if graph.topology == "ctc":
-            scores = search.ctc_scores(logpost, acoustic_scale)
-        else:
-            scores = search.scaled_loglikelihoods(logpost, log_priors, acoustic_scale,
-                                                  prior_scale, graph.states)
+        scores = score_matrix(graph, logpost, log_priors, acoustic_scale, prior_scale)
         words, final, frame_tokens = decoder.decode(scores)
         if runs is not None:
             runs[utt] = timestamps.token_runs(frame_tokens)
@@ -181,6 +189,29 @@ def recognize(decoder, logposts, log_priors, acoustic_scale, prior_scale, runs=N
         if not final:
             not_final.append(utt)
     return hyps, not_final, time.thread_time() - t0
+
+
+def nbest_lists(decoder, logposts, log_priors, acoustic_scale, prior_scale, n):
+    """The n best distinct hypotheses of every utterance from its lattice (decoder.nbest) ->
+    ({utt: [(score, hypothesis tokens)] best first}, {utt: the lattice beam, where narrowed
+    from decoder.lattice_beam}, [the utterances searched again at the best path's beam],
+    search CPU seconds of this thread). The score is minus the path's total cost (graph +
+    acoustic), a log-score as the RNN-T beam's: higher is better. A phone graph's SIL is no
+    token, as in recognize(): hypotheses that differ only in their silences are one."""
+    graph = decoder.graph
+    sil = graph.words.index(mkgraph.SIL) if graph.kind == "phones" and \
+        mkgraph.SIL in graph.words else None
+    lists, narrowed, widened = {}, {}, []
+    t0 = time.thread_time()
+    for utt, logpost in logposts:
+        scores = score_matrix(graph, logpost, log_priors, acoustic_scale, prior_scale)
+        ranked, _, beam, widen = decoder.nbest(scores, n, skip=() if sil is None else (sil,))
+        lists[utt] = [(-cost, [graph.words[w] for w in words]) for cost, words in ranked]
+        if beam < decoder.lattice_beam:
+            narrowed[utt] = beam
+        if widen:
+            widened.append(utt)
+    return lists, narrowed, widened, time.thread_time() - t0
 
 
 def error_counts(refs, hyps):
