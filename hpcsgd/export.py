@@ -77,11 +77,12 @@ def add_arguments(parser):
     parser.add_argument("--streaming", action="store_true",
                         help="--onnx: a causal model (stack, lstm, dense, conv F k1) for "
                              "sherpa-onnx's online recognizer: graphs with the LSTM states in "
-                             "and out, global CMVN (docs/export.md)")
+                             "and out, the global CMVN (train it with data.cmvn_scope=global; "
+                             "docs/export.md)")
     parser.add_argument("--chunk-ms", type=float, default=None, metavar="MS",
                         help="--streaming: the frames sherpa-onnx feeds per encoder call, in "
-                             "ms: a multiple of 10 ms x the encoder's stride (default: 320 "
-                             "ms rounded up to one)")
+                             "ms: a multiple of 10 ms x the encoder's stride (default: the "
+                             "most such within 320 ms)")
 
 
 def export(path, out, bits, say=print):

@@ -98,10 +98,11 @@ def not_causal(model, meta_path):
 
 def chunk_frames(model, chunk_ms):
     """Frames per chunk: chunk_ms / 10, which must be a multiple of the encoder's stride;
-    None: 320 ms rounded up to one."""
+    None: the most of them within 320 ms (at least one stride), so that the default meets
+    the usual latency budget of a chunked streaming model."""
     stride = time_stride(model.describe["encoder"])
     if chunk_ms is None:
-        return -(-CHUNK_FRAMES // stride) * stride
+        return max(CHUNK_FRAMES // stride, 1) * stride
     frames = chunk_ms / FRAME_MS
     if frames != int(frames) or frames < 1 or int(frames) % stride:
         raise UserError(f"--chunk-ms {chunk_ms:g}: expected a multiple of {FRAME_MS * stride} "

@@ -142,7 +142,7 @@ def test_options_it_refuses_are_named(tmp_path):
     with pytest.raises(UserError, match="--chunk-ms 320: expected a multiple of 30 ms"):
         streaming.chunk_frames(model, 320)
     assert streaming.chunk_frames(model, 300) == 30
-    assert streaming.chunk_frames(model, None) == 33   # 320 ms rounded up to the stride
+    assert streaming.chunk_frames(model, None) == 30   # the most within 320 ms
     assert not os.path.exists(out)
 
 
@@ -330,7 +330,7 @@ def test_the_export_writes_what_sherpa_onnx_reads(exported):
     proto = onnx.load(os.path.join(out, f"{graph}.onnx"))
     props = {p.key: p.value for p in proto.metadata_props}
     names = [i.name for i in proto.graph.input]
-    assert props["T"] == props["decode_chunk_len"] == "33" and "streaming" in props
+    assert props["T"] == props["decode_chunk_len"] == "30" and "streaming" in props
     if kind == "rnnt":
         assert names == ["x", "h", "c"]
         assert [o.name for o in proto.graph.output] == ["encoder_out", "next_h", "next_c"]
@@ -344,4 +344,4 @@ def test_the_export_writes_what_sherpa_onnx_reads(exported):
         assert props["left_context_len"] == "1" and props["query_head_dims"] == "64"
         assert "OnlineZipformer2CtcModelConfig" in stdout
     assert open(os.path.join(out, "tokens.txt")).readline() == "<blk> 0\n"
-    assert "snip_edges=True" in stdout and "chunks of 33 frames (330 ms)" in stdout
+    assert "snip_edges=True" in stdout and "chunks of 30 frames (300 ms)" in stdout
