@@ -48,8 +48,8 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
                  stride-2 Convs padded by 1 with ReLU, (N, C, T/4, F/4) -> (N, T/4, F/4*C),
                  MatMul to D
   conformer ...  LayerNormalization, the macaron feed-forwards with swish, rotary attention
-                 (hpcsgd's float64-computed tables, ROPE_STEPS rows stored once: a longer
-                 utterance fails in the runtime) with the padding's keys masked, GLU, a
+                 (hpcsgd's tables, computed in the graph from T in float64 as hpcsgd
+                 computes them: no length limit) with the padding's keys masked, GLU, a
                  grouped Conv as the depthwise convolution over the masked steps, its layer
                  or instance norm, the final layer norm
   output         MatMul + bias, LogSoftmax over the tokens
@@ -76,7 +76,7 @@ from hpcsgd.errors import UserError
 from hpcsgd.families import of_model
 from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
-from hpcsgd.model.kernels_conformer import rope_tables
+from hpcsgd.model.kernels_conformer import rope_frequencies
 from hpcsgd.model.kernels_lstm import GATES
 from hpcsgd.model.kernels_norm import EPS
 from hpcsgd.model.layers import Dense
@@ -84,7 +84,6 @@ from hpcsgd.model.lstm import LSTM
 
 OPSET = 17       # LayerNormalization is 17; ONNX Runtime and sherpa-onnx's bundled one run it
 IR_VERSION = 8   # the IR of opset 17's release, so older runtimes load the file too
-ROPE_STEPS = 8192   # a Conformer's longest utterance: output steps (328 s at 40 ms a step)
 ONNX_GATES = [0, 3, 1, 2]   # hpcsgd's gate blocks i f g o, taken in ONNX's order i o f c
 # sherpa-onnx's FeatureExtractorConfig: the options its Python constructor takes, and the
 # defaults of those it does not (sherpa-onnx/csrc/features.h), which hpcsgd's must equal
@@ -99,7 +98,7 @@ class Graph:
         from onnx import helper, numpy_helper
         self.helper, self.numpy_helper = helper, numpy_helper
         self.nodes, self.inits, self.count = [], [], 0
-        self.cache = {}   # initializers shared by layers (the rotary tables)
+        self.cache = {}   # values shared by layers (the rotary tables of a head width and rate)
 
     def name(self, hint):
         self.count += 1
@@ -301,6 +300,24 @@ def rotary(g, x, cos, sin, half):
                            g.op("Add", [g.op("Mul", [b, cos]), g.op("Mul", [a, sin])])], axis=-1)
 
 
+def rope(g, t, dk):
+    """The rotary tables (cos, sin) (T, dk/2) float32 of the steps 0..T-1 (T the int64 scalar
+    t), computed in the graph as kernels_conformer.rope_tables computes them: the angles
+    t * f_i in float64 (the same products), their sine and cosine in float64, rounded once to
+    float32 (float32 angles would drift from hpcsgd's at long T). Nothing of T's size is
+    stored: any length runs. sherpa-onnx's runtime has Sin but no Cos for float64, so
+    cos a = 1 - 2 sin^2(a/2) (a/2 exact; within 1e-15 of cos a, far below float32's half step
+    except at a rounding midpoint: tests/test_export_onnx.py checks the tables equal)."""
+    pos = g.op("Cast", [g.op("Range", [g.const(np.int64(0)), t, g.const(np.int64(1))])], to=11)
+    angle = g.op("Mul", [g.op("Unsqueeze", [pos, g.const(np.array([1], np.int64))]),
+                         g.const(rope_frequencies(dk), f"rope_freq_{dk}")], hint="angle")
+    s = g.op("Sin", [g.op("Mul", [angle, g.const(np.float64(0.5))])])
+    cos = g.op("Sub", [g.const(np.float64(1.0)),
+                       g.op("Mul", [g.op("Mul", [s, s]), g.const(np.float64(2.0))])])
+    return (g.op("Cast", [cos], to=1, hint="rope_cos"),
+            g.op("Cast", [g.op("Sin", [angle])], to=1, hint="rope_sin"))
+
+
 def block(g, x, lens, layer, p):
     """A Conformer block (model/conformer.py): the macaron feed-forwards, rotary self-attention
     over each utterance's own steps (the padding's keys masked), the convolution module (GLU,
@@ -316,15 +333,9 @@ def block(g, x, lens, layer, p):
 
     x = ff(x, "ff1")
     qkv = linear(g, layer_norm(g, x, p, n("mhsa.ln")), p, n("mhsa.qkv"))
-    # the rotary tables of hpcsgd (float64 angles rounded once: kernels_conformer.rope_tables),
-    # ROPE_STEPS rows stored once per head width, the utterance's first T taken: float32
-    # angles would drift from them at long T, and sherpa-onnx's runtime has no float64 Cos
-    if ("rope", dk) not in g.cache:
-        cos, sin = rope_tables(ROPE_STEPS, dk, np.float32)
-        g.cache["rope", dk] = g.const(cos, f"rope_cos_{dk}"), g.const(sin, f"rope_sin_{dk}")
-    t = g.op("Unsqueeze", [steps(g, x), g.const(np.array([0], np.int64))])
-    cos, sin = (g.op("Slice", [table, g.const(np.array([0], np.int64)), t,
-                               g.const(np.array([0], np.int64))]) for table in g.cache["rope", dk])
+    if ("rope", dk, lens) not in g.cache:   # one pair per head width and rate
+        g.cache["rope", dk, lens] = rope(g, steps(g, x), dk)
+    cos, sin = g.cache["rope", dk, lens]
 
     def heads(part, rotate, scale):
         y = g.op("Slice", [qkv, g.const(np.array([part * d], np.int64)),

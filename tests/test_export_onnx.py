@@ -291,6 +291,120 @@ def test_sherpa_onnx_runs_a_conformer_graph(demo_tokens, tmp_path):
                               batch=True)
 
 
+def marker_model(g, ok, opset=export_onnx.OPSET, ir_version=export_onnx.IR_VERSION):
+    """A CTC graph for sherpa-onnx's zipformer CTC loader around the checks built in Graph g:
+    whatever the audio, every frame's best token is 1 ("yes") when every element of the
+    bool tensor `ok` is true, else 2 ("no")."""
+    from onnx import TensorProto, helper
+    okf = g.op("ReduceMin", [g.op("Cast", [ok], to=1)], keepdims=0)
+    row = g.op("Add", [g.op("Mul", [okf, g.const(np.array([0, 20, -20], np.float32))]),
+                       g.const(np.array([0, -10, 10], np.float32))])
+    shape = g.op("Concat", [g.op("Shape", ["x"], start=0, end=2),
+                            g.const(np.array([3], np.int64))], axis=0)
+    g.nodes.append(helper.make_node("LogSoftmax", [g.op("Expand", [row, shape])],
+                                    ["log_probs"], axis=-1))
+    g.nodes.append(helper.make_node("Identity", ["x_lens"], ["log_probs_len"]))
+    graph = helper.make_graph(
+        g.nodes, "marker", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T", 40]),
+                            helper.make_tensor_value_info("x_lens", TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("log_probs", TensorProto.FLOAT, ["N", "T", 3]),
+         helper.make_tensor_value_info("log_probs_len", TensorProto.INT64, ["N"])], g.inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    proto.ir_version = ir_version
+    helper.set_model_props(proto, {"model_type": "zipformer2_ctc", "vocab_size": "3",
+                                   "blank_id": "0", "subsampling_factor": "1"})
+    return proto
+
+
+def ort_marker(proto):
+    """What a marker_model says in onnxruntime: True for "yes"."""
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    lp, _ = sess.run(None, {"x": np.zeros((1, 5, 40), np.float32),
+                            "x_lens": np.array([5], np.int64)})
+    return int(lp[0, 0].argmax()) == 1
+
+
+def sherpa_marker(proto, out):
+    """What a marker_model says in sherpa-onnx's runtime (its bundled onnxruntime), from half a
+    second of noise: True for "yes"."""
+    import onnx
+    import sherpa_onnx
+    from sherpa_onnx.lib._sherpa_onnx import OfflineRecognizer
+    os.makedirs(out, exist_ok=True)
+    onnx.save(proto, os.path.join(out, "model.onnx"))
+    with open(os.path.join(out, "tokens.txt"), "w") as f:
+        f.write("<blk> 0\nyes 1\nno 2\n")
+    config = sherpa_onnx.OfflineRecognizerConfig(
+        feat_config=sherpa_onnx.FeatureExtractorConfig(sampling_rate=16000, feature_dim=40),
+        model_config=sherpa_onnx.OfflineModelConfig(
+            zipformer_ctc=sherpa_onnx.OfflineZipformerCtcModelConfig(
+                model=os.path.join(out, "model.onnx")),
+            tokens=os.path.join(out, "tokens.txt"), num_threads=1),
+        decoding_method="greedy_search")
+    recognizer = OfflineRecognizer(config)
+    stream = recognizer.create_stream()
+    stream.accept_waveform(16000, np.random.default_rng(0).uniform(-0.1, 0.1, 8000)
+                           .astype(np.float32))
+    recognizer.decode_stream(stream)
+    assert stream.result.text.split() in (["yes"], ["no"])
+    return stream.result.text.split() == ["yes"]
+
+
+def rope_graph(steps, dk, expect):
+    """A marker_model: the graph's rotary tables (export_onnx.rope) for `steps` steps equal
+    `expect` (cos, sin) element for element."""
+    g = export_onnx.Graph()
+    cos, sin = export_onnx.rope(g, g.const(np.int64(steps)), dk)
+    ok = g.op("And", [g.op("Equal", [cos, g.const(expect[0])]),
+                      g.op("Equal", [sin, g.const(expect[1])])])
+    return marker_model(g, ok)
+
+
+@pytest.mark.parametrize("dk", [4, 8, 36, 64])
+def test_the_graph_computes_hpcsgd_rotary_tables(dk):
+    """The rotary tables the graph computes from T (float64 angles, Sin and 1 - 2 sin^2(a/2),
+    rounded once to float32) equal kernels_conformer.rope_tables element for element for
+    T = 8192 (so every shorter length: a prefix), and for T = 30000 (no cap), in
+    onnxruntime."""
+    from hpcsgd.model.kernels_conformer import rope_tables
+    for steps in (8192, 30000):
+        g = export_onnx.Graph()
+        cos, sin = export_onnx.rope(g, g.const(np.int64(steps)), dk)
+        proto = helper_model(g, [cos, sin])
+        sess = ort.InferenceSession(proto.SerializeToString(),
+                                    providers=["CPUExecutionProvider"])
+        got = sess.run(None, {})
+        for a, b in zip(got, rope_tables(steps, dk, np.float32)):
+            assert a.dtype == np.float32 and a.shape == b.shape == (steps, dk // 2)
+            assert np.array_equal(a, b), (steps, int((a != b).sum()))
+
+
+def helper_model(g, outputs):
+    """Graph g as a model of no inputs and the float32 `outputs`."""
+    from onnx import TensorProto, helper
+    graph = helper.make_graph(g.nodes, "g", [], [
+        helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], g.inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", export_onnx.OPSET)])
+    proto.ir_version = export_onnx.IR_VERSION
+    return proto
+
+
+def test_sherpa_onnx_runtime_computes_the_rotary_tables():
+    """sherpa-onnx's bundled onnxruntime (it has float64 Sin, not Cos) computes the same
+    tables: equal to rope_tables (dk 36, so762's Conformer's, T = 8192); a table one ulp off
+    in one element is told apart."""
+    pytest.importorskip("sherpa_onnx")
+    import tempfile
+    from hpcsgd.model.kernels_conformer import rope_tables
+    cos, sin = rope_tables(8192, 36, np.float32)
+    off = sin.copy()
+    off[5000, 3] = np.nextafter(off[5000, 3], np.float32(np.inf))
+    with tempfile.TemporaryDirectory() as tmp:
+        assert ort_marker(rope_graph(8192, 36, (cos, sin)))
+        assert sherpa_marker(rope_graph(8192, 36, (cos, sin)), os.path.join(tmp, "equal"))
+        assert not sherpa_marker(rope_graph(8192, 36, (cos, off)), os.path.join(tmp, "off"))
+
+
 def test_the_export_writes_what_sherpa_onnx_reads(exported):
     """tokens.txt is the model's inventory with <blk> at 0; the graph's inputs, outputs and
     metadata are the zipformer CTC loader's, and the feature options are recorded."""

@@ -203,12 +203,15 @@ def depthwise_backward(x, dy, w, dx, gw, gb, nb, lengths, left, partial):
 # attention: to and from head-major blocks (with the rotary embedding), the masked softmax
 
 
+def rope_frequencies(dk):
+    """The rotary angles' frequencies ROPE_BASE^(-2i/dk), i < dk // 2, in float64."""
+    return ROPE_BASE ** (-np.arange(dk // 2, dtype=np.float64) * 2.0 / dk)
+
+
 def rope_tables(steps, dk, dtype):
     """(cos, sin) (steps, dk // 2) of the rotary angles t * ROPE_BASE^(-2i/dk), computed in
-    float64 and rounded once to dtype."""
-    half = dk // 2
-    inv = ROPE_BASE ** (-np.arange(half, dtype=np.float64) * 2.0 / dk)
-    angle = np.arange(steps, dtype=np.float64)[:, None] * inv[None, :]
+    float64 and rounded once to dtype (the ONNX export computes them so in its graph)."""
+    angle = np.arange(steps, dtype=np.float64)[:, None] * rope_frequencies(dk)[None, :]
     return np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
 
 
