@@ -1,6 +1,6 @@
 """Integer ONNX exports of quantization-aware CTC models against their float model
 (docs/export.md, "Integer exports"): for each run, its `hpcsgd export --onnx` graph (INT8 QDQ
-or INT4 MatMulNBits for a QAT run, float32 otherwise), with on a held-out archive
+or INT4 int4-code DequantizeLinear for a QAT run, float32 otherwise), with on a held-out archive
 
   - hpcsgd's greedy error rate with per-speaker CMVN (`hpcsgd decode --greedy`) and its time;
   - hpcsgd's fake-quantized forward on the features normalised as the graph normalises them
@@ -19,9 +19,9 @@ the samples for sherpa-onnx, whose time includes its fbank), one utterance at a 
 systems take turns on each utterance, PASSES times, and each utterance's fastest time counts
 (the machine is shared: a burst of load hits every system alike). hpcsgd's pass is the
 Network's forward on one utterance (what `hpcsgd decode --greedy` runs, there on batches of
-utterances). An INT4 graph is also run with MatMulNBits' accuracy_level 4 (its activations
-requantized to int8 per block inside the op, int8 products: not hpcsgd's arithmetic), and
-exported with --onnx-int8 (its 4-bit codes as int8 QDQ: onnxruntime's integer GEMM).
+utterances). An INT4 run is also exported with --onnx-int8 (its 4-bit codes as int8 QDQ:
+onnxruntime's integer GEMM). ONNX_INT_PASSES=0 in the environment: the accuracy and sizes
+only, no timing passes.
 """
 import os
 import sys
@@ -37,7 +37,7 @@ from hpcsgd.model_io import load_model
 from hpcsgd.outputs import ctc_outputs
 from onnx_cmvn import raw_utterances   # experiments/, beside this script
 
-PASSES = 3
+PASSES = int(os.environ.get("ONNX_INT_PASSES", 3))
 
 
 def per(refs, hyps, name):
@@ -74,18 +74,6 @@ def ort_session(model_file):
     return ort.InferenceSession(model_file, so, providers=["CPUExecutionProvider"])
 
 
-def accuracy_level(model_file, level):
-    """A copy of the graph with every MatMulNBits at accuracy_level `level`."""
-    import onnx
-    proto = onnx.load(model_file)
-    for node in proto.graph.node:
-        if node.op_type == "MatMulNBits":
-            node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
-    path = model_file.replace(".onnx", f"_acc{level}.onnx")
-    onnx.save(proto, path)
-    return path
-
-
 def main(out_root, cv, train, data_dir, *runs):
     greedy = family("ctc").search
     feats = list(raw_utterances(cv))
@@ -117,8 +105,7 @@ def main(out_root, cv, train, data_dir, *runs):
                  f"   hpcsgd, the graph's global CMVN: {per(refs, same_norm, label)}"]
         timed.append((f"{name} hpcsgd forward", hpcsgd_run))
         graphs = [("onnxruntime", done["model"])]
-        if b"MatMulNBits" in open(done["model"], "rb").read():
-            graphs.append(("onnxruntime accuracy_level 4", accuracy_level(done["model"], 4)))
+        if done["quantization"].startswith("INT4"):
             as_int8 = write_onnx(run, os.path.join(out_root, name + "_as_int8"), train,
                                          int8=True)["model"]
             lines.append(f"   --onnx-int8: model.onnx {os.path.getsize(as_int8):,} bytes")
@@ -139,6 +126,8 @@ def main(out_root, cv, train, data_dir, *runs):
         lines.append(f"   sherpa-onnx: {per(refs, hyps, label)}, {differ(hyps)} differ")
         timed.append((f"{name} sherpa-onnx", sherpa_run))
         print("\n".join(lines), flush=True)
+    if not PASSES:
+        return
     audio_s = sum(len(f) for _, f in feats) * 0.01
     clip_s = sum(len(samples) / rate for samples, rate in clips.values())
     best = np.full((len(timed), len(utts)), np.inf)

@@ -68,7 +68,7 @@ def add_arguments(parser):
     parser.add_argument("--onnx-int8", action="store_true",
                         help="--onnx of a quantization-aware model with weights of 4 bits or "
                              "fewer: their codes as int8 QDQ (onnxruntime's integer GEMM) "
-                             "instead of MatMulNBits (smaller, slower; docs/export.md)")
+                             "instead of int4 (smaller, slower; docs/export.md)")
     parser.add_argument("--cmvn", choices=("global", "utterance"), default=None,
                         help="--onnx: normalise with the training archive's summed "
                              "statistics, or each utterance with its own (default: as the "
@@ -167,7 +167,7 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
     archive); "utterance": each utterance with its own (the archive then gives only the
     feature options); None: as the model trained (speaker scope: global). int8: a
     quantization-aware model's weights of 4 bits or fewer as int8 codes behind
-    DequantizeLinear (onnxruntime's integer GEMM) instead of MatMulNBits
+    DequantizeLinear (onnxruntime's integer GEMM) instead of int4 codes
     (export_onnx_int.py). streaming: graphs with the LSTM states in and out for sherpa-onnx's
     online recognizer, chunks of chunk_ms (export_onnx_streaming.write). Returns {"model"
     (RNN-T: "encoder", "decoder", "joiner"), "tokens", "options", "code", "cmvn",

@@ -7,7 +7,8 @@ to hpcsgd/export_onnx_streaming.py.
     hpcsgd export runs/demo/ctc --onnx runs/demo/ctc_onnx [--cmvn global|utterance]
                                                           [--stats TRAIN_ARCHIVE]
 
-OUT_DIR/model.onnx   the graph (opset 17), float32 weights (a QAT model's: integers, below).
+OUT_DIR/model.onnx   the graph (opset 17; INT4: 21), float32 weights (a QAT model's: integers,
+                     below).
                      Inputs and outputs are those of icefall's zipformer CTC export,
                      which sherpa-onnx's zipformer_ctc loader reads
                      (sherpa-onnx/csrc/offline-zipformer-ctc-model.cc):
@@ -60,8 +61,8 @@ Not exported yet (refused with the model named): hybrid frame classifiers (they 
 decoding graph and priors, not a CTC search), quantization-aware RNN-T models.
 
 A quantization-aware CTC model (docs/qat.md) gets its integer graph: the same builders, with
-the Graph's hooks (gemm_input, weight, matmul) taken over by hpcsgd/export_onnx_int.py's
-IntGraph (INT8 QDQ or INT4 MatMulNBits, the grids it trained on; the models without an exact
+the Graph's hooks (gemm_input, weight) taken over by hpcsgd/export_onnx_int.py's
+IntGraph (INT8 QDQ or INT4 DequantizeLinear, the grids it trained on; the models without an exact
 integer form refused there, named).
 """
 import os
@@ -120,6 +121,7 @@ class Graph:
     # model/quantize.py: a layer's index, or "{layer}.{part}" inside a layer) and a weight
     # matrix (its integer codes). The float graph takes both as they are.
     domains = ()   # operator sets beside ONNX's that the graph's nodes use
+    opset, ir_version = OPSET, IR_VERSION   # an INT4 graph's: 21, 10 (4-bit tensors)
 
     def gemm_input(self, x, key):
         return x
@@ -208,11 +210,14 @@ def stack(g, x, lens, layer):
                 hint="stacked"), strided(g, lens, k)
 
 
-def conv(g, x, lens, layer, p, act):
-    """A centred 1-D convolution (model/conv.py), its norm and activation."""
+def conv(g, x, lens, layer, p, act, key=None):
+    """A centred 1-D convolution (model/conv.py), its norm and activation; its input quantized
+    as the GEMM input `key` after the Transpose to (N, C, T) (the same values: onnxruntime's
+    QDQ propagation of a DequantizeLinear through a Transpose writes an invalid opset-21
+    QuantizeLinear)."""
     k, c, f, d = layer.kernel, layer.n_in, layer.n_out, layer.dilation
     w = g.weight(p, layer.W, lambda a: a.reshape(k, c, f).transpose(2, 1, 0), axis=0)
-    inputs = [g.op("Transpose", [x], perm=[0, 2, 1]), w]
+    inputs = [g.gemm_input(g.op("Transpose", [x], perm=[0, 2, 1]), key), w]
     if not layer.norm:
         inputs.append(g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b))
     z = g.op("Conv", inputs, kernel_shape=[k], strides=[layer.stride], dilations=[d],
@@ -249,11 +254,12 @@ def lstm(g, x, lens, layer, p):
     return g.op("Reshape", [y, g.const(np.array([0, 0, dirs * h], np.int64))]), lens
 
 
-def frontend(g, x, lens, layer, p):
+def frontend(g, x, lens, layer, p, key=None):
     """The Conformer's Conv2d subsampling (model/conformer.py): the features as a one-channel
     (time, frequency) image, two 3x3 stride-2 convolutions padded by 1 with ReLU (unfold2d's
     taps: W (9*Cin, C) -> (C, Cin, 3, 3)), the first's output zeroed past each utterance's
-    steps, then (N, C, T/4, F/4) -> (N, T/4, F/4*C) and the linear map."""
+    steps, then (N, C, T/4, F/4) -> (N, T/4, F/4*C) and the linear map. The image quantized
+    as the GEMM input `key` after the Unsqueeze (as conv() quantizes after its Transpose)."""
     n, c = layer.name, layer.channels
 
     def conv2d(x, part, c_in):
@@ -263,7 +269,8 @@ def frontend(g, x, lens, layer, p):
                  kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
         return g.op("Relu", [y])
 
-    image = g.op("Unsqueeze", [x, g.const(np.array([1], np.int64))])   # (N, 1, T, F)
+    image = g.gemm_input(g.op("Unsqueeze", [x, g.const(np.array([1], np.int64))]),
+                         key)   # (N, 1, T, F)
     a1 = conv2d(image, "conv1", 1)
     mid = strided(g, lens, 2)
     a1 = g.op("Mul", [a1, valid(g, a1, mid, time=2, axes=[1, 3])])
@@ -361,7 +368,7 @@ def block(g, x, lens, layer, p):
                            g.const(np.array([-1], np.int64))]) for a, b in ((0, d), (d, 2 * d))]
     u = masked(g, g.op("Mul", [half[0], g.op("Sigmoid", [half[1]])]), lens)
     w = g.weight(p, n("conv.dw.w"), lambda a: a.T.reshape(d, 1, layer.kernel), axis=0)
-    c = g.op("Conv", [g.op("Transpose", [g.gemm_input(u, n("conv.dw"))], perm=[0, 2, 1]), w,
+    c = g.op("Conv", [g.gemm_input(g.op("Transpose", [u], perm=[0, 2, 1]), n("conv.dw")), w,
                       g.const(p[n("conv.dw.b")].reshape(-1).astype(np.float32))],
              kernel_shape=[layer.kernel], group=d,
              pads=[layer.left, layer.kernel - 1 - layer.left])
@@ -420,15 +427,16 @@ def encoder(g, model, p, mean=None, inv_std=None, utterance=None):
     lens = "x_lens"
     x = normalize(g, "x", lens, mean, inv_std, utterance)
     for i, layer in enumerate(model.layers[:-1]):
-        x = g.gemm_input(x, i)
+        if not isinstance(layer, (Conv1d, Conv2dSubsampling)):   # those quantize their
+            x = g.gemm_input(x, i)                                 # own reshaped input
         if isinstance(layer, StackFrames):
             x, lens = stack(g, x, lens, layer)
         elif isinstance(layer, Conv1d):
-            x, lens = conv(g, x, lens, layer, p, act)
+            x, lens = conv(g, x, lens, layer, p, act, i)
         elif isinstance(layer, LSTM):
             x, lens = lstm(g, x, lens, layer, p)
         elif isinstance(layer, Conv2dSubsampling):
-            x, lens = frontend(g, x, lens, layer, p)
+            x, lens = frontend(g, x, lens, layer, p, i)
         elif isinstance(layer, ConformerBlock):
             x, lens = block(g, x, lens, layer, p)
         else:
@@ -462,9 +470,9 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
          helper.make_tensor_value_info("log_probs_len", TensorProto.INT64, ["N"])],
         g.inits)
     proto = helper.make_model(graph_, producer_name="hpcsgd",
-                              opset_imports=[helper.make_opsetid("", OPSET)]
+                              opset_imports=[helper.make_opsetid("", g.opset)]
                               + [helper.make_opsetid(d, 1) for d in g.domains])
-    proto.ir_version = IR_VERSION
+    proto.ir_version = g.ir_version
     onnx.checker.check_model(proto)
     return proto
 

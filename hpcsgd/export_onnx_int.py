@@ -12,16 +12,23 @@ description (no option: the graph is the model that was trained):
                         a Conv whose output is not quantized (hpcsgd quantizes it only after
                         its bias, ReLU and mask, as the next GEMM's input) stays a float Conv
                         on the dequantized values.
-  qat.weight_bits 2..4  INT4: every quantized MatMul weight as com.microsoft MatMulNBits
-                        (bits 4: k + 8 in [1, 15], two per byte, the first in the low nibble;
-                        the default zero point 8; block_size the power of two in 16..256 that
-                        packs the matrix smallest, K padded with the zero point to whole
-                        blocks; the block scales all the output unit's step, hpcsgd having one
-                        per tensor or per unit). MatMulNBits takes float activations: the
-                        input's fake quantization is the same Q/DQ pair, its output float
-                        (the default accuracy_level: float products, exactly hpcsgd's on the
-                        grid's values). Conv weights stay int8 codes behind a
-                        DequantizeLinear (opset 17 has no 4-bit tensor type).
+  qat.weight_bits 2..4  INT4: every quantized weight (MatMul and Conv) as ONNX int4 codes k
+                        (two per byte, the first in the low nibble) behind an opset-21
+                        DequantizeLinear with hpcsgd's step (one, or one float32 per output
+                        unit: axis), its output through a Reshape to its own shape into the
+                        float MatMul or Conv. The graph is opset 21 (IR 10: the first with
+                        4-bit tensors). The Reshape: onnxruntime (1.32, and sherpa-onnx's
+                        bundled one) fuses DequantizeLinear(int4) -> MatMul into MatMulNBits at
+                        the session's default accuracy_level 4, its inputs requantized to int8
+                        per block: not hpcsgd's arithmetic, and sherpa-onnx does not set that
+                        option; with the Reshape between them the MatMul takes the dequantized
+                        weights s * k in float32, hpcsgd's fake-quantized values exactly, and
+                        the runtime dequantizes them at each run. Why not MatMulNBits: one
+                        float32 scale per block of 16..256 weights (K padded to whole blocks)
+                        where hpcsgd has one a unit: 100 bytes a column of K=144 against 76.
+                        The GEMM inputs: the same int8 Q/DQ pair (a Conv's after the
+                        Transpose or Unsqueeze in front of it: onnxruntime's QDQ propagation
+                        through those writes an invalid opset-21 QuantizeLinear).
                         --onnx-int8: the INT8 form instead (the codes in int8: the integer
                         GEMM's speed, the INT8 file's size).
 
@@ -54,8 +61,8 @@ from hpcsgd.export_onnx import Graph
 from hpcsgd.model.lstm import LSTM
 from hpcsgd.model.quantize import affine_grid, codes_of
 
-NBITS_DOMAIN = "com.microsoft"
-NBITS_BLOCKS = (16, 32, 64, 128, 256)   # the block sizes onnxruntime's MatMulNBits kernels take
+INT4_OPSET = 21      # DequantizeLinear of int4 tensors
+INT4_IR_VERSION = 10  # the IR that has them
 
 
 def refusal(model, meta_path):
@@ -101,7 +108,8 @@ class IntGraph(Graph):
         quant = model.quant
         quant.quantize_weights(params, model.wq, model.ops)
         self.nbits = nbits and quant.w_rule != "none" and quant.w_bits <= 4
-        self.domains = (NBITS_DOMAIN,) if self.nbits else ()
+        if self.nbits:
+            self.opset, self.ir_version = INT4_OPSET, INT4_IR_VERSION
         self.codes = {}   # weight name -> (int8 codes (K, N), step: scalar or per column)
         if quant.w_rule != "none":
             for w in quant.weights:
@@ -119,7 +127,7 @@ class IntGraph(Graph):
         self.zero_points = {key: zero_point(grid, f"the input of layer {key}"
                                             if isinstance(key, int) else f"GEMM input {key}")
                             for key, grid in self.grids.items()}
-        self.counts = {"weights_int8": 0, "weights_nbits": 0, "inputs": 0}
+        self.counts = {"weights_int8": 0, "weights_int4": 0, "inputs": 0}
 
     def gemm_input(self, x, key):
         """x on the grid of the GEMM input `key`: s * clip(rint(x * inv), klo, khi), the
@@ -140,49 +148,46 @@ class IntGraph(Graph):
             return super().weight(p, name, layout, axis)
         codes, step = self.codes[name]
         codes = np.ascontiguousarray(codes if layout is None else layout(codes), np.int8)
-        self.counts["weights_int8"] += 1
         attrs = {"axis": axis} if step.ndim else {}
-        return self.op("DequantizeLinear", [self.const(codes, name + "_codes"),
-                                            self.const(step, name + "_step"),
-                                            self.const(np.zeros(step.shape, np.int8), "zp")],
-                       hint=name, **attrs)
-
-    def matmul(self, x, p, name):
-        if not (self.nbits and name in self.codes):
-            return super().matmul(x, p, name)
-        codes, step = self.codes[name]
-        k, n = codes.shape
-        block, packed = nbits_pack(codes)
-        blocks = packed.shape[1]
-        scales = np.repeat(np.broadcast_to(step, (n,)).astype(np.float32), blocks)
-        self.counts["weights_nbits"] += 1
-        return self.op("MatMulNBits", [x, self.const(packed, name + "_nbits"),
-                                       self.const(scales, name + "_scales")],
-                       domain=NBITS_DOMAIN, K=k, N=n, bits=4, block_size=block,
-                       hint="matmulnbits")
+        if not self.nbits:
+            self.counts["weights_int8"] += 1
+            return self.op("DequantizeLinear", [self.const(codes, name + "_codes"),
+                                                self.const(step, name + "_step"),
+                                                self.const(np.zeros(step.shape, np.int8), "zp")],
+                           hint=name, **attrs)
+        self.counts["weights_int4"] += 1
+        return int4_weight(self, codes, step, name, axis)
 
 
-def nbits_pack(codes):
-    """(block_size, B) of MatMulNBits for int8 codes (K, N) in [-7, 7]: B (N, blocks,
-    block_size / 2) uint8 holding k + 8 of column n's K values, two per byte (the first in the
-    low nibble), K padded to whole blocks with 8 (the zero point: a zero weight); the block
-    size of the fewest bytes with one float32 scale a block."""
-    k, n = codes.shape
-    if codes.size and (codes.min() < -7 or codes.max() > 7):
-        raise UserError(f"weight codes in [{codes.min()}, {codes.max()}]: MatMulNBits' 4 bits "
-                        f"hold [-7, 7]")
-    size = lambda b: -(-k // b) * (b // 2 + 4)   # noqa: E731  bytes a column
-    block = min(NBITS_BLOCKS, key=lambda b: (size(b), b))
-    blocks = -(-k // block)
-    q = np.full((n, blocks * block), 8, np.uint8)
-    q[:, :k] = (codes.T.astype(np.int16) + 8).astype(np.uint8)
-    q = q.reshape(n, blocks, block)
-    return block, np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4), np.uint8)
+def int4_weight(g, codes, step, name, axis=1):
+    """s * k in float32 in graph g: the int8 codes k as an int4 initializer behind a
+    DequantizeLinear (no zero point: 0) with step s (a scalar, or one per index of `axis`),
+    then a Reshape to its own shape, which keeps onnxruntime from fusing it into a MatMul as
+    MatMulNBits at accuracy_level 4 (the module docstring)."""
+    g.inits.append(int4_tensor(codes, g.name(name + "_int4")))
+    attrs = {"axis": axis} if np.ndim(step) else {}
+    w = g.op("DequantizeLinear", [g.inits[-1].name, g.const(step, name + "_step")],
+             hint=name, **attrs)
+    return g.op("Reshape", [w, g.const(np.array(codes.shape, np.int64), "shape")], hint=name)
+
+
+def int4_tensor(codes, name):
+    """An ONNX int4 TensorProto of int8 codes in [-8, 7]: two's complement nibbles, two per
+    byte, the first in the low nibble (the ONNX spec's packing), an odd count's last high
+    nibble 0."""
+    from onnx import TensorProto, helper
+    if codes.size and (codes.min() < -8 or codes.max() > 7):
+        raise UserError(f"weight codes in [{codes.min()}, {codes.max()}]: int4 holds [-8, 7]")
+    flat = (codes.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    packed = flat[0::2] | (flat[1::2] << 4)
+    return helper.make_tensor(name, TensorProto.INT4, codes.shape, packed.tobytes(), raw=True)
 
 
 def describe(g, quant):
     """One line for the model's metadata: what is integer in the graph."""
-    kind = (f"INT4 weights as MatMulNBits ({g.counts['weights_nbits']} MatMuls)" if g.nbits
-            else f"INT8 weights ({g.counts['weights_int8']} DequantizeLinear)")
+    kind = (f"INT4 weights ({g.counts['weights_int4']} DequantizeLinear of int4 codes)"
+            if g.nbits else f"INT8 weights ({g.counts['weights_int8']} DequantizeLinear)")
     return (f"{kind}; {g.counts['inputs']} GEMM inputs on {quant.a_bits}-bit grids through "
             f"QuantizeLinear/DequantizeLinear (qat {quant.qat})")

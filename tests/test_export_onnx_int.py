@@ -1,9 +1,10 @@
 """`hpcsgd export --onnx` of quantization-aware CTC models (hpcsgd/export_onnx_int.py): the
 integer graph's log-posteriors against hpcsgd's fake-quantized forward (eval mode) within the
 float32 bound of the last GEMM, for INT8 (QDQ, fused by onnxruntime into MatMulIntegerToFloat)
-and INT4 (MatMulNBits) conv/dense and Conformer encoders, untrained and trained on the demo
-corpus; sherpa-onnx decoding the INT8 exports from the audio as hpcsgd decodes the features;
-the models it refuses, named.
+and INT4 (int4 codes behind DequantizeLinear, float MatMul and Conv) conv/dense and Conformer
+encoders, untrained and trained on the demo corpus, and the INT4 file's size from its counts;
+sherpa-onnx decoding the exports from the audio as hpcsgd decodes the features, and its
+runtime computing the INT4 products exactly; the models it refuses, named.
 
 The bound. Every GEMM input is quantized by the graph exactly as by hpcsgd (the same float32
 product x * (1/s), round half to even, the same clamp), so wherever a quantizer's float input
@@ -13,7 +14,7 @@ fell on a rounding boundary and float32 rounding tipped it (a flip). Without a f
 log-posteriors differ only by the last GEMM, its bias and the log-softmax:
   z_j = sum_k a_k w_kj + b_j: hpcsgd's float32 sum errs by at most gamma_K sum_k |a_k w_kj|
   (gamma_K = K u / (1 - K u), u = 2^-24), onnxruntime's integer sum is exact then scaled by
-  s_a s_w (2 roundings; MatMulNBits' float sum: gamma_K again), the bias one rounding each:
+  s_a s_w (2 roundings; INT4's float MatMul of s * k: gamma_K again), the bias one rounding each:
       |dz_j| <= e_j = (2 gamma_K + 3u) (sum_k |a_k w_kj| + |b_j|)
   log_softmax_j = z_j - log sum_i exp z_i moves by |dz_j| + max_i |dz_i|, plus each side's
   own rounding of the log-sum-exp ((V + 2) u + u max|z|) and of the subtraction (u |lp_j|).
@@ -96,7 +97,10 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     log(1e-10)), an untrained QAT model: the graph's log-posteriors are hpcsgd's eval-mode
     forward's within the bound, every frame; the graph holds the integer ops, and
     onnxruntime's optimised graph runs MatMulIntegerToFloat (INT8, and INT4 with
-    --onnx-int8) or MatMulNBits (INT4) for every MatMul with a quantized weight."""
+    --onnx-int8) for every MatMul with a quantized weight, or (INT4) a float MatMul of the
+    dequantized int4 codes, never MatMulNBits (its default accuracy_level 4 would requantize
+    the inputs); the INT4 file's initializers are the nibbles, a step per unit and the float
+    graph's remainder."""
     encoder, q, nbits = CASES[case]
     describe = {"type": "ctc", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
                 "activation": "relu", "qat": q}
@@ -117,27 +121,78 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     matmuls = sum(n.op_type == "MatMul" and n.input[1] in weights for n in floats.node)
     in_file = collections.Counter(n.op_type for n in proto.graph.node)
     ran = optimized_ops(proto, tmp_path)
+    assert in_file["QuantizeLinear"] == len(g.grids) and not ran["MatMulNBits"]
+    # what stays float: a Conformer block's attention products Q K^T and P V (and at INT4
+    # every weight's MatMul, on the dequantized codes)
+    attention = 2 * (len(encoder) - 1) if "conformer" in case else 0
     if q["weight_bits"] == 4 and nbits:
-        assert in_file["MatMulNBits"] == ran["MatMulNBits"] == matmuls
+        assert proto.opset_import[0].version == 21 and proto.ir_version == 10
+        assert not ran["MatMulIntegerToFloat"]
+        assert ran["MatMul"] + ran["FusedMatMul"] == matmuls + attention
+        assert_int4_size(proto, floats, g)
     else:
-        assert in_file["QuantizeLinear"] == len(g.grids)
-        assert ran["MatMulIntegerToFloat"] == matmuls and not in_file["MatMulNBits"]
-    # what stays float: a Conformer block's attention products Q K^T and P V
-    assert ran["MatMul"] + ran["FusedMatMul"] == (2 * (len(encoder) - 1)
-                                                  if "conformer" in case else 0)
+        assert ran["MatMulIntegerToFloat"] == matmuls
+        assert ran["MatMul"] + ran["FusedMatMul"] == attention
 
 
-def test_nbits_packing():
-    """MatMulNBits' B of a (K=37, N=2) code matrix: block 16 (3 blocks: 2*(8+4) bytes a
-    column beats 32's 2*(16+4)), column n's codes + 8 two per byte, low nibble first, the
-    padding 8."""
-    codes = np.arange(-7, 67).reshape(37, 2) % 15 - 7
-    block, packed = export_onnx_int.nbits_pack(codes.astype(np.int8))
-    assert block == 16 and packed.shape == (2, 3, 8) and packed.dtype == np.uint8
-    q = np.stack([packed & 15, packed >> 4], -1).reshape(2, 48)
-    assert np.array_equal(q[:, :37], codes.T + 8) and (q[:, 37:] == 8).all()
-    with pytest.raises(UserError, match=r"MatMulNBits' 4 bits hold \[-7, 7\]"):
-        export_onnx_int.nbits_pack(np.array([[8]], np.int8))
+def init_bytes(tensor):
+    return len(tensor.raw_data) or onnx.numpy_helper.to_array(tensor).nbytes
+
+
+def assert_int4_size(proto, floats, g):
+    """The INT4 graph's initializers: each quantized weight as ceil(count / 2) bytes of int4
+    nibbles and a float32 step per output unit, the rest no more than the float graph's
+    initializers other than those weights, plus the Q/DQ scalars and shapes (at most 64
+    bytes a quantized weight or input)."""
+    int4 = [t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.INT4]
+    assert len(int4) == len(g.codes) == g.counts["weights_int4"]
+    nibbles = sum(-(-codes.size // 2) for codes, _ in g.codes.values())
+    steps = sum(4 * step.size for _, step in g.codes.values())
+    assert sum(init_bytes(t) for t in int4) == nibbles
+    weights = {name for name in g.codes}
+    remainder = sum(init_bytes(t) for t in floats.initializer if t.name not in weights)
+    total = sum(init_bytes(t) for t in proto.graph.initializer)
+    assert total <= nibbles + steps + remainder + 64 * (len(g.codes) + len(g.grids))
+
+
+def test_int4_packing():
+    """A (37, 3) code matrix in [-8, 7] as an int4 tensor: 56 bytes (111 nibbles, the last
+    high one 0), read back by onnx as the same codes; a code outside int4 is named."""
+    codes = (np.arange(111).reshape(37, 3) % 16 - 8).astype(np.int8)
+    t = export_onnx_int.int4_tensor(codes, "w")
+    assert t.data_type == onnx.TensorProto.INT4 and list(t.dims) == [37, 3]
+    assert len(t.raw_data) == 56 and t.raw_data[-1] >> 4 == 0
+    assert np.array_equal(onnx.numpy_helper.to_array(t).astype(np.int8), codes)
+    with pytest.raises(UserError, match=r"int4 holds \[-8, 7\]"):
+        export_onnx_int.int4_tensor(np.array([[8]], np.int8), "w")
+
+
+def test_sherpa_onnx_runtime_multiplies_int4_weights_exactly(tmp_path):
+    """sherpa-onnx's own onnxruntime (and the Python one) runs export_onnx_int.int4_weight ->
+    MatMul in float32 on s * k: products of inputs and weights on power-of-two grids sum
+    exactly in float32 in any order, so the result equals the float64 one bit for bit. The
+    inputs include 2^-10 beside values near 4, which a MatMulNBits fusion at accuracy_level 4
+    (its int8 requantization of the inputs per block) would lose. The check sees one ulp: the
+    same graph against a result one ulp off is told apart."""
+    pytest.importorskip("sherpa_onnx")
+    from test_export_onnx import marker_model, ort_marker, sherpa_marker
+    rng = np.random.default_rng(0)
+    k, n = 144, 24
+    codes = rng.integers(-7, 8, (k, n)).astype(np.int8)
+    step = np.full(n, 2.0 ** -4, np.float32)
+    x = (rng.integers(-4096, 4097, (3, 5, k)) * 2.0 ** -10).astype(np.float32)
+    x[..., ::7] = 2.0 ** -10
+    want = (x.astype(np.float64) @ (codes * np.float64(2.0 ** -4))).astype(np.float32)
+    off = want.copy()
+    off[1, 2, 3] = np.nextafter(off[1, 2, 3], np.float32(np.inf))
+    said = []
+    for expect in (want, off):
+        g = export_onnx.Graph()
+        w = export_onnx_int.int4_weight(g, codes, step, "w")
+        ok = g.op("Equal", [g.op("MatMul", [g.const(x), w]), g.const(expect)])
+        m = marker_model(g, ok, opset=21, ir_version=10)
+        said.append((ort_marker(m), sherpa_marker(m, tmp_path / str(len(said)))))
+    assert said == [(True, True), (False, False)]
 
 
 def test_zero_points():
