@@ -252,6 +252,8 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
         return {**done, "options": options, "cmvn": how, "quantization": quantization}
     # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
     proto = export_onnx.graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
+    if g:   # its counts, now that the graph is built
+        quantization = props["quantization"] = export_onnx_int.describe(g, model.quant)
     # sherpa-onnx's generic CTC loader picks the zipformer CTC conventions by model_type
     onnx.helper.set_model_props(proto, {"model_type": "zipformer2_ctc", **props})
     done = export_onnx.save({"model": proto}, out_dir, export_onnx.sherpa_tokens(tokens["symbols"], tokens["kind"]))

@@ -320,6 +320,11 @@ def test_sherpa_onnx_runs_an_untrained_conv_integer_graph(bits, demo_tokens, tmp
         "encoder": ["stack 3", "conv 32 k3", "conv 32 k3 d2", "dense 32"],
         "qat": qat(bits, "channel" if bits == 4 else "tensor")}, symbols)
     done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
+    # the graph's own counts (4 weights, 5 quantized inputs), in the file's metadata too
+    assert done["quantization"].startswith(f"INT{bits} weights (4 DequantizeLinear")
+    assert "; 5 GEMM inputs" in done["quantization"]
+    props = {p.key: p.value for p in onnx.load(done["model"]).metadata_props}
+    assert props["quantization"] == done["quantization"]
     assert_sherpa_onnx_agrees(done["code"],
                               hpcsgd_greedy(run, f"{demo_tokens}/cv", global_normalize(train)),
                               batch=True)
