@@ -13,17 +13,18 @@ description (no option: the graph is the model that was trained):
                         its bias, ReLU and mask, as the next GEMM's input) stays a float Conv
                         on the dequantized values.
   qat.weight_bits 2..4  INT4: every quantized weight (MatMul and Conv) as ONNX int4 codes k
-                        (two per byte, the first in the low nibble) behind an opset-21
-                        DequantizeLinear with hpcsgd's step (one, or one float32 per output
-                        unit: axis), its output through a Reshape to its own shape into the
-                        float MatMul or Conv. The graph is opset 21 (IR 10: the first with
-                        4-bit tensors). The Reshape: onnxruntime (1.32, and sherpa-onnx's
-                        bundled one) fuses DequantizeLinear(int4) -> MatMul into MatMulNBits at
-                        the session's default accuracy_level 4, its inputs requantized to int8
-                        per block: not hpcsgd's arithmetic, and sherpa-onnx does not set that
-                        option; with the Reshape between them the MatMul takes the dequantized
-                        weights s * k in float32, hpcsgd's fake-quantized values exactly, and
-                        the runtime dequantizes them at each run. Why not MatMulNBits: one
+                        (two per byte, the first in the low nibble), Cast to float32 (exact)
+                        and multiplied by hpcsgd's step (one, or one float32 per output unit):
+                        s * k in float32, hpcsgd's fake-quantized weight bit for bit. The graph
+                        is opset 21 (IR 10: the first with 4-bit tensors). All constant:
+                        onnxruntime (1.32, and sherpa-onnx's bundled 1.28.2) folds it into a
+                        float32 weight when it loads the graph, and runs float MatMuls and
+                        Convs. Not a DequantizeLinear: onnxruntime keeps those unfolded for its
+                        QDQ fusions (the weights dequantized at every run: RTF 0.0058 against
+                        0.0041 on so762's Conformer), and fuses a DequantizeLinear(int4) ->
+                        MatMul into MatMulNBits at the session's default accuracy_level 4, its
+                        inputs requantized to int8 per block: not hpcsgd's arithmetic (and
+                        sherpa-onnx does not set that option). Not MatMulNBits either: one
                         float32 scale per block of 16..256 weights (K padded to whole blocks)
                         where hpcsgd has one a unit: 100 bytes a column of K=144 against 76.
                         The GEMM inputs: the same int8 Q/DQ pair (a Conv's after the
@@ -160,15 +161,18 @@ class IntGraph(Graph):
 
 
 def int4_weight(g, codes, step, name, axis=1):
-    """s * k in float32 in graph g: the int8 codes k as an int4 initializer behind a
-    DequantizeLinear (no zero point: 0) with step s (a scalar, or one per index of `axis`),
-    then a Reshape to its own shape, which keeps onnxruntime from fusing it into a MatMul as
-    MatMulNBits at accuracy_level 4 (the module docstring)."""
+    """s * k in float32 in graph g: the int8 codes k as an int4 initializer, Cast to float32
+    (exact) and multiplied by the step s (a scalar, or one per index of `axis`): the same
+    float32 product as hpcsgd's fake-quantized weight. All constant: onnxruntime folds it
+    into a float32 weight when it loads the graph (the module docstring)."""
     g.inits.append(int4_tensor(codes, g.name(name + "_int4")))
-    attrs = {"axis": axis} if np.ndim(step) else {}
-    w = g.op("DequantizeLinear", [g.inits[-1].name, g.const(step, name + "_step")],
-             hint=name, **attrs)
-    return g.op("Reshape", [w, g.const(np.array(codes.shape, np.int64), "shape")], hint=name)
+    step = np.asarray(step, np.float32)
+    if step.ndim:   # per unit along `axis`: broadcast over the other axes
+        shape = [1] * codes.ndim
+        shape[axis] = step.size
+        step = step.reshape(shape)
+    return g.op("Mul", [g.op("Cast", [g.inits[-1].name], to=1), g.const(step, name + "_step")],
+                hint=name)
 
 
 def int4_tensor(codes, name):
@@ -187,7 +191,7 @@ def int4_tensor(codes, name):
 
 def describe(g, quant):
     """One line for the model's metadata: what is integer in the graph."""
-    kind = (f"INT4 weights ({g.counts['weights_int4']} DequantizeLinear of int4 codes)"
+    kind = (f"INT4 weights ({g.counts['weights_int4']} int4 tensors)"
             if g.nbits else f"INT8 weights ({g.counts['weights_int8']} DequantizeLinear)")
     return (f"{kind}; {g.counts['inputs']} GEMM inputs on {quant.a_bits}-bit grids through "
             f"QuantizeLinear/DequantizeLinear (qat {quant.qat})")

@@ -1,7 +1,7 @@
 """`hpcsgd export --onnx` of quantization-aware CTC models (hpcsgd/export_onnx_int.py): the
 integer graph's log-posteriors against hpcsgd's fake-quantized forward (eval mode) within the
 float32 bound of the last GEMM, for INT8 (QDQ, fused by onnxruntime into MatMulIntegerToFloat)
-and INT4 (int4 codes behind DequantizeLinear, float MatMul and Conv) conv/dense and Conformer
+and INT4 (int4 codes, cast and scaled: float MatMul and Conv) conv/dense and Conformer
 encoders, untrained and trained on the demo corpus, and the INT4 file's size from its counts;
 sherpa-onnx decoding the exports from the audio as hpcsgd decodes the features, and its
 runtime computing the INT4 products exactly; the models it refuses, named.
@@ -75,13 +75,15 @@ def beyond_bound(got, lp, a, w, b):
 
 
 def optimized_ops(proto, tmp_path):
-    """The op types of onnxruntime's CPU provider's optimised graph (what it runs)."""
+    """The op types of onnxruntime's CPU provider's optimised graph (what it runs) and its
+    initializers' data types (what it folded them to)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath)
-                               .graph.node)
+    graph = onnx.load(so.optimized_model_filepath).graph
+    return (collections.Counter(n.op_type for n in graph.node),
+            collections.Counter(t.data_type for t in graph.initializer))
 
 
 CASES = {"conv-int8": (CONV, qat(8), True), "conv-int4": (CONV, qat(4, "channel"), True),
@@ -98,9 +100,9 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     forward's within the bound, every frame; the graph holds the integer ops, and
     onnxruntime's optimised graph runs MatMulIntegerToFloat (INT8, and INT4 with
     --onnx-int8) for every MatMul with a quantized weight, or (INT4) a float MatMul of the
-    dequantized int4 codes, never MatMulNBits (its default accuracy_level 4 would requantize
-    the inputs); the INT4 file's initializers are the nibbles, a step per unit and the float
-    graph's remainder."""
+    int4 codes' values, folded at load (no int4 initializer left), never MatMulNBits (its
+    default accuracy_level 4 would requantize the inputs); the INT4 file's initializers are
+    the nibbles, a step per unit and the float graph's remainder."""
     encoder, q, nbits = CASES[case]
     describe = {"type": "ctc", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
                 "activation": "relu", "qat": q}
@@ -120,14 +122,14 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     weights = {init.name for init in floats.initializer}
     matmuls = sum(n.op_type == "MatMul" and n.input[1] in weights for n in floats.node)
     in_file = collections.Counter(n.op_type for n in proto.graph.node)
-    ran = optimized_ops(proto, tmp_path)
+    ran, folded = optimized_ops(proto, tmp_path)
     assert in_file["QuantizeLinear"] == len(g.grids) and not ran["MatMulNBits"]
     # what stays float: a Conformer block's attention products Q K^T and P V (and at INT4
     # every weight's MatMul, on the dequantized codes)
     attention = 2 * (len(encoder) - 1) if "conformer" in case else 0
     if q["weight_bits"] == 4 and nbits:
         assert proto.opset_import[0].version == 21 and proto.ir_version == 10
-        assert not ran["MatMulIntegerToFloat"]
+        assert not ran["MatMulIntegerToFloat"] and not folded[onnx.TensorProto.INT4]
         assert ran["MatMul"] + ran["FusedMatMul"] == matmuls + attention
         assert_int4_size(proto, floats, g)
     else:
@@ -168,8 +170,8 @@ def test_int4_packing():
 
 
 def test_sherpa_onnx_runtime_multiplies_int4_weights_exactly(tmp_path):
-    """sherpa-onnx's own onnxruntime (and the Python one) runs export_onnx_int.int4_weight ->
-    MatMul in float32 on s * k: products of inputs and weights on power-of-two grids sum
+    """sherpa-onnx's own onnxruntime (and the Python one) runs export_onnx_int.int4_weight (int4
+    codes, Cast, times the step) -> MatMul in float32 on s * k: products of inputs and weights on power-of-two grids sum
     exactly in float32 in any order, so the result equals the float64 one bit for bit. The
     inputs include 2^-10 beside values near 4, which a MatMulNBits fusion at accuracy_level 4
     (its int8 requantization of the inputs per block) would lose. The check sees one ulp: the
@@ -321,7 +323,8 @@ def test_sherpa_onnx_runs_an_untrained_conv_integer_graph(bits, demo_tokens, tmp
         "qat": qat(bits, "channel" if bits == 4 else "tensor")}, symbols)
     done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
     # the graph's own counts (4 weights, 5 quantized inputs), in the file's metadata too
-    assert done["quantization"].startswith(f"INT{bits} weights (4 DequantizeLinear")
+    assert done["quantization"].startswith(f"INT{bits} weights (4 " + (
+        "DequantizeLinear)" if bits == 8 else "int4 tensors)"))
     assert "; 5 GEMM inputs" in done["quantization"]
     props = {p.key: p.value for p in onnx.load(done["model"]).metadata_props}
     assert props["quantization"] == done["quantization"]
