@@ -171,11 +171,11 @@ def test_int4_packing():
 
 def test_sherpa_onnx_runtime_multiplies_int4_weights_exactly(tmp_path):
     """sherpa-onnx's own onnxruntime (and the Python one) runs export_onnx_int.int4_weight (int4
-    codes, Cast, times the step) -> MatMul in float32 on s * k: products of inputs and weights on power-of-two grids sum
-    exactly in float32 in any order, so the result equals the float64 one bit for bit. The
-    inputs include 2^-10 beside values near 4, which a MatMulNBits fusion at accuracy_level 4
-    (its int8 requantization of the inputs per block) would lose. The check sees one ulp: the
-    same graph against a result one ulp off is told apart."""
+    codes, Cast, times the step) -> MatMul in float32 on s * k: products of inputs and weights
+    on power-of-two grids sum exactly in float32 in any order, so the result equals the
+    float64 one bit for bit. The inputs include 2^-10 beside values near 4, which an int8
+    requantization of the inputs per block (MatMulNBits at accuracy_level 4) would lose. The
+    check sees one ulp: the same graph against a result one ulp off is told apart."""
     pytest.importorskip("sherpa_onnx")
     from test_export_onnx import marker_model, ort_marker, sherpa_marker
     rng = np.random.default_rng(0)
