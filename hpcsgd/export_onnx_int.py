@@ -52,7 +52,7 @@ import numpy as np
 from hpcsgd.errors import UserError
 from hpcsgd.export_onnx import Graph
 from hpcsgd.model.lstm import LSTM
-from hpcsgd.model.quantize import affine_grid, codes_of
+from hpcsgd.model.quantize import affine_grid, codes_of, symmetric_grid
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_BLOCKS = (16, 32, 64, 128, 256)   # the block sizes onnxruntime's MatMulNBits kernels take
@@ -116,6 +116,14 @@ class IntGraph(Graph):
         for name in quant.inner:   # learned ranges (qat.activations pact, or bac: pact there)
             lo, hi = quant._clips(params, f"clip_{name}")
             self.grids[name] = affine_grid(lo, hi, quant.a_bits, quant.dtype)
+        # an RNN-T's prediction network (model/transducer.py): each LSTM's input above the
+        # first ("pred.lstm.k") and its h_(t-1) ("pred.lstm.k.h") on the fixed grid of [-1, 1]
+        out = model.layers[-1]
+        for k, layer in enumerate(getattr(out, "pred", ())):
+            if k and out.input_bits:
+                self.grids[layer.W[:-2]] = symmetric_grid(1.0, out.input_bits, quant.dtype)
+            if layer.hidden_grid is not None:
+                self.grids[layer.W[:-2] + ".h"] = layer.hidden_grid
         self.zero_points = {key: zero_point(grid, f"the input of layer {key}"
                                             if isinstance(key, int) else f"GEMM input {key}")
                             for key, grid in self.grids.items()}
