@@ -128,6 +128,7 @@ class IntGraph(Graph):
                                             if isinstance(key, int) else f"GEMM input {key}")
                             for key, grid in self.grids.items()}
         self.counts = {"weights_int8": 0, "weights_nbits": 0, "inputs": 0}
+        self.on_grid = set()   # the values gemm_input quantized
 
     def gemm_input(self, x, key):
         """x on the grid of the GEMM input `key`: s * clip(rint(x * inv), klo, khi), the
@@ -140,8 +141,10 @@ class IntGraph(Graph):
         k = self.op("Clip", [self.op("Mul", [x, self.const(np.float32(grid.inv), "inv")]),
                              self.const(np.float32(grid.klo)), self.const(np.float32(grid.khi))])
         q = self.op("QuantizeLinear", [k, self.const(np.float32(1.0)), zp], hint="codes")
-        return self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
-                       hint="quantized")
+        out = self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
+                      hint="quantized")
+        self.on_grid.add(out)
+        return out
 
     def weight(self, p, name, layout=None, axis=1):
         if name not in self.codes:
@@ -156,6 +159,11 @@ class IntGraph(Graph):
                        hint=name, **attrs)
 
     def matmul(self, x, p, name):
+        if name in self.codes and not self.nbits and x not in self.on_grid:
+            # a float input (qat.activations none; an RNN-T's embedding rows): no integer
+            # GEMM, and onnxruntime would rewrite DequantizeLinear -> MatMul as a MatMulNBits
+            # that quantizes x to int8 (its default accuracy_level 4): the weights' values
+            return self.op("MatMul", [x, Graph.weight(self, p, name)])
         if not (self.nbits and name in self.codes):
             return super().matmul(x, p, name)
         codes, step = self.codes[name]
