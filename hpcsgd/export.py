@@ -55,7 +55,7 @@ def add_arguments(parser):
     width.add_argument("--onnx", metavar="OUT_DIR",
                        help="a CTC model as OUT_DIR/model.onnx, an RNN-T model as "
                             "OUT_DIR/{encoder,decoder,joiner}.onnx, and tokens.txt for "
-                            "sherpa-onnx (float32, or a quantization-aware CTC model's "
+                            "sherpa-onnx (float32, or a quantization-aware model's "
                             "INT8/INT4 integer graph; the normalisation inside: --cmvn; "
                             "docs/export.md)")
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")

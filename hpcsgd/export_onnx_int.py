@@ -1,4 +1,5 @@
-"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md): the
+"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md; an
+RNN-T's encoder and decoder graphs too: hpcsgd/export_onnx_rnnt.py): the
 graph of hpcsgd/export_onnx.py with the grids the model trained on, as integers that
 onnxruntime's CPU provider runs as integer GEMMs. Which form follows from the run's qat
 description (no option: the graph is the model that was trained):
@@ -44,7 +45,9 @@ Refused, named: dynamic input grids (qat.activations max or sawb: their step com
 batch's statistics, which a graph of fixed scales does not have); (B)LSTM layers with
 quantized activations (ONNX's LSTM has no integer form, and its recurrent input h_{t-1}
 cannot be quantized at every step inside it). LSTMs with quantized weights and float inputs
-run ONNX's float LSTM on the dequantized weights s * k (exact). The Conformer's attention
+run ONNX's float LSTM on the dequantized weights s * k (exact); so does any GEMM with a float
+input read the weights' values (matmul: onnxruntime would rewrite DequantizeLinear -> MatMul
+as an int8-activation MatMulNBits). The Conformer's attention
 products (Q K^T, P V) stay float, as in training.
 """
 import numpy as np

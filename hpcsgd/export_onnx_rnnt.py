@@ -36,6 +36,17 @@ sees only the last CONTEXT_SIZE tokens, from the zero state. The price is comput
 runs u + 1 LSTM steps instead of one (quadratic in the hypothesis' length), the window
 trimmed to the longest row's so that a large CONTEXT_SIZE costs nothing itself.
 
+A quantization-aware model (export.write_onnx: graph, an IntGraph per file, params its
+fake-quantized weights): what QAT quantizes (model/transducer.py), on the grids it trained
+on (hpcsgd/export_onnx_int.py's forms). encoder.onnx: the encoder as a CTC model's integer
+graph, the projection float. decoder.onnx: the embedding's int8 codes behind a
+DequantizeLinear (gathered per token), the LSTM weights' codes, each LSTM's input above the
+first on the fixed grid of [-1, 1]; with quantized activations h_(t-1) too, at every step,
+which ONNX's LSTM cannot do: the layer is a Scan (quantized_lstm); without, ONNX's float
+LSTM on the weights' values. joiner.onnx: float, as QAT keeps the joint. The encoder's
+(B)LSTMs with quantized activations and dynamic grids are refused as for CTC
+(export_onnx_int.refusal).
+
 sherpa-onnx's searches against hpcsgd's (decode/rnnt.py): its greedy_search emits at most one
 token per frame (hpcsgd's up to MAX_SYMBOLS = 3); it takes a token named <unk> for a second
 blank (so tokens.txt spells a BPE inventory's <unk> as ⁇: transducer_tokens); its

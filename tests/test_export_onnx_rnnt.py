@@ -1,7 +1,10 @@
 """`hpcsgd export --onnx` of RNN-T models (hpcsgd/export_onnx_rnnt.py): the encoder, decoder
 and joiner graphs against hpcsgd's forward, prediction network and joint (float32 and
 float64); a tiny RNN-T trained on the bundled demo corpus, exported and decoded by sherpa-onnx
-from the FLAC files as hpcsgd's searches decode the archive's features."""
+from the FLAC files as hpcsgd's searches decode the archive's features. Quantization-aware
+RNN-Ts: the integer graphs against hpcsgd's fake-quantized passes within a derived float32
+bound (predictor_bound), sherpa-onnx decoding an untrained INT8 and INT4 one as hpcsgd's
+greedy search does, and what is still refused."""
 import collections
 import os
 
@@ -135,17 +138,20 @@ def exported(demo_tokens, tmp_path_factory):
         "optim.lr=1e-5"], timeout=600)
 
 
-def hpcsgd_searches(run, data, train, count):
+def hpcsgd_searches(run, data, train, count, beam=True):
     """{utt: phones} of hpcsgd's greedy search (at most 1 and 3 symbols per frame) and
-    modified beam search of 4 on the first `count` utterances of the archive `data`, its raw
-    features normalised with the global statistics of `train` (what the export folds into
-    its encoder)."""
+    modified beam search of 4 (unless not beam) on the first `count` utterances of the
+    archive `data`, its raw features normalised with the global statistics of `train` (what
+    the export folds into its encoder); a QAT model's searches on its fake-quantized
+    weights, as hpcsgd decode's (transducer.on_host)."""
     from hpcsgd.data.loader import iter_utterances
     from hpcsgd.decode import rnnt
     from hpcsgd.model.lengths import Lengths
+    from hpcsgd.model.transducer import on_host
     from hpcsgd.model_io import load_model
     model, params, meta = load_model(run)
-    layer, symbols = model.layers[-1], np.array(meta["tokens"]["symbols"])
+    layer, weights, _ = on_host(model, params)
+    symbols = np.array(meta["tokens"]["symbols"])
     mean, inv_std, _, _ = export_onnx.global_cmvn(train, "meanvar")
     hyps = {"greedy1": {}, "greedy3": {}, "beam4": {}}
     for utt, feats, _ in iter_utterances(data, cmvn="none", shuffle=False):
@@ -154,9 +160,11 @@ def hpcsgd_searches(run, data, train, count):
         x = np.ascontiguousarray((feats.astype(np.float32) - mean) * inv_std, np.float32)
         enc = np.array(model.forward(params, x, len(x), lengths=[len(x)]))
         n = Lengths([len(enc)])
-        hyps["greedy1"][utt] = list(symbols[rnnt.greedy_search(layer, params, enc, n, 1)[0]])
-        hyps["greedy3"][utt] = list(symbols[rnnt.greedy_search(layer, params, enc, n)[0]])
-        hyps["beam4"][utt] = list(symbols[rnnt.beam_search(layer, params, enc, n, 4)[0][0]])
+        hyps["greedy1"][utt] = list(symbols[rnnt.greedy_search(layer, weights, enc, n, 1)[0]])
+        hyps["greedy3"][utt] = list(symbols[rnnt.greedy_search(layer, weights, enc, n)[0]])
+        if beam:
+            hyps["beam4"][utt] = list(symbols[rnnt.beam_search(layer, weights, enc, n,
+                                                                4)[0][0]])
     return hyps
 
 
@@ -414,6 +422,60 @@ def test_integer_graphs_equal_the_fake_quantized_forward(case):
     assert ops["decoder"]["DequantizeLinear"] >= 1   # the embedding's codes
     assert (ops["encoder"]["MatMulNBits"] > 0) == (q["weight_bits"] == 4 and nbits)
     assert not {"QuantizeLinear", "DequantizeLinear", "MatMulNBits"} & set(ops["joiner"])
+
+
+@pytest.mark.parametrize("encoder, q, streaming, words", [
+    (["blstm 3"], qat(8), False, "encoder layer 'blstm 3' with quantized activations"),
+    (["conv 8 k3", "dense 6"], qat(8, activations="max"), False, "dynamic input grids"),
+    (["lstm 3"], qat(8, activations="none"), True,
+     "--streaming: a quantization-aware model")], ids=["blstm", "dynamic", "streaming"])
+def test_what_a_qat_rnnt_export_still_refuses_is_named(encoder, q, streaming, words, tmp_path):
+    """A QAT RNN-T's integer graphs have the CTC export's limits (export_onnx_int.refusal):
+    an encoder (B)LSTM with quantized activations (ONNX's LSTM cannot quantize h_(t-1); the
+    prediction network's LSTMs are Scan loops that do), dynamic input grids; and the
+    streaming graphs are float only. Each named, nothing written."""
+    from test_export_onnx import fake_run
+    from hpcsgd.errors import UserError
+    run = fake_run(tmp_path / "run", {
+        "type": "rnnt", "input_dim": 4, "num_tokens": 5, "activation": "relu",
+        "encoder": encoder, "predictor": ["lstm 4"], "embed": 4, "joint": 6, "qat": q})
+    with pytest.raises(UserError, match=words):
+        write_onnx(run, str(tmp_path / "out"), streaming=streaming)
+    assert not os.path.exists(tmp_path / "out")
+
+
+BLANK_BIAS = 1.5   # a phone on about one output frame in five (untrained, 12 utterances)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sherpa_onnx_decodes_a_qat_rnnt_as_hpcsgd_does(bits, demo_tokens, tmp_path):
+    """An untrained (so never all-blank) QAT RNN-T over the demo's 40-dim fbank, exported by
+    write_onnx (INT8; INT4: MatMulNBits), the predictor's h_(t-1) quantized at every step:
+    sherpa-onnx's transducer greedy_search, loaded by the printed code, recognizes the first
+    12 held-out FLAC files, one stream at a time and in one padded batch, as hpcsgd's greedy
+    search of at most one symbol per frame on the archive's features with the same global
+    normalisation."""
+    pytest.importorskip("sherpa_onnx")
+    from hpcsgd.data import archive
+    from test_export_onnx import fake_run
+    train = f"{demo_tokens}/train"
+    symbols = archive.read_tokens(train, "phones")
+
+    def blank_bias(views):   # the blank's logit raised: a token every few frames, not each
+        views["joint.out.b"][0, 0] = BLANK_BIAS
+
+    run = fake_run(tmp_path / "run", {
+        "type": "rnnt", "input_dim": 40, "num_tokens": len(symbols), "activation": "relu",
+        "encoder": ["stack 3", "conv 32 k3", "dense 32"], "predictor": ["lstm 16"],
+        "embed": 8, "joint": 16, "joint_mode": "add",
+        "qat": qat(bits, "channel" if bits == 4 else "tensor")}, symbols, blank_bias)
+    done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
+    assert "decoder: INT" in done["quantization"] and "joiner: none" in done["quantization"]
+    want = hpcsgd_searches(run, f"{demo_tokens}/cv", train, 12, beam=False)["greedy1"]
+    got = sherpa_onnx_hyps(done["code"], list(want), "greedy_search", batch=True)
+    print(f"{bits} bits: {sum(map(len, want.values()))} phones in {len(want)} utterances")
+    assert got == want
+    assert sum(map(len, want.values())) > 20   # not an all-blank model
 
 
 def test_tokens_spell_unk_as_its_surface():
