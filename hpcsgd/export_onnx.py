@@ -59,10 +59,10 @@ padded batch gives each utterance what it gives alone.
 Not exported yet (refused with the model named): hybrid frame classifiers (they need a
 decoding graph and priors, not a CTC search).
 
-A quantization-aware CTC or RNN-T model (docs/qat.md) gets its integer graph: the same builders, with
-the Graph's hooks (gemm_input, weight, matmul) taken over by hpcsgd/export_onnx_int.py's
-IntGraph (INT8 QDQ or INT4 MatMulNBits, the grids it trained on; the models without an exact
-integer form refused there, named).
+A quantization-aware CTC or RNN-T model (docs/qat.md) gets its integer graph: the same
+builders, with the Graph's hooks (gemm_input, weight, matmul) taken over by
+hpcsgd/export_onnx_int.py's IntGraph (INT8 QDQ or INT4 MatMulNBits, the grids it trained on;
+the models without an exact integer form refused there, named).
 """
 import os
 

@@ -45,9 +45,9 @@ Refused, named: dynamic input grids (qat.activations max or sawb: their step com
 batch's statistics, which a graph of fixed scales does not have); (B)LSTM layers with
 quantized activations (ONNX's LSTM has no integer form, and its recurrent input h_{t-1}
 cannot be quantized at every step inside it). LSTMs with quantized weights and float inputs
-run ONNX's float LSTM on the dequantized weights s * k (exact); so does any GEMM with a float
-input read the weights' values (matmul: onnxruntime would rewrite DequantizeLinear -> MatMul
-as an int8-activation MatMulNBits). The Conformer's attention
+run ONNX's float LSTM on the dequantized weights s * k (exact); a GEMM with a float input
+dequantizes its weights' codes by Cast and Mul (matmul: onnxruntime would rewrite
+DequantizeLinear -> MatMul as an int8-activation MatMulNBits). The Conformer's attention
 products (Q K^T, P V) stay float, as in training.
 """
 import numpy as np
@@ -165,8 +165,13 @@ class IntGraph(Graph):
         if name in self.codes and not self.nbits and x not in self.on_grid:
             # a float input (qat.activations none; an RNN-T's embedding rows): no integer
             # GEMM, and onnxruntime would rewrite DequantizeLinear -> MatMul as a MatMulNBits
-            # that quantizes x to int8 (its default accuracy_level 4): the weights' values
-            return self.op("MatMul", [x, Graph.weight(self, p, name)])
+            # that quantizes x to int8 (its default accuracy_level 4). The codes dequantized
+            # by Cast and Mul instead (float32 k * s: the values exactly, folded at load)
+            codes, step = self.codes[name]
+            self.counts["weights_int8"] += 1
+            w = self.op("Mul", [self.op("Cast", [self.const(codes, name + "_codes")], to=1),
+                                self.const(step, name + "_step")], hint=name)
+            return self.op("MatMul", [x, w])
         if not (self.nbits and name in self.codes):
             return super().matmul(x, p, name)
         codes, step = self.codes[name]

@@ -334,7 +334,7 @@ QAT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(QAT_CASES))
-def test_integer_graphs_equal_the_fake_quantized_forward(case):
+def test_integer_graphs_equal_the_fake_quantized_forward(case, tmp_path):
     """An untrained QAT RNN-T, the three graphs through onnxruntime against hpcsgd's
     fake-quantized passes (the weights each pass runs on, Network.pass_weights), within the
     bound of the float32 arithmetic after the last quantized value (gemm_bound,
@@ -351,6 +351,7 @@ def test_integer_graphs_equal_the_fake_quantized_forward(case):
     activations are quantized (ONNX's LSTM where they are not), nothing in the joiner."""
     from hpcsgd import export_onnx_int
     from test_export_onnx import hpcsgd_outputs, padded_batch
+    from test_export_onnx_int import optimized_ops
     encoder, predictor, mode, q, nbits = QAT_CASES[case]
     describe = {"type": "rnnt", "input_dim": 40, "encoder": encoder, "num_tokens": 7,
                 "predictor": predictor, "embed": 5, "joint": 9, "joint_mode": mode,
@@ -421,6 +422,9 @@ def test_integer_graphs_equal_the_fake_quantized_forward(case):
     assert ops["decoder"]["Scan" if quantized_h else "LSTM"] == len(predictor)
     assert ops["decoder"]["DequantizeLinear"] >= 1   # the embedding's codes
     assert (ops["encoder"]["MatMulNBits"] > 0) == (q["weight_bits"] == 4 and nbits)
+    if not (q["weight_bits"] == 4 and nbits):   # onnxruntime rewrote no DequantizeLinear ->
+        for part in ("encoder", "decoder"):     # MatMul as an int8-activation MatMulNBits
+            assert not optimized_ops(protos[part], tmp_path)["MatMulNBits"], part
     assert not {"QuantizeLinear", "DequantizeLinear", "MatMulNBits"} & set(ops["joiner"])
 
 
