@@ -448,13 +448,20 @@ def test_what_a_qat_rnnt_export_still_refuses_is_named(encoder, q, streaming, wo
     assert not os.path.exists(tmp_path / "out")
 
 
-BLANK_BIAS = 1.5   # a phone on about one output frame in five (untrained, 12 utterances)
+# untrained, 12 utterances: a phone on one output frame in 5 (conv), in 2 (conformer)
+BLANK_BIAS = 1.5
 
 
+SHERPA_ENCODERS = {"conv": ["stack 3", "conv 32 k3", "dense 32"],
+                   "conformer": ["conv2d 8 32", "conformer 32 h4 f64 k7"]}
+
+
+@pytest.mark.parametrize("encoder", list(SHERPA_ENCODERS))
 @pytest.mark.parametrize("bits", [8, 4])
-def test_sherpa_onnx_decodes_a_qat_rnnt_as_hpcsgd_does(bits, demo_tokens, tmp_path):
-    """An untrained (so never all-blank) QAT RNN-T over the demo's 40-dim fbank, exported by
-    write_onnx (INT8; INT4: MatMulNBits), the predictor's h_(t-1) quantized at every step:
+def test_sherpa_onnx_decodes_a_qat_rnnt_as_hpcsgd_does(bits, encoder, demo_tokens, tmp_path):
+    """An untrained (so never all-blank) QAT RNN-T over the demo's 40-dim fbank (a conv/dense
+    and a Conformer encoder), exported by write_onnx (INT8; INT4: MatMulNBits), the
+    predictor's h_(t-1) quantized at every step:
     sherpa-onnx's transducer greedy_search, loaded by the printed code, recognizes the first
     12 held-out FLAC files, one stream at a time and in one padded batch, as hpcsgd's greedy
     search of at most one symbol per frame on the archive's features with the same global
@@ -470,14 +477,15 @@ def test_sherpa_onnx_decodes_a_qat_rnnt_as_hpcsgd_does(bits, demo_tokens, tmp_pa
 
     run = fake_run(tmp_path / "run", {
         "type": "rnnt", "input_dim": 40, "num_tokens": len(symbols), "activation": "relu",
-        "encoder": ["stack 3", "conv 32 k3", "dense 32"], "predictor": ["lstm 16"],
+        "encoder": SHERPA_ENCODERS[encoder], "predictor": ["lstm 16"],
         "embed": 8, "joint": 16, "joint_mode": "add",
         "qat": qat(bits, "channel" if bits == 4 else "tensor")}, symbols, blank_bias)
     done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
     assert "decoder: INT" in done["quantization"] and "joiner: none" in done["quantization"]
     want = hpcsgd_searches(run, f"{demo_tokens}/cv", train, 12, beam=False)["greedy1"]
     got = sherpa_onnx_hyps(done["code"], list(want), "greedy_search", batch=True)
-    print(f"{bits} bits: {sum(map(len, want.values()))} phones in {len(want)} utterances")
+    print(f"{encoder} {bits} bits: {sum(map(len, want.values()))} phones in {len(want)} "
+          f"utterances")
     assert got == want
     assert sum(map(len, want.values())) > 20   # not an all-blank model
 
