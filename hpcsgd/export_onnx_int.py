@@ -1,4 +1,5 @@
-"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md): the
+"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md; an
+RNN-T's encoder and decoder graphs too: hpcsgd/export_onnx_rnnt.py): the
 graph of hpcsgd/export_onnx.py with the grids the model trained on, as integers that
 onnxruntime's CPU provider runs as integer GEMMs. Which form follows from the run's qat
 description (no option: the graph is the model that was trained):
@@ -44,7 +45,9 @@ Refused, named: dynamic input grids (qat.activations max or sawb: their step com
 batch's statistics, which a graph of fixed scales does not have); (B)LSTM layers with
 quantized activations (ONNX's LSTM has no integer form, and its recurrent input h_{t-1}
 cannot be quantized at every step inside it). LSTMs with quantized weights and float inputs
-run ONNX's float LSTM on the dequantized weights s * k (exact). The Conformer's attention
+run ONNX's float LSTM on the dequantized weights s * k (exact); a GEMM with a float input
+dequantizes its weights' codes by Cast and Mul (matmul: onnxruntime would rewrite
+DequantizeLinear -> MatMul as an int8-activation MatMulNBits). The Conformer's attention
 products (Q K^T, P V) stay float, as in training.
 """
 import numpy as np
@@ -52,7 +55,7 @@ import numpy as np
 from hpcsgd.errors import UserError
 from hpcsgd.export_onnx import Graph
 from hpcsgd.model.lstm import LSTM
-from hpcsgd.model.quantize import affine_grid, codes_of
+from hpcsgd.model.quantize import affine_grid, codes_of, symmetric_grid
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_BLOCKS = (16, 32, 64, 128, 256)   # the block sizes onnxruntime's MatMulNBits kernels take
@@ -116,10 +119,19 @@ class IntGraph(Graph):
         for name in quant.inner:   # learned ranges (qat.activations pact, or bac: pact there)
             lo, hi = quant._clips(params, f"clip_{name}")
             self.grids[name] = affine_grid(lo, hi, quant.a_bits, quant.dtype)
+        # an RNN-T's prediction network (model/transducer.py): each LSTM's input above the
+        # first ("pred.lstm.k") and its h_(t-1) ("pred.lstm.k.h") on the fixed grid of [-1, 1]
+        out = model.layers[-1]
+        for k, layer in enumerate(getattr(out, "pred", ())):
+            if k and out.input_bits:
+                self.grids[layer.W[:-2]] = symmetric_grid(1.0, out.input_bits, quant.dtype)
+            if layer.hidden_grid is not None:
+                self.grids[layer.W[:-2] + ".h"] = layer.hidden_grid
         self.zero_points = {key: zero_point(grid, f"the input of layer {key}"
                                             if isinstance(key, int) else f"GEMM input {key}")
                             for key, grid in self.grids.items()}
         self.counts = {"weights_int8": 0, "weights_nbits": 0, "inputs": 0}
+        self.on_grid = set()   # the values gemm_input quantized
 
     def gemm_input(self, x, key):
         """x on the grid of the GEMM input `key`: s * clip(rint(x * inv), klo, khi), the
@@ -132,8 +144,10 @@ class IntGraph(Graph):
         k = self.op("Clip", [self.op("Mul", [x, self.const(np.float32(grid.inv), "inv")]),
                              self.const(np.float32(grid.klo)), self.const(np.float32(grid.khi))])
         q = self.op("QuantizeLinear", [k, self.const(np.float32(1.0)), zp], hint="codes")
-        return self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
-                       hint="quantized")
+        out = self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
+                      hint="quantized")
+        self.on_grid.add(out)
+        return out
 
     def weight(self, p, name, layout=None, axis=1):
         if name not in self.codes:
@@ -148,6 +162,16 @@ class IntGraph(Graph):
                        hint=name, **attrs)
 
     def matmul(self, x, p, name):
+        if name in self.codes and not self.nbits and x not in self.on_grid:
+            # a float input (qat.activations none; an RNN-T's embedding rows): no integer
+            # GEMM, and onnxruntime would rewrite DequantizeLinear -> MatMul as a MatMulNBits
+            # that quantizes x to int8 (its default accuracy_level 4). The codes dequantized
+            # by Cast and Mul instead (float32 k * s: the values exactly, folded at load)
+            codes, step = self.codes[name]
+            self.counts["weights_int8"] += 1
+            w = self.op("Mul", [self.op("Cast", [self.const(codes, name + "_codes")], to=1),
+                                self.const(step, name + "_step")], hint=name)
+            return self.op("MatMul", [x, w])
         if not (self.nbits and name in self.codes):
             return super().matmul(x, p, name)
         codes, step = self.codes[name]

@@ -127,6 +127,36 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
                                                   if "conformer" in case else 0)
 
 
+def test_a_weights_only_graph_equals_the_float_forward_on_its_weights(tmp_path):
+    """qat.activations none: nothing quantized between the weights, so the graph is the float
+    graph on the fake-quantized weights, held to the float tests' criterion against the float
+    model's float64 forward on those weights; its MatMuls read int8 codes through Cast and
+    Mul, which onnxruntime folds, not a DequantizeLinear it would rewrite as a MatMulNBits
+    quantizing the float input to int8 (0.06 off in 2-norm, against 7e-6)."""
+    from conftest import assert_float32_close
+    from test_export_onnx import hpcsgd_outputs as float_outputs
+    describe = {"type": "ctc", "input_dim": 40, "encoder": CONV, "num_tokens": 7,
+                "activation": "relu", "qat": {**qat(8), "activations": "none"}}
+    model = build(describe, max_batch=256)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    mean, inv_std, lengths, raw = padded_batch()
+    proto = export_onnx.graph(model, model.wq, mean, inv_std,
+                              g=export_onnx_int.IntGraph(model, params))
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    lp, lp_len = sess.run(None, {"x": raw, "x_lens": np.array(lengths, np.int64)})
+    float_twin = {k: v for k, v in describe.items() if k != "qat"}
+    for b, n in enumerate(lengths):
+        x = (raw[b:b + 1, :n] - mean) * inv_std
+        feats = np.ascontiguousarray(x[0], np.float32)
+        want = np.array(model.forward(params, feats, n, lengths=[n]))
+        ref64, = float_outputs(float_twin, model.wq, x.astype(np.float64), [n], np.float64)
+        assert_float32_close(lp[b, :lp_len[b]], want, ref64)
+    in_file = collections.Counter(n.op_type for n in proto.graph.node)
+    assert in_file["Cast"] >= 2 and not in_file["QuantizeLinear"]
+    assert not optimized_ops(proto, tmp_path)["MatMulNBits"]
+
+
 def test_nbits_packing():
     """MatMulNBits' B of a (K=37, N=2) code matrix: block 16 (3 blocks: 2*(8+4) bytes a
     column beats 32's 2*(16+4)), column n's codes + 8 two per byte, low nibble first, the
