@@ -55,7 +55,7 @@ def add_arguments(parser):
     width.add_argument("--onnx", metavar="OUT_DIR",
                        help="a CTC model as OUT_DIR/model.onnx, an RNN-T model as "
                             "OUT_DIR/{encoder,decoder,joiner}.onnx, and tokens.txt for "
-                            "sherpa-onnx (float32, or a quantization-aware CTC model's "
+                            "sherpa-onnx (float32, or a quantization-aware model's "
                             "INT8/INT4 integer graph; the normalisation inside: --cmvn; "
                             "docs/export.md)")
     parser.add_argument("--out", help="the exported model (HDF5; --int8 and --int4)")
@@ -234,7 +234,9 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
     how = (f"each utterance's own {kind} statistics" if utterance else
            f"global {kind} statistics of {source}")
     how += f"; trained with data.cmvn_scope {scope}"
-    quantization = export_onnx_int.describe(g, model.quant) if g else "none: float32"
+    # an integer graph's line counts what it holds: written once it is built (below, and
+    # export_onnx_rnnt.write for each RNN-T file)
+    quantization = "none: float32"
     props = {"model_author": "hpcsgd", "vocab_size": str(model.num_labels), "blank_id": "0",
              "subsampling_factor": str(time_stride(model.describe["encoder"])),
              "encoder": ", ".join(model.describe["encoder"]), "token_kind": tokens["kind"],
@@ -247,9 +249,11 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
                                            options, tokens)
         return {**done, "options": options, "cmvn": how, "quantization": quantization}
     if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
-        done = export_onnx_rnnt.write(model, params, out_dir, (mean, inv_std, utterance),
-                                      props, options, tokens)
-        return {**done, "options": options, "cmvn": how, "quantization": quantization}
+        # a QAT model: the encoder and decoder each in a fresh IntGraph, on its weights' grids
+        graph = (lambda: export_onnx_int.IntGraph(model, params, nbits=not int8)) if g else None
+        done = export_onnx_rnnt.write(model, model.wq if g else params, out_dir,
+                                      (mean, inv_std, utterance), props, options, tokens, graph)
+        return {**done, "options": options, "cmvn": how}
     # an integer graph reads the fake-quantized weights where it keeps a float op (an LSTM)
     proto = export_onnx.graph(model, model.wq if g else params, mean, inv_std, utterance, g=g)
     if g:   # its counts, now that the graph is built

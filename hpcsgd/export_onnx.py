@@ -58,12 +58,12 @@ Every encoder layer's output is masked past its utterance's length, as the Netwo
 padded batch gives each utterance what it gives alone.
 
 Not exported yet (refused with the model named): hybrid frame classifiers (they need a
-decoding graph and priors, not a CTC search), quantization-aware RNN-T models.
+decoding graph and priors, not a CTC search).
 
-A quantization-aware CTC model (docs/qat.md) gets its integer graph: the same builders, with
-the Graph's hooks (gemm_input, weight) taken over by hpcsgd/export_onnx_int.py's
-IntGraph (INT8 QDQ or INT4 DequantizeLinear, the grids it trained on; the models without an exact
-integer form refused there, named).
+A quantization-aware CTC or RNN-T model (docs/qat.md) gets its integer graph: the same
+builders, with the Graph's hooks (gemm_input, weight, matmul) taken over by
+hpcsgd/export_onnx_int.py's IntGraph (INT8 QDQ, or INT4 codes as int4 tensors cast and scaled,
+the grids it trained on; the models without an exact integer form refused there, named).
 """
 import os
 
@@ -405,11 +405,6 @@ def unsupported(model, meta_path):
     if kind not in ("ctc", "rnnt"):
         return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
                 f"covers CTC and RNN-T models only)")
-    qat = describe.get("qat") or {}
-    if kind == "rnnt" and (qat.get("weights", "none") != "none"
-                           or qat.get("activations", "none") != "none"):
-        return (f"{meta_path}: not yet exported: a quantization-aware RNN-T model ({qat}); "
-                f"the integer export covers CTC models")
     for text, layer in zip(describe["encoder"], model.layers):
         if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense, Conv2dSubsampling,
                                   ConformerBlock)):

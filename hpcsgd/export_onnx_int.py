@@ -1,4 +1,5 @@
-"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md): the
+"""`hpcsgd export RUN --onnx OUT_DIR` of a quantization-aware CTC model (docs/qat.md; an
+RNN-T's encoder and decoder graphs too: hpcsgd/export_onnx_rnnt.py): the
 graph of hpcsgd/export_onnx.py with the grids the model trained on, as integers that
 onnxruntime's CPU provider runs as integer GEMMs. Which form follows from the run's qat
 description (no option: the graph is the model that was trained):
@@ -52,17 +53,19 @@ Refused, named: dynamic input grids (qat.activations max or sawb: their step com
 batch's statistics, which a graph of fixed scales does not have); (B)LSTM layers with
 quantized activations (ONNX's LSTM has no integer form, and its recurrent input h_{t-1}
 cannot be quantized at every step inside it). LSTMs with quantized weights and float inputs
-run ONNX's float LSTM on the dequantized weights s * k (exact). The Conformer's attention
-products (Q K^T, P V) stay float, as in training.
+run ONNX's float LSTM on the dequantized weights s * k (exact); at INT8 a GEMM with a float
+input dequantizes its weights' int8 codes by Cast and Mul (matmul: onnxruntime would rewrite
+DequantizeLinear -> MatMul as an int8-activation MatMulNBits), as INT4 does every weight's.
+The Conformer's attention products (Q K^T, P V) stay float, as in training.
 """
 import numpy as np
 
 from hpcsgd.errors import UserError
 from hpcsgd.export_onnx import Graph
 from hpcsgd.model.lstm import LSTM
-from hpcsgd.model.quantize import affine_grid, codes_of
+from hpcsgd.model.quantize import affine_grid, codes_of, symmetric_grid
 
-INT4_OPSET = 21      # DequantizeLinear of int4 tensors
+INT4_OPSET = 21      # int4 tensors (Cast from int4)
 INT4_IR_VERSION = 10  # the IR that has them
 
 
@@ -125,10 +128,19 @@ class IntGraph(Graph):
         for name in quant.inner:   # learned ranges (qat.activations pact, or bac: pact there)
             lo, hi = quant._clips(params, f"clip_{name}")
             self.grids[name] = affine_grid(lo, hi, quant.a_bits, quant.dtype)
+        # an RNN-T's prediction network (model/transducer.py): each LSTM's input above the
+        # first ("pred.lstm.k") and its h_(t-1) ("pred.lstm.k.h") on the fixed grid of [-1, 1]
+        out = model.layers[-1]
+        for k, layer in enumerate(getattr(out, "pred", ())):
+            if k and out.input_bits:
+                self.grids[layer.W[:-2]] = symmetric_grid(1.0, out.input_bits, quant.dtype)
+            if layer.hidden_grid is not None:
+                self.grids[layer.W[:-2] + ".h"] = layer.hidden_grid
         self.zero_points = {key: zero_point(grid, f"the input of layer {key}"
                                             if isinstance(key, int) else f"GEMM input {key}")
                             for key, grid in self.grids.items()}
         self.counts = {"weights_int8": 0, "weights_int4": 0, "inputs": 0}
+        self.on_grid = set()   # the values gemm_input quantized
 
     def gemm_input(self, x, key):
         """x on the grid of the GEMM input `key`: s * clip(rint(x * inv), klo, khi), the
@@ -141,8 +153,10 @@ class IntGraph(Graph):
         k = self.op("Clip", [self.op("Mul", [x, self.const(np.float32(grid.inv), "inv")]),
                              self.const(np.float32(grid.klo)), self.const(np.float32(grid.khi))])
         q = self.op("QuantizeLinear", [k, self.const(np.float32(1.0)), zp], hint="codes")
-        return self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
-                       hint="quantized")
+        out = self.op("DequantizeLinear", [q, self.const(np.float32(grid.step), "step"), zp],
+                      hint="quantized")
+        self.on_grid.add(out)
+        return out
 
     def weight(self, p, name, layout=None, axis=1):
         if name not in self.codes:
@@ -158,6 +172,20 @@ class IntGraph(Graph):
                            hint=name, **attrs)
         self.counts["weights_int4"] += 1
         return int4_weight(self, codes, step, name, axis)
+
+    def matmul(self, x, p, name):
+        if name in self.codes and not self.nbits and x not in self.on_grid:
+            # INT8, a float input (qat.activations none; an RNN-T's embedding rows): no
+            # integer GEMM, and onnxruntime would rewrite DequantizeLinear -> MatMul as a
+            # MatMulNBits that quantizes x to int8 (its default accuracy_level 4). The codes
+            # dequantized by Cast and Mul instead (float32 k * s: the values exactly, folded
+            # at load). INT4 needs no branch: its weights are Cast and Mul already (weight)
+            codes, step = self.codes[name]
+            self.counts["weights_int8"] += 1
+            w = self.op("Mul", [self.op("Cast", [self.const(codes, name + "_codes")], to=1),
+                                self.const(step, name + "_step")], hint=name)
+            return self.op("MatMul", [x, w])
+        return super().matmul(x, p, name)
 
 
 def int4_weight(g, codes, step, name, axis=1):
@@ -190,8 +218,10 @@ def int4_tensor(codes, name):
 
 
 def describe(g, quant):
-    """One line for the model's metadata: what is integer in the graph."""
+    """One line for the model's metadata: what is integer in the graph (g built: its counts).
+    The weights' codes as int4 tensors (INT4) or int8 tensors (INT8: behind a
+    DequantizeLinear, or Cast and Mul before a float input)."""
     kind = (f"INT4 weights ({g.counts['weights_int4']} int4 tensors)"
-            if g.nbits else f"INT8 weights ({g.counts['weights_int8']} DequantizeLinear)")
+            if g.nbits else f"INT8 weights ({g.counts['weights_int8']} int8 tensors)")
     return (f"{kind}; {g.counts['inputs']} GEMM inputs on {quant.a_bits}-bit grids through "
             f"QuantizeLinear/DequantizeLinear (qat {quant.qat})")

@@ -425,12 +425,14 @@ def test_the_export_writes_what_sherpa_onnx_reads(exported):
     assert "snip_edges=True" in stdout and "OfflineZipformerCtcModelConfig" in stdout
 
 
-def fake_run(path, describe, symbols=None):
+def fake_run(path, describe, symbols=None, views=None):
     """A run directory with one checkpoint of a freshly initialised `describe` model, its
-    tokens `symbols` (default 5 made-up phones)."""
+    tokens `symbols` (default 5 made-up phones); views(params' views) may change them."""
     model = build(describe, max_batch=64)
     params = model.new_params()
     model.init(params, np.random.default_rng(0))
+    if views:
+        views(params.views)
     symbols = symbols or ["<blk>"] + [f"p{i}" for i in range(1, 5)]
     meta = {"model": describe, "data": {"context": 0, "cmvn": "meanvar", "feature_dim": 4},
             "config": {"data.train": "nowhere"}, "label_inventory_hash": "-",
@@ -448,7 +450,7 @@ CTC = {"type": "ctc", "input_dim": 4, "num_tokens": 5, "activation": "relu"}
     ({**CTC, "encoder": ["blstm 3"], "qat": {"weights": "max", "weight_bits": 8,
                                               "activations": "pact"}},
      "encoder layer 'blstm 3' with quantized activations"),
-], ids=["hybrid", "qat"])   # a quantization-aware RNN-T: test_export_onnx_rnnt.py
+], ids=["hybrid", "qat"])   # quantization-aware RNN-Ts: test_export_onnx_rnnt.py
 def test_models_it_cannot_export_are_named(describe, words, tmp_path):
     run = fake_run(tmp_path / "run", describe)
     with pytest.raises(UserError, match=words):

@@ -197,6 +197,42 @@ def test_sherpa_onnx_runtime_multiplies_int4_weights_exactly(tmp_path):
     assert said == [(True, True), (False, False)]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_weights_only_graph_equals_the_float_forward_on_its_weights(bits, tmp_path):
+    """qat.activations none: nothing quantized between the weights, so the graph is the float
+    graph on the fake-quantized weights, held to the float tests' criterion against the float
+    model's float64 forward on those weights; its MatMuls read the codes (int8, or int4 at
+    INT4) through Cast and Mul, which onnxruntime folds, not a DequantizeLinear it would
+    rewrite as a MatMulNBits quantizing the float input to int8 (0.06 off in 2-norm, against
+    7e-6)."""
+    from conftest import assert_float32_close
+    from test_export_onnx import hpcsgd_outputs as float_outputs
+    describe = {"type": "ctc", "input_dim": 40, "encoder": CONV, "num_tokens": 7,
+                "activation": "relu",
+                "qat": {**qat(bits, "channel" if bits == 4 else "tensor"), "activations": "none"}}
+    model = build(describe, max_batch=256)
+    params = model.new_params()
+    model.init(params, np.random.default_rng(1))
+    mean, inv_std, lengths, raw = padded_batch()
+    proto = export_onnx.graph(model, model.wq, mean, inv_std,
+                              g=export_onnx_int.IntGraph(model, params))
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    lp, lp_len = sess.run(None, {"x": raw, "x_lens": np.array(lengths, np.int64)})
+    float_twin = {k: v for k, v in describe.items() if k != "qat"}
+    for b, n in enumerate(lengths):
+        x = (raw[b:b + 1, :n] - mean) * inv_std
+        feats = np.ascontiguousarray(x[0], np.float32)
+        want = np.array(model.forward(params, feats, n, lengths=[n]))
+        ref64, = float_outputs(float_twin, model.wq, x.astype(np.float64), [n], np.float64)
+        assert_float32_close(lp[b, :lp_len[b]], want, ref64)
+    in_file = collections.Counter(n.op_type for n in proto.graph.node)
+    assert in_file["Cast"] >= 2 and not in_file["QuantizeLinear"]
+    assert proto.opset_import[0].version == (21 if bits == 4 else 17)
+    ran, folded = optimized_ops(proto, tmp_path)
+    assert not ran["MatMulNBits"] and not ran["MatMulIntegerToFloat"]
+    assert not folded[onnx.TensorProto.INT4]   # INT4: every weight folded to float32
+
+
 def test_zero_points():
     """A grid's codes in int8: zero point 0 where they fit, else from -128 up; an 8-bit range
     without zero is named."""
@@ -323,8 +359,7 @@ def test_sherpa_onnx_runs_an_untrained_conv_integer_graph(bits, demo_tokens, tmp
         "qat": qat(bits, "channel" if bits == 4 else "tensor")}, symbols)
     done = write_onnx(run, str(tmp_path / "onnx"), stats=train)
     # the graph's own counts (4 weights, 5 quantized inputs), in the file's metadata too
-    assert done["quantization"].startswith(f"INT{bits} weights (4 " + (
-        "DequantizeLinear)" if bits == 8 else "int4 tensors)"))
+    assert done["quantization"].startswith(f"INT{bits} weights (4 int{bits} tensors)")
     assert "; 5 GEMM inputs" in done["quantization"]
     props = {p.key: p.value for p in onnx.load(done["model"]).metadata_props}
     assert props["quantization"] == done["quantization"]
