@@ -13,9 +13,8 @@
 #                                            ../shared/data/so762_dev for the audio)
 #   ONLY=ctc bash experiments/streaming_so762.sh   the runs whose name starts with ONLY
 #   STAGE=decode bash experiments/streaming_so762.sh   decode only (STAGE=train: train only)
-# Runs in runs/streaming/<name>/. Not run yet (the machine it was written on was shared):
-# expect about what the BLSTM recipes take, 25-50 min for the CTC run on 2 idle cores
-# (experiments/README.md; a forward LSTM of 432 has the BLSTM's weights, in one direction).
+# Runs in runs/streaming/<name>/: 33 min for the CTC run (40 epochs), 9 min for the RNN-T,
+# about 12 min of decodes on 2 cores (2026-11-29; the figures: docs/export.md, streaming).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MPIR_CVAR_ENABLE_HEAVY_YIELD=1   # the trainer sets 1 thread per rank (2 ranks, 2 cores)
