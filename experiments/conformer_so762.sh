@@ -31,6 +31,9 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
     # 1-bit after 5 epochs of float32 (the warm-up and the first fall of the loss)
     train_run "$ROOT" cf_onebit 2 --config "$CF" exchange.aggregation=striped \
         exchange.codec=onebit exchange.cold_start_frames=2750000
+    # the same after 8 epochs of float32: past the plateau's exit, as the BLSTM's best 1-bit run
+    train_run "$ROOT" cf_onebit_cold8 2 --config "$CF" exchange.aggregation=striped \
+        exchange.codec=onebit exchange.cold_start_frames=4400000
     # mixed precision: the backoff scaler (at its old floor of 1 it sat at 1 for 11 epochs and
     # did not train), and logmax, which follows the gradients' size both ways
     train_run "$ROOT" cf_mixed 2 --config "$CF" train.precision=mixed train.loss_scale=backoff \
@@ -59,7 +62,7 @@ G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
 [ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind phones \
     --topology ctc --tokens phones --order 5 > /dev/null
 for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax cf_global cf_utt \
-        cf_global_seed2 cf_int4_10ep; do
+        cf_global_seed2 cf_int4_10ep cf_onebit_cold8; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     echo "== $name"
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
