@@ -53,6 +53,11 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
     train_run "$ROOT" cf_int4_10ep 2 --config "$CF" "train.init_from=$PWD/$ROOT/cf_f32" \
         train.epochs=10 schedule.warmup_frames=0 optim.lr=2.5e-7 qat.weights=sawb \
         qat.weight_bits=4 qat.weight_scale=channel qat.activations=pact qat.activation_bits=4
+    # the same with the first layer (the Conv2d front end) in float, as the IBM INT4 recipe
+    train_run "$ROOT" cf_int4ff_10ep 2 --config "$CF" "train.init_from=$PWD/$ROOT/cf_f32" \
+        train.epochs=10 schedule.warmup_frames=0 optim.lr=2.5e-7 qat.weights=sawb \
+        qat.weight_bits=4 qat.weight_scale=channel qat.activations=pact qat.activation_bits=4 \
+        qat.first_layer=float
     # the transducer, its encoder from the float32 CTC model's
     train_run "$ROOT" cf_rnnt 2 --config jobs/configs/so762_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/cf_f32"
@@ -62,7 +67,7 @@ G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
 [ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind phones \
     --topology ctc --tokens phones --order 5 > /dev/null
 for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax cf_global cf_utt \
-        cf_global_seed2 cf_int4_10ep cf_onebit_cold8; do
+        cf_global_seed2 cf_int4_10ep cf_int4ff_10ep cf_onebit_cold8; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     echo "== $name"
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
