@@ -61,6 +61,12 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
     # the transducer, its encoder from the float32 CTC model's
     train_run "$ROOT" cf_rnnt 2 --config jobs/configs/so762_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/cf_f32"
+    # its INT4 quantization-aware fine-tuning (the front end in float: qat.first_layer auto
+    # for an RNN-T), 4 epochs from the float transducer, for the integer ONNX export
+    train_run "$ROOT" cf_rnnt_int4 2 --config jobs/configs/so762_conformer_rnnt.yaml \
+        "train.init_from=$PWD/$ROOT/cf_rnnt" train.epochs=4 schedule.warmup_frames=0 \
+        optim.lr=1.25e-7 qat.weights=sawb qat.weight_bits=4 qat.weight_scale=channel \
+        qat.activations=pact qat.activation_bits=4
 fi
 [ "$STAGE" = train ] && exit 0
 G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
@@ -74,11 +80,12 @@ for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax cf_glob
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$G" --tune \
         | grep -E "^%|interval|acoustic scale [0-9]|held out"
 done
-if want cf_rnnt && [ -d "$ROOT/cf_rnnt" ]; then
-    echo "== cf_rnnt"
-    .venv/bin/hpcsgd decode "$ROOT/cf_rnnt" --data "$A/cv" --greedy | grep -E "^%|interval"
-    .venv/bin/hpcsgd decode "$ROOT/cf_rnnt" --data "$A/cv" --beam-size 4 | grep -E "^%|interval"
-fi
+for name in cf_rnnt cf_rnnt_int4; do
+    want "$name" && [ -d "$ROOT/$name" ] || continue
+    echo "== $name"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy | grep -E "^%|interval"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --beam-size 4 | grep -E "^%|interval"
+done
 # the deployable normalisations through the ONNX export and sherpa-onnx from the audio
 # (experiments/onnx_cmvn.py: each beside hpcsgd's own greedy decode)
 for name in cf_f32 cf_global cf_utt; do
