@@ -197,7 +197,7 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
     g = None
     if model.quant and not why:   # quantization-aware: its integer graph
         why = export_onnx_int.refusal(model, meta["path"])
-        g = None if why else export_onnx_int.IntGraph(model, params, nbits=not int8)
+        g = None if why else export_onnx_int.IntGraph(model, params, int4=not int8)
     if why:
         raise UserError(why)
     if int8 and not model.quant:
@@ -250,7 +250,7 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
         return {**done, "options": options, "cmvn": how, "quantization": quantization}
     if model.describe["type"] == "rnnt":   # three graphs (hpcsgd/export_onnx_rnnt.py)
         # a QAT model: the encoder and decoder each in a fresh IntGraph, on its weights' grids
-        graph = (lambda: export_onnx_int.IntGraph(model, params, nbits=not int8)) if g else None
+        graph = (lambda: export_onnx_int.IntGraph(model, params, int4=not int8)) if g else None
         done = export_onnx_rnnt.write(model, model.wq if g else params, out_dir,
                                       (mean, inv_std, utterance), props, options, tokens, graph)
         return {**done, "options": options, "cmvn": how}

@@ -120,7 +120,6 @@ class Graph:
     # replaces: a GEMM's input (quantized there on the grid it trained on, `key` its name in
     # model/quantize.py: a layer's index, or "{layer}.{part}" inside a layer) and a weight
     # matrix (its integer codes). The float graph takes both as they are.
-    domains = ()   # operator sets beside ONNX's that the graph's nodes use
     opset, ir_version = OPSET, IR_VERSION   # an INT4 graph's: 21, 10 (4-bit tensors)
 
     def gemm_input(self, x, key):
@@ -465,8 +464,7 @@ def graph(model, params, mean=None, inv_std=None, utterance=None, name="hpcsgd_c
          helper.make_tensor_value_info("log_probs_len", TensorProto.INT64, ["N"])],
         g.inits)
     proto = helper.make_model(graph_, producer_name="hpcsgd",
-                              opset_imports=[helper.make_opsetid("", g.opset)]
-                              + [helper.make_opsetid(d, 1) for d in g.domains])
+                              opset_imports=[helper.make_opsetid("", g.opset)])
     proto.ir_version = g.ir_version
     onnx.checker.check_model(proto)
     return proto

@@ -106,13 +106,13 @@ class IntGraph(Graph):
     """The graph of a quantization-aware model: its quantized weights as integer codes, its
     quantized GEMM inputs through Q/DQ (the module docstring)."""
 
-    def __init__(self, model, params, nbits=True):
-        """nbits False: weights of 4 bits or fewer as int8 codes too (the INT8 form)."""
+    def __init__(self, model, params, int4=True):
+        """int4 False: weights of 4 bits or fewer as int8 codes too (the INT8 form)."""
         super().__init__()
         quant = model.quant
         quant.quantize_weights(params, model.wq, model.ops)
-        self.nbits = nbits and quant.w_rule != "none" and quant.w_bits <= 4
-        if self.nbits:
+        self.int4 = int4 and quant.w_rule != "none" and quant.w_bits <= 4
+        if self.int4:
             self.opset, self.ir_version = INT4_OPSET, INT4_IR_VERSION
         self.codes = {}   # weight name -> (int8 codes (K, N), step: scalar or per column)
         if quant.w_rule != "none":
@@ -164,7 +164,7 @@ class IntGraph(Graph):
         codes, step = self.codes[name]
         codes = np.ascontiguousarray(codes if layout is None else layout(codes), np.int8)
         attrs = {"axis": axis} if step.ndim else {}
-        if not self.nbits:
+        if not self.int4:
             self.counts["weights_int8"] += 1
             return self.op("DequantizeLinear", [self.const(codes, name + "_codes"),
                                                 self.const(step, name + "_step"),
@@ -174,7 +174,7 @@ class IntGraph(Graph):
         return int4_weight(self, codes, step, name, axis)
 
     def matmul(self, x, p, name):
-        if name in self.codes and not self.nbits and x not in self.on_grid:
+        if name in self.codes and not self.int4 and x not in self.on_grid:
             # INT8, a float input (qat.activations none; an RNN-T's embedding rows): no
             # integer GEMM, and onnxruntime would rewrite DequantizeLinear -> MatMul as a
             # MatMulNBits that quantizes x to int8 (its default accuracy_level 4). The codes
@@ -222,6 +222,6 @@ def describe(g, quant):
     The weights' codes as int4 tensors (INT4) or int8 tensors (INT8: behind a
     DequantizeLinear, or Cast and Mul before a float input)."""
     kind = (f"INT4 weights ({g.counts['weights_int4']} int4 tensors)"
-            if g.nbits else f"INT8 weights ({g.counts['weights_int8']} int8 tensors)")
+            if g.int4 else f"INT8 weights ({g.counts['weights_int8']} int8 tensors)")
     return (f"{kind}; {g.counts['inputs']} GEMM inputs on {quant.a_bits}-bit grids through "
             f"QuantizeLinear/DequantizeLinear (qat {quant.qat})")

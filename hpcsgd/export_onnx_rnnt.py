@@ -82,8 +82,7 @@ def finish(g, name, inputs, outputs, props):
     proto = helper.make_model(
         helper.make_graph(g.nodes, name, [value(i) for i in inputs], [value(o) for o in outputs],
                           g.inits),
-        producer_name="hpcsgd", opset_imports=[helper.make_opsetid("", g.opset)]
-        + [helper.make_opsetid(d, 1) for d in g.domains])
+        producer_name="hpcsgd", opset_imports=[helper.make_opsetid("", g.opset)])
     proto.ir_version = g.ir_version
     helper.set_model_props(proto, props)
     onnx.checker.check_model(proto)

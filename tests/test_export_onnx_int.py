@@ -110,7 +110,7 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     params = model.new_params()
     model.init(params, np.random.default_rng(1))
     mean, inv_std, lengths, raw = padded_batch()
-    g = export_onnx_int.IntGraph(model, params, nbits=nbits)
+    g = export_onnx_int.IntGraph(model, params, int4=nbits)
     proto = export_onnx.graph(model, model.wq, mean, inv_std, g=g)
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     lp, lp_len = sess.run(None, {"x": raw, "x_lens": np.array(lengths, np.int64)})
