@@ -76,7 +76,7 @@ DEFAULTS = {
                              "utterances stay under this many MiB (an utterance larger runs alone)"),
     "model.encoder": ([], list, None,
                       "tdnn/ctc: the encoder's layers, e.g. ['conv 256 k5 s2', 'blstm 320'] "
-                      "(conv F kK [sS] [dD], stack K, blstm H, lstm H, dense F: "
+                      "(conv F kK [sS] [dD] [ahead], stack K, blstm H, lstm H, dense F: "
                       "hpcsgd/model/encoder.py)"),
     "model.hidden": ([512, 512, 512], list, (1, 1 << 16), "hidden layer sizes of the DNN"),
     "model.cells": ([320, 320, 320], list, (1, 1 << 16), "lstm: cells per direction of each LSTM layer"),

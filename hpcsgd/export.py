@@ -274,8 +274,10 @@ def run_onnx(args):
     print(f"wrote {graphs} and {done['tokens']} (normalised with {done['cmvn']}; "
           f"quantization: {done['quantization']})")
     if "chunk" in done:
-        print(f"streaming: chunks of {done['chunk']} frames ({done['chunk'] * 10} ms), the "
-              f"LSTM states carried from chunk to chunk")
+        ahead = (f", each read with the {done['lookahead']} frames after it "
+                 f"({done['lookahead'] * 10} ms of lookahead)" if done["lookahead"] else "")
+        print(f"streaming: chunks of {done['chunk']} frames ({done['chunk'] * 10} ms){ahead}, "
+              f"the LSTM states carried from chunk to chunk")
     print("sherpa-onnx, with hpcsgd's fbank options (dither 0, snip_edges, Kaldi's povey "
           "window, int16-range samples):\n")
     print(done["code"])

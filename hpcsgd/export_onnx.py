@@ -35,8 +35,9 @@ The graph, per layer, the same arithmetic as hpcsgd's forward (model/*.py):
                  the padding frames are zeroed: sherpa-onnx pads a batch with log(1e-10),
                  and the mask makes that invisible, as hpcsgd's zero padding is.
   stack K        zero-pad T to a multiple of K, reshape (N, T/K, K*D)
-  conv F kK sS dD [ln|in]
-                 Conv over (N, C, T), pads (p, (K-1)D - p) with p = (K-1)D // 2: T' = ceil(T/S)
+  conv F kK sS dD [ahead] [ln|in]
+                 Conv over (N, C, T), pads (p, (K-1)D - p) with p = (K-1)D // 2 (0: ahead),
+                 T' = ceil(T/S)
                  output steps, each reading its input steps t'S - p + jD (zero outside);
                  W (K*C, F) -> (F, C, K); LayerNormalization over channels, or instance norm
                  over each utterance's valid steps (masked sums), then ReLU or sigmoid
@@ -209,18 +210,19 @@ def stack(g, x, lens, layer):
                 hint="stacked"), strided(g, lens, k)
 
 
-def conv(g, x, lens, layer, p, act, key=None):
-    """A centred 1-D convolution (model/conv.py), its norm and activation; its input quantized
+def conv(g, x, lens, layer, p, act, key=None, valid=False):
+    """A 1-D convolution (model/conv.py), its norm and activation; its input quantized
     as the GEMM input `key` after the Transpose to (N, C, T) (the same values: onnxruntime's
     QDQ propagation of a DequantizeLinear through a Transpose writes an invalid opset-21
-    QuantizeLinear)."""
+    QuantizeLinear). valid: no zeros after the input (the streaming graphs' lookahead conv
+    reads real frames there, and emits fewer steps)."""
     k, c, f, d = layer.kernel, layer.n_in, layer.n_out, layer.dilation
     w = g.weight(p, layer.W, lambda a: a.reshape(k, c, f).transpose(2, 1, 0), axis=0)
     inputs = [g.gemm_input(g.op("Transpose", [x], perm=[0, 2, 1]), key), w]
     if not layer.norm:
         inputs.append(g.const(p[layer.b].reshape(-1).astype(np.float32), layer.b))
     z = g.op("Conv", inputs, kernel_shape=[k], strides=[layer.stride], dilations=[d],
-             pads=[layer.left, (k - 1) * d - layer.left], hint="conv")
+             pads=[layer.left, 0 if valid else (k - 1) * d - layer.left], hint="conv")
     z = g.op("Transpose", [z], perm=[0, 2, 1])
     lens = strided(g, lens, layer.stride)
     gain = g.const(p[layer.g].reshape(-1).astype(np.float32), layer.g) if layer.norm else None

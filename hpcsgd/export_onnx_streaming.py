@@ -34,19 +34,27 @@ States: L = the encoder's LSTM layers (1 if it has none: a state that passes thr
 their widest; layer l reads h[l, :, :H_l], c[l, :, :H_l] and writes them back, zero beyond.
 sherpa-onnx starts every stream from zeros, which is where hpcsgd's LSTMs start an utterance.
 
-Chunks: sherpa-onnx feeds T frames at a time and advances by decode_chunk_len = T (metadata;
-no lookahead: the layers are causal), T = --chunk-ms / 10 ms, a multiple of the encoder's
-stride so that a stack or a strided layer cuts the chunks where it cuts the utterance. With
-the states carried, chunk after chunk gives exactly the whole utterance's forward; only the
-end differs: sherpa-onnx decodes a chunk once one frame more than it has arrived, so the
-last partial chunk needs tail padding (the printed call appends chunk + 10 ms of zeros),
-whose silence frames the model then also sees.
+Chunks: sherpa-onnx feeds T frames at a time and advances by decode_chunk_len (metadata),
+the chunk, --chunk-ms / 10 ms: a multiple of the encoder's stride so that a stack or a
+strided layer cuts the chunks where it cuts the utterance. T = the chunk plus the encoder's
+lookahead: the frames its `conv F kK ahead` layers read past the chunk ((K-1)D each, times
+the stride below it), 0 for an encoder of causal layers only. The lookahead frames pass
+through every layer below the last lookahead conv, and each LSTM there runs twice: over the
+chunk from the carried state, whose end state is what it carries on, then over the lookahead
+frames from that state (their outputs feed the convolution, and are recomputed as part of
+the next chunk). A lookahead conv is a "valid" convolution, so the graph emits the chunk's
+frames only. With the states carried, chunk after chunk gives exactly the whole utterance's
+forward; only the end differs: sherpa-onnx decodes a chunk once one frame more than T has
+arrived, so the last partial chunk needs tail padding (the printed call appends T + 1 frames
+of zeros), whose silence frames the model then also sees, and which the lookahead of the
+utterance's last frames reads where hpcsgd's whole-utterance forward reads zeros.
 
 Normalisation: the global CMVN of the offline export (--cmvn global), folded into the graph:
 a stream has no utterance statistics before its end, so --cmvn utterance is refused.
-Layers that read the future are refused by name: blstm (its backward direction starts at
-the utterance's end), conv with a kernel over 1 (hpcsgd's convolutions are centred: they
-read (K-1)D - (K-1)D//2 frames ahead), a conv's instance norm `in` (the utterance's statistics),
+Layers that read the future without bound are refused by name: blstm (its backward
+direction starts at the utterance's end), a centred conv with a kernel over 1 (it reads
+(K-1)D//2 frames behind, a state these graphs do not carry: `ahead` convs read only ahead),
+a strided `ahead` conv, a conv's instance norm `in` (the utterance's statistics),
 conv2d (its 3x3 kernels read the next frame) and conformer blocks (attention over the whole
 utterance).
 """
@@ -81,18 +89,23 @@ def not_causal(model, meta_path):
                 continue
             why = "its backward direction starts at the utterance's end"
         elif isinstance(layer, Conv1d):
-            if layer.kernel == 1 and layer.norm != "in":
+            if layer.norm == "in":
+                why = "its instance norm needs the whole utterance's statistics"
+            elif layer.kernel > 1 and layer.left:
+                why = (f"hpcsgd's convolutions are centred: it reads {layer.left} frames "
+                       f"behind and {(layer.kernel - 1) * layer.dilation - layer.left} "
+                       f"ahead (a lookahead layer reads ahead only: 'conv F kK ahead')")
+            elif layer.kernel > 1 and layer.stride > 1:
+                why = "a strided lookahead conv would cut the chunks off its stride"
+            else:
                 continue
-            why = ("its instance norm needs the whole utterance's statistics" if
-                   layer.kernel == 1 else
-                   f"hpcsgd's convolutions are centred: it reads "
-                   f"{(layer.kernel - 1) * layer.dilation - layer.left} frames ahead")
         elif isinstance(layer, ConformerBlock):
             why = "its self-attention reads the whole utterance"
         else:
             why = "its 3x3 kernels read the next frame"
         return (f"{meta_path}: encoder layer {text!r} cannot stream: {why}; a streaming "
-                f"encoder is made of stack, lstm, dense and conv F k1 layers")
+                f"encoder is made of stack, lstm, dense, conv F k1 and conv F kK ahead "
+                f"layers")
     return None
 
 
@@ -110,16 +123,28 @@ def chunk_frames(model, chunk_ms):
     return int(frames)
 
 
+def lookahead_frames(model):
+    """Input frames the encoder reads past a chunk: each `ahead` conv's (K-1)D steps, in
+    input frames (times the stride below it)."""
+    frames, stride = 0, 1
+    for layer in model.layers[:-1]:
+        if isinstance(layer, Conv1d) and not layer.left:
+            frames += (layer.kernel - 1) * layer.dilation * stride
+        stride *= layer.k if isinstance(layer, StackFrames) else getattr(layer, "stride", 1)
+    return frames
+
+
 def state_size(model):
     """(L, H) of the state tensors: LSTM layers (at least 1) and the widest one's cells."""
     cells = [layer.cells for layer in model.layers[:-1] if isinstance(layer, LSTM)]
     return max(len(cells), 1), max(cells, default=1)
 
 
-def lstm_from(g, x, layer, p, h, c, index, width):
+def lstm_from(g, x, layer, p, h, c, index, width, steps=None):
     """One forward LSTM layer (ONNX LSTM, gates reordered as export_onnx.lstm reorders them)
-    from row `index` of the states h, c (L, N, width) -> (y (N, T, H), its last h and c, each
-    (1, N, width), zero beyond H)."""
+    from row `index` of the states h, c (L, N, width) -> (y (N, T, H), its h and c, each
+    (1, N, width), zero beyond H): after the last step, or with `steps` after that many (the
+    chunk's; the steps after them, the lookahead, continue from there into y only)."""
     cells = layer.cells
     order = np.concatenate([np.arange(q * cells, (q + 1) * cells) for q in ONNX_GATES])
     W = p[layer.W][:, order].T[None]
@@ -130,10 +155,20 @@ def lstm_from(g, x, layer, p, h, c, index, width):
     h0 = g.op("Slice", [h, begin, end, axes])
     c0 = g.op("Slice", [c, begin, end, axes])
     as32 = lambda a: np.ascontiguousarray(a, np.float32)   # noqa: E731
-    y, h1, c1 = g.op("LSTM", [g.op("Transpose", [x], perm=[1, 0, 2]),
-                              g.const(as32(W), layer.W), g.const(as32(R), layer.U[0]),
-                              g.const(as32(B), layer.b), "", h0, c0],
-                     hidden_size=cells, direction="forward", outputs=3, hint="lstm")
+    weights = [g.const(as32(W), layer.W), g.const(as32(R), layer.U[0]),
+               g.const(as32(B), layer.b), ""]
+    xt = g.op("Transpose", [x], perm=[1, 0, 2])   # time-major
+
+    def run(x_tnd, h_in, c_in):
+        return g.op("LSTM", [x_tnd, *weights, h_in, c_in], hidden_size=cells,
+                    direction="forward", outputs=3, hint="lstm")
+    if steps is None:
+        y, h1, c1 = run(xt, h0, c0)
+    else:   # the chunk, then its lookahead from the chunk's end state
+        cut = lambda a, b: g.op("Slice", [xt, i64([a]), i64([b]), i64([0])])  # noqa: E731
+        y, h1, c1 = run(cut(0, steps), h0, c0)
+        y_ahead, _, _ = run(cut(steps, np.iinfo(np.int64).max), h1, c1)
+        y = g.op("Concat", [y, y_ahead], axis=0)
     y = g.op("Transpose", [g.op("Squeeze", [y, i64([1])])], perm=[1, 0, 2])   # (N, T, H)
     if width > cells:
         pads = i64([0, 0, 0, 0, 0, width - cells])
@@ -141,8 +176,9 @@ def lstm_from(g, x, layer, p, h, c, index, width):
     return y, h1, c1
 
 
-def encoder(g, model, p, mean, inv_std, h, c):
-    """x and the states h, c -> (the encoder's output (N, T/stride, C), next h, next c)."""
+def encoder(g, model, p, mean, inv_std, h, c, chunk):
+    """x (N, chunk + its lookahead, D) and the states h, c -> (the encoder's output over the
+    chunk (N, chunk/stride, C), next h, next c)."""
     act = model.describe["activation"]
     x = g.op("Mul", [g.op("Sub", ["x", g.const(np.asarray(mean, np.float32).reshape(-1),
                                                 "cmvn_mean")]),
@@ -155,13 +191,21 @@ def encoder(g, model, p, mean, inv_std, h, c):
                            g.op("Gather", [shape, i64([0])], axis=0)], hint="lens")
     _, width = state_size(model)
     hs, cs = [], []
+    # the chunk's steps and the lookahead's at each layer's input
+    steps, ahead = chunk, lookahead_frames(model)
     for layer in model.layers[:-1]:
         if isinstance(layer, StackFrames):
             x, lens = stack(g, x, lens, layer)
+            steps, ahead = steps // layer.k, ahead // layer.k
         elif isinstance(layer, Conv1d):
-            x, lens = conv(g, x, lens, layer, p, act)
+            reads = (layer.kernel - 1) * layer.dilation if not layer.left else 0
+            if reads:   # lookahead: only the steps whose every tap the input holds
+                lens = g.op("Sub", [lens, g.const(np.array(reads, np.int64))])
+            x, lens = conv(g, x, lens, layer, p, act, valid=bool(reads))
+            steps, ahead = steps // layer.stride, (ahead - reads) // layer.stride
         elif isinstance(layer, LSTM):
-            x, h1, c1 = lstm_from(g, x, layer, p, h, c, len(hs), width)
+            x, h1, c1 = lstm_from(g, x, layer, p, h, c, len(hs), width,
+                                  steps if ahead else None)
             hs.append(h1)
             cs.append(c1)
         else:
@@ -178,7 +222,7 @@ def rnnt_encoder_graph(model, params, mean, inv_std, chunk, props=None):
     g, out = Graph(), model.layers[-1]
     p = {name: np.asarray(params[name]) for name in params.views}
     L, H = state_size(model)
-    x, h, c = encoder(g, model, p, mean, inv_std, "h", "c")
+    x, h, c = encoder(g, model, p, mean, inv_std, "h", "c", chunk)
     g.nodes.append(g.helper.make_node("Identity", [affine(g, x, p, out.W, out.b)],
                                       ["encoder_out"]))
     g.nodes.append(g.helper.make_node("Identity", [h], ["next_h"]))
@@ -187,7 +231,8 @@ def rnnt_encoder_graph(model, params, mean, inv_std, chunk, props=None):
     # what the loader reads: the states' shapes (L, 1, d_model) and (L, 1, rnn_hidden_size),
     # the frames per call (T) and per step (decode_chunk_len)
     meta = {"model_type": "lstm", "num_encoder_layers": str(L), "d_model": str(H),
-            "rnn_hidden_size": str(H), "T": str(chunk), "decode_chunk_len": str(chunk)}
+            "rnn_hidden_size": str(H), "T": str(chunk + lookahead_frames(model)),
+            "decode_chunk_len": str(chunk)}
     return finish(g, "hpcsgd_rnnt_streaming_encoder",
                   [("x", F, ["N", "T", model.input_dim]), ("h", F, [L, "N", H]),
                    ("c", F, [L, "N", H])],
@@ -211,7 +256,7 @@ def ctc_graph(model, params, mean, inv_std, chunk, props=None):
     g, out = Graph(), model.layers[-1]
     p = {name: np.asarray(params[name]) for name in params.views}
     L, H = state_size(model)
-    x, h, c = encoder(g, model, p, mean, inv_std, "h", "c")
+    x, h, c = encoder(g, model, p, mean, inv_std, "h", "c", chunk)
     z = g.op("Add", [g.op("MatMul", [x, g.const(p[out.W].astype(np.float32), out.W)]),
                      g.const(p[out.b].reshape(-1).astype(np.float32), out.b)], hint="logits")
     g.nodes.append(g.helper.make_node("LogSoftmax", [z], ["log_probs"], axis=-1))
@@ -231,7 +276,8 @@ def ctc_graph(model, params, mean, inv_std, chunk, props=None):
     meta = {"model_type": "zipformer2", "encoder_dims": str(ZIP_DIM),
             "query_head_dims": str(H), "value_head_dims": str(H), "num_heads": "1",
             "num_encoder_layers": "1", "cnn_module_kernels": str(ZIP_KERNEL),
-            "left_context_len": str(L), "T": str(chunk), "decode_chunk_len": str(chunk),
+            "left_context_len": str(L), "T": str(chunk + lookahead_frames(model)),
+            "decode_chunk_len": str(chunk),
             "lstm_layers": str(L), "lstm_state_width": str(H)}
     return finish(g, "hpcsgd_ctc_streaming", inputs, outputs, {**(props or {}), **meta})
 
@@ -239,7 +285,9 @@ def ctc_graph(model, params, mean, inv_std, chunk, props=None):
 def write(model, params, out_dir, mean, inv_std, chunk, props, options, tokens):
     """Write the streaming graphs and tokens.txt of the CTC or RNN-T model into out_dir ->
     {"model" (CTC) or "encoder", "decoder", "joiner" (RNN-T), "tokens", "code", "chunk"}."""
-    props = {**props, "streaming": f"chunks of {chunk} frames, LSTM states carried"}
+    ahead = lookahead_frames(model)
+    props = {**props, "streaming": f"chunks of {chunk} frames, LSTM states carried"
+             + (f", {ahead} frames of lookahead" if ahead else "")}
     if model.describe["type"] == "rnnt":
         out = model.layers[-1]
         common = {**props, "predictor": ", ".join(model.describe["predictor"]),
@@ -252,13 +300,14 @@ def write(model, params, out_dir, mean, inv_std, chunk, props, options, tokens):
     else:
         protos = {"model": ctc_graph(model, params, mean, inv_std, chunk, props)}
         text = sherpa_tokens(tokens["symbols"], tokens["kind"])
-    done = {**save(protos, out_dir, text), "chunk": chunk}
-    done["code"] = sherpa_code(done, options, chunk)
+    done = {**save(protos, out_dir, text), "chunk": chunk, "lookahead": ahead}
+    done["code"] = sherpa_code(done, options, chunk + ahead)
     return done
 
 
-def sherpa_code(files, options, chunk):
-    """The Python that runs the exported files in sherpa-onnx's online recognizer."""
+def sherpa_code(files, options, frames):
+    """The Python that runs the exported files in sherpa-onnx's online recognizer, which
+    reads `frames` (T: the chunk and its lookahead) a call."""
     feat = ", ".join(f"{k}={v!r}" for k, v in options.items())
     rate = options["sampling_rate"]
     if "encoder" in files:
@@ -270,7 +319,7 @@ def sherpa_code(files, options, chunk):
     else:
         model = f"""zipformer2_ctc=OnlineZipformer2CtcModelConfig(
             model={files['model']!r}),"""
-    tail = (chunk + 1) * rate * FRAME_MS // 1000
+    tail = (frames + 1) * rate * FRAME_MS // 1000
     return f"""import numpy as np
 from sherpa_onnx.lib._sherpa_onnx import (   # the classes that take the whole config
     FeatureExtractorConfig, OnlineModelConfig, OnlineRecognizer, OnlineRecognizerConfig,

@@ -34,17 +34,20 @@ def causal_model(kind, encoder, seed=1, tokens=7):
     return model, params
 
 
-def run_chunks(session, x, chunk):
+def run_chunks(session, x, chunk, frames=None):
     """The graph over x (N, T, D) in chunks of `chunk` frames, every state starting at zero
     (as sherpa-onnx starts a stream) and carried from each call's outputs to the next's
-    inputs -> the first output of all chunks, concatenated over time."""
+    inputs -> the first output of all chunks, concatenated over time. frames: each call
+    reads that many (the chunk and its lookahead), as long as x has them (sherpa-onnx's
+    rule: T frames a call, the chunk's shift between calls)."""
     inputs = session.get_inputs()[1:]
     states = {i.name: np.zeros([x.shape[0] if d == "N" else d for d in i.shape],
                                np.int64 if i.type == "tensor(int64)" else np.float32)
               for i in inputs}
     outs = []
-    for s in range(0, x.shape[1], chunk):
-        res = session.run(None, {"x": x[:, s:s + chunk], **states})
+    frames = frames or chunk
+    for s in range(0, x.shape[1] - frames + chunk, chunk):
+        res = session.run(None, {"x": x[:, s:s + frames], **states})
         outs.append(res[0])
         states = dict(zip([i.name for i in inputs], res[1:]))
     return np.concatenate(outs, axis=1)
@@ -83,6 +86,43 @@ def test_chunks_with_the_states_carried_equal_the_whole_utterance(kind):
         assert_float32_close(whole[b], ref32[b], ref64[b])
 
 
+@pytest.mark.parametrize("kind", ["rnnt", "ctc"])
+def test_chunks_with_their_lookahead_equal_the_whole_utterance(kind):
+    """An encoder with two lookahead convs (`conv F kK ahead`, one above each LSTM: the
+    first's 2 steps at stride 6 and the second's 1 read 18 input frames past a chunk) in
+    chunks of 12 frames, each call reading 30 (T = chunk + lookahead, advancing by the
+    chunk, as sherpa-onnx feeds them): each utterance's output equals hpcsgd's forward over
+    all the frames fed, up to the last step whose lookahead those frames hold, within the
+    float32 bound; the metadata say T 30, decode_chunk_len 12."""
+    from test_export_onnx import hpcsgd_outputs
+    model, params = causal_model(kind, ["stack 3", "conv 8 k1 s2 ln", "lstm 5",
+                                        "conv 6 k3 ahead", "lstm 7", "conv 6 k2 ahead"])
+    assert streaming.lookahead_frames(model) == 18
+    rng = np.random.default_rng(2)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    raw = rng.normal(mean, 1 / inv_std, (2, 90, 40)).astype(np.float32)
+    build_graph = streaming.rnnt_encoder_graph if kind == "rnnt" else streaming.ctc_graph
+    proto = build_graph(model, params, mean, inv_std, 12)
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert (props["T"], props["decode_chunk_len"]) == ("30", "12")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = run_chunks(session, raw, 12, 30)
+    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, [90, 90],
+                           np.float32)
+    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
+    ref64 = hpcsgd_outputs(model.describe, params, x64, [90, 90], np.float64)
+    for b in range(2):   # 6 calls of 2 steps; the forward's last 3 read zeros past the end
+        assert got[b].shape == (12, 9 if kind == "rnnt" else 7)
+        assert_float32_close(got[b], ref32[b][:12], ref64[b][:12])
+    # the first call reads the lookahead: frames 24 on changed (to the mean), step 0 (frames
+    # 0-23) stays bit for bit, step 1 (frames 6-29) moves
+    cut = raw.copy()
+    cut[:, 24:] = mean
+    moved = run_chunks(session, cut, 12, 30)
+    assert np.array_equal(moved[:, 0], got[:, 0]) and (moved[:, 1] != got[:, 1]).any(axis=-1).all()
+
+
 def test_a_dense_only_encoder_passes_its_state_through():
     """No LSTM: the graph still has the loader's h and c (1, N, 1), returned as they came."""
     model, params = causal_model("rnnt", ["stack 2", "dense 8"])
@@ -108,13 +148,16 @@ def make_run(tmp_path, encoder, kind="rnnt"):
     (["blstm 3"], "'blstm 3' cannot stream: its backward direction starts at the "
                   "utterance's end"),
     (["conv 4 k4", "lstm 3"], "'conv 4 k4' cannot stream: hpcsgd's convolutions are "
-                              "centred: it reads 2 frames ahead"),
+                              "centred: it reads 1 frames behind and 2 ahead"),
+    (["lstm 3", "conv 4 k3 s2 ahead"], "'conv 4 k3 s2 ahead' cannot stream: a strided "
+                                       "lookahead conv"),
     (["conv 4 k1 in", "lstm 3"], "'conv 4 k1 in' cannot stream: its instance norm"),
     (["conv2d 2 8", "conformer 8 h2 f16 k3"], "'conv2d 2 8' cannot stream: its 3x3 kernels "
                                               "read the next frame"),
     (["dense 8", "conformer 8 h2 f16 k3"], "'conformer 8 h2 f16 k3' cannot stream: its "
                                            "self-attention reads the whole utterance"),
-], ids=["blstm", "centred-conv", "instance-norm", "conv2d", "conformer"])
+], ids=["blstm", "centred-conv", "strided-lookahead", "instance-norm", "conv2d",
+        "conformer"])
 def test_a_layer_that_reads_ahead_is_named(encoder, words, tmp_path):
     run = make_run(tmp_path, encoder)
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
@@ -149,20 +192,23 @@ def test_options_it_refuses_are_named(tmp_path):
 TRAIN = {"rnnt": ["model.type=rnnt", "model.predictor=[lstm 32]", "model.embed=16",
                   "model.joint=48", "train.epochs=16", "optim.lr=1e-5"],
          "ctc": ["model.type=ctc", "model.frame_ce=0.5", "train.epochs=20", "optim.lr=5e-6"]}
+ENCODER = {"rnnt": "[stack 3, lstm 64]", "ctc": "[stack 3, lstm 64]",
+           "ctc-ahead": "[stack 3, lstm 64, conv 64 k3 ahead]"}   # 60 ms of lookahead
 
 
-@pytest.fixture(scope="module", params=["rnnt", "ctc"])
+@pytest.fixture(scope="module", params=["rnnt", "ctc", "ctc-ahead"])
 def exported(request, demo_tokens, tmp_path_factory):
     """A tiny causal phone model (stack 3, lstm 64; the RNN-T with an lstm 32 predictor, CTC
-    with a frame CE head) trained on the demo corpus' 32 training speakers (as the offline
+    with a frame CE head; ctc-ahead: CTC with a lookahead conv reading 2 steps ahead on top)
+    trained on the demo corpus' 32 training speakers (as the offline
     export tests train theirs), exported with `hpcsgd export --onnx --streaming`: (kind, run,
     out_dir, the command's stdout)."""
     pytest.importorskip("sherpa_onnx")
-    kind = request.param
-    base = tmp_path_factory.mktemp(f"onnx_streaming_{kind}")
+    base = tmp_path_factory.mktemp(f"onnx_streaming_{request.param}")
+    kind = request.param.split("-")[0]
     run, out = str(base / "run"), str(base / "onnx")
     proc = run_train(1, [f"data.train={demo_tokens}/train", f"data.cv={demo_tokens}/cv",
-                         f"train.run_dir={run}", "model.encoder=[stack 3, lstm 64]",
+                         f"train.run_dir={run}", f"model.encoder={ENCODER[request.param]}",
                          "data.tokens=phones", "train.minibatch=2000", "optim.type=adam",
                          "optim.momentum_tc=0", "schedule.type=constant", *TRAIN[kind]],
                      timeout=600)
@@ -174,11 +220,12 @@ def exported(request, demo_tokens, tmp_path_factory):
     return kind, run, out, cli.stdout
 
 
-def hpcsgd_greedy(kind, run, feats, train, beam=0):
+def hpcsgd_greedy(kind, run, feats, train, beam=0, steps=None):
     """hpcsgd's greedy search (RNN-T: at most one symbol per frame, sherpa-onnx's rule) on
     raw features normalised with the global statistics of `train` -> (phones, the encoder
     frame of each: where CTC's run of it starts, where the transducer emits it). RNN-T with
-    beam: its modified beam search of that many -> phones."""
+    beam: its modified beam search of that many -> phones. steps: over the encoder's first
+    that many output steps only (those the lookahead frames after them were read for)."""
     from hpcsgd.decode import ctc, rnnt, timestamps
     from hpcsgd.model.lengths import Lengths
     from hpcsgd.model_io import load_model
@@ -186,7 +233,7 @@ def hpcsgd_greedy(kind, run, feats, train, beam=0):
     symbols = np.array(meta["tokens"]["symbols"])
     mean, inv_std, _, _ = export_onnx.global_cmvn(train, "meanvar")
     x = np.ascontiguousarray((feats.astype(np.float32) - mean) * inv_std, np.float32)
-    out = np.array(model.forward(params, x, len(x), lengths=[len(x)]))
+    out = np.array(model.forward(params, x, len(x), lengths=[len(x)]))[:steps]
     if kind == "ctc":
         runs = timestamps.token_runs(out.argmax(axis=1))
         assert [k for k, _, _ in runs] == ctc.greedy_search(out).tolist()
@@ -274,7 +321,9 @@ def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_token
     code = stdout[stdout.index("import numpy as np"):]
     train = f"{demo_tokens}/train"
     config = json.loads(archive.read_index(train)["extractor_config"])
-    chunk = streaming.chunk_frames(load_model(run)[0], None)
+    model = load_model(run)[0]
+    chunk = streaming.chunk_frames(model, None)
+    ahead = streaming.lookahead_frames(model)   # frames each call reads past its chunk
     tail = int(code.split("np.zeros(")[1].split(",")[0])
     demo = os.path.join(REPO, "data_prep", "demo", "so762")
     audio = dict(line.split() for line in open(os.path.join(demo, "wav.scp")))
@@ -290,15 +339,16 @@ def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_token
                                                                              np.float32)]))
         # hpcsgd's features of the padded audio begin with the archive's, bit for bit
         assert np.array_equal(padded[:len(feats)], feats)
-        # sherpa-onnx decodes a chunk once a frame past it has arrived
-        assert len(feats) <= chunks * chunk <= len(padded) - 1
-        want, at = hpcsgd_greedy(kind, run, padded[:chunks * chunk], train)
+        # sherpa-onnx decodes a chunk once a frame past it and its lookahead has arrived
+        assert len(feats) <= chunks * chunk <= len(padded) - 1 - ahead
+        fed_frames, steps = padded[:chunks * chunk + ahead], chunks * chunk // 3
+        want, at = hpcsgd_greedy(kind, run, fed_frames, train, steps=steps)
         assert hyp == want, utt
         assert np.rint(np.array(stamps) / 0.04).tolist() == at   # the same encoder steps
         if kind == "rnnt":   # and modified_beam_search with 4 active paths: hpcsgd's beam 4
             beam = code.replace('"greedy_search"', '"modified_beam_search", max_active_paths=4')
             assert sherpa_online(beam, samples, 16000)[0] == \
-                hpcsgd_greedy(kind, run, padded[:chunks * chunk], train, beam=4), utt
+                hpcsgd_greedy(kind, run, fed_frames, train, beam=4, steps=steps), utt
         offline, _ = hpcsgd_greedy(kind, run, feats, train)
         same_offline += offline == hyp
         phones += len(hyp)
@@ -307,14 +357,16 @@ def test_sherpa_onnx_streams_the_audio_as_hpcsgd_decodes_it(exported, demo_token
         # sherpa-onnx could have it: its chunk's last frame and one more (25 ms windows
         # every 10 ms), with the audio handed over sample by sample
         had = [s - 0.03 * t for s, t in zip(seen, at)]
-        ready = [0.015 + 0.01 * ((3 * t // chunk + 1) * chunk + 1) - 0.03 * t for t in at]
+        ready = [0.015 + 0.01 * ((3 * t // chunk + 1) * chunk + ahead + 1) - 0.03 * t
+                 for t in at]
         delays += had
         bound += ready
         first += had[:1]
     assert phones > 20   # not an all-blank model
     assert sherpa_batch(code, clips, 16000) == hyps
     print(f"{kind}: {phones} phones in 40 hypotheses; equal to hpcsgd's greedy on the "
-          f"unpadded features: {same_offline} of 40; chunk {chunk} frames ({chunk * 10} ms); "
+          f"unpadded features: {same_offline} of 40; chunk {chunk} frames ({chunk * 10} ms), "
+          f"lookahead {ahead * 10} ms; "
           f"from a token's step to the audio time it appeared at (0.32 s pieces): mean "
           f"{np.mean(delays):.3f} s (min {np.min(delays):.3f}, max {np.max(delays):.3f}), "
           f"the first token of each hypothesis {np.mean(first):.3f} s ({len(first)} "
@@ -330,7 +382,9 @@ def test_the_export_writes_what_sherpa_onnx_reads(exported):
     proto = onnx.load(os.path.join(out, f"{graph}.onnx"))
     props = {p.key: p.value for p in proto.metadata_props}
     names = [i.name for i in proto.graph.input]
-    assert props["T"] == props["decode_chunk_len"] == "30" and "streaming" in props
+    ahead = "6" if "ahead" in run else "0"   # conv 64 k3 ahead: 2 steps of 3 frames
+    assert props["decode_chunk_len"] == "30" and "streaming" in props
+    assert int(props["T"]) == 30 + int(ahead)
     if kind == "rnnt":
         assert names == ["x", "h", "c"]
         assert [o.name for o in proto.graph.output] == ["encoder_out", "next_h", "next_c"]

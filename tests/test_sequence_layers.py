@@ -65,9 +65,14 @@ def test_mask_rows_zeroes_exactly_the_padding():
 
 def test_encoder_specs():
     assert parse_spec("conv 256  k11 s2 d2") == {"kind": "conv", "units": 256, "kernel": 11,
-                                                  "stride": 2, "dilation": 2, "norm": None}
+                                                  "stride": 2, "dilation": 2, "ahead": False,
+                                                  "norm": None}
     assert parse_spec("conv 256 k11 ln")["norm"] == "ln" and parse_spec("conv 8 k3 s2 in") == {
-        "kind": "conv", "units": 8, "kernel": 3, "stride": 2, "dilation": 1, "norm": "in"}
+        "kind": "conv", "units": 8, "kernel": 3, "stride": 2, "dilation": 1, "ahead": False,
+        "norm": "in"}
+    assert parse_spec("conv 8 k7 ahead ln") == {
+        "kind": "conv", "units": 8, "kernel": 7, "stride": 1, "dilation": 1, "ahead": True,
+        "norm": "ln"}
     assert parse_spec("blstm 320") == {"kind": "blstm", "units": 320}
     for bad in ("conv 256", "conv k3 256", "gru 128", "blstm", "conv 0 k3", "conv 8 k3 ln s2",
                 "blstm 8 ln", "conv 8 k3 ln in", "conv 8 k3 bn"):
@@ -91,10 +96,11 @@ def _init(net, seed=0):
     return params
 
 
-@pytest.mark.parametrize("norm", ["", " ln", " in"])
+@pytest.mark.parametrize("norm", ["", " ln", " in", " ahead"])
 def test_tdnn_gradient_by_finite_differences(norm):
     """float64: a convolution (dilated) + a BLSTM + the softmax on full chunks; every
-    parameter of the convolutions (with " ln": their layer norms' gains and shifts too) and
+    parameter of the convolutions (with " ln": their layer norms' gains and shifts too;
+    " ahead": convolutions reading only the steps ahead) and
     the output checked at sampled coordinates against a central difference (step 1e-6:
     error ~1e-9 relative)."""
     steps, nb, D, V = 6, 2, 3, 4
@@ -113,7 +119,7 @@ def test_tdnn_gradient_by_finite_differences(norm):
         return net.forward_backward(params, g, x, y, len(y))[0]
 
     names = ("enc.0.w", "enc.0.b", "enc.1.w", "enc.1.b", "out.w") + (
-        ("enc.0.norm.g", "enc.1.norm.g") if norm else ())
+        ("enc.0.norm.g", "enc.1.norm.g") if norm in (" ln", " in") else ())
     assert set(names) <= {spec.name for spec in net.specs}
     for name in names:
         view, flat = params[name], params[name].reshape(-1)
@@ -145,6 +151,7 @@ def _sequence_net(encoder, D, V):
 
 @pytest.mark.parametrize("encoder", [["conv 5 k3", "blstm 3", "dense 4"],
                                      ["conv 4 k3 d2", "lstm 3", "conv 5 k5"],
+                                     ["lstm 3", "conv 5 k4 d2 ahead", "conv 4 k2 ahead ln"],
                                      ["conv 5 k3 ln", "conv 4 k5 d2 ln", "lstm 3"],
                                      ["conv 5 k3 in", "conv 4 k5 d2 in", "blstm 3"]])
 def test_padded_batch_is_its_sequences_alone(encoder):
@@ -196,3 +203,28 @@ def test_strided_encoder_forward_is_per_sequence():
         assert len(alone) == steps == -(-(-(-len(s) // 2)) // 2)
         np.testing.assert_allclose(out[np.arange(steps) * out_lengths.nb + b], alone,
                                    rtol=1e-12, atol=1e-12)
+
+
+def test_a_lookahead_convolution_reads_the_steps_ahead_only():
+    """`conv F kK dD ahead`: output step t = relu(b + sum_j x[t + j*D] W_j) (zeros past the
+    sequence's end), against a float64 loop; the centred conv of the same weights reads
+    (K-1)D//2 steps behind instead."""
+    rng = np.random.default_rng(3)
+    D, F, K, dil, T = 3, 4, 3, 2, 9
+    for spec, left in (("conv 4 k3 d2 ahead", 0), ("conv 4 k3 d2", 2)):
+        layers, _ = encoder_layers(D, [spec], "relu")
+        net = Network(layers + [SoftmaxOutput("out", F, 2)], 64, np.float64)
+        params = _init(net, 4)
+        x = rng.standard_normal((T, D))
+        net.forward(params, x, T, lengths=[T])
+        got = net.acts[0][:T]   # the conv layer's output
+        W = params["enc.0.w"].reshape(K, D, F)
+        want = np.zeros((T, F))
+        for t in range(T):
+            z = params["enc.0.b"][0].copy()
+            for j in range(K):
+                src = t - left + j * dil
+                if 0 <= src < T:
+                    z += x[src] @ W[j]
+            want[t] = np.maximum(z, 0)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -256,6 +256,9 @@ def CTCModel(torch, shape, act, out=None):
                     layer = torch.nn.Conv1d(n_in, width, k, stride=spec["stride"],
                                             dilation=d, padding=(k - 1) * d // 2,
                                             bias=not spec["norm"])
+                    if spec["ahead"]:
+                        raise ValueError("the PyTorch peer has no lookahead convolution "
+                                         "(conv ... ahead)")
                     if spec["norm"]:
                         layer = torch.nn.ModuleDict({"conv": layer,
                                                      "norm": norm_of(spec["norm"], width)})

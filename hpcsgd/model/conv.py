@@ -4,7 +4,9 @@ stacking. Each is a GEMM over unfolded frames (model.kernels_seq: unfold, fold).
 
 Conv1d(name, C, F, kernel k, stride s, dilation d): output step t' of a sequence reads its
 input steps t'*s - p + j*d, j = 0..k-1, p = (k-1)*d // 2 (centred; outside the sequence the
-input is zero), so a sequence of L steps gives ceil(L / s). Parameters {name}.w (k*C, F) and
+input is zero), or p = 0 with ahead=True (spec "conv F kK ahead": step t' reads only itself
+and the (k-1)*d steps after it, a causal encoder's bounded lookahead), so a sequence of L
+steps gives ceil(L / s). Parameters {name}.w (k*C, F) and
 {name}.b (1, F): a codec column of W is the fan-out of one input channel at one tap. Forward:
 cols = unfold(x) (T'*nb, k*C), y = f(cols @ W + b); the unfolded input is kept for the
 backward's dW = cols^T @ dz, whose buffer then takes dcols = dz @ W^T, folded into dx. Costs
@@ -41,7 +43,7 @@ class Conv1d:
     sequence = True   # Network passes its input's Lengths and its workspace
 
     def __init__(self, name, n_in, n_out, kernel, stride=1, dilation=1, activation="relu",
-                 norm=None):
+                 norm=None, ahead=False):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
         if min(kernel, stride, dilation) < 1:
@@ -54,7 +56,8 @@ class Conv1d:
         self.g = f"{name}.norm.g" if norm else None   # the norm's gain (gamma)
         self.n_in, self.n_out = int(n_in), int(n_out)
         self.kernel, self.stride, self.dilation = int(kernel), int(stride), int(dilation)
-        self.left = (self.kernel - 1) * self.dilation // 2
+        # taps behind the output step: centred, or none for a lookahead layer
+        self.left = 0 if ahead else (self.kernel - 1) * self.dilation // 2
         self.activation, self.kind = activation, ACTIVATIONS[activation]
         self.gemm_macs = self.kernel * self.n_in * self.n_out   # per output row
         self.output_range = (0.0, 1.0) if self.kind == K.SIGMOID else (0.0, None)

@@ -3,9 +3,11 @@
 
 A spec is a short string (the config key model.encoder is a list of them):
 
-    conv F kK [sS] [dD] [ln|in]
+    conv F kK [sS] [dD] [ahead] [ln|in]
                           a 1-D convolution of F channels, kernel K, stride S, dilation D
                           (model/conv.py: Conv1d; S and D default to 1), with model.activation;
+                          centred, or with `ahead` reading only the (K-1)D frames ahead (a
+                          lookahead layer of a streaming encoder: docs/export.md, streaming);
                           `ln`: each output frame layer-normalized over its channels before the
                           activation; `in`: each channel normalized over the utterance's steps
                           (instance norm: batch norm's statistics over one utterance)
@@ -40,7 +42,7 @@ from hpcsgd.model.lstm import LSTM
 from hpcsgd.model.network import Network
 
 KINDS = ("conv", "stack", "blstm", "lstm", "dense", "conv2d", "conformer")
-_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)(?: (ln|in))?$")
+_CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)( ahead)?(?: (ln|in))?$")
 _CONV2D = re.compile(r"conv2d (\d+) (\d+)$")
 _CONFORMER = re.compile(r"conformer (\d+) h(\d+) f(\d+) k(\d+)(?: (ln|in))?$")
 
@@ -53,7 +55,7 @@ def parse_spec(text):
         opts = dict((o[0], int(o[1:])) for o in conv.group(3).split())
         spec = {"kind": "conv", "units": int(conv.group(1)), "kernel": int(conv.group(2)),
                 "stride": opts.get("s", 1), "dilation": opts.get("d", 1),
-                "norm": conv.group(4)}
+                "ahead": bool(conv.group(4)), "norm": conv.group(5)}
         if min(spec["units"], spec["kernel"], spec["stride"], spec["dilation"]) < 1:
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
         return spec
@@ -77,8 +79,8 @@ def parse_spec(text):
     if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
             and parts[1].isdigit() and int(parts[1]) >= 1:
         return {"kind": parts[0], "units": int(parts[1])}
-    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ln|in]', 'stack K', "
-                     f"'blstm H', 'lstm H', 'dense F', 'conv2d C D' or "
+    raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ahead] [ln|in]', "
+                     f"'stack K', 'blstm H', 'lstm H', 'dense F', 'conv2d C D' or "
                      f"'conformer D hH fF kK [ln|in]' (model/encoder.py)")
 
 
@@ -111,7 +113,7 @@ def encoder_layers(input_dim, specs, activation="relu"):
                                          spec["ff"], spec["kernel"], spec["norm"]))
         elif kind == "conv":
             layers.append(Conv1d(name, n_in, spec["units"], spec["kernel"], spec["stride"],
-                                 spec["dilation"], activation, spec["norm"]))
+                                 spec["dilation"], activation, spec["norm"], spec["ahead"]))
         elif kind in ("blstm", "lstm"):
             layers.append(LSTM(name, n_in, spec["units"], bidirectional=kind == "blstm"))
         else:
