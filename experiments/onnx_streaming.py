@@ -101,7 +101,8 @@ def main(run, cv, train, data_dir, chunk_ms=None):
         hyps, delays, first, wall, cpu, seconds = online(done["code"], data_dir, utts, step_s)
     name = "PER" if unit == "phones" else "WER"
     print(f"{run} on {cv} ({len(utts)} utterances), global statistics of {train}; chunks of "
-          f"{done['chunk'] * 10} ms, the audio handed over {PIECE_S} s at a time")
+          f"{done['chunk'] * 10} ms, lookahead {done['lookahead'] * 10} ms, the audio handed over "
+          f"{PIECE_S} s at a time")
     for label, h in ((f"hpcsgd decode --greedy (data.cmvn_scope {scope})", trained),
                      ("hpcsgd greedy, global CMVN", greedy),
                      ("sherpa-onnx online greedy_search", hyps)):

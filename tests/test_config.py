@@ -114,5 +114,7 @@ def test_every_shipped_recipe_validates_and_builds(name):
     reported = {"so762_ctc.yaml": 3_942_440, "so762_w2l.yaml": 3_399_080,
                 "so762_conformer_ctc.yaml": 4_008_736, "so762_conformer_rnnt.yaml": 4_441_592,
                 "so762_lstm_streaming_ctc.yaml": 3_979_664,
-                "so762_lstm_streaming_rnnt.yaml": 4_463_208}
+                "so762_lstm_streaming_rnnt.yaml": 4_463_208,
+                "so762_lstm_lookahead_ctc.yaml": 3_867_392,
+                "so762_lstm_lookahead_rnnt.yaml": 4_339_672}
     assert net.size == reported.get(name, net.size) and net.size > 0

@@ -99,6 +99,7 @@ else:
         ("float32", ["conv 6 k3 s2", "blstm 4", "head"], 0.3),
         ("mixed", ["conv 6 k3 s2", "blstm 4", "head"], 0.0),
         ("float32", ["conv 6 k3 s2", "blstm 4"], 0.3), ("mixed", ["conv 6 k3 s2", "blstm 4"], 0.3),
+        ("float32", ["lstm 4", "conv 5 k3 d2 ahead"], 0.0),
         ("float32", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"], 0.0),
         ("mixed", ["conv 6 k3 s2 ln", "conv 5 k3 d2 ln"], 0.0),
         ("float32", ["conv 6 k3 s2 in", "conv 5 k3 d2 in"], 0.0),
