@@ -185,7 +185,7 @@ def write_onnx(path, out_dir, stats=None, cmvn=None, int8=False, streaming=False
     kind, scope, trained_stats = norm.spec(meta["data"])   # how the model trained
     if cmvn is None:
         cmvn = "utterance" if scope == "utterance" and not streaming else "global"
-    why = export_onnx.unsupported(model, meta["path"])
+    why = export_onnx.unsupported(model, meta["path"], streaming)
     if streaming:   # hpcsgd/export_onnx_streaming.py
         why = why or export_onnx_streaming.not_causal(model, meta["path"])
         if not why and model.quant:

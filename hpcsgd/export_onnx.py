@@ -76,6 +76,7 @@ from hpcsgd.data.splice import VAR_FLOOR
 from hpcsgd.decode.ctc import SPACE, WORD_START
 from hpcsgd.errors import UserError
 from hpcsgd.families import of_model
+from hpcsgd.model.chunked_blstm import ChunkedBLSTM
 from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.kernels_conformer import rope_frequencies
@@ -395,8 +396,9 @@ def dense(g, x, lens, layer, p, act):
     return activation(g, y, act), lens
 
 
-def unsupported(model, meta_path):
-    """Why this model cannot be exported yet (None: it can)."""
+def unsupported(model, meta_path, streaming=False):
+    """Why this model cannot be exported yet (None: it can); streaming: as the streaming
+    graphs (export_onnx_streaming), which take what reads a bounded number of frames ahead."""
     describe = model.describe
     kind = describe.get("type", "dnn")
     if of_model(describe).GRAPH_TOPOLOGY == "hmm":   # a hybrid frame classifier
@@ -407,6 +409,9 @@ def unsupported(model, meta_path):
         return (f"{meta_path}: not yet exported: model type {kind!r} (the ONNX export "
                 f"covers CTC and RNN-T models only)")
     for text, layer in zip(describe["encoder"], model.layers):
+        if isinstance(layer, ChunkedBLSTM) and not streaming:
+            return (f"{meta_path}: encoder layer {text!r} is a chunked BLSTM: it runs on "
+                    f"chunks as they arrive, so export it with --streaming")
         if not isinstance(layer, (StackFrames, Conv1d, LSTM, Dense, Conv2dSubsampling,
                                   ConformerBlock)):
             return (f"{meta_path}: not yet exported: encoder layer {text!r} (the ONNX export "

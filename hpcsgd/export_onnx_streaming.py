@@ -49,6 +49,12 @@ arrived, so the last partial chunk needs tail padding (the printed call appends 
 of zeros), whose silence frames the model then also sees, and which the lookahead of the
 utterance's last frames reads where hpcsgd's whole-utterance forward reads zeros.
 
+A chunked BLSTM (`blstm H cC rR`, model/chunked_blstm.py) runs as ONNX's bidirectional
+LSTM over the chunk and its R steps of lookahead from zero states, and keeps the chunk's C
+outputs; it carries no state, and fixes the chunk (C times the stride below it): the chunk it
+trained on. Above it only layers that read no frame ahead (they would read its outputs for
+the next chunk, which the next chunk's window computes).
+
 Normalisation: the global CMVN of the offline export (--cmvn global), folded into the graph:
 a stream has no utterance statistics before its end, so --cmvn utterance is refused.
 Layers that read the future without bound are refused by name: blstm (its backward
@@ -62,9 +68,10 @@ utterance).
 import numpy as np
 
 from hpcsgd.errors import UserError
-from hpcsgd.export_onnx import ONNX_GATES, Graph, conv, dense, save, sherpa_tokens, stack
+from hpcsgd.export_onnx import ONNX_GATES, Graph, conv, dense, lstm, save, sherpa_tokens, stack
 from hpcsgd.export_onnx_rnnt import (CONTEXT_SIZE, affine, decoder_graph, finish,
                                      joiner_graph, transducer_tokens)
+from hpcsgd.model.chunked_blstm import ChunkedBLSTM
 from hpcsgd.model.conformer import ConformerBlock
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.encoder import time_stride
@@ -81,8 +88,18 @@ ZIP_DIM, ZIP_KERNEL = 4, 2   # encoder_dims, cnn_module_kernels: the smallest du
 
 def not_causal(model, meta_path):
     """Why this model's encoder cannot stream (None: it can)."""
+    chunked = None   # the chunked BLSTM's spec, once one is below
     for text, layer in zip(model.describe["encoder"], model.layers):
         if isinstance(layer, (StackFrames, Dense)):
+            continue
+        if chunked and (isinstance(layer, ChunkedBLSTM) or isinstance(layer, Conv1d)
+                        and not layer.left and layer.kernel > 1):
+            return (f"{meta_path}: encoder layer {text!r} cannot stream above the chunked "
+                    f"BLSTM {chunked!r}: it would read that layer's outputs for the next "
+                    f"chunk, which come from the next chunk's window; above a chunked BLSTM "
+                    f"only layers that read no frame ahead")
+        if isinstance(layer, ChunkedBLSTM):
+            chunked = text
             continue
         if isinstance(layer, LSTM):
             if layer.dirs == 1:
@@ -109,11 +126,30 @@ def not_causal(model, meta_path):
     return None
 
 
+def trained_chunk(model):
+    """A chunked BLSTM's chunk in input frames (its C steps times the stride below it), or
+    None: the chunk such an encoder streams with is the one it trained with."""
+    stride = 1
+    for layer in model.layers[:-1]:
+        if isinstance(layer, ChunkedBLSTM):
+            return layer.chunk * stride
+        stride *= layer.k if isinstance(layer, StackFrames) else getattr(layer, "stride", 1)
+    return None
+
+
 def chunk_frames(model, chunk_ms):
     """Frames per chunk: chunk_ms / 10, which must be a multiple of the encoder's stride;
     None: the most of them within 320 ms (at least one stride), so that the default meets
-    the usual latency budget of a chunked streaming model."""
+    the usual latency budget of a chunked streaming model. A chunked BLSTM fixes it to its
+    chunk."""
     stride = time_stride(model.describe["encoder"])
+    fixed = trained_chunk(model)
+    if fixed and chunk_ms is not None and chunk_ms != fixed * FRAME_MS:
+        raise UserError(f"--chunk-ms {chunk_ms:g}: this encoder's chunked BLSTM was trained "
+                        f"on chunks of {fixed * FRAME_MS} ms, the chunk it streams with "
+                        f"(leave --chunk-ms out)")
+    if fixed:
+        return fixed
     if chunk_ms is None:
         return max(CHUNK_FRAMES // stride, 1) * stride
     frames = chunk_ms / FRAME_MS
@@ -130,13 +166,16 @@ def lookahead_frames(model):
     for layer in model.layers[:-1]:
         if isinstance(layer, Conv1d) and not layer.left:
             frames += (layer.kernel - 1) * layer.dilation * stride
+        elif isinstance(layer, ChunkedBLSTM):
+            frames += layer.right * stride
         stride *= layer.k if isinstance(layer, StackFrames) else getattr(layer, "stride", 1)
     return frames
 
 
 def state_size(model):
     """(L, H) of the state tensors: LSTM layers (at least 1) and the widest one's cells."""
-    cells = [layer.cells for layer in model.layers[:-1] if isinstance(layer, LSTM)]
+    cells = [layer.cells for layer in model.layers[:-1]
+             if isinstance(layer, LSTM) and not isinstance(layer, ChunkedBLSTM)]
     return max(len(cells), 1), max(cells, default=1)
 
 
@@ -203,6 +242,11 @@ def encoder(g, model, p, mean, inv_std, h, c, chunk):
                 lens = g.op("Sub", [lens, g.const(np.array(reads, np.int64))])
             x, lens = conv(g, x, lens, layer, p, act, valid=bool(reads))
             steps, ahead = steps // layer.stride, (ahead - reads) // layer.stride
+        elif isinstance(layer, ChunkedBLSTM):   # the chunk's window, from zero states
+            x, _ = lstm(g, x, lens, layer, p)
+            x = g.op("Slice", [x, i64([0]), i64([steps]), i64([1])], hint="chunk")
+            lens = g.op("Sub", [lens, g.const(np.array(ahead, np.int64))])
+            ahead = 0
         elif isinstance(layer, LSTM):
             x, h1, c1 = lstm_from(g, x, layer, p, h, c, len(hs), width,
                                   steps if ahead else None)

@@ -116,5 +116,16 @@ def test_every_shipped_recipe_validates_and_builds(name):
                 "so762_lstm_streaming_ctc.yaml": 3_979_664,
                 "so762_lstm_streaming_rnnt.yaml": 4_463_208,
                 "so762_lstm_lookahead_ctc.yaml": 3_867_392,
-                "so762_lstm_lookahead_rnnt.yaml": 4_339_672}
+                "so762_lstm_lookahead_rnnt.yaml": 4_339_672,
+                "so762_lstm_chunked_ctc.yaml": 3_988_112,
+                "so762_lstm_chunked_rnnt.yaml": 4_474_472}
     assert net.size == reported.get(name, net.size) and net.size > 0
+
+
+def test_a_chunked_blstm_is_refused_on_cuda_ranks():
+    """Its windows are gathered with host indexing: the config names the layer and why."""
+    base = ["data.train=x", "model.type=ctc", "model.encoder=[lstm 8, blstm 8 c4 r2]"]
+    config.load(None, base)
+    with pytest.raises(UserError, match=r"chunked BLSTM 'blstm 8 c4 r2' gathers its windows "
+                                        r"with host indexing, CPU ranks only"):
+        config.load(None, base + ["train.device=cuda"])

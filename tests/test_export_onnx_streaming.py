@@ -46,7 +46,7 @@ def run_chunks(session, x, chunk, frames=None):
               for i in inputs}
     outs = []
     frames = frames or chunk
-    for s in range(0, x.shape[1] - frames + chunk, chunk):
+    for s in range(0, x.shape[1] - frames + 1, chunk):
         res = session.run(None, {"x": x[:, s:s + frames], **states})
         outs.append(res[0])
         states = dict(zip([i.name for i in inputs], res[1:]))
@@ -123,6 +123,39 @@ def test_chunks_with_their_lookahead_equal_the_whole_utterance(kind):
     assert np.array_equal(moved[:, 0], got[:, 0]) and (moved[:, 1] != got[:, 1]).any(axis=-1).all()
 
 
+@pytest.mark.parametrize("kind", ["rnnt", "ctc"])
+def test_a_chunked_blstm_streams_as_it_trained(kind):
+    """A chunked BLSTM (`blstm 4 c4 r2`: windows of 4 steps and 2 ahead, from zero states)
+    above a forward LSTM and a lookahead conv: the export's chunk is the BLSTM's, 12 frames,
+    each call reading 21 (the conv's 3 frames and the BLSTM's 6 ahead); 6 calls over 90
+    frames equal hpcsgd's forward on its first 24 steps within the float32 bound; the state
+    tensors hold the one forward LSTM only."""
+    from test_export_onnx import hpcsgd_outputs
+    model, params = causal_model(kind, ["stack 3", "lstm 5", "conv 6 k2 ahead",
+                                        "blstm 4 c4 r2", "dense 6"])
+    assert streaming.lookahead_frames(model) == 9 and streaming.chunk_frames(model, None) == 12
+    assert streaming.state_size(model) == (1, 5)
+    with pytest.raises(UserError, match="trained on chunks of 120 ms"):
+        streaming.chunk_frames(model, 300)
+    rng = np.random.default_rng(4)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    raw = rng.normal(mean, 1 / inv_std, (2, 90, 40)).astype(np.float32)
+    build_graph = streaming.rnnt_encoder_graph if kind == "rnnt" else streaming.ctc_graph
+    proto = build_graph(model, params, mean, inv_std, 12)
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert (props["T"], props["decode_chunk_len"]) == ("21", "12")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = run_chunks(session, raw, 12, 21)
+    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, [90, 90],
+                           np.float32)
+    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
+    ref64 = hpcsgd_outputs(model.describe, params, x64, [90, 90], np.float64)
+    for b in range(2):
+        assert got[b].shape == (24, 9 if kind == "rnnt" else 7)
+        assert_float32_close(got[b], ref32[b][:24], ref64[b][:24])
+
+
 def test_a_dense_only_encoder_passes_its_state_through():
     """No LSTM: the graph still has the loader's h and c (1, N, 1), returned as they came."""
     model, params = causal_model("rnnt", ["stack 2", "dense 8"])
@@ -151,17 +184,27 @@ def make_run(tmp_path, encoder, kind="rnnt"):
                               "centred: it reads 1 frames behind and 2 ahead"),
     (["lstm 3", "conv 4 k3 s2 ahead"], "'conv 4 k3 s2 ahead' cannot stream: a strided "
                                        "lookahead conv"),
+    (["blstm 3 c2 r1", "conv 4 k2 ahead"], "'conv 4 k2 ahead' cannot stream above the chunked "
+                                           "BLSTM 'blstm 3 c2 r1'"),
     (["conv 4 k1 in", "lstm 3"], "'conv 4 k1 in' cannot stream: its instance norm"),
     (["conv2d 2 8", "conformer 8 h2 f16 k3"], "'conv2d 2 8' cannot stream: its 3x3 kernels "
                                               "read the next frame"),
     (["dense 8", "conformer 8 h2 f16 k3"], "'conformer 8 h2 f16 k3' cannot stream: its "
                                            "self-attention reads the whole utterance"),
-], ids=["blstm", "centred-conv", "strided-lookahead", "instance-norm", "conv2d",
-        "conformer"])
+], ids=["blstm", "centred-conv", "strided-lookahead", "above-chunked", "instance-norm",
+        "conv2d", "conformer"])
 def test_a_layer_that_reads_ahead_is_named(encoder, words, tmp_path):
     run = make_run(tmp_path, encoder)
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
         write_onnx(run, str(tmp_path / "out"), streaming=True)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_chunked_blstm_exports_for_streaming_only(tmp_path):
+    run = make_run(tmp_path, ["lstm 3", "blstm 3 c2 r1"], kind="ctc")
+    with pytest.raises(UserError, match="'blstm 3 c2 r1' is a chunked BLSTM: it runs on "
+                                        "chunks as they arrive, so export it with --streaming"):
+        write_onnx(run, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -193,10 +236,11 @@ TRAIN = {"rnnt": ["model.type=rnnt", "model.predictor=[lstm 32]", "model.embed=1
                   "model.joint=48", "train.epochs=16", "optim.lr=1e-5"],
          "ctc": ["model.type=ctc", "model.frame_ce=0.5", "train.epochs=20", "optim.lr=5e-6"]}
 ENCODER = {"rnnt": "[stack 3, lstm 64]", "ctc": "[stack 3, lstm 64]",
-           "ctc-ahead": "[stack 3, lstm 64, conv 64 k3 ahead]"}   # 60 ms of lookahead
+           "ctc-ahead": "[stack 3, lstm 64, conv 64 k3 ahead]",   # 60 ms of lookahead
+           "rnnt-chunked": "[stack 3, lstm 64, blstm 32 c10 r2]"}   # 300 ms chunks, 60 ahead
 
 
-@pytest.fixture(scope="module", params=["rnnt", "ctc", "ctc-ahead"])
+@pytest.fixture(scope="module", params=["rnnt", "ctc", "ctc-ahead", "rnnt-chunked"])
 def exported(request, demo_tokens, tmp_path_factory):
     """A tiny causal phone model (stack 3, lstm 64; the RNN-T with an lstm 32 predictor, CTC
     with a frame CE head; ctc-ahead: CTC with a lookahead conv reading 2 steps ahead on top)
@@ -224,7 +268,8 @@ def hpcsgd_greedy(kind, run, feats, train, beam=0, steps=None):
     """hpcsgd's greedy search (RNN-T: at most one symbol per frame, sherpa-onnx's rule) on
     raw features normalised with the global statistics of `train` -> (phones, the encoder
     frame of each: where CTC's run of it starts, where the transducer emits it). RNN-T with
-    beam: its modified beam search of that many -> phones. steps: over the encoder's first
+    beam: its modified beam search of that many, the final hypotheses ranked by log-prob per
+    token as sherpa-onnx ranks them (hpcsgd ranks by log-prob) -> phones. steps: over the encoder's first
     that many output steps only (those the lookahead frames after them were read for)."""
     from hpcsgd.decode import ctc, rnnt, timestamps
     from hpcsgd.model.lengths import Lengths
@@ -238,9 +283,13 @@ def hpcsgd_greedy(kind, run, feats, train, beam=0, steps=None):
         runs = timestamps.token_runs(out.argmax(axis=1))
         assert [k for k, _, _ in runs] == ctc.greedy_search(out).tolist()
         return list(symbols[[k for k, _, _ in runs]]), [first for _, first, _ in runs]
-    if beam:
-        lengths = Lengths([len(out)])
-        return list(symbols[rnnt.beam_search(model.layers[-1], params, out, lengths, beam)[0][0]])
+    if beam:   # the final pick as sherpa-onnx's: the best log-prob per token, the tokens
+        # counted with the decoder's context of blanks (Hypotheses::GetMostProbable(true))
+        from hpcsgd.export_onnx_rnnt import CONTEXT_SIZE
+        ranked = rnnt.beam_search(model.layers[-1], params, out, Lengths([len(out)]), beam,
+                                  nbest=beam)[0]
+        ys, _ = max(ranked, key=lambda r: r[1] / (CONTEXT_SIZE + len(r[0])))
+        return list(symbols[ys])
     at = []
     ids = rnnt.greedy_search(model.layers[-1], params, out, Lengths([len(out)]), 1,
                              emitted=at)[0]
@@ -382,9 +431,13 @@ def test_the_export_writes_what_sherpa_onnx_reads(exported):
     proto = onnx.load(os.path.join(out, f"{graph}.onnx"))
     props = {p.key: p.value for p in proto.metadata_props}
     names = [i.name for i in proto.graph.input]
-    ahead = "6" if "ahead" in run else "0"   # conv 64 k3 ahead: 2 steps of 3 frames
+    from hpcsgd.model_io import load_model
+    ahead = {"ctc-ahead": 6, "rnnt-chunked": 6}.get(os.path.basename(os.path.dirname(run))
+                                                   .rstrip("0123456789")[len("onnx_streaming_"):],
+                                                   0)   # 2 steps of 3 frames
+    assert streaming.lookahead_frames(load_model(run)[0]) == ahead
     assert props["decode_chunk_len"] == "30" and "streaming" in props
-    assert int(props["T"]) == 30 + int(ahead)
+    assert int(props["T"]) == 30 + ahead
     if kind == "rnnt":
         assert names == ["x", "h", "c"]
         assert [o.name for o in proto.graph.output] == ["encoder_out", "next_h", "next_c"]

@@ -70,6 +70,11 @@ def test_encoder_specs():
     assert parse_spec("conv 256 k11 ln")["norm"] == "ln" and parse_spec("conv 8 k3 s2 in") == {
         "kind": "conv", "units": 8, "kernel": 3, "stride": 2, "dilation": 1, "ahead": False,
         "norm": "in"}
+    assert parse_spec("blstm 224  c10 r6") == {"kind": "blstm", "units": 224, "chunk": 10,
+                                                "right": 6}
+    assert parse_spec("blstm 8 c4")["right"] == 0 and "chunk" not in parse_spec("blstm 8")
+    with pytest.raises(ValueError, match="the lookahead at most the chunk"):
+        parse_spec("blstm 8 c2 r3")
     assert parse_spec("conv 8 k7 ahead ln") == {
         "kind": "conv", "units": 8, "kernel": 7, "stride": 1, "dilation": 1, "ahead": True,
         "norm": "ln"}
@@ -152,6 +157,8 @@ def _sequence_net(encoder, D, V):
 @pytest.mark.parametrize("encoder", [["conv 5 k3", "blstm 3", "dense 4"],
                                      ["conv 4 k3 d2", "lstm 3", "conv 5 k5"],
                                      ["lstm 3", "conv 5 k4 d2 ahead", "conv 4 k2 ahead ln"],
+                                     ["lstm 3", "blstm 3 c2 r1", "dense 4"],
+                                     ["conv 4 k3", "blstm 3 c3 r3"],
                                      ["conv 5 k3 ln", "conv 4 k5 d2 ln", "lstm 3"],
                                      ["conv 5 k3 in", "conv 4 k5 d2 in", "blstm 3"]])
 def test_padded_batch_is_its_sequences_alone(encoder):
@@ -228,3 +235,88 @@ def test_a_lookahead_convolution_reads_the_steps_ahead_only():
                     z += x[src] @ W[j]
             want[t] = np.maximum(z, 0)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_chunked_blstm_is_a_blstm_over_each_window():
+    """`blstm H cC rR`: three sequences (9, 7, 2 steps) in one padded batch; each chunk of 3
+    steps' outputs are a plain BLSTM's (the same parameters) run over that chunk and the 2
+    steps after it alone (float64, 1e-12), and the windows' input gradients summed back
+    equal the whole layer's input gradient (every step: once as a chunk, at most once as a
+    lookahead)."""
+    from hpcsgd.model.lengths import Lengths
+    D, C, R = 3, 3, 2
+    net = _sequence_net([f"blstm 4 c{C} r{R}"], D, 5)
+    plain = _sequence_net(["blstm 4"], D, 5)
+    params = _init(net, 5)
+    assert [sp.name for sp in net.specs] == [sp.name for sp in plain.specs]
+    rng = np.random.default_rng(12)
+    seqs = [rng.standard_normal((n, D)) for n in (9, 7, 2)]
+    x, lengths = _padded(seqs, D)
+    net.forward(params, x, len(x), lengths=lengths)
+    got = net.acts[0][:lengths.rows].copy()
+    layer = net.layers[0]
+    wl, win_row, in_row, kept = layer.windows(lengths)
+    assert wl.lengths.tolist() == [5, 5, 5, 4, 3, 2, 1]   # 0-5 3-8 6-9 | 0-5 3-7 6-7 | 0-2
+    for b, s in enumerate(seqs):
+        for start in range(0, len(s), C):
+            window = s[start:start + C + R]
+            plain.forward(params, window, len(window), lengths=[len(window)])
+            keep = min(C, len(window))
+            rows = (start + np.arange(keep)) * lengths.nb + b
+            np.testing.assert_allclose(got[rows], plain.acts[0][:keep], rtol=1e-12,
+                                       atol=1e-12)
+    # the backward: dx of the layer = the sum over windows of each window's dx
+    dy = rng.standard_normal((lengths.rows, 8))
+    dx = np.zeros((lengths.rows, D))
+    g = net.new_params()
+    layer.backward(params, g, x, net.acts[0][:lengths.rows], dy.copy(), dx, net.ops,
+                   ws=net.workspaces[0], lengths=lengths)
+    want = np.zeros_like(dx)
+    for b, s in enumerate(seqs):
+        for start in range(0, len(s), C):
+            window = s[start:start + C + R]
+            n = len(window)
+            pg = plain.new_params()
+            plain.forward(params, window, n, lengths=[n])
+            dyw = np.zeros((n, 8))
+            keep = min(C, n)
+            dyw[:keep] = dy[(start + np.arange(keep)) * lengths.nb + b]
+            dxw = np.zeros((n, D))
+            plain.layers[0].backward(params, pg, window, plain.acts[0][:n], dyw, dxw,
+                                     plain.ops, ws=plain.workspaces[0], lengths=Lengths([n]))
+            want[(start + np.arange(n)) * lengths.nb + b] += dxw
+    valid = np.concatenate([np.arange(len(s)) * lengths.nb + b for b, s in enumerate(seqs)])
+    np.testing.assert_allclose(dx[valid], want[valid], rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_blstm_gradient_by_finite_differences():
+    """float64, sequences of 8, 6 and 3 steps (padded) through a forward LSTM and a chunked
+    BLSTM (chunks of 3, lookahead 2): the chunked layer's and the LSTM below's parameters at
+    sampled coordinates against a central difference (step 1e-6)."""
+    D, V = 3, 4
+    net = _sequence_net(["lstm 3", "blstm 3 c3 r2"], D, V)
+    params = _init(net, 8)
+    rng = np.random.default_rng(9)
+    seqs = [rng.standard_normal((n, D)) for n in (8, 6, 3)]
+    x, lengths = _padded(seqs, D)
+    y = np.full(lengths.rows, -1, np.int32)
+    for b, s in enumerate(seqs):
+        y[np.arange(len(s)) * lengths.nb + b] = rng.integers(0, V, len(s))
+    grads = net.new_params()
+    net.forward_backward(params, grads, x, y, len(y), lengths=lengths)
+
+    def loss():
+        return net.forward_backward(params, net.new_params(), x, y, len(y), lengths=lengths)[0]
+
+    for name in ("enc.0.w", "enc.0.u", "enc.1.w", "enc.1.u_fwd", "enc.1.u_bwd", "enc.1.b"):
+        flat = params[name].reshape(-1)
+        for k in rng.choice(flat.size, size=min(5, flat.size), replace=False):
+            old = flat[k]
+            flat[k] = old + 1e-6
+            up = loss()
+            flat[k] = old - 1e-6
+            down = loss()
+            flat[k] = old
+            num = (up - down) / 2e-6
+            got = grads[name].reshape(-1)[k]
+            assert abs(got - num) <= 1e-6 * max(1.0, abs(num)), (name, k, got, num)

@@ -262,6 +262,8 @@ def CTCModel(torch, shape, act, out=None):
                     if spec["norm"]:
                         layer = torch.nn.ModuleDict({"conv": layer,
                                                      "norm": norm_of(spec["norm"], width)})
+                elif spec.get("chunk"):
+                    raise ValueError("the PyTorch peer has no chunked BLSTM (blstm H cC)")
                 elif kind in ("blstm", "lstm"):
                     layer = torch.nn.LSTM(n_in, width, bidirectional=kind == "blstm")
                     width *= 2 if kind == "blstm" else 1

@@ -13,9 +13,14 @@ def check_encoder(config):
                         f"(jobs/configs/so762_ctc.yaml)")
     try:
         for k, spec in enumerate(config["model.encoder"]):
-            if parse_spec(spec)["kind"] in ("stack", "conv2d") and k:
+            parsed = parse_spec(spec)
+            if parsed["kind"] in ("stack", "conv2d") and k:
                 raise ValueError(f"encoder layer {spec!r}: frame stacking and the Conv2d "
                                  f"subsampling read the features: the first layer only")
+            if parsed.get("chunk") and config["train.device"] != "cpu":
+                raise UserError(f"config keys model.encoder and train.device="
+                                f"{config['train.device']}: the chunked BLSTM {spec!r} gathers "
+                                f"its windows with host indexing, CPU ranks only (yet)")
     except ValueError as err:
         raise UserError(f"config key model.encoder: {err}") from None
 

@@ -14,6 +14,9 @@ A spec is a short string (the config key model.encoder is a list of them):
     stack K               frame stacking: K consecutive frames as one (subsampling by K; the
                           first layer only)
     blstm H               a bidirectional LSTM layer, H cells per direction (model/lstm.py)
+    blstm H cC [rR]       a BLSTM over chunks of C steps, each read with the R steps after it
+                          (R <= C; model/chunked_blstm.py): a streaming encoder's bounded
+                          bidirectional context
     lstm H                a forward LSTM layer
     dense F               a fully connected layer of F units with model.activation
     conv2d C D            the Conformer's front end: two 3x3 stride-2 convolutions of C
@@ -35,6 +38,7 @@ import re
 
 import numpy as np
 
+from hpcsgd.model.chunked_blstm import ChunkedBLSTM
 from hpcsgd.model.conformer import ConformerBlock, Conv2dSubsampling, check_conformer_sizes
 from hpcsgd.model.conv import Conv1d, StackFrames
 from hpcsgd.model.layers import Dense, SoftmaxOutput
@@ -44,6 +48,7 @@ from hpcsgd.model.network import Network
 KINDS = ("conv", "stack", "blstm", "lstm", "dense", "conv2d", "conformer")
 _CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)( ahead)?(?: (ln|in))?$")
 _CONV2D = re.compile(r"conv2d (\d+) (\d+)$")
+_CHUNKED = re.compile(r"blstm (\d+) c(\d+)(?: r(\d+))?$")
 _CONFORMER = re.compile(r"conformer (\d+) h(\d+) f(\d+) k(\d+)(?: (ln|in))?$")
 
 
@@ -75,12 +80,20 @@ def parse_spec(text):
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1")
         check_conformer_sizes(spec["units"], spec["heads"], spec["kernel"])
         return spec
+    chunked = _CHUNKED.match(words)
+    if chunked:
+        spec = {"kind": "blstm", "units": int(chunked.group(1)), "chunk": int(chunked.group(2)),
+                "right": int(chunked.group(3) or 0)}
+        if min(spec["units"], spec["chunk"]) < 1 or spec["right"] > spec["chunk"]:
+            raise ValueError(f"encoder layer {text!r}: sizes must be >= 1 and the lookahead "
+                             f"at most the chunk")
+        return spec
     parts = words.split(" ")
     if len(parts) == 2 and parts[0] in ("stack", "blstm", "lstm", "dense") \
             and parts[1].isdigit() and int(parts[1]) >= 1:
         return {"kind": parts[0], "units": int(parts[1])}
     raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ahead] [ln|in]', "
-                     f"'stack K', 'blstm H', 'lstm H', 'dense F', 'conv2d C D' or "
+                     f"'stack K', 'blstm H [cC [rR]]', 'lstm H', 'dense F', 'conv2d C D' or "
                      f"'conformer D hH fF kK [ln|in]' (model/encoder.py)")
 
 
@@ -114,6 +127,8 @@ def encoder_layers(input_dim, specs, activation="relu"):
         elif kind == "conv":
             layers.append(Conv1d(name, n_in, spec["units"], spec["kernel"], spec["stride"],
                                  spec["dilation"], activation, spec["norm"], spec["ahead"]))
+        elif spec.get("chunk"):
+            layers.append(ChunkedBLSTM(name, n_in, spec["units"], spec["chunk"], spec["right"]))
         elif kind in ("blstm", "lstm"):
             layers.append(LSTM(name, n_in, spec["units"], bidirectional=kind == "blstm"))
         else:
