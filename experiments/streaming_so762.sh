@@ -10,7 +10,9 @@
 # `hpcsgd export --onnx --streaming` and decoded by sherpa-onnx's online recognizer from the
 # audio as it arrives (experiments/onnx_streaming.py: PER, latency, real-time factor).
 # la_ctc, la_rnnt: the same with 180 ms of lookahead (jobs/configs/so762_lstm_lookahead_*.yaml:
-# a `conv 368 k7 ahead` over the LSTMs' outputs).
+# a `conv 368 k7 ahead` over the LSTMs' outputs); ch_ctc, ch_rnnt: with a chunked BLSTM on top
+# instead (jobs/configs/so762_lstm_chunked_*.yaml: `blstm 224 c10 r6`, 300 ms chunks and 180 ms
+# after each).
 #   bash experiments/streaming_so762.sh      (needs runs/so762/archive_ctc: docs/ctc.md, and
 #                                            ../shared/data/so762_dev for the audio)
 #   ONLY=ctc bash experiments/streaming_so762.sh   the runs whose name starts with ONLY
@@ -32,11 +34,15 @@ if [ "$STAGE" != decode ]; then
     train_run "$ROOT" la_ctc 2 --config jobs/configs/so762_lstm_lookahead_ctc.yaml
     train_run "$ROOT" la_rnnt 2 --config jobs/configs/so762_lstm_lookahead_rnnt.yaml \
         train.init_from="$PWD/$ROOT/la_ctc"
+    train_run "$ROOT" ch_ctc 2 --config jobs/configs/so762_lstm_chunked_ctc.yaml
+    train_run "$ROOT" ch_rnnt 2 --config jobs/configs/so762_lstm_chunked_rnnt.yaml \
+        train.init_from="$PWD/$ROOT/ch_ctc"
 fi
 [ "$STAGE" = train ] && exit 0
 # hpcsgd's own decodes (as each trained: the streaming models with the global CMVN), the
 # offline models first when they are there
-for run in runs/ctc/f32 runs/rnnt/f32 "$ROOT/ctc" "$ROOT/rnnt" "$ROOT/la_ctc" "$ROOT/la_rnnt"; do
+for run in runs/ctc/f32 runs/rnnt/f32 "$ROOT/ctc" "$ROOT/rnnt" "$ROOT/la_ctc" "$ROOT/la_rnnt" \
+        "$ROOT/ch_ctc" "$ROOT/ch_rnnt"; do
     case "$run" in "$ROOT/${ONLY:-}"*|runs/*/f32) ;; *) continue ;; esac
     [ -d "$run" ] || continue
     echo "== $run"
@@ -47,7 +53,7 @@ for run in runs/ctc/f32 runs/rnnt/f32 "$ROOT/ctc" "$ROOT/rnnt" "$ROOT/la_ctc" "$
 done
 # the streaming exports through sherpa-onnx's online recognizer: 300 ms chunks (the issue's
 # <= 320 ms) and 600 ms (multiples of the stride's 30 ms), the audio handed over 0.32 s at a time
-for name in ctc rnnt la_ctc la_rnnt; do
+for name in ctc rnnt la_ctc la_rnnt ch_ctc ch_rnnt; do
     case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
     [ -d "$ROOT/$name" ] || continue
     for chunk in 300 600; do
