@@ -86,6 +86,29 @@ def test_chunks_with_the_states_carried_equal_the_whole_utterance(kind):
         assert_float32_close(whole[b], ref32[b], ref64[b])
 
 
+def streamed_and_whole(kind, model, params, seed, frames):
+    """90 frames of two random utterances (their own mean and scale) through the streaming
+    graph in chunks of 12 frames, each call reading `frames` (chunk + lookahead), and
+    through hpcsgd's whole-utterance forward in float32 and float64 -> (the session, the
+    raw frames, their mean, the streamed outputs, ref32, ref64); the graph's metadata
+    checked: T = frames, decode_chunk_len 12."""
+    from test_export_onnx import hpcsgd_outputs
+    rng = np.random.default_rng(seed)
+    mean = rng.normal(5, 2, 40).astype(np.float32)
+    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
+    raw = rng.normal(mean, 1 / inv_std, (2, 90, 40)).astype(np.float32)
+    build_graph = streaming.rnnt_encoder_graph if kind == "rnnt" else streaming.ctc_graph
+    proto = build_graph(model, params, mean, inv_std, 12)
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert (props["T"], props["decode_chunk_len"]) == (str(frames), "12")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, [90, 90],
+                           np.float32)
+    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
+    ref64 = hpcsgd_outputs(model.describe, params, x64, [90, 90], np.float64)
+    return session, raw, mean, run_chunks(session, raw, 12, frames), ref32, ref64
+
+
 @pytest.mark.parametrize("kind", ["rnnt", "ctc"])
 def test_chunks_with_their_lookahead_equal_the_whole_utterance(kind):
     """An encoder with two lookahead convs (`conv F kK ahead`, one above each LSTM: the
@@ -94,24 +117,10 @@ def test_chunks_with_their_lookahead_equal_the_whole_utterance(kind):
     chunk, as sherpa-onnx feeds them): each utterance's output equals hpcsgd's forward over
     all the frames fed, up to the last step whose lookahead those frames hold, within the
     float32 bound; the metadata say T 30, decode_chunk_len 12."""
-    from test_export_onnx import hpcsgd_outputs
     model, params = causal_model(kind, ["stack 3", "conv 8 k1 s2 ln", "lstm 5",
                                         "conv 6 k3 ahead", "lstm 7", "conv 6 k2 ahead"])
     assert streaming.lookahead_frames(model) == 18
-    rng = np.random.default_rng(2)
-    mean = rng.normal(5, 2, 40).astype(np.float32)
-    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
-    raw = rng.normal(mean, 1 / inv_std, (2, 90, 40)).astype(np.float32)
-    build_graph = streaming.rnnt_encoder_graph if kind == "rnnt" else streaming.ctc_graph
-    proto = build_graph(model, params, mean, inv_std, 12)
-    props = {p.key: p.value for p in proto.metadata_props}
-    assert (props["T"], props["decode_chunk_len"]) == ("30", "12")
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = run_chunks(session, raw, 12, 30)
-    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, [90, 90],
-                           np.float32)
-    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
-    ref64 = hpcsgd_outputs(model.describe, params, x64, [90, 90], np.float64)
+    session, raw, mean, got, ref32, ref64 = streamed_and_whole(kind, model, params, 2, 30)
     for b in range(2):   # 6 calls of 2 steps; the forward's last 3 read zeros past the end
         assert got[b].shape == (12, 9 if kind == "rnnt" else 7)
         assert_float32_close(got[b], ref32[b][:12], ref64[b][:12])
@@ -130,27 +139,13 @@ def test_a_chunked_blstm_streams_as_it_trained(kind):
     each call reading 21 (the conv's 3 frames and the BLSTM's 6 ahead); 6 calls over 90
     frames equal hpcsgd's forward on its first 24 steps within the float32 bound; the state
     tensors hold the one forward LSTM only."""
-    from test_export_onnx import hpcsgd_outputs
     model, params = causal_model(kind, ["stack 3", "lstm 5", "conv 6 k2 ahead",
                                         "blstm 4 c4 r2", "dense 6"])
     assert streaming.lookahead_frames(model) == 9 and streaming.chunk_frames(model, None) == 12
     assert streaming.state_size(model) == (1, 5)
     with pytest.raises(UserError, match="trained on chunks of 120 ms"):
         streaming.chunk_frames(model, 300)
-    rng = np.random.default_rng(4)
-    mean = rng.normal(5, 2, 40).astype(np.float32)
-    inv_std = rng.uniform(0.3, 2, 40).astype(np.float32)
-    raw = rng.normal(mean, 1 / inv_std, (2, 90, 40)).astype(np.float32)
-    build_graph = streaming.rnnt_encoder_graph if kind == "rnnt" else streaming.ctc_graph
-    proto = build_graph(model, params, mean, inv_std, 12)
-    props = {p.key: p.value for p in proto.metadata_props}
-    assert (props["T"], props["decode_chunk_len"]) == ("21", "12")
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = run_chunks(session, raw, 12, 21)
-    ref32 = hpcsgd_outputs(model.describe, params, (raw - mean) * inv_std, [90, 90],
-                           np.float32)
-    x64 = (raw.astype(np.float64) - mean.astype(np.float64)) * inv_std.astype(np.float64)
-    ref64 = hpcsgd_outputs(model.describe, params, x64, [90, 90], np.float64)
+    _, _, _, got, ref32, ref64 = streamed_and_whole(kind, model, params, 4, 21)
     for b in range(2):
         assert got[b].shape == (24, 9 if kind == "rnnt" else 7)
         assert_float32_close(got[b], ref32[b][:24], ref64[b][:24])
