@@ -12,7 +12,10 @@ description (no option: the graph is the model that was trained):
                         MatMulIntegerToFloat (int8 x int8 -> int32, then the scales);
                         a Conv whose output is not quantized (hpcsgd quantizes it only after
                         its bias, ReLU and mask, as the next GEMM's input) stays a float Conv
-                        on the dequantized values.
+                        on the dequantized input and the constant s * k (Cast and Mul of the
+                        codes, folded at load: a DequantizeLinear weight would be kept for
+                        the QDQ fusions, dequantized at every call, and miss the float Conv's
+                        NCHWc kernels: 1.10 ms against 0.70 for so762's Conv2d front end).
   qat.weight_bits 2..4  INT4: every quantized weight (MatMul and Conv) as ONNX int4 codes k
                         (two per byte, the first in the low nibble), Cast to float32 (exact)
                         and multiplied by hpcsgd's step (one, or one float32 per output unit):
@@ -159,48 +162,52 @@ class IntGraph(Graph):
         return out
 
     def weight(self, p, name, layout=None, axis=1):
+        """A quantized weight as the constant s * k (codes_times_step): what a Conv reads
+        (onnxruntime runs a Conv whose output is not quantized in float; folded at load, the
+        weight gets its float kernels, NCHWc included, where a DequantizeLinear would be
+        kept for the QDQ fusions and run at every call), an embedding's rows, a MatMul's
+        float input's weight, and every weight at INT4."""
         if name not in self.codes:
             return super().weight(p, name, layout, axis)
         codes, step = self.codes[name]
         codes = np.ascontiguousarray(codes if layout is None else layout(codes), np.int8)
-        attrs = {"axis": axis} if step.ndim else {}
-        if not self.int4:
-            self.counts["weights_int8"] += 1
-            return self.op("DequantizeLinear", [self.const(codes, name + "_codes"),
-                                                self.const(step, name + "_step"),
-                                                self.const(np.zeros(step.shape, np.int8), "zp")],
-                           hint=name, **attrs)
-        self.counts["weights_int4"] += 1
-        return int4_weight(self, codes, step, name, axis)
+        self.counts["weights_int4" if self.int4 else "weights_int8"] += 1
+        return codes_times_step(self, codes, step, name, axis, self.int4)
 
     def matmul(self, x, p, name):
-        if name in self.codes and not self.int4 and x not in self.on_grid:
-            # INT8, a float input (qat.activations none; an RNN-T's embedding rows): no
-            # integer GEMM, and onnxruntime would rewrite DequantizeLinear -> MatMul as a
-            # MatMulNBits that quantizes x to int8 (its default accuracy_level 4). The codes
-            # dequantized by Cast and Mul instead (float32 k * s: the values exactly, folded
-            # at load). INT4 needs no branch: its weights are Cast and Mul already (weight)
+        if name in self.codes and not self.int4 and x in self.on_grid:
+            # INT8, an input on its grid: the codes behind a DequantizeLinear, which
+            # onnxruntime's QDQ transformer fuses with x's into MatMulIntegerToFloat. With a
+            # float input (qat.activations none; an RNN-T's embedding rows) `weight`'s s * k
+            # instead: onnxruntime would rewrite DequantizeLinear -> MatMul as a MatMulNBits
+            # that quantizes x to int8 (its default accuracy_level 4)
             codes, step = self.codes[name]
             self.counts["weights_int8"] += 1
-            w = self.op("Mul", [self.op("Cast", [self.const(codes, name + "_codes")], to=1),
-                                self.const(step, name + "_step")], hint=name)
+            w = self.op("DequantizeLinear", [self.const(np.ascontiguousarray(codes, np.int8),
+                                                        name + "_codes"),
+                                             self.const(step, name + "_step"),
+                                             self.const(np.zeros(step.shape, np.int8), "zp")],
+                        hint=name, **({"axis": 1} if step.ndim else {}))
             return self.op("MatMul", [x, w])
         return super().matmul(x, p, name)
 
 
-def int4_weight(g, codes, step, name, axis=1):
-    """s * k in float32 in graph g: the int8 codes k as an int4 initializer, Cast to float32
-    (exact) and multiplied by the step s (a scalar, or one per index of `axis`): the same
-    float32 product as hpcsgd's fake-quantized weight. All constant: onnxruntime folds it
+def codes_times_step(g, codes, step, name, axis=1, int4=True):
+    """s * k in float32 in graph g: the codes k as an int4 initializer (or int8), Cast to
+    float32 (exact) and multiplied by the step s (a scalar, or one per index of `axis`): the
+    same float32 product as hpcsgd's fake-quantized weight. All constant: onnxruntime folds it
     into a float32 weight when it loads the graph (the module docstring)."""
-    g.inits.append(int4_tensor(codes, g.name(name + "_int4")))
+    if int4:
+        g.inits.append(int4_tensor(codes, g.name(name + "_int4")))
+        k = g.inits[-1].name
+    else:
+        k = g.const(codes, name + "_codes")
     step = np.asarray(step, np.float32)
     if step.ndim:   # per unit along `axis`: broadcast over the other axes
         shape = [1] * codes.ndim
         shape[axis] = step.size
         step = step.reshape(shape)
-    return g.op("Mul", [g.op("Cast", [g.inits[-1].name], to=1), g.const(step, name + "_step")],
-                hint=name)
+    return g.op("Mul", [g.op("Cast", [k], to=1), g.const(step, name + "_step")], hint=name)
 
 
 def int4_tensor(codes, name):

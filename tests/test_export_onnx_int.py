@@ -75,15 +75,18 @@ def beyond_bound(got, lp, a, w, b):
 
 
 def optimized_ops(proto, tmp_path):
-    """The op types of onnxruntime's CPU provider's optimised graph (what it runs) and its
-    initializers' data types (what it folded them to)."""
+    """The op types of onnxruntime's CPU provider's optimised graph (what it runs), its
+    initializers' data types (what it folded them to), and its Convs whose weight is computed
+    at every call rather than a folded constant."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     graph = onnx.load(so.optimized_model_filepath).graph
+    constants = {t.name for t in graph.initializer}
     return (collections.Counter(n.op_type for n in graph.node),
-            collections.Counter(t.data_type for t in graph.initializer))
+            collections.Counter(t.data_type for t in graph.initializer),
+            [n.name for n in graph.node if "Conv" in n.op_type and n.input[1] not in constants])
 
 
 CASES = {"conv-int8": (CONV, qat(8), True), "conv-int4": (CONV, qat(4, "channel"), True),
@@ -122,8 +125,9 @@ def test_integer_graph_equals_the_fake_quantized_forward(case, tmp_path):
     weights = {init.name for init in floats.initializer}
     matmuls = sum(n.op_type == "MatMul" and n.input[1] in weights for n in floats.node)
     in_file = collections.Counter(n.op_type for n in proto.graph.node)
-    ran, folded = optimized_ops(proto, tmp_path)
+    ran, folded, unfolded_convs = optimized_ops(proto, tmp_path)
     assert in_file["QuantizeLinear"] == len(g.grids) and not ran["MatMulNBits"]
+    assert ran["Conv"] + ran["FusedConv"] and not unfolded_convs   # float Convs, folded weights
     # what stays float: a Conformer block's attention products Q K^T and P V (and at INT4
     # every weight's MatMul, on the dequantized codes)
     attention = 2 * (len(encoder) - 1) if "conformer" in case else 0
@@ -170,7 +174,7 @@ def test_int4_packing():
 
 
 def test_sherpa_onnx_runtime_multiplies_int4_weights_exactly(tmp_path):
-    """sherpa-onnx's own onnxruntime (and the Python one) runs export_onnx_int.int4_weight (int4
+    """sherpa-onnx's own onnxruntime (and the Python one) runs export_onnx_int.codes_times_step (int4
     codes, Cast, times the step) -> MatMul in float32 on s * k: products of inputs and weights
     on power-of-two grids sum exactly in float32 in any order, so the result equals the
     float64 one bit for bit. The inputs include 2^-10 beside values near 4, which an int8
@@ -190,7 +194,7 @@ def test_sherpa_onnx_runtime_multiplies_int4_weights_exactly(tmp_path):
     said = []
     for expect in (want, off):
         g = export_onnx.Graph()
-        w = export_onnx_int.int4_weight(g, codes, step, "w")
+        w = export_onnx_int.codes_times_step(g, codes, step, "w")
         ok = g.op("Equal", [g.op("MatMul", [g.const(x), w]), g.const(expect)])
         m = marker_model(g, ok, opset=21, ir_version=10)
         said.append((ort_marker(m), sherpa_marker(m, tmp_path / str(len(said)))))
@@ -228,7 +232,7 @@ def test_a_weights_only_graph_equals_the_float_forward_on_its_weights(bits, tmp_
     in_file = collections.Counter(n.op_type for n in proto.graph.node)
     assert in_file["Cast"] >= 2 and not in_file["QuantizeLinear"]
     assert proto.opset_import[0].version == (21 if bits == 4 else 17)
-    ran, folded = optimized_ops(proto, tmp_path)
+    ran, folded, _ = optimized_ops(proto, tmp_path)
     assert not ran["MatMulNBits"] and not ran["MatMulIntegerToFloat"]
     assert not folded[onnx.TensorProto.INT4]   # INT4: every weight folded to float32
 

@@ -444,7 +444,7 @@ def test_integer_graphs_equal_the_fake_quantized_forward(case, tmp_path):
         assert sum(codes[t, n] for t, n in codes if n) == codes[kind], part   # no other kind
         # onnxruntime rewrote no DequantizeLinear -> MatMul as an int8-activation MatMulNBits;
         # at INT4 it folded every int4 weight into float32
-        ran, folded = optimized_ops(proto, tmp_path)
+        ran, folded, _ = optimized_ops(proto, tmp_path)
         assert not ops[part]["MatMulNBits"] and not ran["MatMulNBits"], part
         if int4:
             assert not folded[onnx.TensorProto.INT4], part
