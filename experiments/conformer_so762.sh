@@ -42,6 +42,9 @@ conformer 144 h4 f576 k15 in, conformer 144 h4 f576 k15 in]"
         train.loss_scale=logmax
     # float32 again at another seed: how far apart two float32 runs end
     train_run "$ROOT" cf_f32_seed2 2 --config "$CF" train.seed=2
+    # ... and mixed precision (logmax) at that seed: its cost against seed 2's float32
+    train_run "$ROOT" cf_mixed_seed2 2 --config "$CF" train.precision=mixed \
+        train.loss_scale=logmax train.seed=2
     # trained with the normalisation a deployed recognizer applies (issue 73): the training
     # archive's statistics for every utterance, or each utterance's own
     train_run "$ROOT" cf_global 2 --config "$CF" data.cmvn_scope=global
@@ -72,7 +75,7 @@ fi
 G=$ROOT/tlg_phones5   # the phone 5-gram of the training speakers' transcripts
 [ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind phones \
     --topology ctc --tokens phones --order 5 > /dev/null
-for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax cf_global cf_utt \
+for name in cf_f32 cf_f32_seed2 cf_in cf_onebit cf_mixed cf_mixed_logmax cf_mixed_seed2 cf_global cf_utt \
         cf_global_seed2 cf_int4_10ep cf_int4ff_10ep cf_onebit_cold8; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     echo "== $name"

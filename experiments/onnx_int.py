@@ -14,7 +14,7 @@ or INT4 int4-code DequantizeLinear for a QAT run, float32 otherwise), with on a 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \\
         python experiments/onnx_int.py OUT_DIR CV_ARCHIVE TRAIN_ARCHIVE DATA_DIR RUN...
 
-Real-time factor: seconds of computing / seconds of audio (frames x 10 ms for the features,
+Real-time factor (and each system's speed-up against the first RUN, the float model): seconds of computing / seconds of audio (frames x 10 ms for the features,
 the samples for sherpa-onnx, whose time includes its fbank), one utterance at a time; the
 systems take turns on each utterance, PASSES times, and each utterance's fastest time counts
 (the machine is shared: a burst of load hits every system alike). hpcsgd's pass is the
@@ -139,9 +139,13 @@ def main(out_root, cv, train, data_dir, *runs):
                 best[j, i] = min(best[j, i], time.perf_counter() - t0)
     print(f"real-time factors, one thread, {len(utts)} utterances ({audio_s:.0f} s of audio), "
           f"each utterance's fastest of {PASSES} interleaved passes:")
+    first = {}   # system -> the first run's seconds: each speed-up against it (the float model)
     for (what, _), seconds in zip(timed, best.sum(1)):
         length = clip_s if "sherpa" in what else audio_s
-        print(f"   {what}: RTF {seconds / length:.4f}")
+        system = what.split(" ")[1]   # hpcsgd, onnxruntime (--onnx-int8 too), sherpa-onnx
+        first.setdefault(system, seconds)
+        print(f"   {what}: RTF {seconds / length:.5f} ({first[system] / seconds:.3f}x the first "
+              f"run's)")
 
 
 if __name__ == "__main__":
