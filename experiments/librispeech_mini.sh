@@ -41,6 +41,11 @@ if [ "$STAGE" != decode ]; then
         train.epochs=12
     train_run "$ROOT" conformer_ctc_halflr 2 --config jobs/configs/librispeech_mini_conformer_ctc.yaml \
         train.epochs=12 optim.lr=2.5e-7
+    # its encoder from so762's phone Conformer-CTC (experiments/conformer_so762.sh's cf_f32:
+    # the same encoder and features), the BPE output layer from its init; 10 epochs
+    train_run "$ROOT" conformer_ctc_from_so762 2 \
+        --config jobs/configs/librispeech_mini_conformer_ctc.yaml train.epochs=10 \
+        "train.init_from=$PWD/runs/conformer/cf_f32" train.init_from_part=encoder
     train_run "$ROOT" conformer_rnnt 2 --config jobs/configs/librispeech_mini_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/conformer_ctc"
 fi
@@ -49,7 +54,7 @@ G=$ROOT/tlg_bpe_w3   # a word 3-gram of the training speakers' transcripts, over
 [ -f "$G/graph.json" ] || .venv/bin/hpcsgd mkgraph "$A/train" "$G" --kind words \
     --topology ctc --tokens bpe --order 3 > /dev/null
 for name in blstm_ctc blstm_ctc_onebit blstm_ctc_int4 conformer_ctc conformer_ctc_short \
-        conformer_ctc_halflr; do
+        conformer_ctc_halflr conformer_ctc_from_so762; do
     want "$name" && [ -d "$ROOT/$name" ] || continue
     echo "== $name"
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy --ctm \

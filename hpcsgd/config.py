@@ -252,6 +252,12 @@ DEFAULTS = {
     "train.init_from": ("", str, None,
                         "start from this checkpoint's (or run directory's) weights: a fine-tune "
                         "with a fresh optimizer and schedule (e.g. float -> quantization-aware)"),
+    "train.init_from_part": ("auto", str, ("auto", "encoder"),
+                             "what train.init_from takes: auto = the family's rule (all of a "
+                             "checkpoint of this kind; an RNN-T's encoder from a CTC one); "
+                             "encoder = a CTC or RNN-T checkpoint's encoder layers only, of any "
+                             "token inventory (the output layers from their init): an encoder "
+                             "trained on another corpus or tokens"),
     "train.seed": (0, int, (0, 2**32 - 1), "seeds init, shuffling and everything random"),
     "train.run_dir": ("runs/run", str, None, "logs, metrics, checkpoints and plots go here"),
     "train.log_every_frames": (20000, int, (1, 1 << 50), "console/metrics line every this many frames"),

@@ -383,7 +383,8 @@ def resume_or_start(cfg, run, state):
     else:
         model.init(params, np.random.default_rng(cfg["train.seed"]))  # the same on every rank
         if cfg["train.init_from"]:
-            source = init_from(model, params, cfg["train.init_from"], state.static)
+            source = init_from(model, params, cfg["train.init_from"], state.static,
+                               cfg["train.init_from_part"])
             log.info(f"weights from {source} (train.init_from): a fresh optimizer and schedule")
     cold = cold_start(cfg)
     if cold and state.progress["frames"] < cold:
@@ -394,19 +395,26 @@ def resume_or_start(cfg, run, state):
                     if cfg["optim.adam_freeze_variance"] else ""))
 
 
-def init_from(model, params, path, static):
+def init_from(model, params, path, static, part="auto"):
     """Fine-tuning's start: every weight and bias from the checkpoint (or run directory) at
     `path`, by name; the parameters it does not have (learned clip values) start from their
     init on the loaded weights. Its outputs must be this run's: the same label inventory (a
     CTC model: token inventory). An RNN-T model may start from a CTC checkpoint instead: its
     encoder's layers only (the same encoder on the same features; any token inventory), the
-    prediction and joint networks from their init. Returns the checkpoint's path (and what
-    was taken from it, when not everything)."""
+    prediction and joint networks from their init; part "encoder" (train.init_from_part) takes
+    a CTC or RNN-T checkpoint's encoder likewise for either. Returns the checkpoint's path
+    (and what was taken from it, when not everything)."""
     _, source, meta = load_model(path)
     tokens = static.get("tokens")
     # all of it, or (an RNN-T from a CTC checkpoint) its encoder: the family's rule
     theirs_type = meta["model"].get("type", DEFAULT)
-    encoder_only = of_model(model.describe).init_from_part(theirs_type, meta["path"]) == "encoder"
+    if part == "encoder" and ("encoder" not in model.describe
+                              or theirs_type not in ("ctc", "rnnt")):
+        raise UserError(f"train.init_from_part encoder: the encoder of a CTC or RNN-T checkpoint "
+                        f"for a CTC or RNN-T model; {meta['path']} is a {theirs_type} model, "
+                        f"this run a {model.describe.get('type', DEFAULT)} one")
+    encoder_only = part == "encoder" or \
+        of_model(model.describe).init_from_part(theirs_type, meta["path"]) == "encoder"
     if not encoder_only and "encoder" in model.describe and \
             meta["model"].get("encoder") != model.describe["encoder"]:
         theirs = meta["model"].get("encoder") or []
@@ -418,14 +426,15 @@ def init_from(model, params, path, static):
         mine = {k: model.describe[k] for k in ("input_dim", "encoder")}
         there = {k: meta["model"].get(k) for k in ("input_dim", "encoder")}
         if mine != there:
-            raise UserError(f"train.init_from {meta['path']}: its CTC encoder {there} is not "
-                            f"this RNN-T's {mine}")
+            raise UserError(f"train.init_from {meta['path']}: its encoder {there} is not "
+                            f"this model's {mine}")
         encoder = {s.name for layer in model.layers[:-1] for s in layer.specs()}
     elif tokens and (meta.get("tokens") or {}).get("inventory_hash") != tokens["inventory_hash"]:
         theirs = meta.get("tokens") or {"kind": "frame labels", "inventory_hash": "-"}
         raise UserError(f"train.init_from {meta['path']}: its outputs are {theirs['kind']} "
                         f"({theirs['inventory_hash']}), this run's {tokens['kind']} tokens "
-                        f"({tokens['inventory_hash']})")
+                        f"({tokens['inventory_hash']}): train.init_from_part=encoder takes "
+                        f"its encoder only")
     if not tokens and not encoder_only and (meta.get("tokens") or meta.get(
             "label_inventory_hash") != static["label_inventory_hash"]):
         raise UserError(f"train.init_from {meta['path']}: trained on another label inventory "

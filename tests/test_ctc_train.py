@@ -425,6 +425,31 @@ def test_int4_qat_ctc_model_exports_and_evaluates_as_trained(arch, tmp_path, tmp
     assert results[0]["token_error_rate"] == results[1]["token_error_rate"]
 
 
+def test_init_from_part_encoder_takes_another_inventorys_encoder(arch, tmp_path,
+                                                               tmp_path_factory):
+    """train.init_from_part=encoder: a character CTC model starts from a phone CTC model's
+    encoder, every encoder weight equal to the checkpoint's, its output layer from its own
+    init (a zero rate keeps the weights as they started); without the option the other
+    inventory is refused, naming it."""
+    from hpcsgd.model_io import load_model
+    phones = train(1, arch, tmp_path_factory)
+    chars = str(tmp_path / "chars")
+    start = options(arch, f"train.run_dir={chars}", "data.tokens=chars",
+                    f"train.init_from={phones}", "optim.lr=0", "train.stop_after_frames=900")
+    proc = run_train(1, start)
+    assert proc.returncode == 2 and "its outputs are phones" in proc.stderr \
+        and "train.init_from_part=encoder" in proc.stderr, proc.stderr
+    proc = run_train(1, start + ["train.init_from_part=encoder"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model, got, _ = load_model(chars)
+    _, theirs, _ = load_model(phones)
+    encoder = [s.name for layer in model.layers[:-1] for s in layer.specs()]
+    output = [s.name for s in model.layers[-1].specs()]
+    assert encoder and all(np.array_equal(got[n], theirs[n]) for n in encoder)
+    assert not any(got[n].shape == theirs[n].shape and np.array_equal(got[n], theirs[n])
+                   for n in output)
+
+
 def test_average_is_the_mean_of_the_last_checkpoints(arch, tmp_path, tmp_path_factory):
     """`hpcsgd average RUN --last 3`: the mean of the 3 newest checkpoints' weights, taken in
     float64 and rounded once to float32; eval and decode take the file (decode writing beside
