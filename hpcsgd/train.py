@@ -457,8 +457,8 @@ def init_from(model, params, path, static, part="auto"):
         model.quant.init(host.views)
     assign(params.flat, from_whole(model.layers, host.flat, np.empty(params.size, model.dtype))
            if split else host.flat)
-    return meta["path"] + (" (its encoder's layers; the prediction and joint networks from "
-                           "their init)" if encoder_only else "")
+    return meta["path"] + (f" (its encoder's layers; {type(model.layers[-1]).__name__}'s "
+                           f"weights from their init)" if encoder_only else "")
 
 
 def probe(cfg, run, state, rank_frames, lr):

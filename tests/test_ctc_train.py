@@ -441,6 +441,8 @@ def test_init_from_part_encoder_takes_another_inventorys_encoder(arch, tmp_path,
         and "train.init_from_part=encoder" in proc.stderr, proc.stderr
     proc = run_train(1, start + ["train.init_from_part=encoder"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(its encoder's layers; CTCOutput's weights from their init)" in open(
+        os.path.join(chars, "logs", "rank0000.log")).read()
     model, got, _ = load_model(chars)
     _, theirs, _ = load_model(phones)
     encoder = [s.name for layer in model.layers[:-1] for s in layer.specs()]
