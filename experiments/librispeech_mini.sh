@@ -42,7 +42,8 @@ if [ "$STAGE" != decode ]; then
     train_run "$ROOT" conformer_ctc_halflr 2 --config jobs/configs/librispeech_mini_conformer_ctc.yaml \
         train.epochs=12 optim.lr=2.5e-7
     # its encoder from so762's phone Conformer-CTC (experiments/conformer_so762.sh's cf_f32:
-    # the same encoder and features), the BPE output layer from its init; 10 epochs
+    # the same encoder and features), the BPE output layer from its init; 10 epochs (on the
+    # plateau after 2, stopped: experiments/librispeech_mini.md)
     train_run "$ROOT" conformer_ctc_from_so762 2 \
         --config jobs/configs/librispeech_mini_conformer_ctc.yaml train.epochs=10 \
         "train.init_from=$PWD/runs/conformer/cf_f32" train.init_from_part=encoder
