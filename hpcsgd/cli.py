@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "infer": ("hpcsgd.infer", "write posteriors or scaled log-likelihoods for a decoder"),
     "mkgraph": ("hpcsgd.decode.mkgraph", "a decoding graph (HLG, or CTC's TLG) from a training archive"),
     "decode": ("hpcsgd.decode.decode", "recognize an archive (graph or CTC greedy): WER/PER/CER, RTF"),
+    "align": ("hpcsgd.decode.align", "a CTC model's forced alignment of an archive's tokens, as a CTM"),
     "average": ("hpcsgd.average", "the mean of a run's last checkpoints' weights, as one model"),
     "export": ("hpcsgd.export", "a model's weights as int8/int4 codes for integer inference"),
     "bench": ("hpcsgd.bench", "benchmarks against this machine's limits"),
