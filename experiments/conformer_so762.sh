@@ -22,6 +22,10 @@ want() { case "$1" in "${ONLY:-}"*) return 0 ;; *) return 1 ;; esac; }
 STAGE=${STAGE:-all}
 if [ "$STAGE" != decode ]; then
     train_run "$ROOT" cf_f32 2 --config "$CF"
+    # without the frame CE head on four times the steps (minibatches of 1,000 frames, Adam's
+    # step 1e-3): still on CTC's plateau after 8 epochs, stopped (conformer_so762.md)
+    train_run "$ROOT" cf_nofce_mb1000 2 --config "$CF" model.frame_ce=0 train.minibatch=1000 \
+        optim.lr=1.0e-6
     # instance norm after the depthwise convolution (batch norm's statistics over one
     # utterance: the same at any rank count) instead of the layer norm
     train_run "$ROOT" cf_in 2 --config "$CF" "model.encoder=[conv2d 64 144, \
