@@ -422,6 +422,9 @@ def load(path=None, overrides=()):
                         "from each rank's float32 gradient; it needs optim.type=adam, and "
                         "optim.adam_freeze_variance=false (the codec's error never enters a "
                         "local second moment: nothing to freeze it against)")
+    if config["train.init_from_part"] != "auto" and not config["train.init_from"]:
+        raise UserError(f"config key train.init_from_part={config['train.init_from_part']}: "
+                        f"says what train.init_from takes, and train.init_from is not set")
     # the model family's own rules (hpcsgd/families/: encoder, chunks, heads, what a model of
     # whole utterances does not train with)
     family(config["model.type"]).check_config(config)

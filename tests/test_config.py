@@ -22,6 +22,8 @@ def test_config_errors_name_the_dotted_key(tmp_path):
         config.load(None, ["data.train=x", "model.activation=tanh"])
     with pytest.raises(UserError, match=r"data\.train: required"):
         config.load(None, [])
+    with pytest.raises(UserError, match=r"init_from_part=encoder: .* train\.init_from is not set"):
+        config.load(None, ["data.train=x", "model.type=ctc", "train.init_from_part=encoder"])
     cfg = config.load(None, ["data.train=123", "model.hidden=[8, 4]", "optim.lr=1"])
     assert cfg["data.train"] == "123" and cfg["model.hidden"] == [8, 4] and cfg["optim.lr"] == 1.0
     path.write_text("data:\n  train: x\noptim:\n  lr: 2e-6\n")   # YAML 1.1 reads this as a string
