@@ -34,18 +34,34 @@ if [ "$STAGE" != decode ]; then
     train_run "$ROOT" blstm_ctc_int4 2 --config "$BLSTM" "train.init_from=$PWD/$ROOT/blstm_ctc" \
         train.epochs=4 optim.lr=2.5e-7 qat.weights=sawb qat.activations=bac qat.weight_bits=4 \
         qat.activation_bits=4 qat.first_layer=float
+    # the Conformer's frame CE targets: the BLSTM-CTC model's forced alignment of every
+    # utterance's BPE pieces (hpcsgd align --fill: each piece up to the next), prepped as frame
+    # labels beside the same features, tokens and BPE model (archive_ali)
+    if want conformer_ctc && [ ! -f "$ROOT/archive_ali/train/index.json" ]; then
+        mkdir -p "$ROOT/align"
+        for part in train cv; do
+            .venv/bin/hpcsgd align "$ROOT/blstm_ctc" --data "$A/$part" \
+                --ctm "$ROOT/align/$part.ctm" --fill
+        done
+        cat "$ROOT/align/train.ctm" "$ROOT/align/cv.ctm" > "$ROOT/align/all.ctm"
+        .venv/bin/hpcsgd prep "${LS:?set LS to LibriSpeech/train-clean-5}" "$ROOT/archive_ali" \
+            --tokens bpe,chars --token-inventory "$A/train" --alignments "$ROOT/align/all.ctm" \
+            --speakers "$D/train_speakers.txt,$D/dev_speakers.txt" \
+            --cv-speakers "$D/dev_speakers.txt" --num-shards 4 | tail -3
+    fi
     train_run "$ROOT" conformer_ctc 2 --config jobs/configs/librispeech_mini_conformer_ctc.yaml
-    # the recipe on a 12-epoch schedule (28 min alone on 2 cores; the recipe's 30 epochs: 70):
-    # 6 epochs on CTC's blank plateau, stopped; then at half the rate
+    # without the frame CE head, on the archive without frame labels, a 12-epoch schedule (28
+    # min alone on 2 cores): 6 epochs on CTC's blank plateau, stopped; then at half the rate
+    NOCE="data.train=$A/train data.cv=$A/cv model.frame_ce=0"
     train_run "$ROOT" conformer_ctc_short 2 --config jobs/configs/librispeech_mini_conformer_ctc.yaml \
-        train.epochs=12
+        $NOCE train.epochs=12
     train_run "$ROOT" conformer_ctc_halflr 2 --config jobs/configs/librispeech_mini_conformer_ctc.yaml \
-        train.epochs=12 optim.lr=2.5e-7
+        $NOCE train.epochs=12 optim.lr=2.5e-7
     # its encoder from so762's phone Conformer-CTC (experiments/conformer_so762.sh's cf_f32:
     # the same encoder and features), the BPE output layer from its init; 10 epochs (on the
     # plateau after 2, stopped: experiments/librispeech_mini.md)
     train_run "$ROOT" conformer_ctc_from_so762 2 \
-        --config jobs/configs/librispeech_mini_conformer_ctc.yaml train.epochs=10 \
+        --config jobs/configs/librispeech_mini_conformer_ctc.yaml $NOCE train.epochs=10 \
         "train.init_from=$PWD/runs/conformer/cf_f32" train.init_from_part=encoder
     train_run "$ROOT" conformer_rnnt 2 --config jobs/configs/librispeech_mini_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/conformer_ctc"
