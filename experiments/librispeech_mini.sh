@@ -50,6 +50,10 @@ if [ "$STAGE" != decode ]; then
             --cv-speakers "$D/dev_speakers.txt" --num-shards 4 | tail -3
     fi
     train_run "$ROOT" conformer_ctc 2 --config jobs/configs/librispeech_mini_conformer_ctc.yaml
+    # the same at twice the rate (Adam's step 4e-3, the BLSTM recipe's): the frame CE head's
+    # loss as flat as CTC's for 4 epochs, stopped
+    train_run "$ROOT" conformer_ctc_fce_lr4e3 2 \
+        --config jobs/configs/librispeech_mini_conformer_ctc.yaml optim.lr=5.0e-7
     # without the frame CE head, on the archive without frame labels, a 12-epoch schedule (28
     # min alone on 2 cores): 6 epochs on CTC's blank plateau, stopped; then at half the rate
     NOCE="data.train=$A/train data.cv=$A/cv model.frame_ce=0"
