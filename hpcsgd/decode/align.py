@@ -29,7 +29,8 @@ from hpcsgd.errors import UserError
 
 EXAMPLES = """examples:
   hpcsgd align runs/ls/blstm_ctc --data runs/ls/archive/train --ctm runs/ls/align/train.ctm --fill
-  hpcsgd prep LibriSpeech/train-clean-5 runs/ls/archive_ali --alignments runs/ls/align/all.ctm ..."""
+  hpcsgd prep LibriSpeech/train-clean-5 runs/ls/archive_ali --alignments runs/ls/align/all.ctm \
+      --tokens bpe,chars --token-inventory runs/ls/archive/train"""
 
 LISTED = 10   # utterances without a path named on stderr (the rest counted)
 
