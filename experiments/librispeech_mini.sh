@@ -69,6 +69,10 @@ if [ "$STAGE" != decode ]; then
         "train.init_from=$PWD/runs/conformer/cf_f32" train.init_from_part=encoder
     train_run "$ROOT" conformer_rnnt 2 --config jobs/configs/librispeech_mini_conformer_rnnt.yaml \
         "train.init_from=$PWD/$ROOT/conformer_ctc"
+    # the same on a 6-epoch schedule (what one session's time allowed beside a test run)
+    train_run "$ROOT" conformer_rnnt_e6 2 \
+        --config jobs/configs/librispeech_mini_conformer_rnnt.yaml \
+        "train.init_from=$PWD/$ROOT/conformer_ctc" train.epochs=6
 fi
 [ "$STAGE" = train ] && exit 0
 G=$ROOT/tlg_bpe_w3   # a word 3-gram of the training speakers' transcripts, over the BPE pieces
@@ -83,9 +87,11 @@ for name in blstm_ctc blstm_ctc_onebit blstm_ctc_int4 conformer_ctc conformer_ct
     .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --graph "$G" --tune --ctm \
         | grep -E "^%|interval|acoustic scale [0-9]|held out|vocabulary"
 done
-if want conformer_rnnt && [ -d "$ROOT/conformer_rnnt" ]; then
-    echo "== conformer_rnnt"
-    .venv/bin/hpcsgd decode "$ROOT/conformer_rnnt" --data "$A/cv" --beam-size 4 | grep -E "^%|interval"
-    .venv/bin/hpcsgd decode "$ROOT/conformer_rnnt" --data "$A/cv" --beam-size 4 --lm-order 4 \
+for name in conformer_rnnt conformer_rnnt_e6; do
+    want "$name" && [ -d "$ROOT/$name" ] || continue
+    echo "== $name"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --greedy --ctm | grep -E "^%|interval"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --beam-size 4 | grep -E "^%|interval"
+    .venv/bin/hpcsgd decode "$ROOT/$name" --data "$A/cv" --beam-size 4 --lm-order 4 \
         --tune | grep -E "^%|interval|held out"
-fi
+done
