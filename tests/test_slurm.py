@@ -134,8 +134,10 @@ def cluster():
     # all, and /tmp/pytest-of-root is 0700.
     root = tempfile.mkdtemp(prefix="hpcsgd-slurm-")
     try:
+        # 300 s: the daemons come up in seconds alone, but beside the rest of the suite on 2
+        # cores a start once took more than 120 (every test here then errored at setup)
         proc = subprocess.run([SLURM_CLUSTER, "start", root, "4"], capture_output=True, text=True,
-                              timeout=120, env=clean_env())
+                              timeout=300, env=clean_env())
         assert proc.returncode == 0, f"bin/slurm-cluster start failed:\n{proc.stdout}{proc.stderr}"
         yield Cluster(root)
     finally:
