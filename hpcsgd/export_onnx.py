@@ -152,12 +152,19 @@ def strided(g, lens, stride):
 
 def valid(g, x, lens, time=1, axes=(2,)):
     """float32 1 at each utterance's steps, 0 on the padding past its length: (N, T) (T the
-    size of x's axis `time`) with size-1 axes inserted at `axes`: (N, T, 1) by default."""
-    t = g.op("Range", [g.const(np.int64(0)), steps(g, x, time), g.const(np.int64(1))])
-    inside = g.op("Less", [g.op("Unsqueeze", [t, g.const(np.array([0], np.int64))]),
-                           g.op("Unsqueeze", [lens, g.const(np.array([1], np.int64))])])
-    return g.op("Unsqueeze", [g.op("Cast", [inside], to=1), g.const(np.array(axes, np.int64))],
-                hint="mask")
+    size of x's axis `time`) with size-1 axes inserted at `axes`: (N, T, 1) by default.
+    Built once per lengths value and shape: every builder gives a tensor whose steps change a
+    new lengths value (strided(), the streaming graphs' Sub), so one lengths value means one
+    T, and the mask of the layers that share it is one tensor (a Conformer's blocks: 24 of
+    the 8-block graph's 777 nodes' worth each, once)."""
+    key = ("valid", lens, time, tuple(axes))
+    if key not in g.cache:
+        t = g.op("Range", [g.const(np.int64(0)), steps(g, x, time), g.const(np.int64(1))])
+        inside = g.op("Less", [g.op("Unsqueeze", [t, g.const(np.array([0], np.int64))]),
+                               g.op("Unsqueeze", [lens, g.const(np.array([1], np.int64))])])
+        g.cache[key] = g.op("Unsqueeze", [g.op("Cast", [inside], to=1),
+                                          g.const(np.array(axes, np.int64))], hint="mask")
+    return g.cache[key]
 
 
 def masked(g, x, lens):
@@ -298,15 +305,21 @@ def swish(g, x):
     return g.op("Mul", [x, g.op("Sigmoid", [x])])
 
 
-def rotary(g, x, cos, sin, half):
+def rotary_tables(g, cos, sin):
+    """(T, dk/2) cos and sin -> (T, dk) [cos | cos] and [-sin | sin]: what rotary()
+    multiplies the (N, H, T, dk) heads and their swapped halves by."""
+    return (g.op("Concat", [cos, cos], axis=-1),
+            g.op("Concat", [g.op("Neg", [sin]), sin], axis=-1))
+
+
+def rotary(g, x, cos2, sin2, half):
     """The rotary embedding of (N, H, T, dk) head blocks: each (a, b) pair of the first and
-    second halves turned by the step's angle, as kernels_conformer.to_heads turns them."""
-    a = g.op("Slice", [x, g.const(np.array([0], np.int64)), g.const(np.array([half], np.int64)),
-                       g.const(np.array([-1], np.int64))])
-    b = g.op("Slice", [x, g.const(np.array([half], np.int64)),
-                       g.const(np.array([2 * half], np.int64)), g.const(np.array([-1], np.int64))])
-    return g.op("Concat", [g.op("Sub", [g.op("Mul", [a, cos]), g.op("Mul", [b, sin])]),
-                           g.op("Add", [g.op("Mul", [b, cos]), g.op("Mul", [a, sin])])], axis=-1)
+    second halves turned by the step's angle, as kernels_conformer.to_heads turns them:
+    x [cos | cos] + [b | a] [-sin | sin] = [a cos - b sin | b cos + a sin], the same roundings
+    (b (-sin) is -(b sin) exactly). cos2, sin2: rotary_tables()."""
+    a, b = g.op("Split", [x, g.const(np.array([half, half], np.int64))], axis=-1, outputs=2)
+    swapped = g.op("Concat", [b, a], axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos2]), g.op("Mul", [swapped, sin2])])
 
 
 def rope(g, t, dk):
@@ -343,23 +356,32 @@ def block(g, x, lens, layer, p):
     x = ff(x, "ff1")
     qkv = linear(g, layer_norm(g, x, p, n("mhsa.ln")), p, n("mhsa.qkv"))
     if ("rope", dk, lens) not in g.cache:   # one pair per head width and rate
-        g.cache["rope", dk, lens] = rope(g, steps(g, x), dk)
-    cos, sin = g.cache["rope", dk, lens]
+        g.cache["rope", dk, lens] = rotary_tables(g, *rope(g, steps(g, x), dk))
+    turn = g.cache["rope", dk, lens]
 
-    def heads(part, rotate, scale):
-        y = g.op("Slice", [qkv, g.const(np.array([part * d], np.int64)),
-                           g.const(np.array([(part + 1) * d], np.int64)),
-                           g.const(np.array([-1], np.int64))])
-        y = g.op("Transpose", [g.op("Reshape", [y, g.const(np.array([0, 0, h, dk], np.int64))])],
-                 perm=[0, 2, 1, 3])
-        if rotate:
-            y = rotary(g, y, cos, sin, dk // 2)
-        return g.op("Mul", [y, g.const(np.float32(scale))]) if scale != 1 else y
+    def part(first, last):
+        return g.op("Slice", [qkv, g.const(np.array([first * d], np.int64)),
+                              g.const(np.array([last * d], np.int64)),
+                              g.const(np.array([-1], np.int64))])
 
-    q, k, v = heads(0, True, 1.0 / np.sqrt(dk)), heads(1, True, 1), heads(2, False, 1)
+    def heads(first, last):   # (N, T, H', dk) -> (N, H', T, dk)
+        y = g.op("Reshape", [part(first, last),
+                             g.const(np.array([0, 0, (last - first) * h, dk], np.int64))])
+        return g.op("Transpose", [y], perm=[0, 2, 1, 3])
+
+    # q and k turned together, (N, 2H, T, dk): one rotary for both
+    qk = rotary(g, heads(0, 2), *turn, dk // 2)
+    q, k = g.op("Split", [qk, g.const(np.array([h, h], np.int64))], axis=1, outputs=2)
+    q = g.op("Mul", [q, g.const(np.float32(1.0 / np.sqrt(dk)))])
+    v = heads(2, 3)
     scores = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
-    keys = g.op("Cast", [valid(g, x, lens, axes=[1, 2])], to=9)   # (N, 1, 1, T) bool
-    scores = g.op("Where", [keys, scores, g.const(np.float32(-np.inf))])
+    # the padding's keys: + -inf (+ 0 elsewhere: the scores unchanged), one (N, 1, 1, T)
+    # tensor for all blocks, cheaper than a Where over every (N, H, T, T) score
+    if ("key_mask", lens) not in g.cache:
+        keys = g.op("Cast", [valid(g, x, lens, axes=[1, 2])], to=9)   # (N, 1, 1, T) bool
+        g.cache["key_mask", lens] = g.op("Where", [keys, g.const(np.float32(0)),
+                                                   g.const(np.float32(-np.inf))])
+    scores = g.op("Add", [scores, g.cache["key_mask", lens]])
     att = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
     att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]),
                            g.const(np.array([0, 0, d], np.int64))])
