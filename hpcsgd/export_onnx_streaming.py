@@ -49,10 +49,10 @@ arrived, so the last partial chunk needs tail padding (the printed call appends 
 of zeros), whose silence frames the model then also sees, and which the lookahead of the
 utterance's last frames reads where hpcsgd's whole-utterance forward reads zeros.
 
-A chunked BLSTM (`blstm H cC rR`, model/chunked_blstm.py) runs as ONNX's bidirectional
-LSTM over the chunk and its R steps of lookahead from zero states, and keeps the chunk's C
-outputs; it carries no state, and fixes the chunk (C times the stride below it): the chunk it
-trained on. Above it only layers that read no frame ahead (they would read its outputs for
+A chunked BLSTM (`blstm H cC rR [lL]`, model/chunked_blstm.py) runs as ONNX's bidirectional
+LSTM (L of them, each over the whole window) over the chunk and its R steps of lookahead from
+zero states, and keeps the chunk's C outputs; it carries no state, and fixes the chunk (C
+times the stride below it): the chunk it trained on. Above it only layers that read no frame ahead (they would read its outputs for
 the next chunk, which the next chunk's window computes).
 
 Normalisation: the global CMVN of the offline export (--cmvn global), folded into the graph:
@@ -243,7 +243,8 @@ def encoder(g, model, p, mean, inv_std, h, c, chunk):
             x, lens = conv(g, x, lens, layer, p, act, valid=bool(reads))
             steps, ahead = steps // layer.stride, (ahead - reads) // layer.stride
         elif isinstance(layer, ChunkedBLSTM):   # the chunk's window, from zero states
-            x, _ = lstm(g, x, lens, layer, p)
+            for blstm, _ in layer.stack():      # its BLSTMs over the whole window
+                x, _ = lstm(g, x, lens, blstm, p)
             x = g.op("Slice", [x, i64([0]), i64([steps]), i64([1])], hint="chunk")
             lens = g.op("Sub", [lens, g.const(np.array(ahead, np.int64))])
             ahead = 0

@@ -120,7 +120,9 @@ def test_every_shipped_recipe_validates_and_builds(name):
                 "so762_lstm_lookahead_ctc.yaml": 3_867_392,
                 "so762_lstm_lookahead_rnnt.yaml": 4_339_672,
                 "so762_lstm_chunked_ctc.yaml": 3_988_112,
-                "so762_lstm_chunked_rnnt.yaml": 4_474_472}
+                "so762_lstm_chunked_rnnt.yaml": 4_474_472,
+                "so762_lstm_chunked2_ctc.yaml": 4_109_264,
+                "so762_lstm_chunked2_rnnt.yaml": 4_595_624}
     assert net.size == reported.get(name, net.size) and net.size > 0
 
 
@@ -131,3 +133,12 @@ def test_a_chunked_blstm_is_refused_on_cuda_ranks():
     with pytest.raises(UserError, match=r"chunked BLSTM 'blstm 8 c4 r2' gathers its windows "
                                         r"with host indexing, CPU ranks only"):
         config.load(None, base + ["train.device=cuda"])
+
+
+def test_a_chunked_blstm_stack_is_refused_with_qat():
+    """BLSTMs inside a window read inputs QAT does not quantize: named, with the way out."""
+    base = ["data.train=x", "model.type=ctc", "model.encoder=[lstm 8, blstm 8 c4 r2 l2]"]
+    config.load(None, base)
+    with pytest.raises(UserError, match=r"'blstm 8 c4 r2 l2' runs 2 BLSTMs inside each window"
+                                        r".*leave out l2"):
+        config.load(None, base + ["qat.weights=max"])

@@ -132,15 +132,16 @@ def test_chunks_with_their_lookahead_equal_the_whole_utterance(kind):
     assert np.array_equal(moved[:, 0], got[:, 0]) and (moved[:, 1] != got[:, 1]).any(axis=-1).all()
 
 
-@pytest.mark.parametrize("kind", ["rnnt", "ctc"])
-def test_a_chunked_blstm_streams_as_it_trained(kind):
-    """A chunked BLSTM (`blstm 4 c4 r2`: windows of 4 steps and 2 ahead, from zero states)
-    above a forward LSTM and a lookahead conv: the export's chunk is the BLSTM's, 12 frames,
-    each call reading 21 (the conv's 3 frames and the BLSTM's 6 ahead); 6 calls over 90
-    frames equal hpcsgd's forward on its first 24 steps within the float32 bound; the state
-    tensors hold the one forward LSTM only."""
+@pytest.mark.parametrize("kind, window", [("rnnt", ""), ("ctc", ""), ("ctc", " l2")])
+def test_a_chunked_blstm_streams_as_it_trained(kind, window):
+    """A chunked BLSTM (`blstm 4 c4 r2`: windows of 4 steps and 2 ahead, from zero states;
+    ` l2`: two BLSTMs inside each window) above a forward LSTM and a lookahead conv: the
+    export's chunk is the BLSTM's, 12 frames, each call reading 21 (the conv's 3 frames and
+    the BLSTM's 6 ahead, for one window layer or two); 6 calls over 90 frames equal hpcsgd's
+    forward on its first 24 steps within the float32 bound; the state tensors hold the one
+    forward LSTM only."""
     model, params = causal_model(kind, ["stack 3", "lstm 5", "conv 6 k2 ahead",
-                                        "blstm 4 c4 r2", "dense 6"])
+                                        "blstm 4 c4 r2" + window, "dense 6"])
     assert streaming.lookahead_frames(model) == 9 and streaming.chunk_frames(model, None) == 12
     assert streaming.state_size(model) == (1, 5)
     with pytest.raises(UserError, match="trained on chunks of 120 ms"):

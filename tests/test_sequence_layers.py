@@ -73,6 +73,10 @@ def test_encoder_specs():
     assert parse_spec("blstm 224  c10 r6") == {"kind": "blstm", "units": 224, "chunk": 10,
                                                 "right": 6}
     assert parse_spec("blstm 8 c4")["right"] == 0 and "chunk" not in parse_spec("blstm 8")
+    assert parse_spec("blstm 8 c4 r2 l3") == {"kind": "blstm", "units": 8, "chunk": 4,
+                                              "right": 2, "layers": 3}
+    with pytest.raises(ValueError, match="sizes must be >= 1"):
+        parse_spec("blstm 8 c4 r2 l0")
     with pytest.raises(ValueError, match="the lookahead at most the chunk"):
         parse_spec("blstm 8 c2 r3")
     assert parse_spec("conv 8 k7 ahead ln") == {
@@ -165,6 +169,7 @@ def _sequence_net(encoder, D, V):
                                      ["lstm 3", "conv 5 k4 d2 ahead", "conv 4 k2 ahead ln"],
                                      ["lstm 3", "blstm 3 c2 r1", "dense 4"],
                                      ["conv 4 k3", "blstm 3 c3 r3"],
+                                     ["lstm 3", "blstm 3 c2 r1 l2", "dense 4"],
                                      ["conv 5 k3 ln", "conv 4 k5 d2 ln", "lstm 3"],
                                      ["conv 5 k3 in", "conv 4 k5 d2 in", "blstm 3"]])
 def test_padded_batch_is_its_sequences_alone(encoder):
@@ -293,6 +298,59 @@ def test_a_chunked_blstm_is_a_blstm_over_each_window():
             want[(start + np.arange(n)) * lengths.nb + b] += dxw
     valid = np.concatenate([np.arange(len(s)) * lengths.nb + b for b, s in enumerate(seqs)])
     np.testing.assert_allclose(dx[valid], want[valid], rtol=1e-12, atol=1e-12)
+
+
+def test_a_chunked_blstm_stack_is_blstms_over_each_window():
+    """`blstm H cC rR l2`: three sequences (9, 7, 2 steps) in one padded batch; each chunk's
+    outputs are two plain BLSTMs' (the same parameters: enc.0.* the first, enc.0.1.* the
+    second) run over that chunk and the 2 steps after it alone, the second reading the
+    first's outputs over the whole window (float64, 1e-12)."""
+    D, C, R = 3, 3, 2
+    net = _sequence_net([f"blstm 4 c{C} r{R} l2"], D, 5)
+    plain = _sequence_net(["blstm 4", "blstm 4"], D, 5)
+    params = _init(net, 6)
+    assert [sp.name for sp in net.specs][:4] == ["enc.0.w", "enc.0.u_fwd", "enc.0.u_bwd",
+                                                 "enc.0.b"]
+    p2 = plain.new_params()
+    for sp in plain.specs:   # enc.1.* of the plain stack is the window's second, enc.0.1.*
+        p2.views[sp.name][...] = params.views[sp.name.replace("enc.1.", "enc.0.1.")]
+    rng = np.random.default_rng(13)
+    seqs = [rng.standard_normal((n, D)) for n in (9, 7, 2)]
+    x, lengths = _padded(seqs, D)
+    net.forward(params, x, len(x), lengths=lengths)
+    got = net.acts[0][:lengths.rows].copy()
+    for b, s in enumerate(seqs):
+        for start in range(0, len(s), C):
+            window = s[start:start + C + R]
+            plain.forward(p2, window, len(window), lengths=[len(window)])
+            keep = min(C, len(window))
+            rows = (start + np.arange(keep)) * lengths.nb + b
+            np.testing.assert_allclose(got[rows], plain.acts[1][:keep], rtol=1e-12,
+                                       atol=1e-12)
+
+
+def test_chunked_blstm_stack_gradient_by_finite_differences():
+    """float64, sequences of 8, 6 and 3 steps (padded) through a forward LSTM and two BLSTMs
+    inside each window (chunks of 3, lookahead 2): both window layers' and the LSTM below's
+    parameters (its gradient through the window's input) against a central difference."""
+    D, V = 3, 4
+    net = _sequence_net(["lstm 3", "blstm 3 c3 r2 l2"], D, V)
+    params = _init(net, 10)
+    rng = np.random.default_rng(11)
+    seqs = [rng.standard_normal((n, D)) for n in (8, 6, 3)]
+    x, lengths = _padded(seqs, D)
+    y = np.full(lengths.rows, -1, np.int32)
+    for b, s in enumerate(seqs):
+        y[np.arange(len(s)) * lengths.nb + b] = rng.integers(0, V, len(s))
+    grads = net.new_params()
+    net.forward_backward(params, grads, x, y, len(y), lengths=lengths)
+
+    def loss():
+        return net.forward_backward(params, net.new_params(), x, y, len(y), lengths=lengths)[0]
+
+    assert_central_differences(params, grads, ("enc.0.w", "enc.0.u", "enc.1.w", "enc.1.u_bwd",
+                                                "enc.1.1.w", "enc.1.1.u_fwd", "enc.1.1.u_bwd",
+                                                "enc.1.1.b"), loss, rng, 5)
 
 
 def test_chunked_blstm_gradient_by_finite_differences():

@@ -21,6 +21,13 @@ def check_encoder(config):
                 raise UserError(f"config keys model.encoder and train.device="
                                 f"{config['train.device']}: the chunked BLSTM {spec!r} gathers "
                                 f"its windows with host indexing, CPU ranks only (yet)")
+            if parsed.get("layers", 1) > 1 and (config["qat.weights"] != "none"
+                                                 or config["qat.activations"] != "none"):
+                raise UserError(f"config keys model.encoder and qat.*: the chunked "
+                                f"BLSTM {spec!r} runs {parsed['layers']} BLSTMs inside each "
+                                f"window, whose inputs quantization-aware training does not "
+                                f"quantize (yet); one layer a window (leave out l"
+                                f"{parsed['layers']}) trains with QAT")
     except ValueError as err:
         raise UserError(f"config key model.encoder: {err}") from None
 

@@ -20,6 +20,15 @@ window and, R <= C, the lookahead of at most one other, so the gather is an assi
 one sum. Parameters as `blstm H`'s (enc.k.w, enc.k.u_fwd, enc.k.u_bwd, enc.k.b). The windows
 are gathered with host indexing: CPU ranks only (families.common refuses it on CUDA ranks).
 Cost: a BLSTM over (C + R) / C times the steps.
+
+`blstm H cC rR lL`: L BLSTM layers inside each window (Kaldi's chunked BLSTM stacks, the
+windows cut once): the first reads the gathered window, each next one the one below's outputs
+over the whole window, lookahead steps included, and the last one's chunk rows are kept. A
+streaming graph runs the L layers over each window as it arrives, so the latency is the one
+layer's (the chunk and R), where L chunked layers of their own would each wait for the next
+chunk's window below. The first layer's parameters are named as the single layer's
+(enc.k.w ...), the i-th above it enc.k.i.w ... (i = 1 .. L-1); no dropout between them
+(model.dropout applies to the layer's output).
 """
 import numpy as np
 
@@ -27,15 +36,31 @@ from hpcsgd.model.lstm import LSTM
 
 
 class ChunkedBLSTM(LSTM):
-    """A BLSTM of `cells` cells per direction over chunks of `chunk` steps, each read with
-    the `right` steps after it."""
+    """`layers` BLSTMs of `cells` cells per direction over chunks of `chunk` steps, each read
+    with the `right` steps after it."""
 
-    def __init__(self, name, n_in, cells, chunk, right=0):
+    def __init__(self, name, n_in, cells, chunk, right=0, layers=1):
         super().__init__(name, n_in, cells, bidirectional=True)
-        if chunk < 1 or not 0 <= right <= chunk:
-            raise ValueError(f"a chunked BLSTM needs chunk >= 1 and 0 <= lookahead <= chunk: "
-                             f"chunk {chunk}, lookahead {right}")
+        if chunk < 1 or not 0 <= right <= chunk or layers < 1:
+            raise ValueError(f"a chunked BLSTM needs chunk >= 1, 0 <= lookahead <= chunk and "
+                             f">= 1 layer: chunk {chunk}, lookahead {right}, {layers} layers")
         self.chunk, self.right = int(chunk), int(right)
+        # the layers above the first inside each window: plain BLSTMs on the window batch
+        self.above = [LSTM(f"{name}.{i}", self.n_out, cells) for i in range(1, int(layers))]
+        self.gemm_macs += sum(a.gemm_macs for a in self.above)
+
+    def stack(self):
+        """The window's BLSTMs, bottom first, each with the workspace key prefix of its
+        arrays: the first is this layer itself."""
+        return [(self, "")] + [(a, f"{i}.") for i, a in enumerate(self.above, 1)]
+
+    def specs(self):
+        return super().specs() + [s for a in self.above for s in a.specs()]
+
+    def init(self, views, rng):
+        super().init(views, rng)
+        for a in self.above:
+            a.init(views, rng)
 
     def window_rows(self, rows):
         """The most time-major rows the windows of a batch of `rows` rows take: at most
@@ -45,9 +70,14 @@ class ChunkedBLSTM(LSTM):
 
     def workspace(self, max_rows):
         rows = self.window_rows(max_rows)
-        return {**super().workspace(rows), "win_x": (rows, self.n_in),
-                "win_y": (rows, self.n_out), "win_dy": (rows, self.n_out),
-                "win_dx": (rows, self.n_in)}
+        out = {**super().workspace(rows), "win_x": (rows, self.n_in),
+               "win_y": (rows, self.n_out), "win_dy": (rows, self.n_out),
+               "win_dx": (rows, self.n_in)}
+        for i, a in enumerate(self.above, 1):   # its gates and cells, the outputs below it
+            out.update({f"{i}.{k}": v for k, v in a.workspace(rows).items()})
+            out[f"win_h{i}"] = (rows, self.n_out)    # layer i's input: layer i-1's output
+            out[f"win_dh{i}"] = (rows, self.n_out)   # and its gradient
+        return out
 
     def windows(self, lengths):
         """The batch's windows -> (their Lengths, window row and input row of every window
@@ -67,23 +97,41 @@ class ChunkedBLSTM(LSTM):
         in_row = (start[window] + step) * nb + seq[window]
         return Lengths(size), win_row, in_row, step < C
 
+    def _passes(self, ws, rows):
+        """Per BLSTM of the window, bottom first: (layer, its input, its output, its output's
+        gradient, its input's gradient, its workspaces), the window rows of each."""
+        top = len(self.above)
+        out = []
+        for i, (layer, prefix) in enumerate(self.stack()):
+            own = ws if not prefix else {k[len(prefix):]: v for k, v in ws.items()
+                                         if k.startswith(prefix)}
+            x = ws["win_x"] if i == 0 else ws[f"win_h{i}"]
+            y = ws["win_y"] if i == top else ws[f"win_h{i + 1}"]
+            dy = ws["win_dy"] if i == top else ws[f"win_dh{i + 1}"]
+            dx = ws["win_dx"] if i == 0 else ws[f"win_dh{i}"]
+            out.append((layer, x[:rows], y[:rows], dy[:rows], dx[:rows], own))
+        return out
+
     def forward(self, p, x, y, ops, progress=None, ws=None, lengths=None):
         wl, win_row, in_row, kept = self.windows(lengths)
-        xw, yw = ws["win_x"][:wl.rows], ws["win_y"][:wl.rows]
-        xw[win_row] = x[in_row]        # the padding rows: the BLSTM masks its gates there
-        super().forward(p, xw, yw, ops, progress, ws, wl)
-        y[in_row[kept]] = yw[win_row[kept]]
+        passes = self._passes(ws, wl.rows)
+        passes[0][1][win_row] = x[in_row]   # the padding rows: the BLSTM masks its gates there
+        for layer, xw, yw, _, _, own in passes:
+            LSTM.forward(layer, p, xw, yw, ops, progress, own, wl)
+        y[in_row[kept]] = passes[-1][2][win_row[kept]]
 
     def backward(self, p, g, x, y, dy, dx, ops, progress=None, ws=None, lengths=None):
         wl, win_row, in_row, kept = self.windows(lengths)
-        rows = wl.rows
-        dyw = ws["win_dy"][:rows]
+        passes = self._passes(ws, wl.rows)
+        dyw = passes[-1][3]
         dyw[...] = 0                   # the lookahead rows: another chunk's outputs
         dyw[win_row[kept]] = dy[in_row[kept]]
-        dxw = ws["win_dx"][:rows] if dx is not None else None
-        super().backward(p, g, ws["win_x"][:rows], ws["win_y"][:rows], dyw, dxw, ops,
-                         progress, ws, wl)
+        for i in range(len(passes) - 1, -1, -1):
+            layer, xw, yw, dyw, dxw, own = passes[i]
+            LSTM.backward(layer, p, g, xw, yw, dyw, dxw if i or dx is not None else None, ops,
+                          progress, own, wl)
         if dx is not None:
+            dxw = passes[0][4]
             dx[in_row[kept]] = dxw[win_row[kept]]      # each step is one chunk's once
             ahead = ~kept                              # and at most one window's lookahead
             total = dx[in_row[ahead]] + dxw[win_row[ahead]]

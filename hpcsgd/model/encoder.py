@@ -14,9 +14,9 @@ A spec is a short string (the config key model.encoder is a list of them):
     stack K               frame stacking: K consecutive frames as one (subsampling by K; the
                           first layer only)
     blstm H               a bidirectional LSTM layer, H cells per direction (model/lstm.py)
-    blstm H cC [rR]       a BLSTM over chunks of C steps, each read with the R steps after it
+    blstm H cC [rR] [lL]  a BLSTM over chunks of C steps, each read with the R steps after it
                           (R <= C; model/chunked_blstm.py): a streaming encoder's bounded
-                          bidirectional context
+                          bidirectional context; lL: L BLSTM layers inside each window
     lstm H                a forward LSTM layer
     dense F               a fully connected layer of F units with model.activation
     conv2d C D            the Conformer's front end: two 3x3 stride-2 convolutions of C
@@ -48,7 +48,7 @@ from hpcsgd.model.network import Network
 KINDS = ("conv", "stack", "blstm", "lstm", "dense", "conv2d", "conformer")
 _CONV = re.compile(r"conv (\d+) k(\d+)((?: [sd]\d+)*)( ahead)?(?: (ln|in))?$")
 _CONV2D = re.compile(r"conv2d (\d+) (\d+)$")
-_CHUNKED = re.compile(r"blstm (\d+) c(\d+)(?: r(\d+))?$")
+_CHUNKED = re.compile(r"blstm (\d+) c(\d+)(?: r(\d+))?(?: l(\d+))?$")
 _CONFORMER = re.compile(r"conformer (\d+) h(\d+) f(\d+) k(\d+)(?: (ln|in))?$")
 
 
@@ -84,7 +84,10 @@ def parse_spec(text):
     if chunked:
         spec = {"kind": "blstm", "units": int(chunked.group(1)), "chunk": int(chunked.group(2)),
                 "right": int(chunked.group(3) or 0)}
-        if min(spec["units"], spec["chunk"]) < 1 or spec["right"] > spec["chunk"]:
+        if chunked.group(4):   # layers inside each window (default 1: the key left out)
+            spec["layers"] = int(chunked.group(4))
+        if min(spec["units"], spec["chunk"], spec.get("layers", 1)) < 1 \
+                or spec["right"] > spec["chunk"]:
             raise ValueError(f"encoder layer {text!r}: sizes must be >= 1 and the lookahead "
                              f"at most the chunk")
         return spec
@@ -93,7 +96,7 @@ def parse_spec(text):
             and parts[1].isdigit() and int(parts[1]) >= 1:
         return {"kind": parts[0], "units": int(parts[1])}
     raise ValueError(f"encoder layer {text!r}: expected 'conv F kK [sS] [dD] [ahead] [ln|in]', "
-                     f"'stack K', 'blstm H [cC [rR]]', 'lstm H', 'dense F', 'conv2d C D' or "
+                     f"'stack K', 'blstm H [cC [rR] [lL]]', 'lstm H', 'dense F', 'conv2d C D' or "
                      f"'conformer D hH fF kK [ln|in]' (model/encoder.py)")
 
 
@@ -128,7 +131,8 @@ def encoder_layers(input_dim, specs, activation="relu"):
             layers.append(Conv1d(name, n_in, spec["units"], spec["kernel"], spec["stride"],
                                  spec["dilation"], activation, spec["norm"], spec["ahead"]))
         elif spec.get("chunk"):
-            layers.append(ChunkedBLSTM(name, n_in, spec["units"], spec["chunk"], spec["right"]))
+            layers.append(ChunkedBLSTM(name, n_in, spec["units"], spec["chunk"], spec["right"],
+                                       spec.get("layers", 1)))
         elif kind in ("blstm", "lstm"):
             layers.append(LSTM(name, n_in, spec["units"], bidirectional=kind == "blstm"))
         else:
