@@ -13,8 +13,7 @@
 # a `conv 368 k7 ahead` over the LSTMs' outputs); ch_ctc, ch_rnnt: with a chunked BLSTM on top
 # instead (jobs/configs/so762_lstm_chunked_*.yaml: `blstm 224 c10 r6`, 300 ms chunks and 180 ms
 # after each); ch2_ctc: two BLSTM layers inside each window instead of one (`blstm 224 c10 r6
-# l2` above 2 forward LSTMs, 4.11M: the same latency); ch_r10_ctc: the chunked recipe with 300
-# ms of lookahead instead of 180 (`blstm 224 c10 r10`: a latency trade). off_ctc, off_rnnt: the offline reference trained like them: the best BLSTM
+# l2` above 2 forward LSTMs, 4.11M: the same latency). off_ctc, off_rnnt: the offline reference trained like them: the best BLSTM
 # recipe (so762_ctc.yaml, dropout 0.3, frame CE head 0.3, 40 epochs; the transducer from its
 # encoder) with the global CMVN the streaming models use.
 #   bash experiments/streaming_so762.sh      (needs runs/so762/archive_ctc: docs/ctc.md, and
@@ -43,8 +42,6 @@ if [ "$STAGE" != decode ]; then
         train.init_from="$PWD/$ROOT/ch_ctc"
     train_run "$ROOT" ch2_ctc 2 --config jobs/configs/so762_lstm_chunked_ctc.yaml \
         "model.encoder=[stack 3, lstm 368, lstm 368, blstm 224 c10 r6 l2]"
-    train_run "$ROOT" ch_r10_ctc 2 --config jobs/configs/so762_lstm_chunked_ctc.yaml \
-        "model.encoder=[stack 3, lstm 368, lstm 368, lstm 368, blstm 224 c10 r10]"
     train_run "$ROOT" off_ctc 2 --config jobs/configs/so762_ctc.yaml data.cmvn_scope=global \
         model.dropout=0.3 model.frame_ce=0.3 train.epochs=40
     train_run "$ROOT" off_rnnt 2 --config jobs/configs/so762_rnnt.yaml data.cmvn_scope=global \
@@ -54,7 +51,7 @@ fi
 # hpcsgd's own decodes (as each trained: the streaming models with the global CMVN), the
 # offline models first when they are there
 for run in runs/ctc/f32 runs/rnnt/f32 "$ROOT/ctc" "$ROOT/rnnt" "$ROOT/la_ctc" "$ROOT/la_rnnt" \
-        "$ROOT/ch_ctc" "$ROOT/ch_rnnt" "$ROOT/ch2_ctc" "$ROOT/ch_r10_ctc" "$ROOT/off_ctc" \
+        "$ROOT/ch_ctc" "$ROOT/ch_rnnt" "$ROOT/ch2_ctc" "$ROOT/off_ctc" \
         "$ROOT/off_rnnt"; do
     case "$run" in "$ROOT/${ONLY:-}"*|runs/*/f32) ;; *) continue ;; esac
     [ -d "$run" ] || continue
@@ -66,7 +63,7 @@ for run in runs/ctc/f32 runs/rnnt/f32 "$ROOT/ctc" "$ROOT/rnnt" "$ROOT/la_ctc" "$
 done
 # the streaming exports through sherpa-onnx's online recognizer: 300 ms chunks (the issue's
 # <= 320 ms) and 600 ms (multiples of the stride's 30 ms), the audio handed over 0.32 s at a time
-for name in ctc rnnt la_ctc la_rnnt ch_ctc ch_rnnt ch2_ctc ch_r10_ctc; do
+for name in ctc rnnt la_ctc la_rnnt ch_ctc ch_rnnt ch2_ctc; do
     case "$name" in "${ONLY:-}"*) ;; *) continue ;; esac
     [ -d "$ROOT/$name" ] || continue
     chunks="300 600"
