@@ -153,10 +153,10 @@ def strided(g, lens, stride):
 def valid(g, x, lens, time=1, axes=(2,)):
     """float32 1 at each utterance's steps, 0 on the padding past its length: (N, T) (T the
     size of x's axis `time`) with size-1 axes inserted at `axes`: (N, T, 1) by default.
-    Built once per lengths value and shape: every builder gives a tensor whose steps change a
-    new lengths value (strided(), the streaming graphs' Sub), so one lengths value means one
-    T, and the mask of the layers that share it is one tensor (a Conformer's blocks: 24 of
-    the 8-block graph's 777 nodes' worth each, once)."""
+    Built once per lengths value and shape: every builder that changes the steps gives a new
+    lengths value (strided(), the streaming graphs' Sub), so one lengths value means one T,
+    and the layers that share it share one mask (an 8-block Conformer asked for it 24 times,
+    8 nodes each)."""
     key = ("valid", lens, time, tuple(axes))
     if key not in g.cache:
         t = g.op("Range", [g.const(np.int64(0)), steps(g, x, time), g.const(np.int64(1))])
