@@ -248,6 +248,20 @@ def test_a_lookahead_convolution_reads_the_steps_ahead_only():
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+def _assert_windows(got, seqs, lengths, C, R, plain, params, top):
+    """Each chunk's rows of a chunked layer's output `got` (the padded batch of `seqs`) equal
+    the plain network's layer `top` run over that chunk and the R steps after it alone
+    (float64, 1e-12)."""
+    for b, s in enumerate(seqs):
+        for start in range(0, len(s), C):
+            window = s[start:start + C + R]
+            plain.forward(params, window, len(window), lengths=[len(window)])
+            keep = min(C, len(window))
+            rows = (start + np.arange(keep)) * lengths.nb + b
+            np.testing.assert_allclose(got[rows], plain.acts[top][:keep], rtol=1e-12,
+                                       atol=1e-12)
+
+
 def test_a_chunked_blstm_is_a_blstm_over_each_window():
     """`blstm H cC rR`: three sequences (9, 7, 2 steps) in one padded batch; each chunk of 3
     steps' outputs are a plain BLSTM's (the same parameters) run over that chunk and the 2
@@ -268,14 +282,7 @@ def test_a_chunked_blstm_is_a_blstm_over_each_window():
     layer = net.layers[0]
     wl, win_row, in_row, kept = layer.windows(lengths)
     assert wl.lengths.tolist() == [5, 5, 5, 4, 3, 2, 1]   # 0-5 3-8 6-9 | 0-5 3-7 6-7 | 0-2
-    for b, s in enumerate(seqs):
-        for start in range(0, len(s), C):
-            window = s[start:start + C + R]
-            plain.forward(params, window, len(window), lengths=[len(window)])
-            keep = min(C, len(window))
-            rows = (start + np.arange(keep)) * lengths.nb + b
-            np.testing.assert_allclose(got[rows], plain.acts[0][:keep], rtol=1e-12,
-                                       atol=1e-12)
+    _assert_windows(got, seqs, lengths, C, R, plain, params, 0)
     # the backward: dx of the layer = the sum over windows of each window's dx
     dy = rng.standard_normal((lengths.rows, 8))
     dx = np.zeros((lengths.rows, D))
@@ -319,14 +326,7 @@ def test_a_chunked_blstm_stack_is_blstms_over_each_window():
     x, lengths = _padded(seqs, D)
     net.forward(params, x, len(x), lengths=lengths)
     got = net.acts[0][:lengths.rows].copy()
-    for b, s in enumerate(seqs):
-        for start in range(0, len(s), C):
-            window = s[start:start + C + R]
-            plain.forward(p2, window, len(window), lengths=[len(window)])
-            keep = min(C, len(window))
-            rows = (start + np.arange(keep)) * lengths.nb + b
-            np.testing.assert_allclose(got[rows], plain.acts[1][:keep], rtol=1e-12,
-                                       atol=1e-12)
+    _assert_windows(got, seqs, lengths, C, R, plain, p2, 1)
 
 
 @pytest.mark.parametrize("window, names, seed", [
